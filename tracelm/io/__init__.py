@@ -1,0 +1,1 @@
+"""File formats: model readers, weight store, tokenizers, chat templates, registry, configs."""

@@ -1,0 +1,1 @@
+"""Frozen records and the one mutable Cache."""

@@ -1,0 +1,111 @@
+"""Frozen records that stages take and return.
+
+Arrays inside records are made read-only on construction, so a stage cannot mutate what another
+stage (or the trace) already saw.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+
+def frozen_array(a: np.ndarray) -> np.ndarray:
+    """Mark an array read-only (a view if it is not already read-only) and return it."""
+    if a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
+
+
+def _ro(a: np.ndarray | None) -> np.ndarray | None:
+    return None if a is None else frozen_array(a)
+
+
+@attrs.frozen(slots=True)
+class Hidden:
+    """Activations of T consecutive positions starting at `start`: x is [T, width]."""
+
+    x: np.ndarray = attrs.field(converter=frozen_array)
+    start: int
+
+
+@attrs.frozen(slots=True)
+class Heads:
+    """Per-head projections of T positions: q [T, n_head, hd], k and v [T, n_head_kv, hd]."""
+
+    q: np.ndarray = attrs.field(converter=frozen_array)
+    k: np.ndarray = attrs.field(converter=frozen_array)
+    v: np.ndarray = attrs.field(converter=frozen_array)
+    start: int
+
+
+@attrs.frozen(slots=True)
+class Logits:
+    """Unnormalised next-token scores: values [T, vocab] for positions start..start+T-1."""
+
+    values: np.ndarray = attrs.field(converter=frozen_array)
+    start: int
+
+
+@attrs.frozen(slots=True)
+class LayerWeights:
+    """One transformer block in f32, [out, in] row-major as GGUF stores them.
+
+    q, k and v are fused into one matrix (rows: q, then k, then v) and gate/up into another
+    (rows: gate, then up), so a decode step reads each block's weights in four matrix products.
+    """
+
+    attn_norm: np.ndarray = attrs.field(converter=frozen_array)
+    wqkv: np.ndarray = attrs.field(converter=frozen_array)
+    wo: np.ndarray = attrs.field(converter=frozen_array)
+    ffn_norm: np.ndarray = attrs.field(converter=frozen_array)
+    w_gate_up: np.ndarray = attrs.field(converter=frozen_array)
+    w_down: np.ndarray = attrs.field(converter=frozen_array)
+    bqkv: np.ndarray | None = attrs.field(default=None, converter=_ro)
+
+    @property
+    def nbytes(self) -> int:
+        arrays = (self.attn_norm, self.wqkv, self.wo, self.ffn_norm, self.w_gate_up, self.w_down, self.bqkv)
+        return sum(a.nbytes for a in arrays if a is not None)
+
+
+@attrs.frozen(slots=True)
+class ModelWeights:
+    token_embd: np.ndarray = attrs.field(converter=frozen_array)  # [vocab, d]
+    layers: tuple[LayerWeights, ...]
+    output_norm: np.ndarray = attrs.field(converter=frozen_array)  # [d]
+    output: np.ndarray = attrs.field(converter=frozen_array)  # [vocab, d]; token_embd when tied
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of distinct weight arrays (a tied head is counted once)."""
+        total = self.token_embd.nbytes + self.output_norm.nbytes + sum(lw.nbytes for lw in self.layers)
+        if not np.shares_memory(self.output, self.token_embd):
+            total += self.output.nbytes
+        return total
+
+
+@attrs.frozen(slots=True)
+class SamplingParams:
+    """How the next token is chosen from logits. temperature 0 means greedy (argmax).
+
+    Order of application: repetition penalty -> temperature -> top-k -> top-p -> min-p.
+    A value that disables a filter: top_k 0, top_p 1.0, min_p 0.0, repeat_penalty 1.0.
+    """
+
+    temperature: float = attrs.field(default=0.8, validator=attrs.validators.ge(0.0))
+    top_k: int = attrs.field(default=40, validator=attrs.validators.ge(0))
+    top_p: float = attrs.field(default=0.95, validator=[attrs.validators.gt(0.0), attrs.validators.le(1.0)])
+    min_p: float = attrs.field(default=0.05, validator=[attrs.validators.ge(0.0), attrs.validators.le(1.0)])
+    repeat_penalty: float = attrs.field(default=1.0, validator=attrs.validators.gt(0.0))
+    repeat_last_n: int = attrs.field(default=64, validator=attrs.validators.ge(0))
+    seed: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+
+
+@attrs.frozen(slots=True)
+class Choice:
+    """A sampled token and the probability the final (filtered, tempered) distribution gave it."""
+
+    token: int
+    prob: float
