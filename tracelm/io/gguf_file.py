@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import mmap
 import os
+import struct
 from collections.abc import Mapping
 from typing import Any
 
-import gguf
+import attrs
 import numpy as np
 from gguf import GGMLQuantizationType as QType
-from gguf import quants
+from gguf import GGML_QUANT_SIZES, quants
 
 from tracelm import TracelmError
 from tracelm.state.model_config import ModelConfig
@@ -23,48 +25,130 @@ ARCH_OPTIONS: dict[str, dict[str, Any]] = {
 }
 
 
+# GGUF metadata value types -> struct format (8 string, 9 array are handled apart).
+_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
+          7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+
+
+@attrs.frozen(slots=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]  # numpy order: GGUF's ne reversed ([rows, cols] for a matrix)
+    qtype: QType
+    offset: int  # absolute byte offset in the file
+    n_bytes: int
+
+
+class _Cursor:
+    """Little-endian reads from a byte buffer, with a clear error when it runs out."""
+
+    def __init__(self, buf: memoryview, name: str):
+        self.buf, self.pos, self.name = buf, 0, name
+
+    def take(self, fmt: str) -> Any:
+        size = struct.calcsize("<" + fmt)
+        if self.pos + size > len(self.buf):
+            raise TracelmError(f"{self.name}: truncated GGUF file (metadata ends early at byte {self.pos})")
+        (value,) = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        self.pos += size
+        return value
+
+    def string(self) -> str:
+        n = self.take("Q")
+        if self.pos + n > len(self.buf):
+            raise TracelmError(f"{self.name}: truncated GGUF file (metadata ends early at byte {self.pos})")
+        s = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8", errors="replace")
+        self.pos += n
+        return s
+
+    def value(self, vtype: int) -> Any:
+        if vtype in _SCALAR:
+            return self.take(_SCALAR[vtype])
+        if vtype == 8:
+            return self.string()
+        if vtype == 9:
+            etype, count = self.take("I"), self.take("Q")
+            if etype in _NUMPY:
+                dt = np.dtype(_NUMPY[etype]).newbyteorder("<")
+                end = self.pos + count * dt.itemsize
+                if end > len(self.buf):
+                    raise TracelmError(f"{self.name}: truncated GGUF file (array ends past the file)")
+                arr = np.frombuffer(self.buf, dt, count, self.pos)
+                self.pos = end
+                return arr.tolist()
+            return [self.value(etype) for _ in range(count)]
+        raise TracelmError(f"{self.name}: bad GGUF metadata value type {vtype} at byte {self.pos}")
+
+
 class GGUFFile:
-    """An opened GGUF file: plain-Python metadata plus memory-mapped tensors by name."""
+    """An opened GGUF file: plain-Python metadata plus memory-mapped tensors by name.
+
+    The header is parsed here rather than by gguf.GGUFReader, which takes ~2 s on a 49k-token vocabulary
+    (one numpy memmap view per string); tensor types and block sizes come from the gguf package.
+    """
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
-        name = os.path.basename(self.path)
+        self.name = name = os.path.basename(self.path)
         try:
             with open(self.path, "rb") as f:
-                magic = f.read(4)
+                size = os.fstat(f.fileno()).st_size
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
         except OSError as e:
             raise TracelmError(f"{self.path}: cannot open model file: {e.strerror}") from None
-        if magic != GGUF_MAGIC:
-            raise TracelmError(f"{name}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
-        try:
-            self.reader = gguf.GGUFReader(self.path, "r")
-        except Exception as e:  # the gguf package raises ValueError/IndexError/... on a damaged file
-            raise TracelmError(f"{name}: damaged or truncated GGUF file ({type(e).__name__}: {e})") from None
-        self.metadata = {k: _field_value(f) for k, f in self.reader.fields.items() if not k.startswith("GGUF.")}
-        self.tensors = {t.name: t for t in self.reader.tensors}
-        size = os.path.getsize(self.path)
-        for t in self.reader.tensors:
-            end = t.data_offset + t.n_bytes
-            if end > size:
-                raise TracelmError(
-                    f"{name}: truncated GGUF file: tensor {t.name} ends at byte {end}, file has {size}"
-                )
+        buf = memoryview(self._map) if self._map is not None else memoryview(b"")
+        if bytes(buf[:4]) != GGUF_MAGIC:
+            raise TracelmError(f"{name}: not a GGUF file (magic {bytes(buf[:4])!r}, expected {GGUF_MAGIC!r})")
+        cur = _Cursor(buf, name)
+        cur.pos = 4
+        version = cur.take("I")
+        if version not in (2, 3):
+            raise TracelmError(f"{name}: unsupported GGUF version {version} (tracelm reads 2 and 3, little-endian)")
+        n_tensors, n_kv = cur.take("Q"), cur.take("Q")
+        self.metadata: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = cur.string()
+            self.metadata[key] = cur.value(cur.take("I"))
+        infos = []
+        for _ in range(n_tensors):
+            tname = cur.string()
+            dims = [cur.take("Q") for _ in range(cur.take("I"))]
+            infos.append((tname, dims, cur.take("I"), cur.take("Q")))
+        align = int(self.metadata.get("general.alignment", 32))
+        data_start = -(-cur.pos // align) * align
+        self.tensors: dict[str, TensorInfo] = {}
+        for tname, dims, tcode, offset in infos:
+            try:
+                qtype = QType(tcode)
+                block, type_size = GGML_QUANT_SIZES[qtype]
+            except (ValueError, KeyError):
+                raise TracelmError(f"{name}: tensor {tname} has unknown type {tcode}") from None
+            n = int(np.prod(dims))
+            if n % block:
+                raise TracelmError(f"{name}: tensor {tname}: {n} values is not a whole number of "
+                                   f"{qtype.name} blocks of {block}")
+            info = TensorInfo(tname, tuple(reversed(dims)), qtype, data_start + offset, n // block * type_size)
+            if info.offset + info.n_bytes > size:
+                raise TracelmError(f"{name}: truncated GGUF file: tensor {tname} ends at byte "
+                                   f"{info.offset + info.n_bytes}, file has {size}")
+            self.tensors[tname] = info
+        self._buf = buf
+
+    def raw(self, name: str) -> np.ndarray:
+        """The bytes of one tensor, memory-mapped (no copy)."""
+        t = self.tensors[name]
+        return np.frombuffer(self._buf, np.uint8, t.n_bytes, t.offset)
 
     def tensor_f32(self, name: str) -> np.ndarray:
         """Dequantize one tensor to f32 in numpy order ([rows, cols] = GGUF [ne1, ne0])."""
         t = self.tensors.get(name)
         if t is None:
-            raise TracelmError(f"{os.path.basename(self.path)}: missing tensor {name}")
-        shape = tuple(int(n) for n in reversed(t.shape))
+            raise TracelmError(f"{self.name}: missing tensor {name}")
         try:
-            return dequantize(t.data, t.tensor_type, shape)
+            return dequantize(self.raw(name), t.qtype, t.shape)
         except TracelmError as e:
-            raise TracelmError(f"{os.path.basename(self.path)}: tensor {name}: {e}") from None
-
-
-def _field_value(field: Any) -> Any:
-    value = field.contents()
-    return value
+            raise TracelmError(f"{self.name}: tensor {name}: {e}") from None
 
 
 def dequantize(raw: np.ndarray, qtype: QType | int, shape: tuple[int, ...]) -> np.ndarray:
@@ -96,7 +180,7 @@ def _get(meta: Mapping[str, Any], key: str, file: str, default: Any = None) -> A
 
 
 def model_config(gf: GGUFFile) -> ModelConfig:
-    meta, name = gf.metadata, os.path.basename(gf.path)
+    meta, name = gf.metadata, gf.name
     arch = meta.get("general.architecture")
     if arch is None:
         raise TracelmError(f"{name}: missing metadata field general.architecture")
@@ -108,7 +192,7 @@ def model_config(gf: GGUFFile) -> ModelConfig:
     n_embd = int(a("embedding_length"))
     n_head = int(a("attention.head_count"))
     head_dim = int(a("attention.key_length", n_embd // n_head))
-    n_vocab = int(gf.tensors["token_embd.weight"].shape[1])
+    n_vocab = int(gf.tensors["token_embd.weight"].shape[0])
     try:
         return ModelConfig(
             arch=arch,
@@ -135,14 +219,14 @@ def _stack_rows(gf: GGUFFile, names: list[str], cols: int) -> np.ndarray:
     parts = [gf.tensors.get(n) for n in names]
     for n, t in zip(names, parts, strict=True):
         if t is None:
-            raise TracelmError(f"{os.path.basename(gf.path)}: missing tensor {n}")
-    rows = [int(t.shape[1]) if len(t.shape) > 1 else 1 for t in parts]
+            raise TracelmError(f"{gf.name}: missing tensor {n}")
+    rows = [t.shape[0] if len(t.shape) > 1 else 1 for t in parts]
     out = np.empty((sum(rows), cols), np.float32)
     r = 0
     for n, k in zip(names, rows, strict=True):
         block = gf.tensor_f32(n)
         if block.size != k * cols:
-            raise TracelmError(f"{os.path.basename(gf.path)}: tensor {n} has shape {list(block.shape)}, "
+            raise TracelmError(f"{gf.name}: tensor {n} has shape {list(block.shape)}, "
                                f"expected {k} x {cols}")
         out[r : r + k] = block.reshape(k, cols)
         r += k
@@ -152,7 +236,7 @@ def _stack_rows(gf: GGUFFile, names: list[str], cols: int) -> np.ndarray:
 def _checked(gf: GGUFFile, name: str, shape: tuple[int, ...]) -> np.ndarray:
     a = gf.tensor_f32(name)
     if a.shape != shape:
-        raise TracelmError(f"{os.path.basename(gf.path)}: tensor {name} has shape {list(a.shape)}, "
+        raise TracelmError(f"{gf.name}: tensor {name} has shape {list(a.shape)}, "
                            f"expected {list(shape)}")
     return a
 
@@ -162,12 +246,12 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, progress: bool = True) -> Model
     from tqdm import tqdm
 
     d = cfg.n_embd
-    total = sum(int(t.n_bytes) for t in gf.reader.tensors)
+    total = sum(t.n_bytes for t in gf.tensors.values())
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=not progress,
                leave=False)
 
     def done(*names: str) -> None:
-        bar.update(sum(int(gf.tensors[n].n_bytes) for n in names if n in gf.tensors))
+        bar.update(sum(gf.tensors[n].n_bytes for n in names if n in gf.tensors))
 
     embd = _checked(gf, "token_embd.weight", (cfg.n_vocab, d))
     done("token_embd.weight")
@@ -187,7 +271,7 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, progress: bool = True) -> Model
             bqkv=np.concatenate([gf.tensor_f32(b) for b in bias]) if bias else None,
         )
         if lw.wqkv.shape[0] != cfg.q_dim + 2 * cfg.kv_dim or lw.w_gate_up.shape[0] != 2 * cfg.n_ff:
-            raise TracelmError(f"{os.path.basename(gf.path)}: block {i} projections do not match the metadata "
+            raise TracelmError(f"{gf.name}: block {i} projections do not match the metadata "
                                f"(qkv rows {lw.wqkv.shape[0]}, gate/up rows {lw.w_gate_up.shape[0]})")
         layers.append(lw)
         done(p + "attn_norm.weight", *qkv, p + "attn_output.weight", p + "ffn_norm.weight", *gate_up,

@@ -1,0 +1,98 @@
+"""YAML run configs: read, apply `--set key=value` overrides, validate every key and value."""
+
+from __future__ import annotations
+
+import types
+import typing
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import yaml
+
+from tracelm import TracelmError
+from tracelm.state.run_config import RunConfig
+
+_SCALARS = (int, float, str, bool)
+
+
+def _apply_override(tree: dict[str, Any], item: str) -> None:
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise TracelmError(f"--set {item!r}: expected key=value")
+    node = tree
+    *parents, leaf = key.split(".")
+    for p in parents:
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise TracelmError(f"--set {key}: {p} is not a section")
+        node = child
+    try:
+        node[leaf] = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        node[leaf] = raw
+
+
+def _check(value: Any, kind: Any, key: str) -> Any:
+    """Check one YAML value against a field's annotated type; return it converted."""
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(kind)
+        if value is None and type(None) in options:
+            return None
+        return _check(value, next(o for o in options if o is not type(None)), key)
+    if origin is tuple:
+        items = value if isinstance(value, list) else [value]
+        return tuple(_check(x, typing.get_args(kind)[0], key) for x in items)
+    if attrs.has(kind):
+        if not isinstance(value, dict):
+            raise TracelmError(f"config key {key}: expected a section of keys, got {value!r}")
+        return _build(kind, value, key + ".")
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind in _SCALARS and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
+        raise TracelmError(f"config key {key}: expected {kind.__name__}, got {value!r}")
+    return value
+
+
+def _build(cls: type, tree: dict[str, Any], prefix: str = "") -> Any:
+    fields = {f.name: f for f in attrs.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in tree:
+        if key not in fields:
+            raise TracelmError(f"unknown config key {prefix}{key} (known: {', '.join(fields)})")
+    kwargs = {k: _check(val, hints[k], prefix + k) for k, val in tree.items()}
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:
+        bad = next((f"{prefix}{k}" for k in kwargs if k in str(e)), prefix.rstrip(".") or "config")
+        raise TracelmError(f"config key {bad}: {e}") from None
+
+
+def load_run_config(path: str | Path | None, overrides: Iterable[str] = ()) -> RunConfig:
+    """Read a YAML config (or the defaults when path is None), apply overrides, validate."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as e:
+            raise TracelmError(f"{path}: cannot read config: {e.strerror}") from None
+        try:
+            tree = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise TracelmError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(tree, dict):
+            raise TracelmError(f"{path}: a config is a mapping of keys, got {type(tree).__name__}")
+        model = tree.get("model")
+        if isinstance(model, str) and ("/" in model or model.endswith(".gguf")):
+            local = Path(path).parent / model
+            if not Path(model).exists() and local.exists():
+                tree["model"] = str(local)
+    for item in overrides:
+        _apply_override(tree, item)
+    return _build(RunConfig, tree)
+
+
+def config_as_dict(cfg: RunConfig) -> dict[str, Any]:
+    return attrs.asdict(cfg, value_serializer=lambda _i, _f, v: list(v) if isinstance(v, tuple) else v)

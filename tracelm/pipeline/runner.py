@@ -1,0 +1,127 @@
+"""The runner: prefill a prompt in one batched pass, then decode one token at a time, streaming text."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+
+import attrs
+import numpy as np
+
+from tracelm import TracelmError
+from tracelm.io.loader import LoadedModel
+from tracelm.pipeline.graph import forward, new_cache, plain_call
+from tracelm.pipeline.trace import Tracer
+from tracelm.stages.sample import sample
+from tracelm.state.records import Logits, SamplingParams
+
+
+@attrs.define
+class GenerationStats:
+    n_prompt: int = 0  # prompt tokens
+    n_reused: int = 0  # prompt tokens whose keys/values were already in the Cache
+    n_generated: int = 0
+    finish_reason: str = ""  # "stop" (end-of-generation token or stop string) or "length"
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    tokens: list[int] = attrs.Factory(list)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if diff.size else n
+
+
+def stop_split(text: str, stops: Sequence[str]) -> tuple[str, str, bool]:
+    """Split pending text into (safe to emit, held back, stopped).
+
+    Stopped: text up to the first stop string is safe, the rest dropped. Otherwise the longest tail
+    that could begin a stop string is held back until more text decides it.
+    """
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    if hits:
+        return text[: min(hits)], "", True
+    hold = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:n]):
+                hold = n
+                break
+    return text[: len(text) - hold], text[len(text) - hold :], False
+
+
+class Runner:
+    """A model and one Cache (one conversation). Later calls reuse the cached common prefix."""
+
+    def __init__(self, model: LoadedModel, n_ctx: int, tracer: Tracer | None = None):
+        self.model = model
+        self.cache = new_cache(model.cfg, n_ctx)
+        self.tracer = tracer
+        self.stats = GenerationStats()
+
+    def _forward(self, ids: Sequence[int], all_logits: bool = False) -> Logits:
+        call = self.tracer.call if self.tracer is not None else plain_call
+        return forward(self.model.cfg, self.model.weights, self.cache, ids, all_logits, call)
+
+    def _check_fits(self, n_prompt: int, max_tokens: int) -> None:
+        if n_prompt == 0:
+            raise TracelmError("empty prompt: nothing to condition on (give at least one token)")
+        if n_prompt + max_tokens > self.cache.n_ctx:
+            raise TracelmError(f"prompt of {n_prompt} tokens + max_tokens {max_tokens} exceeds the context of "
+                               f"{self.cache.n_ctx} positions")
+
+    def prefill(self, ids: Sequence[int], all_logits: bool = False) -> Logits:
+        """Bring the Cache to hold exactly `ids`, computing only positions past the common prefix."""
+        self._check_fits(len(ids), 0)
+        keep = min(common_prefix(self.cache.tokens, ids), len(ids) - 1)
+        if all_logits:
+            keep = 0
+        self.cache.truncate(keep)
+        self.stats.n_reused = keep
+        return self._forward(ids[keep:], all_logits)
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        """f32 logits of every position of `ids`: [T, vocab]."""
+        return np.asarray(self.prefill(ids, all_logits=True).values)
+
+    def generate(self, prompt_ids: Sequence[int], max_tokens: int, sampling: SamplingParams,
+                 stop: Sequence[str] = ()) -> Iterator[str]:
+        """Yield text as it is decoded (never half a UTF-8 character); statistics land in self.stats."""
+        prompt_ids = [int(i) for i in prompt_ids]
+        self._check_fits(len(prompt_ids), max_tokens)
+        tok = self.model.tokenizer
+        self.stats = stats = GenerationStats(n_prompt=len(prompt_ids), finish_reason="length")
+        t0 = time.perf_counter()
+        logits = self.prefill(prompt_ids)
+        stats.prefill_seconds = time.perf_counter() - t0
+        rng = np.random.default_rng(sampling.seed)
+        history = list(prompt_ids)
+        decoder = tok.stream_decoder()
+        pending, stopped = "", False
+        t0 = time.perf_counter()
+        for step in range(max_tokens):
+            choice = sample(logits.values[-1], sampling, rng, np.asarray(history))
+            if self.tracer is not None:
+                self.tracer.event("token", id=choice.token, piece=tok.piece(choice.token), prob=choice.prob)
+            if choice.token in tok.eog_ids:
+                stats.finish_reason = "stop"
+                break
+            history.append(choice.token)
+            stats.tokens.append(choice.token)
+            stats.n_generated += 1
+            emit, pending, stopped = stop_split(pending + decoder.push(choice.token), stop)
+            if emit:
+                yield emit
+            if stopped:
+                stats.finish_reason = "stop"
+                break
+            if step + 1 < max_tokens:
+                logits = self._forward([choice.token])
+        if not stopped:  # release what was held back for a stop string, and any trailing bytes
+            emit, _, stopped = stop_split(pending + decoder.flush(), stop)
+            if stopped:
+                stats.finish_reason = "stop"
+            if emit:
+                yield emit
+        stats.decode_seconds = time.perf_counter() - t0

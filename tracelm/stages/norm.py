@@ -1,0 +1,14 @@
+"""RMSNorm (Zhang & Sennrich 2019): x / sqrt(mean(x^2) + eps) * weight, over the last axis."""
+
+import numpy as np
+
+from tracelm.state.records import Hidden
+
+
+def rms_normalize(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    mean_sq = np.einsum("...i,...i->...", x, x)[..., None] / x.shape[-1]
+    return x * (1.0 / np.sqrt(mean_sq + eps)) * weight
+
+
+def rms_norm(h: Hidden, weight: np.ndarray, eps: float) -> Hidden:
+    return Hidden(rms_normalize(h.x, weight, eps).astype(np.float32, copy=False), h.start)

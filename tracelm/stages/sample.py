@@ -1,0 +1,135 @@
+"""Sample: logits of one position -> the next token.
+
+Order of application (as `SamplingParams` documents it):
+
+1. repetition penalty (llama.cpp / CTRL rule) on the distinct ids among the last `repeat_last_n`
+   entries of `recent`: a logit > 0 is divided by the penalty, a logit <= 0 is multiplied by it;
+2. temperature 0 -> greedy: the lowest id among the maximal penalised logits (np.argmax);
+3. logits / temperature;
+4. top-k (0 = off): the k largest logits; ties at the k-th value keep the lowest ids;
+5. softmax over the kept tokens;
+6. top-p (1.0 = off): the smallest set, in descending probability (ties: lower id first), whose
+   cumulative probability reaches top_p; at least one token is kept;
+7. min-p (0.0 = off): keep tokens with p >= min_p * p_max;
+8. renormalise and draw.
+
+The draw is one inverse-CDF lookup: u = rng.random() in [0, 1), and the chosen token is the first
+kept token, walking the kept tokens in ascending id order, whose cumulative probability exceeds u.
+Every call consumes exactly ONE `rng.random()` -- greedy calls included -- so after n tokens the
+generator has advanced exactly n draws, whatever the parameters were; a run can be replayed from
+(seed, token index) alone.
+
+`Choice.prob` is the probability of the chosen token under the final renormalised distribution.
+For greedy (temperature 0) that distribution would be a point mass, which says nothing, so greedy
+reports instead the softmax probability of the chosen token over the penalised logits at
+temperature 1 with no filters: the model's own confidence in its top token.
+
+How it is computed (same result as the literal order above, less work):
+- the temperature is applied after top-k (dividing by T > 0 keeps the order), so a top-k call
+  touches the whole vocabulary only in the penalty, one np.partition and two comparisons;
+- exponentials are float32 (numpy's float64 exp is ~10x slower); sums, normalisation and the
+  cumulative sums are float64;
+- min-p runs before top-p: its kept set is a top prefix of the probability order and its test is
+  unchanged by top-p's renormalisation (p_i / p_max is), so top-p then only sorts the survivors,
+  and over more than 1024 candidates it first tries the 1024 most probable ones.
+
+`recent` is only read (and checked: 1-D integer ids inside the vocabulary) when the penalty is on.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tracelm.state.records import Choice, SamplingParams
+
+_TOP_P_HEAD = 1024  # top-p over a larger candidate set first tries its 1024 most probable entries
+
+
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, recent: np.ndarray) -> Choice:
+    """Choose the next token from `logits` [vocab] (see the module docstring for the exact rules)."""
+    logits = np.asarray(logits)
+    if logits.ndim != 1 or logits.size == 0:
+        raise ValueError(f"logits must be a non-empty 1-D array [vocab], got shape {list(logits.shape)}")
+    if not np.issubdtype(logits.dtype, np.floating):
+        raise ValueError(f"logits must be floating point, got {logits.dtype}")
+    top = logits.max()  # NaN propagates through max: one pass checks all three cases
+    if np.isnan(top):
+        raise ValueError("logits contain NaN")
+    if top == np.inf:
+        raise ValueError("logits contain +inf")
+    if top == -np.inf:
+        raise ValueError("logits are all -inf: no token can be chosen")
+
+    u = rng.random()  # exactly one draw per call, used or not
+    logits = _penalise(logits, params, recent)
+
+    if params.temperature == 0.0:
+        token = int(np.argmax(logits))
+        z = np.exp(logits.astype(np.float32) - np.float32(logits[token])).sum(dtype=np.float64)
+        return Choice(token=token, prob=float(1.0 / z))
+
+    ids = _top_k(logits, params.top_k)  # ascending ids, or None for the whole vocabulary
+    x = (logits if ids is None else logits[ids]).astype(np.float32) / np.float32(params.temperature)
+    e = np.exp(x - x.max())  # unnormalised probabilities; the largest is exactly 1
+    total = e.sum(dtype=np.float64)
+
+    # min-p keeps a top prefix of the probability order (p >= threshold, ties included), and its test
+    # p >= min_p * p_max is unchanged by the renormalisation after top-p, so it can run first and
+    # shrink what top-p has to sort. The cumulative sums of that prefix are those of the full order.
+    keep = np.flatnonzero((e >= params.min_p) & (e > 0.0))  # indices into e, ascending
+    p = e[keep].astype(np.float64) / total
+    if params.top_p < 1.0:
+        sel = _top_p(p, params.top_p)
+        keep, p = keep[sel], p[sel]
+
+    cdf = np.cumsum(p)
+    i = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), keep.size - 1)
+    token = int(keep[i]) if ids is None else int(ids[keep[i]])
+    return Choice(token=token, prob=float(p[i] / cdf[-1]))
+
+
+def _top_p(p: np.ndarray, top_p: float) -> np.ndarray:
+    """Ascending indices of the smallest set, in descending p (ties: lower index first), reaching top_p."""
+    if p.size > _TOP_P_HEAD:  # if the head holds top_p of the mass, the set lies inside it: sort only that
+        sel = _prefix(p, _top_k(p, _TOP_P_HEAD), top_p)
+        if sel is not None:
+            return sel
+    sel = _prefix(p, np.arange(p.size), top_p)
+    return np.arange(p.size) if sel is None else sel  # None: rounding left the total just short of top_p
+
+
+def _prefix(p: np.ndarray, cand: np.ndarray, top_p: float) -> np.ndarray | None:
+    """The top_p prefix of the ascending indices `cand` in descending p, or None if they never reach it."""
+    order = cand[np.argsort(-p[cand], kind="stable")]  # cand is ascending, so ties keep lower indices first
+    n = int(np.searchsorted(np.cumsum(p[order]), top_p, side="left")) + 1
+    return None if n > order.size else np.sort(order[:n])
+
+
+def _penalise(logits: np.ndarray, params: SamplingParams, recent: np.ndarray) -> np.ndarray:
+    """Apply the repetition penalty to the distinct ids of the recent window (a copy if anything changes)."""
+    if params.repeat_penalty == 1.0 or params.repeat_last_n == 0:
+        return logits
+    recent = np.asarray(recent)
+    if recent.size == 0:
+        return logits
+    if recent.ndim != 1 or not np.issubdtype(recent.dtype, np.integer):
+        raise ValueError(f"recent must be a 1-D integer array of token ids, got {recent.dtype} "
+                         f"shape {list(recent.shape)}")
+    window = np.unique(recent[-params.repeat_last_n :])
+    if window[0] < 0 or window[-1] >= logits.size:
+        raise ValueError(f"recent holds token ids outside the vocabulary [0, {logits.size})")
+    out = logits.copy()
+    v = out[window]
+    out[window] = np.where(v > 0, v / params.repeat_penalty, v * params.repeat_penalty)
+    return out
+
+
+def _top_k(logits: np.ndarray, k: int) -> np.ndarray | None:
+    """Ids (ascending) of the k largest logits, lowest ids winning ties at the k-th value; None = all."""
+    vocab = logits.size
+    if k == 0 or k >= vocab:
+        return None
+    kth = np.partition(logits, vocab - k)[vocab - k]  # the k-th largest value, no full sort
+    above = np.flatnonzero(logits > kth)
+    ties = np.flatnonzero(logits == kth)[: k - above.size]
+    return np.sort(np.concatenate([above, ties]))

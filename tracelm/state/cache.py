@@ -1,0 +1,73 @@
+"""The Cache: the one mutable object of a run (KV per layer, RoPE tables, causal masks)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tracelm.state.model_config import ModelConfig
+
+
+class Cache:
+    """Keys and values of every layer for up to n_ctx positions, preallocated, plus the tables that
+    depend only on position. `tokens` are the ids whose keys/values are stored, in position order."""
+
+    def __init__(self, cfg: ModelConfig, n_ctx: int, rope_cos: np.ndarray, rope_sin: np.ndarray):
+        shape = (cfg.n_layer, cfg.n_head_kv, n_ctx, cfg.head_dim)
+        self.n_ctx = n_ctx
+        self.k = np.zeros(shape, np.float32)  # [layer, kv head, position, head dim]
+        self.v = np.zeros(shape, np.float32)
+        self.rope_cos, self.rope_sin = rope_cos, rope_sin  # [n_ctx, rope_dim / 2]
+        for table in (self.rope_cos, self.rope_sin):
+            table.flags.writeable = False
+        self.tokens: list[int] = []
+        self._masks: dict[tuple[int, int], np.ndarray] = {}
+
+    @property
+    def n_past(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes + self.rope_cos.nbytes + self.rope_sin.nbytes + sum(
+            m.nbytes for m in self._masks.values())
+
+    def reset(self) -> None:
+        """Forget every position (the arrays stay allocated; stale rows are never read)."""
+        self.tokens.clear()
+        self._masks.clear()
+
+    def truncate(self, n: int) -> None:
+        """Keep only the first n positions (a shared prompt prefix)."""
+        del self.tokens[n:]
+
+    def write(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Store k, v [T, n_head_kv, head_dim] at positions start..start+T-1 of one layer."""
+        T = k.shape[0]
+        self.k[layer, :, start : start + T] = k.transpose(1, 0, 2)
+        self.v[layer, :, start : start + T] = v.transpose(1, 0, 2)
+
+    def keys_values(self, layer: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """Read-only views of positions 0..end-1 of one layer: [n_head_kv, end, head_dim] each."""
+        k, v = self.k[layer, :, :end], self.v[layer, :, :end]
+        k.flags.writeable = v.flags.writeable = False
+        return k, v
+
+    def rope_rows(self, start: int, T: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.rope_cos[start : start + T], self.rope_sin[start : start + T]
+
+    def causal_mask(self, start: int, T: int) -> np.ndarray | None:
+        """Additive mask [T, start+T]: query t (position start+t) sees keys 0..start+t; None for T = 1."""
+        if T == 1:
+            return None
+        mask = self._masks.get((start, T))
+        if mask is None:
+            mask = np.triu(np.full((T, start + T), -np.inf, np.float32), k=start + 1)
+            mask.flags.writeable = False
+            if len(self._masks) > 8:
+                self._masks.clear()
+            self._masks[(start, T)] = mask
+        return mask
+
+    def commit(self, ids) -> None:
+        """Record that positions n_past.. now hold the keys/values of `ids`."""
+        self.tokens.extend(int(i) for i in ids)
