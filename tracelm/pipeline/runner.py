@@ -81,6 +81,12 @@ class Runner:
         self.stats.n_reused = keep
         return self._forward(ids[keep:], all_logits)
 
+    def step(self, token: int) -> Logits:
+        """Decode one position: feed `token` (the last sampled), return the next logits."""
+        if self.cache.n_past >= self.cache.n_ctx:
+            raise TracelmError(f"the context of {self.cache.n_ctx} positions is full")
+        return self._forward([token])
+
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """f32 logits of every position of `ids`: [T, vocab]."""
         return np.asarray(self.prefill(ids, all_logits=True).values)
@@ -117,7 +123,7 @@ class Runner:
                 stats.finish_reason = "stop"
                 break
             if step + 1 < max_tokens:
-                logits = self._forward([choice.token])
+                logits = self.step(choice.token)
         if not stopped:  # release what was held back for a stop string, and any trailing bytes
             emit, _, stopped = stop_split(pending + decoder.flush(), stop)
             if stopped:

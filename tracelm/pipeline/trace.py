@@ -112,3 +112,39 @@ def _jsonable(x: Any) -> Any:
     if isinstance(x, tuple | set | frozenset):
         return list(x)
     return str(x)
+
+
+def write_header(tracer: Tracer, run_config: Any, model: Any, prompt_ids: list[int]) -> None:
+    """The opening event: everything needed to know what the run was and to repeat it."""
+    from tracelm.io.registry import file_sha256
+    from tracelm.io.run_config import config_as_dict
+
+    tracer.event(
+        "header",
+        trace_version=TRACE_VERSION,
+        level=tracer.level,
+        digest_algorithm="blake2b-128" if tracer.level == "digest" else None,
+        config=config_as_dict(run_config),
+        model_file=str(model.path),
+        model_sha256=file_sha256(model.path),
+        model_config=attrs.asdict(model.cfg),
+        packages=package_versions(),
+        platform=platform_facts(),
+        prompt_ids=list(prompt_ids),
+        seed=run_config.sampling.seed,
+    )
+
+
+def write_footer(tracer: Tracer, stats: Any) -> None:
+    tracer.event(
+        "footer",
+        events=tracer.seq + 1,
+        n_prompt=stats.n_prompt,
+        n_reused=stats.n_reused,
+        n_generated=stats.n_generated,
+        finish_reason=stats.finish_reason,
+        output_ids=list(stats.tokens),
+        prefill_seconds=round(stats.prefill_seconds, 6),
+        decode_seconds=round(stats.decode_seconds, 6),
+    )
+    tracer.flush()

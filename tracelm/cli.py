@@ -1,0 +1,262 @@
+"""tracelm's one entry point: run | chat | logits | tokenize | models | bench."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from tracelm import TracelmError
+
+
+def _threads(n: int) -> contextlib.AbstractContextManager[Any]:
+    """Limit BLAS (and numexpr) threads; 0 keeps the library default (all cores)."""
+    if n <= 0:
+        return contextlib.nullcontext()
+    import numexpr
+    from threadpoolctl import threadpool_limits
+
+    numexpr.set_num_threads(n)
+    return threadpool_limits(limits=n)
+
+
+def _load_config(args: argparse.Namespace) -> Any:
+    from tracelm.io.run_config import load_run_config
+
+    overrides = list(args.set or [])
+    for flag, key in (("prompt", "prompt"), ("max_tokens", "max_tokens"), ("temperature", "sampling.temperature"),
+                      ("seed", "sampling.seed"), ("context", "context"), ("model", "model")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides.append(f"{key}={json.dumps(value)}")
+    if getattr(args, "trace", None):
+        overrides.append(f"trace.file={json.dumps(args.trace)}")
+    cfg = load_run_config(args.config, overrides)
+    if cfg.trace.file and cfg.trace.level == "off":  # --trace FILE alone means the digest level
+        cfg = load_run_config(args.config, [*overrides, "trace.level=digest"])
+    return cfg
+
+
+@contextlib.contextmanager
+def _tracer(cfg: Any, model: Any, prompt_ids: list[int]) -> Iterator[Any]:
+    if cfg.trace.level == "off" or not cfg.trace.file:
+        yield None
+        return
+    from tracelm.pipeline.trace import Tracer, write_header
+
+    try:
+        stream = open(cfg.trace.file, "w", encoding="utf-8")  # noqa: SIM115
+    except OSError as e:
+        raise TracelmError(f"{cfg.trace.file}: cannot write trace: {e.strerror}") from None
+    with stream:
+        tracer = Tracer(stream, cfg.trace.level)
+        write_header(tracer, cfg, model, prompt_ids)
+        yield tracer
+
+
+def _generate(runner: Any, ids: list[int], cfg: Any, out: Any) -> str:
+    text = []
+    for piece in runner.generate(ids, cfg.max_tokens, cfg.sampling, cfg.stop):
+        out.write(piece)
+        out.flush()
+        text.append(piece)
+    return "".join(text)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from tracelm.io.loader import load_model
+    from tracelm.pipeline.runner import Runner
+    from tracelm.pipeline.trace import write_footer
+
+    cfg = _load_config(args)
+    with _threads(cfg.threads):
+        model = load_model(cfg.model)
+        ids = model.tokenizer.encode(cfg.prompt)
+        with _tracer(cfg, model, ids) as tracer:
+            runner = Runner(model, cfg.context, tracer)
+            _generate(runner, ids, cfg, sys.stdout)
+            if tracer is not None:
+                write_footer(tracer, runner.stats)
+    sys.stdout.write("\n")
+    s = runner.stats
+    rate = s.n_generated / s.decode_seconds if s.decode_seconds else 0.0
+    print(f"[{s.n_prompt} prompt tokens, {s.n_generated} generated ({s.finish_reason}), "
+          f"prefill {s.prefill_seconds:.2f} s, decode {rate:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def chat_prompt(model: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Render the conversation with the model's chat template and encode it."""
+    from tracelm.io.chat_template import render_chat
+
+    tok = model.tokenizer
+    text = render_chat(model.chat_template, messages, bos_token=tok.piece(tok.bos_id) if tok.bos_id is not None
+                       else "", eos_token=tok.piece(tok.eos_id) if tok.eos_id is not None else "",
+                       add_generation_prompt=True)
+    return tok.encode(text, parse_special=True)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from tracelm.io.loader import load_model
+    from tracelm.pipeline.runner import Runner
+
+    cfg = _load_config(args)
+    interactive = sys.stdin.isatty() and not args.message
+    with _threads(cfg.threads):
+        model = load_model(cfg.model)
+        runner = Runner(model, cfg.context)
+        messages: list[dict[str, str]] = [{"role": "system", "content": cfg.system}] if cfg.system else []
+        inputs = iter(args.message) if args.message else sys.stdin
+        while True:
+            if interactive:
+                print("> ", end="", file=sys.stderr, flush=True)
+            line = next(inputs, None)
+            if line is None:
+                break
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+            messages.append({"role": "user", "content": line})
+            ids = chat_prompt(model, messages)
+            room = cfg.context - len(ids)
+            if room <= 0:
+                raise TracelmError(f"the conversation ({len(ids)} tokens) no longer fits the context of "
+                                   f"{cfg.context}; raise 'context' or start over")
+            turn = runner.generate(ids, min(cfg.max_tokens, room), cfg.sampling, cfg.stop)
+            reply = "".join(_echo(turn))
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            messages.append({"role": "assistant", "content": reply.strip()})
+            s = runner.stats
+            print(f"[reused {s.n_reused} of {s.n_prompt} prompt tokens, {s.n_generated} generated]",
+                  file=sys.stderr)
+    return 0
+
+
+def _echo(pieces: Iterator[str]) -> Iterator[str]:
+    for p in pieces:
+        sys.stdout.write(p)
+        sys.stdout.flush()
+        yield p
+
+
+def cmd_logits(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from tracelm.io.loader import load_model
+    from tracelm.pipeline.runner import Runner
+
+    model = load_model(args.model)
+    ids = model.tokenizer.encode(args.prompt)
+    logits = Runner(model, max(len(ids), 1)).logits(ids)
+    np.save(args.out, logits.astype(np.float32))
+    print(f"{args.out}: logits [{logits.shape[0]}, {logits.shape[1]}] for ids {ids}", file=sys.stderr)
+    return 0
+
+
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    from tracelm.io.loader import load_tokenizer
+
+    tok = load_tokenizer(args.model)
+    print(json.dumps(tok.encode(args.text, parse_special=args.parse_special)))
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from tracelm.io import registry
+
+    if args.action == "list":
+        for name, cached, path in registry.list_models():
+            print(f"{name:32s} {'cached' if cached else 'not cached':11s} {path}")
+    elif args.action == "pull":
+        print(registry.pull(args.name))
+    else:
+        print(registry.model_path(args.name))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from tracelm.pipeline.bench import run_bench
+
+    with _threads(args.threads):
+        report = run_bench(args.model, args.prompt_tokens, args.decode_tokens, args.context)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for k, v in report.items():
+            print(f"{k:34s} {v}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tracelm", description="Auditable LLM inference on the CPU.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def run_options(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("config", help="YAML run config (see configs/)")
+        sp.add_argument("--max-tokens", type=int)
+        sp.add_argument("--temperature", type=float)
+        sp.add_argument("--seed", type=int)
+        sp.add_argument("--context", type=int)
+        sp.add_argument("--model", help="registry name or GGUF path (overrides the config)")
+        sp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key")
+
+    sp = sub.add_parser("run", help="generate text from a prompt, streaming to stdout")
+    run_options(sp)
+    sp.add_argument("--prompt")
+    sp.add_argument("--trace", metavar="FILE", help="write a JSON-lines trace (level digest by default)")
+    sp.set_defaults(fn=cmd_run)
+
+    sp = sub.add_parser("chat", help="multi-turn chat with the model's chat template (lines on stdin)")
+    run_options(sp)
+    sp.add_argument("--message", action="append", help="a user turn (repeatable) instead of stdin")
+    sp.set_defaults(fn=cmd_chat)
+
+    sp = sub.add_parser("logits", help="save f32 logits of every prompt position as .npy [T, vocab]")
+    sp.add_argument("--model", required=True)
+    sp.add_argument("--prompt", required=True)
+    sp.add_argument("--out", required=True)
+    sp.set_defaults(fn=cmd_logits)
+
+    sp = sub.add_parser("tokenize", help="print the token ids of a text as a JSON array")
+    sp.add_argument("--model", required=True)
+    sp.add_argument("--text", required=True)
+    sp.add_argument("--parse-special", action="store_true", help="match control tokens written in the text")
+    sp.set_defaults(fn=cmd_tokenize)
+
+    sp = sub.add_parser("models", help="the model registry: list | pull NAME | path NAME")
+    sp.add_argument("action", choices=("list", "pull", "path"))
+    sp.add_argument("name", nargs="?", default="smollm2-135m-instruct")
+    sp.set_defaults(fn=cmd_models)
+
+    sp = sub.add_parser("bench", help="load time, prefill and decode rates, peak RSS, against the machine's limits")
+    sp.add_argument("--model", default="smollm2-135m-instruct")
+    sp.add_argument("--prompt-tokens", type=int, default=256)
+    sp.add_argument("--decode-tokens", type=int, default=128)
+    sp.add_argument("--context", type=int, default=1024)
+    sp.add_argument("--threads", type=int, default=0)
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(fn=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except TracelmError as e:
+        print(f"tracelm: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

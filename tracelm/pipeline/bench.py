@@ -1,0 +1,113 @@
+"""`tracelm bench`: load time, prefill and decode rates, peak RSS, against limits measured in the same run.
+
+The machine's limits are measured in a child process (so its 1 GiB probe buffer does not count in the
+model's peak RSS): read bandwidth of a matrix-vector product over 1 GiB (the access pattern of decode)
+and the sgemm rate of a large square product. From them:
+- decode roofline: f32 weight bytes / bandwidth (each decoded token reads every weight once);
+- prefill bound: sgemm rate / FLOPs per prompt token (matrix products + attention scores).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from tracelm.io.loader import load_model
+from tracelm.pipeline.runner import Runner
+
+BENCH_TEXT = (
+    "The history of the printing press begins in the fifteenth century, when movable type made books "
+    "cheaper to produce and easier to copy. Within a few decades, presses spread across Europe, and "
+    "the number of printed pages grew faster than anyone could read them. Scholars argued about what "
+    "this meant for memory, for authority and for the slow work of learning. "
+)
+
+
+def _best_seconds(fn: Any, repeat: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def machine_probe() -> dict[str, float]:
+    """Measured read bandwidth (GB/s) and sgemm rate (GFLOP/s) of this machine, now."""
+    w = np.ones((1 << 18, 1 << 10), np.float32)  # 1 GiB: far past any cache
+    x = np.ones(1 << 10, np.float32)
+    bandwidth = w.nbytes / _best_seconds(lambda: w @ x, 5) / 1e9
+    del w
+    n = 2048
+    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    sgemm = 2 * n**3 / _best_seconds(lambda: a @ a, 5) / 1e9
+    return {"bandwidth_gb_s": round(bandwidth, 2), "sgemm_gflop_s": round(sgemm, 1)}
+
+
+def _probe_in_child() -> dict[str, float]:
+    code = "import json; from tracelm.pipeline.bench import machine_probe; print(json.dumps(machine_probe()))"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout)
+
+
+def prefill_flops_per_token(cfg: Any, n_prompt: int) -> float:
+    """FLOPs per prompt token: the block matrix products, causal attention (q k^T and p v over an
+    average of n_prompt/2 keys), and the head for the last position only, spread over the prompt."""
+    d, q, kv, ff = cfg.n_embd, cfg.q_dim, cfg.kv_dim, cfg.n_ff
+    block = 2 * (d * (q + 2 * kv) + q * d + 3 * d * ff)
+    attention = 2 * 2 * q * (n_prompt + 1) / 2
+    return cfg.n_layer * (block + attention) + 2 * cfg.n_vocab * d / n_prompt
+
+
+def bench_ids(tokenizer: Any, n: int) -> list[int]:
+    ids = tokenizer.encode(BENCH_TEXT)
+    return (ids * (n // len(ids) + 1))[:n]
+
+
+def run_bench(model_name: str, n_prompt: int = 256, n_decode: int = 128, n_ctx: int = 1024) -> dict[str, Any]:
+    probe = _probe_in_child()
+    model = load_model(model_name, progress=False)
+    cfg = model.cfg
+    runner = Runner(model, max(n_ctx, n_prompt + n_decode))
+    ids = bench_ids(model.tokenizer, n_prompt)
+
+    def prefill() -> None:
+        runner.cache.reset()
+        runner.prefill(ids)
+
+    prefill_s = _best_seconds(prefill, 3)
+    token = int(np.argmax(runner.prefill(ids).values[-1]))
+    t0 = time.perf_counter()
+    for _ in range(n_decode):
+        token = int(np.argmax(runner.step(token).values[-1]))
+    decode_s = time.perf_counter() - t0
+
+    weight_bytes = model.weights.nbytes
+    roofline_tok_s = probe["bandwidth_gb_s"] * 1e9 / weight_bytes
+    sgemm_bound_tok_s = probe["sgemm_gflop_s"] * 1e9 / prefill_flops_per_token(cfg, n_prompt)
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rss_budget = weight_bytes + runner.cache.nbytes + 300 * 2**20
+    return {
+        "model": str(model.path.name),
+        "load_seconds": round(model.load_seconds, 3),
+        "prefill_tokens": n_prompt,
+        "prefill_tok_s": round(n_prompt / prefill_s, 1),
+        "decode_tokens": n_decode,
+        "decode_tok_s": round(n_decode / decode_s, 2),
+        "peak_rss_mb": round(peak_rss / 2**20, 1),
+        "rss_budget_mb": round(rss_budget / 2**20, 1),
+        "f32_weight_mb": round(weight_bytes / 2**20, 1),
+        "kv_cache_mb": round(runner.cache.nbytes / 2**20, 1),
+        **probe,
+        "decode_roofline_tok_s": round(roofline_tok_s, 2),
+        "decode_vs_roofline": round(n_decode / decode_s / roofline_tok_s, 3),
+        "prefill_sgemm_bound_tok_s": round(sgemm_bound_tok_s, 1),
+        "prefill_vs_sgemm_bound": round(n_prompt / prefill_s / sgemm_bound_tok_s, 3),
+    }
