@@ -1,0 +1,124 @@
+"""Shared fixtures: a tiny synthetic llama GGUF (random weights, byte-level vocabulary) and the real
+default model (downloaded once into TRACELM_HOME; tests that need it skip with a reason if it cannot be)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO.parent / "shared" / "fixtures"
+
+
+def byte_level_vocab() -> list[str]:
+    """The 256 single-byte tokens of byte-level BPE (GPT-2's printable mapping of bytes)."""
+    printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    mapping, n = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + n)
+            n += 1
+    return [mapping[b] for b in range(256)]
+
+
+TINY = dict(n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=96, n_ctx=128, rope_base=10000.0)
+
+
+def write_tiny_gguf(path: Path, *, arch: str = "llama", qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+                    drop: str | None = None, seed: int = 0, tied: bool = True) -> Path:
+    """A 2-layer llama with random weights and a byte-level BPE vocabulary (256 bytes, 3 merges,
+    <|endoftext|> as BOS/EOS). `drop` leaves one tensor out; `qtype` stores the matrices quantized."""
+    rng = np.random.default_rng(seed)
+    t = TINY
+    tokens = byte_level_vocab() + ["he", "ll", "hell", "<|endoftext|>"]
+    n_vocab, d, hd = len(tokens), t["n_embd"], t["n_embd"] // t["n_head"]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(t["n_layer"])
+    w.add_context_length(t["n_ctx"])
+    w.add_embedding_length(d)
+    w.add_feed_forward_length(t["n_ff"])
+    w.add_head_count(t["n_head"])
+    w.add_head_count_kv(t["n_head_kv"])
+    w.add_rope_freq_base(t["rope_base"])
+    w.add_rope_dimension_count(hd)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (n_vocab - 1) + [3])
+    w.add_token_merges(["h e", "l l", "he ll"])
+    w.add_bos_token_id(n_vocab - 1)
+    w.add_eos_token_id(n_vocab - 1)
+    w.add_add_bos_token(False)
+
+    def mat(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+
+    tensors = {"token_embd.weight": mat(n_vocab, d), "output_norm.weight": 1 + 0.1 * rng.standard_normal(d)}
+    if not tied:
+        tensors["output.weight"] = mat(n_vocab, d)
+    for i in range(t["n_layer"]):
+        p = f"blk.{i}."
+        tensors |= {
+            p + "attn_norm.weight": 1 + 0.1 * rng.standard_normal(d),
+            p + "attn_q.weight": mat(t["n_head"] * hd, d),
+            p + "attn_k.weight": mat(t["n_head_kv"] * hd, d),
+            p + "attn_v.weight": mat(t["n_head_kv"] * hd, d),
+            p + "attn_output.weight": mat(d, t["n_head"] * hd),
+            p + "ffn_norm.weight": 1 + 0.1 * rng.standard_normal(d),
+            p + "ffn_gate.weight": mat(t["n_ff"], d),
+            p + "ffn_up.weight": mat(t["n_ff"], d),
+            p + "ffn_down.weight": mat(d, t["n_ff"]),
+        }
+    for name, a in tensors.items():
+        if name == drop:
+            continue
+        a = np.asarray(a, np.float32)
+        if a.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_shape=a.shape, raw_dtype=qtype)
+        else:
+            w.add_tensor(name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The real default model, pulled into TRACELM_HOME on first use."""
+    from tracelm import TracelmError
+    from tracelm.io import registry
+
+    try:
+        return registry.pull("smollm2-135m-instruct", progress=False)
+    except TracelmError as e:
+        pytest.skip(f"default model not available: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path: Path):
+    from tracelm.io.loader import load_model
+
+    return load_model(str(smollm2_path), progress=False)
+
+
+def has_reference() -> bool:
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return os.environ.get("TRACELM_SKIP_REFERENCE") != "1"

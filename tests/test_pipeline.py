@@ -1,0 +1,115 @@
+"""The graph, Cache and runner on a tiny synthetic GGUF model."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tracelm import TracelmError
+from tracelm.io.loader import load_model
+from tracelm.pipeline.graph import forward, new_cache
+from tracelm.pipeline.runner import Runner, stop_split
+from tracelm.pipeline.trace import Tracer
+from tracelm.state.records import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_gguf):
+    return load_model(str(tiny_gguf), progress=False)
+
+
+def test_config_from_metadata(tiny) -> None:
+    c = tiny.cfg
+    assert (c.n_embd, c.n_layer, c.n_head, c.n_head_kv, c.head_dim, c.n_ff) == (64, 2, 4, 2, 16, 96)
+    assert c.tied_head and c.rope_mode == "adjacent" and c.n_vocab == 260
+    assert tiny.weights.output is tiny.weights.token_embd
+
+
+def test_decode_step_by_step_equals_batched_prefill(tiny) -> None:
+    ids = [104, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100, 33]
+    batched = forward(tiny.cfg, tiny.weights, new_cache(tiny.cfg, 32), ids, all_logits=True).values
+    cache = new_cache(tiny.cfg, 32)
+    stepped = np.concatenate([forward(tiny.cfg, tiny.weights, cache, [i]).values for i in ids])
+    assert batched.shape == (len(ids), tiny.cfg.n_vocab)
+    np.testing.assert_allclose(stepped, batched, atol=1e-4, rtol=0)
+    # a prefill split in two chunks gives the same logits as well
+    cache = new_cache(tiny.cfg, 32)
+    first = forward(tiny.cfg, tiny.weights, cache, ids[:5], all_logits=True).values
+    second = forward(tiny.cfg, tiny.weights, cache, ids[5:], all_logits=True).values
+    np.testing.assert_allclose(np.concatenate([first, second]), batched, atol=1e-4, rtol=0)
+
+
+def test_cache_reset_nbytes_and_masks(tiny) -> None:
+    cache = new_cache(tiny.cfg, 16)
+    c = tiny.cfg
+    assert cache.nbytes >= 2 * c.n_layer * c.n_head_kv * 16 * c.head_dim * 4
+    forward(c, tiny.weights, cache, [1, 2, 3])
+    assert cache.tokens == [1, 2, 3]
+    mask = cache.causal_mask(3, 2)
+    assert mask.shape == (2, 5) and np.isneginf(mask[0, 4]) and mask[0, 3] == 0 and mask[1, 4] == 0
+    cache.reset()
+    assert cache.n_past == 0
+
+
+def test_generate_is_seeded_and_reuses_the_prefix(tiny) -> None:
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7)
+    runner = Runner(tiny, 64)
+    prompt = tiny.tokenizer.encode("hello")
+    a = "".join(runner.generate(prompt, 10, params))
+    ids_a = list(runner.stats.tokens)
+    b = "".join(runner.generate(prompt, 10, params))
+    assert runner.stats.n_reused == len(prompt) - 1  # the prompt was cached by the first call
+    assert (a, ids_a) == (b, runner.stats.tokens)
+    c = "".join(Runner(tiny, 64).generate(prompt, 10, SamplingParams(temperature=1.0, top_k=0, seed=8)))
+    assert runner.stats.tokens != [] and (c != a or ids_a != runner.stats.tokens)
+
+
+def test_generation_output_equals_decode_of_ids(tiny) -> None:
+    runner = Runner(tiny, 64)
+    text = "".join(runner.generate(tiny.tokenizer.encode("hell"), 20, SamplingParams(temperature=1.5, seed=3)))
+    assert text == tiny.tokenizer.decode(runner.stats.tokens)
+    assert runner.stats.finish_reason in ("length", "stop")
+
+
+def test_context_overflow_is_an_error_before_any_work(tiny) -> None:
+    runner = Runner(tiny, 8)
+    with pytest.raises(TracelmError, match="exceeds the context of 8"):
+        next(runner.generate(list(range(6)), 3, GREEDY))
+    assert runner.cache.n_past == 0
+
+
+def test_stop_split_holds_back_possible_prefixes() -> None:
+    assert stop_split("abc</", ["</s>"]) == ("abc", "</", False)
+    assert stop_split("abc</s>def", ["</s>"]) == ("abc", "", True)
+    assert stop_split("abc", []) == ("abc", "", False)
+    assert stop_split("xEND", ["STOP", "END"]) == ("x", "", True)
+
+
+def test_stop_strings_end_generation(tiny) -> None:
+    runner = Runner(tiny, 64)
+    full = "".join(runner.generate([104], 30, GREEDY))
+    assert len(full) > 4
+    stop = full[2:4]
+    cut = "".join(Runner(tiny, 64).generate([104], 30, GREEDY, stop=[stop]))
+    assert cut == full[: full.find(stop)]
+
+
+def test_trace_events_cover_every_stage(tiny, tmp_path) -> None:
+    path = tmp_path / "t.jsonl"
+    with open(path, "w") as f:
+        runner = Runner(tiny, 32, Tracer(f, "digest"))
+        list(runner.generate([104, 101], 2, GREEDY))
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    stages = [e for e in events if e["event"] == "stage"]
+    per_pass = 1 + 7 * tiny.cfg.n_layer + 2
+    assert len(stages) == 2 * per_pass  # prefill + one decode step (the last token is not fed back)
+    assert [e["seq"] for e in events] == list(range(len(events)))
+    first = stages[0]
+    assert first["stage"] == "embed" and first["shape"] == [[2, 64]] and len(first["digest"]) == 32
+    assert {e["stage"] for e in stages} == {"embed", "attn_norm", "qkv", "rope", "attend", "out_proj", "ffn_norm",
+                                            "ffn", "output_norm", "head"}
+    assert sum(e["event"] == "token" for e in events) == 2
