@@ -45,8 +45,40 @@ from tracelm.state.records import Choice, SamplingParams
 _TOP_P_HEAD = 1024  # top-p over a larger candidate set first tries its 1024 most probable entries
 
 
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, recent: np.ndarray) -> Choice:
+def sample(
+    logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, recent: np.ndarray
+) -> Choice:
     """Choose the next token from `logits` [vocab] (see the module docstring for the exact rules)."""
+    _check(logits)
+    u = rng.random()  # exactly one draw per call, used or not
+    logits = _penalise(np.asarray(logits), params, recent)
+    if params.temperature == 0.0:
+        token = int(np.argmax(logits))
+        z = np.exp(logits.astype(np.float32) - np.float32(logits[token])).sum(dtype=np.float64)
+        return Choice(token=token, prob=float(1.0 / z))
+    ids, probs = _filtered(logits, params)
+    cdf = np.cumsum(probs)
+    i = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), ids.size - 1)
+    return Choice(token=int(ids[i]), prob=float(probs[i] / cdf[-1]))
+
+
+def distribution(
+    logits: np.ndarray, params: SamplingParams, recent: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The distribution `sample` draws from: kept token ids (ascending) and their probabilities (sum 1).
+
+    Temperature 0 gives the point mass on the greedy token. For tracing and tests; `sample` does not
+    call it (it needs no normalised copy), but both share every step.
+    """
+    _check(logits)
+    logits = _penalise(np.asarray(logits), params, recent)
+    if params.temperature == 0.0:
+        return np.array([np.argmax(logits)]), np.ones(1)
+    ids, probs = _filtered(logits, params)
+    return ids, probs / probs.sum()
+
+
+def _check(logits: np.ndarray) -> None:
     logits = np.asarray(logits)
     if logits.ndim != 1 or logits.size == 0:
         raise ValueError(f"logits must be a non-empty 1-D array [vocab], got shape {list(logits.shape)}")
@@ -60,14 +92,9 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
     if top == -np.inf:
         raise ValueError("logits are all -inf: no token can be chosen")
 
-    u = rng.random()  # exactly one draw per call, used or not
-    logits = _penalise(logits, params, recent)
 
-    if params.temperature == 0.0:
-        token = int(np.argmax(logits))
-        z = np.exp(logits.astype(np.float32) - np.float32(logits[token])).sum(dtype=np.float64)
-        return Choice(token=token, prob=float(1.0 / z))
-
+def _filtered(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """Temperature, top-k, softmax, top-p, min-p: kept ids (ascending), probabilities not renormalised."""
     ids = _top_k(logits, params.top_k)  # ascending ids, or None for the whole vocabulary
     x = (logits if ids is None else logits[ids]).astype(np.float32) / np.float32(params.temperature)
     e = np.exp(x - x.max())  # unnormalised probabilities; the largest is exactly 1
@@ -81,11 +108,7 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
     if params.top_p < 1.0:
         sel = _top_p(p, params.top_p)
         keep, p = keep[sel], p[sel]
-
-    cdf = np.cumsum(p)
-    i = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), keep.size - 1)
-    token = int(keep[i]) if ids is None else int(ids[keep[i]])
-    return Choice(token=token, prob=float(p[i] / cdf[-1]))
+    return (keep if ids is None else ids[keep]), p
 
 
 def _top_p(p: np.ndarray, top_p: float) -> np.ndarray:
