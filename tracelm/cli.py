@@ -68,14 +68,16 @@ def _generate(runner: Any, ids: list[int], cfg: Any, out: Any) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from tracelm.io.loader import load_model
-    from tracelm.pipeline.runner import Runner
+    from tracelm.io.loader import ModelFile
+    from tracelm.pipeline.runner import Runner, check_fits
     from tracelm.pipeline.trace import write_footer
 
     cfg = _load_config(args)
     with _threads(cfg.threads):
-        model = load_model(cfg.model)
-        ids = model.tokenizer.encode(cfg.prompt)
+        source = ModelFile(cfg.model)
+        ids = source.tokenizer.encode(cfg.prompt)
+        check_fits(len(ids), cfg.max_tokens, cfg.context)
+        model = source.load()
         with _tracer(cfg, model, ids) as tracer:
             runner = Runner(model, cfg.context, tracer)
             _generate(runner, ids, cfg, sys.stdout)

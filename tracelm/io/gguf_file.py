@@ -10,8 +10,8 @@ from typing import Any
 
 import attrs
 import numpy as np
-from gguf import GGMLQuantizationType as QType
 from gguf import GGML_QUANT_SIZES, quants
+from gguf import GGMLQuantizationType as QType
 
 from tracelm import TracelmError
 from tracelm.state.model_config import ModelConfig
@@ -245,10 +245,15 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, progress: bool = True) -> Model
     """Dequantize every tensor into resident f32 arrays, fusing q/k/v and gate/up per block."""
     from tqdm import tqdm
 
-    d = cfg.n_embd
     total = sum(t.n_bytes for t in gf.tensors.values())
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=not progress,
-               leave=False)
+    # a bar only on a terminal: captured stderr gets nothing but real messages
+    with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", leave=False,
+              disable=None if progress else True) as bar:
+        return _load_all(gf, cfg, bar)
+
+
+def _load_all(gf: GGUFFile, cfg: ModelConfig, bar: Any) -> ModelWeights:
+    d = cfg.n_embd
 
     def done(*names: str) -> None:
         bar.update(sum(gf.tensors[n].n_bytes for n in names if n in gf.tensors))
@@ -279,5 +284,4 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, progress: bool = True) -> Model
     output_norm = _checked(gf, "output_norm.weight", (d,))
     output = embd if cfg.tied_head else _checked(gf, "output.weight", (cfg.n_vocab, d))
     done("output_norm.weight", "output.weight")
-    bar.close()
     return ModelWeights(token_embd=embd, layers=tuple(layers), output_norm=output_norm, output=output)

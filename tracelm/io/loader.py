@@ -1,4 +1,4 @@
-"""Load a model by registry name or path: config, resident f32 weights and tokenizer."""
+"""Load a model by registry name or path: config and tokenizer first, then resident f32 weights."""
 
 from __future__ import annotations
 
@@ -29,15 +29,25 @@ class LoadedModel:
         return self.metadata.get("tokenizer.chat_template")
 
 
+class ModelFile:
+    """An opened model file whose config and tokenizer are read but whose weights are not yet loaded,
+    so a prompt can be checked against the context before the expensive part."""
+
+    def __init__(self, name_or_path: str):
+        self.t0 = time.perf_counter()
+        self.path = Path(registry.resolve(name_or_path))
+        self.gguf = GGUFFile(self.path)
+        self.cfg = model_config(self.gguf)
+        self.tokenizer = Tokenizer.from_gguf_metadata(self.gguf.metadata, source=self.gguf.name)
+
+    def load(self, progress: bool = True) -> LoadedModel:
+        weights = load_weights(self.gguf, self.cfg, progress=progress)
+        meta = {k: v for k, v in self.gguf.metadata.items() if not isinstance(v, list) or len(v) < 256}
+        return LoadedModel(self.path, self.cfg, weights, self.tokenizer, meta, time.perf_counter() - self.t0)
+
+
 def load_model(name_or_path: str, progress: bool = True) -> LoadedModel:
-    path = registry.resolve(name_or_path)
-    t0 = time.perf_counter()
-    gf = GGUFFile(path)
-    cfg = model_config(gf)
-    tokenizer = Tokenizer.from_gguf_metadata(gf.metadata, source=gf.name)
-    weights = load_weights(gf, cfg, progress=progress)
-    meta = {k: v for k, v in gf.metadata.items() if not isinstance(v, list) or len(v) < 256}
-    return LoadedModel(Path(path), cfg, weights, tokenizer, meta, time.perf_counter() - t0)
+    return ModelFile(name_or_path).load(progress)
 
 
 def load_tokenizer(name_or_path: str) -> Tokenizer:

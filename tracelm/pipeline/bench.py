@@ -39,12 +39,15 @@ def _best_seconds(fn: Any, repeat: int) -> float:
     return best
 
 
+def _read_bandwidth(nbytes: int) -> float:
+    w = np.ones((nbytes // 4096, 1024), np.float32)
+    x = np.ones(1024, np.float32)
+    return w.nbytes / _best_seconds(lambda: w @ x, 5) / 1e9
+
+
 def machine_probe() -> dict[str, float]:
     """Measured read bandwidth (GB/s) and sgemm rate (GFLOP/s) of this machine, now."""
-    w = np.ones((1 << 18, 1 << 10), np.float32)  # 1 GiB: far past any cache
-    x = np.ones(1 << 10, np.float32)
-    bandwidth = w.nbytes / _best_seconds(lambda: w @ x, 5) / 1e9
-    del w
+    bandwidth = _read_bandwidth(1 << 30)
     n = 2048
     a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
     sgemm = 2 * n**3 / _best_seconds(lambda: a @ a, 5) / 1e9

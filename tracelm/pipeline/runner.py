@@ -51,6 +51,15 @@ def stop_split(text: str, stops: Sequence[str]) -> tuple[str, str, bool]:
     return text[: len(text) - hold], text[len(text) - hold :], False
 
 
+def check_fits(n_prompt: int, max_tokens: int, n_ctx: int) -> None:
+    """A prompt plus the tokens to generate must fit the context: checked before any work."""
+    if n_prompt == 0:
+        raise TracelmError("empty prompt: nothing to condition on (give at least one token)")
+    if n_prompt + max_tokens > n_ctx:
+        raise TracelmError(f"prompt of {n_prompt} tokens + max_tokens {max_tokens} exceeds the context of "
+                           f"{n_ctx} positions")
+
+
 class Runner:
     """A model and one Cache (one conversation). Later calls reuse the cached common prefix."""
 
@@ -64,16 +73,9 @@ class Runner:
         call = self.tracer.call if self.tracer is not None else plain_call
         return forward(self.model.cfg, self.model.weights, self.cache, ids, all_logits, call)
 
-    def _check_fits(self, n_prompt: int, max_tokens: int) -> None:
-        if n_prompt == 0:
-            raise TracelmError("empty prompt: nothing to condition on (give at least one token)")
-        if n_prompt + max_tokens > self.cache.n_ctx:
-            raise TracelmError(f"prompt of {n_prompt} tokens + max_tokens {max_tokens} exceeds the context of "
-                               f"{self.cache.n_ctx} positions")
-
     def prefill(self, ids: Sequence[int], all_logits: bool = False) -> Logits:
         """Bring the Cache to hold exactly `ids`, computing only positions past the common prefix."""
-        self._check_fits(len(ids), 0)
+        check_fits(len(ids), 0, self.cache.n_ctx)
         keep = min(common_prefix(self.cache.tokens, ids), len(ids) - 1)
         if all_logits:
             keep = 0
@@ -95,7 +97,7 @@ class Runner:
                  stop: Sequence[str] = ()) -> Iterator[str]:
         """Yield text as it is decoded (never half a UTF-8 character); statistics land in self.stats."""
         prompt_ids = [int(i) for i in prompt_ids]
-        self._check_fits(len(prompt_ids), max_tokens)
+        check_fits(len(prompt_ids), max_tokens, self.cache.n_ctx)
         tok = self.model.tokenizer
         self.stats = stats = GenerationStats(n_prompt=len(prompt_ids), finish_reason="length")
         t0 = time.perf_counter()
