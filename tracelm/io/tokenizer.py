@@ -116,7 +116,7 @@ class Tokenizer:
         self.bos_id = special_ids.get("bos_token_id")
         self.eos_id = special_ids.get("eos_token_id")
         self.add_bos = spec.add_bos if add_bos is None else bool(add_bos)
-        ends = {special_ids.get(k) for k in ("eos_token_id", "eot_token_id", "eom_token_id")} - {None}
+        ends = {special_ids.get(k) for k in SPECIAL_ID_KEYS[1:]} - {None}  # eos, eot, eom
         ends |= {i for i, (t, k) in enumerate(typed) if k == CONTROL and t in EOG_TEXTS}
         self.eog_ids: frozenset[int] = frozenset(ends)
 
