@@ -30,7 +30,10 @@ def byte_level_vocab() -> list[str]:
 TINY = dict(n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=96, n_ctx=128, rope_base=10000.0)
 
 
-def write_tiny_gguf(path: Path, *, arch: str = "llama", qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+F32 = gguf.GGMLQuantizationType.F32
+
+
+def write_tiny_gguf(path: Path, *, arch: str = "llama", qtype: gguf.GGMLQuantizationType = F32,
                     drop: str | None = None, seed: int = 0, tied: bool = True) -> Path:
     """A 2-layer llama with random weights and a byte-level BPE vocabulary (256 bytes, 3 merges,
     <|endoftext|> as BOS/EOS). `drop` leaves one tensor out; `qtype` stores the matrices quantized."""

@@ -1,0 +1,122 @@
+"""End to end on the real default model, SmolLM2-135M-Instruct (GGUF, Q4_1/Q8_0), and against
+Hugging Face transformers loading the same GGUF in f32."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import has_reference
+from tracelm.pipeline.runner import Runner
+from tracelm.state.records import SamplingParams
+
+CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "smollm2.yaml")
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "Once upon a time, in a small village by the sea, there lived 3 sisters who",
+]
+GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0)
+
+pytestmark = pytest.mark.model
+
+
+def tracelm(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tracelm.cli", *args], capture_output=True, text=True,
+                          input=stdin, timeout=300)
+
+
+def test_run_answers_paris(smollm2_path) -> None:
+    proc = tracelm("run", CONFIG, "--prompt", "The capital of France is", "--temperature", "0", "--max-tokens", "8")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+
+
+def test_chat_answers_paris(smollm2_path) -> None:
+    proc = tracelm("chat", CONFIG, "--temperature", "0", "--max-tokens", "40",
+                   stdin="What is the capital of France?\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+
+
+def test_chat_second_turn_reuses_the_cache(smollm2_path) -> None:
+    proc = tracelm("chat", CONFIG, "--temperature", "0", "--max-tokens", "24",
+                   "--message", "What is the capital of France?", "--message", "And of Italy?")
+    assert proc.returncode == 0, proc.stderr
+    reuse = [line for line in proc.stderr.splitlines() if line.startswith("[reused")]
+    assert len(reuse) == 2 and reuse[0].startswith("[reused 0 of")
+    n_reused, n_prompt = (int(w) for w in reuse[1].split()[1:4:2])
+    assert 0 < n_reused < n_prompt  # only the new turn was prefilled
+
+
+def test_trace_file_has_header_stages_and_tokens(smollm2_path, tmp_path) -> None:
+    trace = tmp_path / "run.jsonl"
+    proc = tracelm("run", CONFIG, "--temperature", "0", "--max-tokens", "3", "--trace", str(trace))
+    assert proc.returncode == 0, proc.stderr
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    header = events[0]
+    assert header["event"] == "header" and header["level"] == "digest"
+    assert header["model_sha256"] == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+    assert header["prompt_ids"] and header["seed"] == 0 and header["packages"]["numpy"]
+    assert header["config"]["sampling"]["temperature"] == 0.0
+    assert events[-1]["event"] == "footer" and events[-1]["n_generated"] == 3
+    assert sum(e["event"] == "stage" for e in events) == 3 * (1 + 7 * 30 + 2)
+
+
+def test_logits_command_writes_every_position(smollm2, tmp_path) -> None:
+    out = tmp_path / "logits.npy"
+    proc = tracelm("logits", "--model", str(smollm2.path), "--prompt", "Hello world", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    logits = np.load(out)
+    ids = smollm2.tokenizer.encode("Hello world")
+    assert logits.dtype == np.float32 and logits.shape == (len(ids), smollm2.cfg.n_vocab)
+    np.testing.assert_allclose(logits, Runner(smollm2, 16).logits(ids), atol=1e-4)
+
+
+def test_bench_reports_rates_and_ratios(smollm2_path) -> None:
+    proc = tracelm("bench", "--model", str(smollm2_path), "--prompt-tokens", "32", "--decode-tokens", "4", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    for key in ("load_seconds", "prefill_tok_s", "decode_tok_s", "peak_rss_mb", "bandwidth_gb_s", "sgemm_gflop_s",
+                "decode_vs_roofline", "prefill_vs_sgemm_bound"):
+        assert report[key] > 0, key
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm2_path):
+    if not has_reference():
+        pytest.skip("transformers + torch not installed (pip install -e '.[reference]')")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
+                                                 dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_logits_and_greedy_tokens_agree_with_transformers(smollm2, hf_model, prompt: str) -> None:
+    import torch
+
+    ids = smollm2.tokenizer.encode(prompt)
+    ours = Runner(smollm2, 128).logits(ids)
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0].numpy()
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+    assert np.abs(ours - ref).max() <= 0.05
+
+    runner = Runner(smollm2, 128)
+    list(runner.generate(ids, 24, GREEDY))
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)
+    theirs = out[0, len(ids):].tolist()
+    ours_ids = runner.stats.tokens
+    if runner.stats.finish_reason == "stop":  # stopped on an end-of-generation token, which HF includes
+        theirs = theirs[: len(ours_ids)]
+    assert ours_ids == theirs
