@@ -46,18 +46,21 @@ class _Cursor:
     def __init__(self, buf: memoryview, name: str):
         self.buf, self.pos, self.name = buf, 0, name
 
+    def _need(self, n: int) -> None:
+        if self.pos + n > len(self.buf):
+            raise TracelmError(f"{self.name}: truncated or corrupt GGUF file (metadata at byte {self.pos} "
+                               f"runs {self.pos + n - len(self.buf)} bytes past the end of the file)")
+
     def take(self, fmt: str) -> Any:
         size = struct.calcsize("<" + fmt)
-        if self.pos + size > len(self.buf):
-            raise TracelmError(f"{self.name}: truncated GGUF file (metadata ends early at byte {self.pos})")
+        self._need(size)
         (value,) = struct.unpack_from("<" + fmt, self.buf, self.pos)
         self.pos += size
         return value
 
     def string(self) -> str:
         n = self.take("Q")
-        if self.pos + n > len(self.buf):
-            raise TracelmError(f"{self.name}: truncated GGUF file (metadata ends early at byte {self.pos})")
+        self._need(n)
         s = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8", errors="replace")
         self.pos += n
         return s
@@ -71,14 +74,12 @@ class _Cursor:
             etype, count = self.take("I"), self.take("Q")
             if etype in _NUMPY:
                 dt = np.dtype(_NUMPY[etype]).newbyteorder("<")
-                end = self.pos + count * dt.itemsize
-                if end > len(self.buf):
-                    raise TracelmError(f"{self.name}: truncated GGUF file (array ends past the file)")
+                self._need(count * dt.itemsize)
                 arr = np.frombuffer(self.buf, dt, count, self.pos)
-                self.pos = end
+                self.pos += count * dt.itemsize
                 return arr.tolist()
             return [self.value(etype) for _ in range(count)]
-        raise TracelmError(f"{self.name}: bad GGUF metadata value type {vtype} at byte {self.pos}")
+        raise TracelmError(f"{self.name}: corrupt GGUF file (unknown metadata value type {vtype} at byte {self.pos})")
 
 
 class GGUFFile:
