@@ -61,7 +61,7 @@ def rope_reference(x: np.ndarray, positions: np.ndarray, base: float, mode: str)
 @pytest.mark.parametrize("mode", ["adjacent", "neox"])
 def test_rope_matches_complex_rotation(mode: str) -> None:
     T, H, d, start = 6, 3, 16, 9
-    cos, sin = rope_tables(64, d, 10000.0)
+    cos, sin = rope_tables(64, d, 10000.0, mode)
     x = randn(T, H, d)
     out = rotate(x, cos[start : start + T], sin[start : start + T], mode)
     np.testing.assert_allclose(out, rope_reference(x, np.arange(start, start + T), 10000.0, mode), atol=2e-5)
@@ -69,7 +69,7 @@ def test_rope_matches_complex_rotation(mode: str) -> None:
 
 @pytest.mark.parametrize("mode", ["adjacent", "neox"])
 def test_rope_is_identity_at_zero_and_keeps_norms(mode: str) -> None:
-    cos, sin = rope_tables(512, 16, 10000.0)
+    cos, sin = rope_tables(512, 16, 10000.0, mode)
     x = randn(1, 4, 16)
     np.testing.assert_array_equal(rotate(x, cos[:1], sin[:1], mode), x)
     far = rotate(np.repeat(x, 3, axis=0), cos[[1, 100, 511]], sin[[1, 100, 511]], mode)
@@ -78,7 +78,7 @@ def test_rope_is_identity_at_zero_and_keeps_norms(mode: str) -> None:
 
 
 def test_rope_partial_rotary_passes_the_rest_through() -> None:
-    cos, sin = rope_tables(16, 8, 10000.0)  # rotate 8 of 16 dims
+    cos, sin = rope_tables(16, 8, 10000.0, "neox")  # rotate 8 of 16 dims
     x = randn(2, 3, 16)
     out = rotate(x, cos[3:5], sin[3:5], "neox")
     np.testing.assert_array_equal(out[..., 8:], x[..., 8:])
@@ -86,7 +86,7 @@ def test_rope_partial_rotary_passes_the_rest_through() -> None:
 
 
 def test_rope_stage_rotates_q_and_k_not_v() -> None:
-    cos, sin = rope_tables(8, 8, 10000.0)
+    cos, sin = rope_tables(8, 8, 10000.0, "adjacent")
     h = Heads(randn(2, 4, 8), randn(2, 2, 8), randn(2, 2, 8), 3)
     out = rope(h, cos[3:5], sin[3:5], "adjacent")
     np.testing.assert_array_equal(out.v, h.v)

@@ -30,7 +30,7 @@ def plain_call(stage: str, layer: int | None, fn: Callable[..., Any], *args: Any
 
 
 def new_cache(cfg: ModelConfig, n_ctx: int) -> Cache:
-    cos, sin = rope_tables(n_ctx, cfg.rope_dim, cfg.rope_base)
+    cos, sin = rope_tables(n_ctx, cfg.rope_dim, cfg.rope_base, cfg.rope_mode)
     return Cache(cfg, n_ctx, cos, sin)
 
 

@@ -20,41 +20,52 @@ def qkv(h: Hidden, wqkv: np.ndarray, bqkv: np.ndarray | None, n_head: int, n_hea
     return Heads(q, k, v, h.start)
 
 
-def rope_tables(n_ctx: int, rope_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin of angle[p, i] = p * base^(-2i / rope_dim), shape [n_ctx, rope_dim / 2]."""
+def rope_tables(n_ctx: int, rope_dim: int, base: float, mode: str) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of angle[p, i] = p * base^(-2i / rope_dim), laid out per dimension for `mode`:
+    [n_ctx, rope_dim], each angle repeated on both dims of its pair (see `rotate`)."""
     inv_freq = base ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
     angle = np.arange(n_ctx, dtype=np.float64)[:, None] * inv_freq[None, :]
+    if mode == "adjacent":
+        angle = np.repeat(angle, 2, axis=1)  # pair i is dims (2i, 2i+1)
+    elif mode == "neox":
+        angle = np.concatenate([angle, angle], axis=1)  # pair i is dims (i, i + rope_dim/2)
+    else:
+        raise ValueError(f"unknown rope mode {mode!r}")
     return np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
 
 
 def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, mode: str) -> np.ndarray:
-    """Rotate pairs (a, b) of the first 2*cos.shape[-1] dims of x [T, H, hd] by the position's angle:
-    (a, b) -> (a cos - b sin, a sin + b cos).
+    """Rotate each pair (a, b) of the first rope_dim dims of x [T, H, hd] by its angle:
+    (a, b) -> (a cos - b sin, b cos + a sin), computed as x * cos + partner(x) * sin with
+    partner(a, b) = (-b, a). cos, sin: [T, rope_dim] rows of `rope_tables` for the same mode.
 
     mode "adjacent": pairs are dims (2i, 2i+1) (GGUF llama weights, llama.cpp's default);
     mode "neox": pairs are dims (i, i + rope_dim/2) (rotate-half, as in HF / GPT-NeoX).
     Dims past rope_dim pass through unchanged (partial rotary).
     """
-    T, H, hd = x.shape
-    half = cos.shape[-1]
-    c, s = cos[:, None, :], sin[:, None, :]
+    rope_dim = cos.shape[-1]
+    xr = x[..., :rope_dim]
+    partner = np.empty_like(xr)
     if mode == "adjacent":
-        pairs = x[..., : 2 * half].reshape(T, H, half, 2)
-        a, b = pairs[..., 0], pairs[..., 1]
-        rotated = np.stack((a * c - b * s, a * s + b * c), axis=-1).reshape(T, H, 2 * half)
+        np.negative(xr[..., 1::2], out=partner[..., 0::2])
+        partner[..., 1::2] = xr[..., 0::2]
     elif mode == "neox":
-        a, b = x[..., :half], x[..., half : 2 * half]
-        rotated = np.concatenate((a * c - b * s, a * s + b * c), axis=-1)
+        half = rope_dim // 2
+        np.negative(xr[..., half:], out=partner[..., :half])
+        partner[..., half:] = xr[..., :half]
     else:
         raise ValueError(f"unknown rope mode {mode!r}")
-    if 2 * half == hd:
+    rotated = xr * cos[:, None, :] + partner * sin[:, None, :]
+    if rope_dim == x.shape[-1]:
         return rotated
-    return np.concatenate((rotated, x[..., 2 * half :]), axis=-1)
+    return np.concatenate((rotated, x[..., rope_dim:]), axis=-1)
 
 
 def rope(heads: Heads, cos: np.ndarray, sin: np.ndarray, mode: str) -> Heads:
-    """Rotary position embedding of q and k; cos/sin are the table rows of the T positions."""
-    return Heads(rotate(heads.q, cos, sin, mode), rotate(heads.k, cos, sin, mode), heads.v, heads.start)
+    """Rotary position embedding of q and k (rotated together); cos/sin are the T positions' table rows."""
+    n_head = heads.q.shape[1]
+    qk = rotate(np.concatenate((heads.q, heads.k), axis=1), cos, sin, mode)
+    return Heads(qk[:, :n_head], qk[:, n_head:], heads.v, heads.start)
 
 
 def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray | None, scale: float,

@@ -16,7 +16,7 @@ class Cache:
         self.n_ctx = n_ctx
         self.k = np.zeros(shape, np.float32)  # [layer, kv head, position, head dim]
         self.v = np.zeros(shape, np.float32)
-        self.rope_cos, self.rope_sin = rope_cos, rope_sin  # [n_ctx, rope_dim / 2]
+        self.rope_cos, self.rope_sin = rope_cos, rope_sin  # [n_ctx, rope_dim], laid out for the rope mode
         for table in (self.rope_cos, self.rope_sin):
             table.flags.writeable = False
         self.tokens: list[int] = []
