@@ -55,7 +55,9 @@ def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, mode: str) -> np.nda
         partner[..., half:] = xr[..., :half]
     else:
         raise ValueError(f"unknown rope mode {mode!r}")
-    rotated = xr * cos[:, None, :] + partner * sin[:, None, :]
+    partner *= sin[:, None, :]
+    rotated = xr * cos[:, None, :]
+    rotated += partner
     if rope_dim == x.shape[-1]:
         return rotated
     return np.concatenate((rotated, x[..., rope_dim:]), axis=-1)
@@ -79,9 +81,8 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray
     T, H, hd = q.shape
     n_kv, L = keys.shape[0], keys.shape[1]
     g = H // n_kv
-    qg = q.reshape(T, n_kv, g, hd).transpose(1, 2, 0, 3).reshape(n_kv, g * T, hd)
+    qg = (q * np.float32(scale)).reshape(T, n_kv, g, hd).transpose(1, 2, 0, 3).reshape(n_kv, g * T, hd)
     scores = (qg @ keys.transpose(0, 2, 1)).reshape(n_kv, g, T, L)
-    scores *= scale
     if mask is not None:
         scores += mask
     scores -= scores.max(axis=-1, keepdims=True)
@@ -93,4 +94,6 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray
 
 def out_proj(attn: Hidden, wo: np.ndarray, residual: Hidden) -> Hidden:
     """residual + attn wo^T."""
-    return Hidden(residual.x + attn.x @ wo.T, residual.start)
+    out = attn.x @ wo.T
+    out += residual.x
+    return Hidden(out, residual.start)

@@ -6,14 +6,21 @@ from tracelm.state.records import Hidden
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    """x * sigmoid(x); exp(-x) overflowing to inf for very negative x correctly gives -0."""
+    """x * sigmoid(x) = x / (1 + exp(-x)), in one new array; exp(-x) overflowing to inf for very
+    negative x correctly gives -0."""
+    e = np.negative(x)
     with np.errstate(over="ignore"):
-        return x / (1.0 + np.exp(-x))
+        np.exp(e, out=e)
+    e += 1.0
+    return np.divide(x, e, out=e)
 
 
 def ffn(h: Hidden, w_gate_up: np.ndarray, w_down: np.ndarray, residual: Hidden) -> Hidden:
     """residual + w_down (silu(w_gate h) * (w_up h)); w_gate_up is [gate; up] stacked by rows."""
     gate_up = h.x @ w_gate_up.T
     n_ff = w_down.shape[1]
-    act = silu(gate_up[:, :n_ff]) * gate_up[:, n_ff:]
-    return Hidden(residual.x + act @ w_down.T, residual.start)
+    act = silu(gate_up[:, :n_ff])
+    act *= gate_up[:, n_ff:]
+    out = act @ w_down.T
+    out += residual.x
+    return Hidden(out, residual.start)

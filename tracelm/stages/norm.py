@@ -7,7 +7,9 @@ from tracelm.state.records import Hidden
 
 def rms_normalize(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     mean_sq = np.einsum("...i,...i->...", x, x)[..., None] / x.shape[-1]
-    return x * (1.0 / np.sqrt(mean_sq + eps)) * weight
+    out = x * (1.0 / np.sqrt(mean_sq + eps))
+    out *= weight
+    return out
 
 
 def rms_norm(h: Hidden, weight: np.ndarray, eps: float) -> Hidden:
