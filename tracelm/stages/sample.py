@@ -4,6 +4,8 @@ Order of application (as `SamplingParams` documents it):
 
 1. repetition penalty (llama.cpp / CTRL rule) on the distinct ids among the last `repeat_last_n`
    entries of `recent`: a logit > 0 is divided by the penalty, a logit <= 0 is multiplied by it;
+   then frequency and presence penalties (OpenAI's rule) over the same window, as llama.cpp applies
+   them: logit -= frequency_penalty * count + presence_penalty * (count > 0);
 2. temperature 0 -> greedy: the lowest id among the maximal penalised logits (np.argmax);
 3. logits / temperature;
 4. top-k (0 = off): the k largest logits; ties at the k-th value keep the lowest ids;
@@ -51,7 +53,7 @@ def sample(
     """Choose the next token from `logits` [vocab] (see the module docstring for the exact rules)."""
     _check(logits)
     u = rng.random()  # exactly one draw per call, used or not
-    logits = _penalise(np.asarray(logits), params, recent)
+    logits = _frequency_presence(_penalise(np.asarray(logits), params, recent), params, recent)
     if params.temperature == 0.0:
         token = int(np.argmax(logits))
         z = np.exp(logits.astype(np.float32) - np.float32(logits[token])).sum(dtype=np.float64)
@@ -71,7 +73,7 @@ def distribution(
     call it (it needs no normalised copy), but both share every step.
     """
     _check(logits)
-    logits = _penalise(np.asarray(logits), params, recent)
+    logits = _frequency_presence(_penalise(np.asarray(logits), params, recent), params, recent)
     if params.temperature == 0.0:
         return np.array([np.argmax(logits)]), np.ones(1)
     ids, probs = _filtered(logits, params)
@@ -145,6 +147,38 @@ def _penalise(logits: np.ndarray, params: SamplingParams, recent: np.ndarray) ->
     v = out[window]
     out[window] = np.where(v > 0, v / params.repeat_penalty, v * params.repeat_penalty)
     return out
+
+
+def _frequency_presence(logits: np.ndarray, params: SamplingParams, recent: np.ndarray) -> np.ndarray:
+    """OpenAI's frequency and presence penalties over the counts of ids in the last `repeat_last_n` entries
+    of `recent`: logit -= frequency_penalty * count + presence_penalty * (count > 0) (a copy if anything changes)."""
+    if (params.frequency_penalty == 0.0 and params.presence_penalty == 0.0) or params.repeat_last_n == 0:
+        return logits
+    recent = np.asarray(recent)
+    if recent.size == 0:
+        return logits
+    if recent.ndim != 1 or not np.issubdtype(recent.dtype, np.integer):
+        raise ValueError(f"recent must be a 1-D integer array of token ids, got {recent.dtype} "
+                         f"shape {list(recent.shape)}")
+    ids, counts = np.unique(recent[-params.repeat_last_n :], return_counts=True)
+    if ids[0] < 0 or ids[-1] >= logits.size:
+        raise ValueError(f"recent holds token ids outside the vocabulary [0, {logits.size})")
+    out = logits.copy()
+    out[ids] -= (params.frequency_penalty * counts + params.presence_penalty).astype(out.dtype)
+    return out
+
+
+def top_logprobs(logits: np.ndarray, token: int, k: int) -> tuple[float, np.ndarray, np.ndarray]:
+    """Log-probabilities under the model's own distribution (softmax of `logits` [vocab], temperature 1,
+    no penalties or filters): that of `token`, and the k most probable ids (descending; ties: lower id
+    first) with theirs. For reporting (OpenAI `logprobs`); sampling does not use it."""
+    _check(logits)
+    x = np.asarray(logits, np.float64)
+    m = x.max()
+    lse = m + np.log(np.exp(x - m).sum())
+    ids = _top_k(x, k) if 0 < k < x.size else np.arange(x.size if k else 0)
+    ids = ids[np.argsort(-x[ids], kind="stable")]
+    return float(x[token] - lse), ids, x[ids] - lse
 
 
 def _top_k(logits: np.ndarray, k: int) -> np.ndarray | None:

@@ -86,11 +86,15 @@ class ModelWeights:
         return total
 
 
+_PENALTY_RANGE = [attrs.validators.ge(-2.0), attrs.validators.le(2.0)]
+
+
 @attrs.frozen(slots=True)
 class SamplingParams:
     """How the next token is chosen from logits. temperature 0 means greedy (argmax).
 
-    Order of application: repetition penalty -> temperature -> top-k -> top-p -> min-p.
+    Order of application: repetition penalty -> frequency/presence penalties -> temperature -> top-k -> top-p
+    -> min-p.
     A value that disables a filter: top_k 0, top_p 1.0, min_p 0.0, repeat_penalty 1.0.
     """
 
@@ -101,6 +105,9 @@ class SamplingParams:
     repeat_penalty: float = attrs.field(default=1.0, validator=attrs.validators.gt(0.0))
     repeat_last_n: int = attrs.field(default=64, validator=attrs.validators.ge(0))
     seed: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    # OpenAI's penalties, over the same window as repeat_penalty: logit -= f * count + p * (count > 0); 0 = off
+    frequency_penalty: float = attrs.field(default=0.0, validator=_PENALTY_RANGE)
+    presence_penalty: float = attrs.field(default=0.0, validator=_PENALTY_RANGE)
 
 
 @attrs.frozen(slots=True)
