@@ -1,4 +1,4 @@
-"""tracelm's one entry point: run | chat | logits | tokenize | models | bench."""
+"""tracelm's one entry point: run | chat | logits | tokenize | models | bench | trace | replay."""
 
 from __future__ import annotations
 
@@ -42,18 +42,20 @@ def _load_config(args: argparse.Namespace) -> Any:
 
 
 @contextlib.contextmanager
-def _tracer(cfg: Any, model: Any, prompt_ids: list[int]) -> Iterator[Any]:
+def _tracer(cfg: Any, model: Any, prompt_ids: list[int], key_env: str | None = None) -> Iterator[Any]:
     if cfg.trace.level == "off" or not cfg.trace.file:
         yield None
         return
-    from tracelm.pipeline.trace import Tracer, write_header
+    from tracelm.pipeline.trace import Tracer, trace_key, write_header
+
+    key = trace_key(key_env) if key_env else None
 
     try:
         stream = open(cfg.trace.file, "w", encoding="utf-8")  # noqa: SIM115
     except OSError as e:
         raise TracelmError(f"{cfg.trace.file}: cannot write trace: {e.strerror}") from None
     with stream:
-        tracer = Tracer(stream, cfg.trace.level)
+        tracer = Tracer(stream, cfg.trace.level, key=key)
         write_header(tracer, cfg, model, prompt_ids)
         yield tracer
 
@@ -78,11 +80,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         ids = source.tokenizer.encode(cfg.prompt)
         check_fits(len(ids), cfg.max_tokens, cfg.context)
         model = source.load()
-        with _tracer(cfg, model, ids) as tracer:
+        with _tracer(cfg, model, ids, getattr(args, "trace_key_env", None)) as tracer:
             runner = Runner(model, cfg.context, tracer)
-            _generate(runner, ids, cfg, sys.stdout)
+            text = _generate(runner, ids, cfg, sys.stdout)
             if tracer is not None:
-                write_footer(tracer, runner.stats)
+                write_footer(tracer, runner.stats, text)
     sys.stdout.write("\n")
     s = runner.stats
     rate = s.n_generated / s.decode_seconds if s.decode_seconds else 0.0
@@ -194,6 +196,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_trace(args: argparse.Namespace) -> int:
+    from tracelm.pipeline.audit import read_trace, summary, verify
+    from tracelm.pipeline.trace import trace_key
+
+    trace = read_trace(args.trace)
+    if args.action == "show":
+        print(summary(trace))
+        return 0
+    verdict = verify(trace, trace_key(args.key_env) if args.key_env else None)
+    if verdict.intact:
+        print(f"{args.trace}: {verdict.message}")
+        return 0
+    print(f"{args.trace}: TAMPERED: {verdict.message}")
+    return 1
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from tracelm.pipeline.replay import replay
+    from tracelm.pipeline.trace import trace_key
+
+    key = trace_key(args.key_env) if args.key_env else None
+    report = replay(args.trace, args.model, args.allow_model_change, key, limit_threads=_threads)
+    print(report.describe())
+    return report.status
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tracelm", description="Auditable LLM inference on the CPU.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -211,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     run_options(sp)
     sp.add_argument("--prompt")
     sp.add_argument("--trace", metavar="FILE", help="write a JSON-lines trace (level digest by default)")
+    sp.add_argument("--trace-key-env", metavar="NAME", help="sign the trace with HMAC-SHA256, key from env var NAME")
     sp.set_defaults(fn=cmd_run)
 
     sp = sub.add_parser("chat", help="multi-turn chat with the model's chat template (lines on stdin)")
@@ -234,6 +263,20 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("action", choices=("list", "pull", "path"))
     sp.add_argument("name", nargs="?", default="smollm2-135m-instruct")
     sp.set_defaults(fn=cmd_models)
+
+    sp = sub.add_parser("trace", help="check a trace's hash chain (verify) or summarise it (show), without the model")
+    sp.add_argument("action", choices=("verify", "show"))
+    sp.add_argument("trace", metavar="TRACE")
+    sp.add_argument("--key-env", metavar="NAME", help="verify: also check every line's HMAC, key from env var NAME")
+    sp.set_defaults(fn=cmd_trace)
+
+    sp = sub.add_parser("replay", help="re-run a trace and report the first stage or token where the runs part")
+    sp.add_argument("trace", metavar="TRACE")
+    sp.add_argument("--model", help="model file or registry name (default: the recorded one)")
+    sp.add_argument("--allow-model-change", action="store_true",
+                    help="replay even if the model's sha256 differs from the recorded one")
+    sp.add_argument("--key-env", metavar="NAME", help="check the trace's HMAC first, key from env var NAME")
+    sp.set_defaults(fn=cmd_replay)
 
     sp = sub.add_parser("bench", help="load time, prefill and decode rates, peak RSS, against the machine's limits")
     sp.add_argument("--model", default="smollm2-135m-instruct")

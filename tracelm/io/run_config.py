@@ -96,3 +96,17 @@ def load_run_config(path: str | Path | None, overrides: Iterable[str] = ()) -> R
 
 def config_as_dict(cfg: RunConfig) -> dict[str, Any]:
     return attrs.asdict(cfg, value_serializer=lambda _i, _f, v: list(v) if isinstance(v, tuple) else v)
+
+
+def run_config_from_dict(tree: dict[str, Any], source: str = "config") -> RunConfig:
+    """Rebuild a RunConfig from `config_as_dict` output (e.g. a trace header), validating every key."""
+    if not isinstance(tree, dict):
+        raise TracelmError(f"{source}: a config is a mapping of keys, got {type(tree).__name__}")
+    return _build(RunConfig, dict(tree))
+
+
+def record_from_dict(cls: type, tree: dict[str, Any], prefix: str = "") -> Any:
+    """Rebuild any attrs record of the run config (e.g. SamplingParams) from a dict, validating every key."""
+    if not isinstance(tree, dict):
+        raise TracelmError(f"{prefix or cls.__name__}: expected a mapping of keys, got {type(tree).__name__}")
+    return _build(cls, dict(tree), prefix)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 import numpy as np
@@ -13,7 +13,7 @@ from tracelm.io.loader import LoadedModel
 from tracelm.pipeline.graph import forward, new_cache, plain_call
 from tracelm.pipeline.trace import Tracer
 from tracelm.stages.sample import sample
-from tracelm.state.records import Logits, SamplingParams
+from tracelm.state.records import Choice, Logits, SamplingParams
 
 
 @attrs.define
@@ -21,7 +21,7 @@ class GenerationStats:
     n_prompt: int = 0  # prompt tokens
     n_reused: int = 0  # prompt tokens whose keys/values were already in the Cache
     n_generated: int = 0
-    finish_reason: str = ""  # "stop" (end-of-generation token or stop string) or "length"
+    finish_reason: str = ""  # "stop" (end-of-generation token or stop string), "length" or "cancelled"
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     tokens: list[int] = attrs.Factory(list)
@@ -94,24 +94,39 @@ class Runner:
         return np.asarray(self.prefill(ids, all_logits=True).values)
 
     def generate(self, prompt_ids: Sequence[int], max_tokens: int, sampling: SamplingParams,
-                 stop: Sequence[str] = ()) -> Iterator[str]:
-        """Yield text as it is decoded (never half a UTF-8 character); statistics land in self.stats."""
+                 stop: Sequence[str] = (), *, cancel: Callable[[], bool] | None = None,
+                 on_token: Callable[[Choice, np.ndarray], None] | None = None) -> Iterator[str]:
+        """Yield text as it is decoded (never half a UTF-8 character); statistics land in self.stats.
+
+        `cancel()` is asked before each token is sampled: True ends generation there (finish_reason
+        "cancelled"). `on_token(choice, logits)` sees each sampled token with the logits [vocab] it came from.
+        """
         prompt_ids = [int(i) for i in prompt_ids]
         check_fits(len(prompt_ids), max_tokens, self.cache.n_ctx)
         tok = self.model.tokenizer
         self.stats = stats = GenerationStats(n_prompt=len(prompt_ids), finish_reason="length")
+        rng = np.random.default_rng(sampling.seed)
+        if self.tracer is not None:  # what a replay needs to repeat this call exactly
+            self.tracer.event("generate", prompt_ids=prompt_ids, max_tokens=max_tokens, stop=list(stop),
+                              sampling=attrs.asdict(sampling),
+                              rng={"generator": type(rng.bit_generator).__name__, "seed": sampling.seed})
         t0 = time.perf_counter()
         logits = self.prefill(prompt_ids)
         stats.prefill_seconds = time.perf_counter() - t0
-        rng = np.random.default_rng(sampling.seed)
         history = list(prompt_ids)
         decoder = tok.stream_decoder()
         pending, stopped = "", False
         t0 = time.perf_counter()
         for step in range(max_tokens):
+            if cancel is not None and cancel():
+                stats.finish_reason = "cancelled"
+                break
             choice = sample(logits.values[-1], sampling, rng, np.asarray(history))
+            if on_token is not None:
+                on_token(choice, logits.values[-1])
             if self.tracer is not None:
-                self.tracer.event("token", id=choice.token, piece=tok.piece(choice.token), prob=choice.prob)
+                self.tracer.event("token", draw=step, id=choice.token, piece=tok.piece(choice.token),
+                                  text=tok.token_bytes(choice.token).decode("utf-8", "replace"), prob=choice.prob)
             if choice.token in tok.eog_ids:
                 stats.finish_reason = "stop"
                 break
@@ -128,7 +143,7 @@ class Runner:
                 logits = self.step(choice.token)
         if not stopped:  # release what was held back for a stop string, and any trailing bytes
             emit, _, stopped = stop_split(pending + decoder.flush(), stop)
-            if stopped:
+            if stopped and stats.finish_reason != "cancelled":
                 stats.finish_reason = "stop"
             if emit:
                 yield emit

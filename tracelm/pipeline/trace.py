@@ -1,18 +1,36 @@
-"""Trace events: one JSON line per stage call (and per sampled token), through structlog.
+"""Trace events: one JSON line per stage call, per sampled token, per generate call, with a hash chain.
 
-Levels: "off" (no events), "summary" (stage, layer, positions, shape, duration), "digest" (also a
-blake2b-128 digest of the output arrays' bytes, so two runs can be compared bit for bit).
+The format is described in docs/trace.md (format "tracelm-trace", version 2). In short:
+
+- line 1 is a `header` (resolved config, model and tokenizer hashes, versions, platform, BLAS, RNG, seed,
+  prompt ids); then `generate` (one per generate call), `stage` (one per stage call) and `token` (one per
+  sampled token) events; the last line is a `footer` (counts and totals).
+- Every line is `{BODY,"hash":"H"}` or `{BODY,"hash":"H","mac":"M"}` where BODY ends with `"prev":"P"`:
+  H = sha256(BODY as UTF-8 bytes), P = the previous line's H (64 zeros on line 1), M = HMAC-SHA256(key, H)
+  when the trace is signed. Editing, deleting, inserting or reordering a line breaks the chain.
+- Fields whose names end in `_us` or `_seconds` are timing: they differ between two runs of the same config
+  and seed (and so do the chain fields that cover them); everything else is deterministic.
+
+Levels: "off" (no events), "summary" (statistics, no digests), "digest" (also a blake2b-128 digest of the
+output bytes, so two runs can be compared bit for bit).
+
+The hot path (`Tracer.call`) only times the stage and keeps a reference to its (read-only) output arrays.
+Statistics, digests, JSON rendering, chaining and signing run in batches -- at each token event, at flush,
+or when the pending arrays pass `BATCH_ELEMENTS` -- through one structlog call per batch.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
+import os
 import platform
 import sys
 import time
 from collections.abc import Callable
 from importlib import metadata as importlib_metadata
+from pathlib import Path
 from typing import IO, Any
 
 import attrs
@@ -20,24 +38,79 @@ import numpy as np
 import structlog
 
 LEVELS = ("off", "summary", "digest")
-TRACE_VERSION = 1
-PACKAGES = ("tracelm", "numpy", "numexpr", "gguf", "tokenizers", "attrs", "structlog", "jinja2", "PyYAML")
+FORMAT = "tracelm-trace"
+TRACE_VERSION = 2
+GENESIS = "0" * 64  # the `prev` of line 1
+PACKAGES = ("tracelm", "numpy", "numexpr", "gguf", "tokenizers", "sentencepiece", "attrs", "structlog", "jinja2",
+            "PyYAML")
+BATCH_ELEMENTS = 1 << 20  # pending output elements that force a batch (bounds memory held during prefill)
+TIMING_SUFFIXES = ("_us", "_seconds")
+CHAIN_FIELDS = ("prev", "hash", "mac")
+
+
+def is_timing_field(name: str) -> bool:
+    return name.endswith(TIMING_SUFFIXES)
 
 
 def output_arrays(out: Any) -> list[np.ndarray]:
     """The arrays a stage returned, in field order (a record's array fields, or a bare array)."""
     if isinstance(out, np.ndarray):
         return [out]
-    if attrs.has(type(out)):
-        return [v for v in (getattr(out, f.name) for f in attrs.fields(type(out))) if isinstance(v, np.ndarray)]
-    return []
+    names = _array_fields.get(type(out))
+    if names is None:
+        names = _array_fields[type(out)] = tuple(f.name for f in attrs.fields(type(out))) if attrs.has(type(out)) \
+            else ()
+    return [v for v in (getattr(out, n) for n in names) if isinstance(v, np.ndarray)]
+
+
+_array_fields: dict[type, tuple[str, ...]] = {}
 
 
 def digest(arrays: list[np.ndarray]) -> str:
+    """blake2b-128 of the arrays' bytes in C order, one after another."""
     h = hashlib.blake2b(digest_size=16)
     for a in arrays:
-        h.update(np.ascontiguousarray(a).data)
+        h.update(a if a.flags.c_contiguous else np.ascontiguousarray(a))
     return h.hexdigest()
+
+
+def stats_of(arrays: list[np.ndarray]) -> tuple[float, float, float]:
+    """(mean, rms, max |x|) over all elements of the arrays, as the batched path computes them."""
+    m, r, x = _batch_stats([arrays])
+    return float(m[0]), float(r[0]), float(x[0])
+
+
+def _batch_stats(groups: list[list[np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Mean, rms and max |x| of each group of arrays, in a few vectorised passes over all of them.
+
+    Sums and sums of squares accumulate in float64, left to right within each group (np.add.reduceat).
+    Empty groups give NaN.
+    """
+    sizes = np.fromiter((sum(a.size for a in g) for g in groups), dtype=np.int64, count=len(groups))
+    nonempty = sizes > 0
+    n = len(groups)
+    mean, rms, maxabs = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
+    if not nonempty.any():
+        return mean, rms, maxabs
+    flat = [a.ravel() for g in groups for a in g]
+    buf = np.concatenate(flat) if len(flat) > 1 else flat[0]
+    if buf.dtype.kind != "f":
+        buf = buf.astype(np.float64)
+    offsets = np.concatenate(([0], np.cumsum(sizes)[:-1]))[nonempty]
+    counts = sizes[nonempty]
+    mean[nonempty] = np.add.reduceat(buf, offsets, dtype=np.float64) / counts
+    rms[nonempty] = np.sqrt(np.add.reduceat(np.square(buf, dtype=np.float64), offsets) / counts)
+    maxabs[nonempty] = np.maximum.reduceat(np.abs(buf), offsets)
+    return mean, rms, maxabs
+
+
+def _num(x: float) -> str:
+    """A statistic as JSON: 7 significant digits; NaN and infinities as strings (JSON has no literal)."""
+    if x != x:
+        return '"nan"'
+    if x in (float("inf"), float("-inf")):
+        return '"inf"' if x > 0 else '"-inf"'
+    return f"{x:.7g}"
 
 
 def package_versions() -> dict[str, str]:
@@ -51,55 +124,133 @@ def package_versions() -> dict[str, str]:
 
 
 def platform_facts() -> dict[str, Any]:
-    return {"python": sys.version.split()[0], "machine": platform.machine(), "system": platform.system()}
+    return {"python": sys.version.split()[0], "implementation": platform.python_implementation(),
+            "machine": platform.machine(), "system": platform.system(), "release": platform.release(),
+            "processor": platform.processor(), "cpu_count": os.cpu_count()}
+
+
+def blas_facts() -> list[dict[str, Any]]:
+    """The BLAS (and OpenMP) libraries numpy loaded, their versions, CPU kernels and thread counts."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return []
+    keep = ("user_api", "internal_api", "version", "num_threads", "threading_layer", "architecture")
+    return [{k: info.get(k) for k in keep} for info in threadpool_info()]
+
+
+def tokenizer_sha256(model_path: Any) -> str:
+    """sha256 of the GGUF's `tokenizer.*` metadata (vocabulary, types, merges, special ids, template) as
+    canonical JSON: the same for two files that tokenize alike, whatever their weights."""
+    from tracelm.io.gguf_file import GGUFFile
+
+    meta = GGUFFile(model_path).metadata
+    tok = {k: v for k, v in sorted(meta.items()) if k.startswith("tokenizer.")}
+    text = json.dumps(tok, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=_jsonable)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def trace_key(env_name: str) -> bytes:
+    """The HMAC key held in environment variable `env_name` (UTF-8 bytes)."""
+    from tracelm import TracelmError
+
+    value = os.environ.get(env_name)
+    if not value:
+        raise TracelmError(f"environment variable {env_name} (the trace signing key) is not set or empty")
+    return value.encode("utf-8")
 
 
 class Tracer:
-    """Times stage calls and writes one event per call to a JSON-lines stream."""
+    """Times stage calls and writes the trace's JSON lines to `stream` (see the module docstring).
 
-    def __init__(self, stream: IO[str], level: str = "digest"):
+    `key`: HMAC key bytes; when given every line carries a `mac`. `seq` and `prev` continue a chain
+    (a fresh trace starts at 0 and GENESIS).
+    """
+
+    def __init__(self, stream: IO[str], level: str = "digest", key: bytes | None = None):
         if level not in LEVELS[1:]:
             raise ValueError(f"trace level must be 'summary' or 'digest', not {level!r}")
         self.level = level
+        self.key = key
         self.seq = 0
-        self._log = structlog.wrap_logger(
-            structlog.WriteLogger(stream),
-            processors=[self._number, structlog.processors.JSONRenderer(serializer=_dumps)],
-        )
+        self.prev = GENESIS
+        self.n_tokens = 0  # token events so far: the index of the token the next forward pass computes
+        self.counts: dict[str, int] = {}
+        self.stage_us: dict[str, float] = {}
+        self._digest = level == "digest"
+        self._pending: list[tuple[str, int | None, int, int, list[np.ndarray], int]] = []
+        self._pending_elements = 0
         self._stream = stream
+        self._log = structlog.wrap_logger(structlog.WriteLogger(stream), processors=[self._render],
+                                          context_class=dict)
 
-    def _number(self, _logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
-        event = {"seq": self.seq, **event}
-        self.seq += 1
-        return event
-
-    def event(self, kind: str, **fields: Any) -> None:
-        self._log.msg(kind, **fields)
-
+    # -- the hot path -------------------------------------------------------------------------------
     def call(self, stage: str, layer: int | None, fn: Callable[..., Any], *args: Any) -> Any:
         t0 = time.perf_counter_ns()
         out = fn(*args)
         dur = time.perf_counter_ns() - t0
         arrays = output_arrays(out)
-        fields: dict[str, Any] = {
-            "stage": stage,
-            "layer": layer,
-            "start": getattr(out, "start", None),
-            "shape": [list(a.shape) for a in arrays],
-            "dtype": arrays[0].dtype.name if arrays else None,
-            "dur_us": round(dur / 1000, 1),
-        }
-        if self.level == "digest":
-            fields["digest"] = digest(arrays)
-        self._log.msg("stage", **fields)
+        self._pending.append((stage, layer, self.n_tokens, getattr(out, "start", -1), arrays, dur))
+        self._pending_elements += sum(a.size for a in arrays)
+        if self._pending_elements >= BATCH_ELEMENTS:
+            self._drain()
         return out
 
+    # -- events -------------------------------------------------------------------------------------
+    def event(self, kind: str, **fields: Any) -> None:
+        """One non-stage event (header, generate, token, footer), after any pending stage events."""
+        self._drain()
+        if kind == "token":
+            fields = {"tok": self.n_tokens, **fields}
+        self._log.msg(kind, **fields)
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        if kind == "token":
+            self.n_tokens += 1
+
     def flush(self) -> None:
+        self._drain()
         self._stream.flush()
 
+    def _drain(self) -> None:
+        if self._pending:
+            rows, self._pending, self._pending_elements = self._pending, [], 0
+            self._log.msg("stages", rows=rows)
 
-def _dumps(obj: Any, **kw: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, default=_jsonable, separators=(",", ":"))
+    # -- rendering and chaining (structlog processor) -------------------------------------------------
+    def _render(self, _logger: Any, _name: str, event: dict[str, Any]) -> str:
+        if event.get("event") == "stages" and "rows" in event:
+            return "\n".join(self._stage_lines(event["rows"]))
+        body = {"seq": self.seq, "event": event.pop("event"), **event, "prev": self.prev}
+        return self._chain(json.dumps(body, ensure_ascii=False, separators=(",", ":"), default=_jsonable)[:-1])
+
+    def _chain(self, body: str) -> str:
+        """Close one line: hash its body (and sign the hash); advance seq and prev."""
+        h = hashlib.sha256(body.encode("utf-8")).hexdigest()
+        self.seq += 1
+        self.prev = h
+        if self.key is None:
+            return f'{body},"hash":"{h}"}}'
+        mac = hmac.new(self.key, h.encode("ascii"), "sha256").hexdigest()
+        return f'{body},"hash":"{h}","mac":"{mac}"}}'
+
+    def _stage_lines(self, rows: list[tuple[str, int | None, int, int, list[np.ndarray], int]]) -> list[str]:
+        mean, rms, maxabs = _batch_stats([r[4] for r in rows])
+        lines = []
+        stage_us = self.stage_us
+        for (stage, layer, tok, start, arrays, dur), m, r, x in zip(rows, mean.tolist(), rms.tolist(),
+                                                                    maxabs.tolist(), strict=True):
+            shape = ",".join("[" + ",".join(map(str, a.shape)) + "]" for a in arrays)
+            n = arrays[0].shape[0] if arrays and arrays[0].ndim > 1 else 1
+            dtype = arrays[0].dtype.name if arrays else ""
+            d = f',"digest":"{digest(arrays)}"' if self._digest else ""
+            us = dur / 1000
+            stage_us[stage] = stage_us.get(stage, 0.0) + us
+            lines.append(self._chain(
+                f'{{"seq":{self.seq},"event":"stage","tok":{tok},"stage":"{stage}","layer":'
+                f'{"null" if layer is None else layer},"start":{start},"n":{n},"shape":[{shape}],"dtype":"{dtype}",'
+                f'"mean":{_num(m)},"rms":{_num(r)},"maxabs":{_num(x)}{d},"dur_us":{us:.1f},"prev":"{self.prev}"'))
+        self.counts["stage"] = self.counts.get("stage", 0) + len(rows)
+        return lines
 
 
 def _jsonable(x: Any) -> Any:
@@ -107,6 +258,8 @@ def _jsonable(x: Any) -> Any:
         return x.item()
     if isinstance(x, np.ndarray):
         return x.tolist()
+    if isinstance(x, bytes):
+        return x.decode("utf-8", "replace")
     if attrs.has(type(x)):
         return attrs.asdict(x)
     if isinstance(x, tuple | set | frozenset):
@@ -116,34 +269,52 @@ def _jsonable(x: Any) -> Any:
 
 def write_header(tracer: Tracer, run_config: Any, model: Any, prompt_ids: list[int]) -> None:
     """The opening event: everything needed to know what the run was and to repeat it."""
+    from tracelm import __version__
     from tracelm.io.registry import file_sha256
     from tracelm.io.run_config import config_as_dict
 
+    tok = model.tokenizer
     tracer.event(
         "header",
+        format=FORMAT,
         trace_version=TRACE_VERSION,
         level=tracer.level,
         digest_algorithm="blake2b-128" if tracer.level == "digest" else None,
+        hash_algorithm="sha256",
+        mac_algorithm="hmac-sha256" if tracer.key is not None else None,
+        tracelm_version=__version__,
         config=config_as_dict(run_config),
-        model_file=str(model.path),
+        model_file=str(Path(model.path).resolve()),
         model_sha256=file_sha256(model.path),
+        tokenizer_sha256=tokenizer_sha256(model.path),
         model_config=attrs.asdict(model.cfg),
         packages=package_versions(),
         platform=platform_facts(),
-        prompt_ids=list(prompt_ids),
+        blas=blas_facts(),
+        rng={"generator": "PCG64", "seeding": "numpy.random.default_rng(seed)", "seed": run_config.sampling.seed,
+             "draws_per_token": 1},
         seed=run_config.sampling.seed,
+        prompt_ids=[int(i) for i in prompt_ids],
+        prompt_text=tok.decode(prompt_ids),
+        created_unix_seconds=round(time.time(), 3),
     )
 
 
-def write_footer(tracer: Tracer, stats: Any) -> None:
+def write_footer(tracer: Tracer, stats: Any, text: str | None = None) -> None:
+    """The closing event: counts of every kind of event, the output, and timing totals."""
+    tracer.flush()
+    counts = dict(sorted(tracer.counts.items()))
     tracer.event(
         "footer",
         events=tracer.seq + 1,
+        counts=counts,
         n_prompt=stats.n_prompt,
         n_reused=stats.n_reused,
         n_generated=stats.n_generated,
         finish_reason=stats.finish_reason,
         output_ids=list(stats.tokens),
+        output_text=text,
+        stage_total_us=round(sum(tracer.stage_us.values()), 1),
         prefill_seconds=round(stats.prefill_seconds, 6),
         decode_seconds=round(stats.decode_seconds, 6),
     )

@@ -1,0 +1,187 @@
+"""Reading a trace back: check its hash chain and signature (`tracelm trace verify`), and summarise it
+(`tracelm trace show`), without the model. The format is in docs/trace.md and tracelm/pipeline/trace.py."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from tracelm import TracelmError
+from tracelm.pipeline.trace import FORMAT, GENESIS, TRACE_VERSION
+
+_LINE = re.compile(rb'^(\{.*),"hash":"([0-9a-f]{64})"(?:,"mac":"([0-9a-f]{64})")?\}$', re.DOTALL)
+
+INTACT, TAMPERED = 0, 1  # exit statuses of `trace verify`; 2 (not a trace) is a TracelmError
+
+
+@attrs.define
+class Verdict:
+    """The result of checking a trace: intact or not, where it first breaks and why."""
+
+    intact: bool
+    n_lines: int
+    message: str
+    bad_line: int | None = None  # 1-based
+    signed: bool = False  # the header says the lines carry a mac
+    mac_checked: bool = False
+
+
+@attrs.define
+class Trace:
+    path: Path
+    lines: list[bytes]  # raw lines without their newline
+    events: list[dict[str, Any] | None]  # parsed lines (None where a line is not JSON)
+    truncated_tail: bool  # the file does not end with a newline
+
+    @property
+    def header(self) -> dict[str, Any]:
+        return self.events[0]  # type: ignore[return-value]
+
+
+def read_trace(path: str | Path) -> Trace:
+    """Read a trace file; raise TracelmError if it is not a trace at all (unreadable, empty, no header,
+    or a format version this tracelm does not read)."""
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise TracelmError(f"{p}: cannot read trace: {e.strerror or e}") from None
+    if not data.strip():
+        raise TracelmError(f"{p}: empty file, not a tracelm trace")
+    lines = data.split(b"\n")
+    truncated_tail = lines[-1] != b""
+    if not truncated_tail:
+        lines.pop()
+    events: list[dict[str, Any] | None] = []
+    for raw in lines:
+        try:
+            obj = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            obj = None
+        events.append(obj if isinstance(obj, dict) else None)
+    head = events[0]
+    if head is None or head.get("event") != "header":
+        raise TracelmError(f"{p}: not a tracelm trace (line 1 is not a JSON trace header)")
+    version = head.get("trace_version")
+    if not isinstance(version, int):
+        raise TracelmError(f"{p}: not a tracelm trace (the header has no integer trace_version)")
+    if version > TRACE_VERSION:
+        raise TracelmError(f"{p}: trace format version {version} is newer than this tracelm reads "
+                           f"(up to {TRACE_VERSION}); upgrade tracelm to read it")
+    if version < 2 or head.get("format") != FORMAT:
+        raise TracelmError(f"{p}: trace format version {version} has no hash chain and cannot be verified or "
+                           f"replayed (this tracelm reads format {FORMAT!r} version {TRACE_VERSION})")
+    return Trace(p, lines, events, truncated_tail)
+
+
+def verify(trace: Trace, key: bytes | None = None) -> Verdict:
+    """Check every line's hash, its link to the previous line, its sequence number, the footer, and
+    (with `key`) every line's HMAC. Stops at the first bad line."""
+    signed = trace.header.get("mac_algorithm") is not None
+    n = len(trace.lines)
+
+    def bad(i: int, why: str) -> Verdict:
+        return Verdict(False, n, f"line {i + 1}: {why}", i + 1, signed, key is not None)
+
+    if key is not None and not signed:
+        return bad(0, "the trace is not signed (its header names no mac_algorithm), so it cannot be "
+                      "authenticated with a key")
+    prev = GENESIS
+    footer_at = None
+    for i, (raw, event) in enumerate(zip(trace.lines, trace.events, strict=True)):
+        if footer_at is not None:
+            return bad(i, f"a line after the footer (line {footer_at + 1}): lines were appended")
+        if trace.truncated_tail and i == n - 1:
+            return bad(i, "cut off (no newline at the end of the file): the trace is truncated")
+        m = _LINE.match(raw)
+        if event is None or m is None:
+            return bad(i, "not a trace event (not a JSON line ending in a hash): garbage or a damaged line")
+        body, h, mac = m.group(1), m.group(2).decode(), m.group(3)
+        if hashlib.sha256(body).hexdigest() != h:
+            return bad(i, f"content does not match its hash: the {event.get('event', '?')} event was edited")
+        if event.get("prev") != prev:
+            what = "line 1 is not the start of a chain" if i == 0 else f"does not follow line {i}"
+            return bad(i, f"{what} (prev hash differs): a line was deleted, inserted, moved or rewritten "
+                          f"before it")
+        if event.get("seq") != i:
+            return bad(i, f"sequence number {event.get('seq')} where {i} was expected: lines were reordered")
+        if key is not None:
+            if mac is None:
+                return bad(i, "no signature (mac) on a signed trace: the line was re-chained without the key")
+            want = hmac.new(key, h.encode("ascii"), "sha256").hexdigest()
+            if not hmac.compare_digest(want, mac.decode()):
+                return bad(i, "signature (mac) does not match with this key: the line was re-chained or signed "
+                              "with another key")
+        elif signed and mac is None:
+            return bad(i, "no mac on a line of a signed trace: the line was re-chained")
+        if i > 0 and event.get("event") == "header":
+            return bad(i, "a second header")
+        if event.get("event") == "footer":
+            footer_at = i
+            if event.get("events") != i + 1:
+                return bad(i, f"the footer counts {event.get('events')} events but it is event {i + 1}")
+        prev = h
+    if footer_at is None:
+        return Verdict(False, n, f"line {n}: the trace ends without a footer: it is truncated after line {n}",
+                       n, signed, key is not None)
+    how = ("signed; every signature checked with the key" if key is not None
+           else "signed; signatures NOT checked (give --key-env)" if signed else "unsigned")
+    return Verdict(True, n, f"intact: {n} lines, hash chain unbroken, {how}", None, signed, key is not None)
+
+
+def summary(trace: Trace, top_layers: int = 5) -> str:
+    """A readable summary: prompt, output, time per stage kind and the hottest layers."""
+    h = trace.header
+    events = [e for e in trace.events if e is not None]
+    stages = [e for e in events if e.get("event") == "stage"]
+    tokens = [e for e in events if e.get("event") == "token"]
+    footer = next((e for e in events if e.get("event") == "footer"), None)
+    cfg = h.get("config") or {}
+    s = cfg.get("sampling") or {}
+    out = [
+        f"trace      {trace.path} (format {h.get('format')} v{h.get('trace_version')}, level {h.get('level')}, "
+        f"{'signed' if h.get('mac_algorithm') else 'unsigned'})",
+        f"model      {h.get('model_file')}  sha256 {str(h.get('model_sha256'))[:16]}...",
+        f"tracelm    {h.get('tracelm_version')}  numpy {(h.get('packages') or {}).get('numpy')}  "
+        f"{(h.get('platform') or {}).get('machine')}  BLAS "
+        + ", ".join(f"{b.get('internal_api')} {b.get('version')} x{b.get('num_threads')}" for b in h.get("blas", [])),
+        f"sampling   temperature {s.get('temperature')} top_k {s.get('top_k')} top_p {s.get('top_p')} "
+        f"min_p {s.get('min_p')} seed {h.get('seed')} ({(h.get('rng') or {}).get('generator')})",
+        f"prompt     {len(h.get('prompt_ids', []))} tokens: {h.get('prompt_text')!r}",
+    ]
+    text = footer.get("output_text") if footer else None
+    if text is None:
+        text = "".join(str(t.get("text", t.get("piece", ""))) for t in tokens)
+    finish = footer.get("finish_reason") if footer else "unknown (no footer)"
+    out.append(f"output     {len(tokens)} tokens ({finish}): {text!r}")
+    if footer:
+        n_gen = footer.get("n_generated") or 0
+        dec = footer.get("decode_seconds") or 0.0
+        rate = f", decode {n_gen / dec:.1f} tok/s" if dec else ""
+        out.append(f"time       prefill {footer.get('prefill_seconds', 0):.3f} s, decode {dec:.3f} s{rate} "
+                   f"(with tracing)")
+    if not stages:
+        return "\n".join(out)
+    by_stage: dict[str, list[float]] = {}
+    by_layer: dict[int, float] = {}
+    for e in stages:
+        us = float(e.get("dur_us") or 0.0)
+        by_stage.setdefault(str(e.get("stage")), []).append(us)
+        if isinstance(e.get("layer"), int):
+            by_layer[e["layer"]] = by_layer.get(e["layer"], 0.0) + us
+    total = sum(sum(v) for v in by_stage.values()) or 1.0
+    out += ["", f"{'stage':16s} {'calls':>7s} {'total ms':>10s} {'mean us':>9s} {'share':>7s}"]
+    for name, v in sorted(by_stage.items(), key=lambda kv: -sum(kv[1])):
+        out.append(f"{name:16s} {len(v):7d} {sum(v) / 1000:10.2f} {sum(v) / len(v):9.1f} {sum(v) / total:7.1%}")
+    out.append(f"{'all stages':16s} {len(stages):7d} {total / 1000:10.2f}")
+    if by_layer:
+        out += ["", f"hottest layers (of {len(by_layer)}):"]
+        for layer, us in sorted(by_layer.items(), key=lambda kv: -kv[1])[:top_layers]:
+            out.append(f"  layer {layer:3d}  {us / 1000:9.2f} ms  {us / total:6.1%}")
+    return "\n".join(out)

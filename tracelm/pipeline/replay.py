@@ -1,0 +1,240 @@
+"""`tracelm replay`: re-run a traced run from its header and generate events, and find the first point
+where the new run departs from the recorded one.
+
+Each event the replay produces is compared, in order, with the recorded event of the same sequence number:
+- kind, stage, layer, token index, positions, shape and dtype must be equal;
+- at level digest, equal digests mean bit-identical outputs; where the digests differ (bits differ) the
+  statistics must agree within the tolerance below, else the run has diverged;
+- at level summary, the statistics must agree within the tolerance;
+- a token event must have the same id (and its probability agree within the tolerance).
+
+Tolerance (STATS_RTOL): |mean - mean'| <= STATS_RTOL * max(rms, rms') and, for rms and max |x|,
+|a - a'| <= STATS_RTOL * max(|a|, |a'|) (+ STATS_ATOL for values near 0). Timing fields (`*_us`,
+`*_seconds`) and the chain fields (prev, hash, mac) are never compared.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from tracelm import TracelmError
+from tracelm.pipeline.audit import Trace, read_trace, verify
+from tracelm.pipeline.trace import CHAIN_FIELDS, Tracer, is_timing_field
+
+STATS_RTOL = 1e-3
+STATS_ATOL = 1e-6
+STATS = ("mean", "rms", "maxabs")
+REPRODUCED, DIVERGED = 0, 1  # exit statuses; 2 (cannot replay) is a TracelmError
+
+
+class _Diverged(Exception):
+    pass
+
+
+@attrs.define
+class Difference:
+    """One recorded event and what the replay produced in its place."""
+
+    line: int  # 1-based line of the recorded trace
+    kind: str  # event kind: stage, token, generate, ...
+    token: int | None  # index of the generated token whose pass it belongs to
+    layer: int | None
+    stage: str | None
+    recorded: dict[str, Any]
+    replayed: dict[str, Any] | None
+    reason: str
+
+    def describe(self) -> str:
+        where = [f"line {self.line}", self.kind]
+        if self.token is not None:
+            where.append(f"token {self.token}")
+        if self.layer is not None:
+            where.append(f"layer {self.layer}")
+        if self.stage:
+            where.append(f"stage {self.stage}")
+        rec = {k: v for k, v in self.recorded.items() if k in _SHOWN}
+        rep = {k: v for k, v in (self.replayed or {}).items() if k in _SHOWN}
+        return f"{', '.join(where)}: {self.reason}\n  recorded {json.dumps(rec)}\n  replayed {json.dumps(rep)}"
+
+
+_SHOWN = ("start", "n", "shape", "dtype", "mean", "rms", "maxabs", "digest", "id", "piece", "prob", "event",
+          "prompt_ids", "sampling")
+
+
+@attrs.define
+class ReplayReport:
+    status: int  # REPRODUCED or DIVERGED
+    compared: int = 0  # events compared
+    bit_exact: int = 0  # stage events with equal digests
+    within_tolerance: int = 0  # stage events whose bits differ but whose statistics agree
+    first_bit_difference: Difference | None = None
+    divergence: Difference | None = None
+    notes: list[str] = attrs.Factory(list)
+
+    def describe(self) -> str:
+        lines = list(self.notes)
+        if self.divergence is None:
+            exact = self.first_bit_difference is None
+            lines.append(f"reproduced: {self.compared} events compared, "
+                         + ("every stage output bit-identical" if exact else
+                            f"{self.bit_exact} stage outputs bit-identical, {self.within_tolerance} differ in bits "
+                            f"but agree within rtol {STATS_RTOL}"))
+        else:
+            lines.append(f"diverged after {self.compared} matching events; first divergence:")
+            lines.append("  " + self.divergence.describe().replace("\n", "\n  "))
+        if self.first_bit_difference is not None and self.first_bit_difference != self.divergence:
+            lines.append("first bit-level difference (within tolerance):")
+            lines.append("  " + self.first_bit_difference.describe().replace("\n", "\n  "))
+        return "\n".join(lines)
+
+
+def _close(a: Any, b: Any, scale: float) -> bool:
+    if isinstance(a, str) or isinstance(b, str):  # "nan" / "inf"
+        return a == b
+    if a is None or b is None:
+        return a is b
+    return abs(float(a) - float(b)) <= STATS_RTOL * scale + STATS_ATOL
+
+
+def _stats_agree(rec: dict[str, Any], rep: dict[str, Any]) -> str | None:
+    """None if the statistics agree within the tolerance, else which one does not."""
+    def mag(k: str) -> float:
+        vals = [v for v in (rec.get(k), rep.get(k)) if isinstance(v, int | float)]
+        return max((abs(v) for v in vals), default=0.0)
+
+    if not _close(rec.get("mean"), rep.get("mean"), mag("rms")):
+        return "mean"
+    for k in ("rms", "maxabs"):
+        if not _close(rec.get(k), rep.get(k), mag(k)):
+            return k
+    return None
+
+
+class _Comparer:
+    """A text stream for a Tracer: parses each line the replay writes and compares it with the recording."""
+
+    def __init__(self, trace: Trace, report: ReplayReport):
+        self.trace = trace
+        self.report = report
+        self.i = 1  # the next recorded line to compare (0 is the header)
+        self._buf = ""
+
+    def write(self, text: str) -> None:
+        self._buf += text
+        *lines, self._buf = self._buf.split("\n")
+        for line in lines:
+            if line:
+                self.compare(json.loads(line))
+
+    def flush(self) -> None:
+        pass
+
+    def _diff(self, rec: dict[str, Any], rep: dict[str, Any] | None, reason: str) -> Difference:
+        src = rec if rec else (rep or {})
+        return Difference(self.i + 1, str(src.get("event")), src.get("tok"), src.get("layer"), src.get("stage"),
+                          rec, rep, reason)
+
+    def diverge(self, rec: dict[str, Any], rep: dict[str, Any] | None, reason: str) -> None:
+        self.report.divergence = self._diff(rec, rep, reason)
+        self.report.status = DIVERGED
+        raise _Diverged
+
+    def compare(self, rep: dict[str, Any]) -> None:
+        events = self.trace.events
+        if self.i >= len(events) or (events[self.i] or {}).get("event") == "footer":
+            self.diverge({}, rep, "the replay produced an event the recorded run does not have")
+        rec = events[self.i] or {}
+        plain = lambda e: {k: v for k, v in e.items()  # noqa: E731
+                           if k not in CHAIN_FIELDS and not is_timing_field(k) and k not in STATS + ("digest",)}
+        a, b = plain(rec), plain(rep)
+        if rec.get("event") == "token" and rep.get("event") == "token":
+            a.pop("prob", None), b.pop("prob", None)
+            if a == b and not _close(rec.get("prob"), rep.get("prob"), 1.0):
+                self.diverge(rec, rep, "same token, different probability")
+        if a != b:
+            keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+            self.diverge(rec, rep, "different " + ", ".join(keys))
+        if rec.get("event") == "stage":
+            if "digest" in rec and rec.get("digest") == rep.get("digest"):
+                self.report.bit_exact += 1
+            else:
+                bad = _stats_agree(rec, rep)
+                if bad is not None:
+                    self.diverge(rec, rep, f"outputs differ: {bad} outside rtol {STATS_RTOL}")
+                if "digest" in rec:
+                    self.report.within_tolerance += 1
+                    if self.report.first_bit_difference is None:
+                        self.report.first_bit_difference = self._diff(rec, rep, "bits differ, statistics agree")
+        self.report.compared += 1
+        self.i += 1
+
+
+def replay(path: str | Path, model: str | None = None, allow_model_change: bool = False,
+           key: bytes | None = None,
+           limit_threads: Callable[[int], AbstractContextManager[Any]] = lambda _n: nullcontext()) -> ReplayReport:
+    """Re-run the trace at `path` and compare event by event. TracelmError when it cannot be replayed.
+
+    `limit_threads(n)` applies the recorded BLAS thread count (the CLI passes its own)."""
+    from tracelm.io.loader import ModelFile
+    from tracelm.io.registry import file_sha256
+    from tracelm.io.run_config import record_from_dict, run_config_from_dict
+    from tracelm.pipeline.runner import Runner
+    from tracelm.state.records import SamplingParams
+
+    trace = read_trace(path)
+    verdict = verify(trace, key)
+    if not verdict.intact:
+        raise TracelmError(f"{trace.path}: cannot replay a trace that is not intact ({verdict.message})")
+    h = trace.header
+    cfg = run_config_from_dict(h.get("config"), f"{trace.path}: header config")
+    level = h.get("level")
+    if level not in ("summary", "digest"):
+        raise TracelmError(f"{trace.path}: header level {level!r} is not summary or digest")
+    notes = []
+    if model is None:
+        recorded_file = h.get("model_file")
+        model = recorded_file if isinstance(recorded_file, str) and Path(recorded_file).exists() else cfg.model
+    source = ModelFile(model)
+    sha = file_sha256(source.path)
+    if sha != h.get("model_sha256"):
+        msg = (f"the model's sha256 differs: the trace was recorded with {h.get('model_sha256')} "
+               f"({h.get('model_file')}), {source.path} has {sha}")
+        if not allow_model_change:
+            raise TracelmError(f"cannot replay: {msg}; pass --allow-model-change to replay against it anyway "
+                               f"and find where the runs part")
+        notes.append(f"warning: {msg}; replaying anyway")
+    calls = [(i, e) for i, e in enumerate(trace.events) if e is not None and e.get("event") == "generate"]
+    if not calls:
+        raise TracelmError(f"{trace.path}: the trace has no generate event: nothing to replay")
+    report = ReplayReport(REPRODUCED, notes=notes)
+    comparer = _Comparer(trace, report)
+    with limit_threads(cfg.threads):
+        loaded = source.load(progress=False)
+        tracer = Tracer(comparer, level)  # type: ignore[arg-type]
+        tracer.seq = 1
+        runner = Runner(loaded, cfg.context, tracer)
+        try:
+            for line, call in calls:
+                sampling = record_from_dict(SamplingParams, call.get("sampling"), f"line {line + 1}: sampling.")
+                try:
+                    ids = [int(i) for i in call["prompt_ids"]]
+                    max_tokens, stop = int(call["max_tokens"]), [str(s) for s in call.get("stop", [])]
+                except (KeyError, TypeError, ValueError):
+                    raise TracelmError(f"{trace.path}: line {line + 1}: generate event lacks prompt_ids or "
+                                       f"max_tokens") from None
+                for _ in runner.generate(ids, max_tokens, sampling, stop):
+                    pass
+                tracer.flush()
+        except _Diverged:
+            return report
+    rest = trace.events[comparer.i]
+    if rest is not None and rest.get("event") != "footer":
+        report.divergence = comparer._diff(rest, None, "the recorded run has more events than the replay")
+        report.status = DIVERGED
+    return report
