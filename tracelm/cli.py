@@ -222,6 +222,15 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return report.status
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tracelm.server import serve
+
+    cfg = _load_config(args)
+    with _threads(cfg.threads):
+        serve(cfg, args.host, args.port)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tracelm", description="Auditable LLM inference on the CPU.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -246,6 +255,12 @@ def build_parser() -> argparse.ArgumentParser:
     run_options(sp)
     sp.add_argument("--message", action="append", help="a user turn (repeatable) instead of stdin")
     sp.set_defaults(fn=cmd_chat)
+
+    sp = sub.add_parser("serve", help="an OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, streaming")
+    run_options(sp)
+    sp.add_argument("--host", help="address to listen on (default: server.host of the config, 127.0.0.1)")
+    sp.add_argument("--port", type=int, help="port (default: server.port of the config, 8080; 0 = any free port)")
+    sp.set_defaults(fn=cmd_serve)
 
     sp = sub.add_parser("logits", help="save f32 logits of every prompt position as .npy [T, vocab]")
     sp.add_argument("--model", required=True)

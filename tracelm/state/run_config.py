@@ -15,6 +15,21 @@ class TraceOptions:
 
 
 @attrs.frozen(slots=True)
+class ServerOptions:
+    """`tracelm serve`: where it listens and the bounds that keep it serving under load."""
+
+    host: str = "127.0.0.1"  # loopback only unless told otherwise
+    port: int = attrs.field(default=8080, validator=[v.ge(0), v.le(65535)])
+    queue_size: int = attrs.field(default=8, validator=v.ge(0))  # requests waiting behind the running one; then 429
+    request_timeout: float = attrs.field(default=300.0, validator=v.gt(0))  # seconds from arrival to the last token
+    max_body_bytes: int = attrs.field(default=1 << 20, validator=v.gt(0))  # larger request bodies get 413
+    max_sessions: int = attrs.field(default=16, validator=v.ge(0))  # conversations whose KV cache is kept (LRU)
+    session_memory_mb: int = attrs.field(default=1024, validator=v.ge(0))  # and the KV memory they may hold
+    api_key_env: str = "TRACELM_API_KEY"  # when this environment variable is set, requests need its value
+    trace_dir: str | None = None  # one trace file per request here (at trace.level, digest if "off")
+
+
+@attrs.frozen(slots=True)
 class RunConfig:
     model: str = "smollm2-135m-instruct"  # registry name or path to a GGUF file
     context: int = attrs.field(default=2048, validator=v.gt(0))  # positions the Cache holds
@@ -25,3 +40,4 @@ class RunConfig:
     prompt: str = "The capital of France is"
     sampling: SamplingParams = SamplingParams()
     trace: TraceOptions = TraceOptions()
+    server: ServerOptions = ServerOptions()

@@ -1,0 +1,70 @@
+"""`tracelm serve`: an OpenAI-compatible HTTP API over one model.
+
+- app.py: the Starlette application (routes, request checks, response shapes, SSE / JSON lines);
+- params.py: OpenAI request bodies -> checked requests, and the OpenAI error shape;
+- queue.py: the engine: one worker thread serving a bounded queue in arrival order;
+- sessions.py: conversations whose KV cache is kept between requests (bounded, least recently used out).
+
+Starlette + uvicorn: a small, well-kept ASGI pair whose streaming response notices a client that hangs
+up; request bodies are checked by hand (params.py) so every mistake gets the OpenAI error shape.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+import sys
+from typing import Any
+
+from tracelm import TracelmError
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port, or a one-line TracelmError (address in use, unknown host, ...)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family, backlog=128)
+    except OSError as e:
+        raise TracelmError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(cfg: Any, host: str | None = None, port: int | None = None) -> None:
+    """Load the config's model and serve it until interrupted (SIGINT / SIGTERM)."""
+    import uvicorn
+
+    from tracelm.io.loader import load_model
+    from tracelm.server.app import Server
+
+    host = host or cfg.server.host
+    port = cfg.server.port if port is None else port
+    if not 0 <= port <= 65535:
+        raise TracelmError(f"--port {port}: expected 0..65535")
+    api_key = os.environ.get(cfg.server.api_key_env) or None
+    sock = _listen(host, port)
+    try:
+        model = load_model(cfg.model)
+        server = Server(model, cfg, api_key)
+        bound = sock.getsockname()[1]
+        url_host = f"[{host}]" if ":" in host else host
+        print(f"tracelm: serving {server.model_id} at http://{url_host}:{bound}/v1 "
+              f"({'API key required' if api_key else 'no API key'})", file=sys.stderr, flush=True)
+        if not _is_loopback(host) and not api_key:
+            print(f"tracelm: warning: listening on {host} without an API key; set {cfg.server.api_key_env}",
+                  file=sys.stderr, flush=True)
+        logging.getLogger("tracelm.server").addHandler(logging.StreamHandler(sys.stderr))
+        config = uvicorn.Config(server.app(), log_level="info", limit_concurrency=4 * (cfg.server.queue_size + 1) + 16,
+                                timeout_keep_alive=5, timeout_graceful_shutdown=5, server_header=False)
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()

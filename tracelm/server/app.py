@@ -1,0 +1,381 @@
+"""The HTTP side: an OpenAI-compatible API on Starlette, served by uvicorn.
+
+Routes: GET /health, GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions.
+Answers are one JSON body (`stream: false`), Server-Sent Events ending in `data: [DONE]` (`stream: true`),
+or JSON lines when the client accepts `application/x-ndjson` and asks to stream.
+
+Every error is the OpenAI error body `{"error": {"message", "type", "param", "code"}}` with a 4xx status
+for a client's mistake; an unexpected failure is a 500 saying only that, with the traceback in the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from tracelm import TracelmError, __version__
+from tracelm.io.loader import LoadedModel
+from tracelm.server.params import ApiError, GenerationRequest, bad, parse_json, parse_request
+from tracelm.server.queue import Engine, Job, QueueFull
+from tracelm.state.run_config import RunConfig
+
+log = logging.getLogger("tracelm.server")
+FINGERPRINT = f"tracelm-{__version__}"
+DRAIN_LIMIT = 64 << 20  # an oversized body is read and dropped up to this, so the client still gets its 413
+
+
+def model_id_of(cfg: RunConfig) -> str:
+    """The id /v1/models shows: the registry name, or the GGUF file's stem for a path."""
+    name = cfg.model
+    if "/" in name or name.endswith(".gguf"):
+        return Path(name).stem
+    return name
+
+
+class Server:
+    def __init__(self, model: LoadedModel, cfg: RunConfig, api_key: str | None = None):
+        self.model = model
+        self.cfg = cfg
+        self.model_id = model_id_of(cfg)
+        self.model_names = {self.model_id, cfg.model}
+        self.api_key = api_key or None
+        self.engine = Engine(model, cfg)
+        self.created = int(time.time())
+
+    def app(self) -> Starlette:
+        @contextlib.asynccontextmanager
+        async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+            self.engine.start()
+            try:
+                yield
+            finally:
+                await run_in_threadpool(self.engine.stop)
+
+        routes = [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.model_info, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+        ]
+        handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error}
+        return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)  # type: ignore[arg-type]
+
+    # -- plain endpoints ---------------------------------------------------------------------------------
+
+    async def health(self, _request: Request) -> Response:
+        e = self.engine
+        return JSONResponse({
+            "status": "ok",
+            "model": self.model_id,
+            "running": e.running is not None,
+            "queued": e.queued,
+            "sessions": len(e.sessions),
+            "session_capacity": e.sessions.capacity,
+            "counters": attrs.asdict(e.counters),
+        })
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "tracelm",
+                "context_length": self.cfg.context}
+
+    async def models(self, request: Request) -> Response:
+        self._check_key(request)
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model_info(self, request: Request) -> Response:
+        self._check_key(request)
+        if request.path_params["model_id"] not in self.model_names:
+            raise self._no_model(request.path_params["model_id"])
+        return JSONResponse(self._model_card())
+
+    def _no_model(self, name: str) -> ApiError:
+        return ApiError(404, f"The model '{name[:200]}' does not exist; this server serves '{self.model_id}'",
+                        param="model", code="model_not_found")
+
+    def _check_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    async def _body(self, request: Request) -> bytes:
+        limit = self.cfg.server.max_body_bytes
+        too_big = ApiError(413, f"the request body is larger than the limit of {limit} bytes (server.max_body_bytes)",
+                           code="request_too_large")
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > DRAIN_LIMIT:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size <= limit:
+                chunks.append(chunk)
+            elif size > DRAIN_LIMIT:
+                break
+        if size > limit:
+            raise too_big
+        return b"".join(chunks)
+
+    # -- generation --------------------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completion")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, "chat")
+
+    def _encode(self, req: GenerationRequest) -> tuple[list[int], str]:
+        """Prompt token ids and text (worker-free: runs in a thread of the pool)."""
+        tok = self.model.tokenizer
+        if req.kind == "chat":
+            from tracelm.cli import chat_prompt
+
+            messages = list(req.messages or [])
+            if self.cfg.system and not any(m["role"] == "system" for m in messages):
+                messages.insert(0, {"role": "system", "content": self.cfg.system})
+            try:
+                ids = chat_prompt(self.model, messages)
+            except TracelmError as e:
+                raise bad(f"messages: {e}", "messages") from None
+            return ids, tok.decode(ids)
+        if isinstance(req.prompt, list):
+            for i in req.prompt:
+                if not 0 <= i < tok.n_vocab:
+                    raise bad(f"token id {i} in 'prompt' is outside the vocabulary (0..{tok.n_vocab - 1})", "prompt")
+            return list(req.prompt), tok.decode(req.prompt)
+        return tok.encode(req.prompt or ""), req.prompt or ""
+
+    def _max_tokens(self, req: GenerationRequest, n_prompt: int) -> int:
+        n_ctx = self.cfg.context
+        param = "messages" if req.kind == "chat" else "prompt"
+        if n_prompt == 0:
+            raise bad("the prompt is empty: nothing to condition on", param)
+        room = n_ctx - n_prompt
+        if room <= 0:
+            raise bad(f"This model's maximum context length is {n_ctx} tokens; the prompt alone is {n_prompt} tokens",
+                      param, "context_length_exceeded")
+        if req.max_tokens is None:
+            return min(self.cfg.max_tokens, room) or 1
+        if req.max_tokens > room:
+            raise bad(f"This model's maximum context length is {n_ctx} tokens. However, you requested "
+                      f"{n_prompt + req.max_tokens} tokens ({n_prompt} in the prompt, {req.max_tokens} in the "
+                      f"completion). Reduce the prompt or max_tokens.", "max_tokens", "context_length_exceeded")
+        return req.max_tokens
+
+    async def _generate(self, request: Request, kind: str) -> Response:
+        self._check_key(request)
+        req = parse_request(parse_json(await self._body(request)), kind)
+        if req.model not in self.model_names:
+            raise self._no_model(req.model)
+        ids, prompt_text = await run_in_threadpool(self._encode, req)
+        max_tokens = self._max_tokens(req, len(ids))
+        seed = req.seed if req.seed is not None else secrets.randbits(63)
+        try:
+            sampling = attrs.evolve(self.cfg.sampling, **req.sampling, seed=seed)
+        except (TypeError, ValueError) as e:
+            raise bad(f"sampling parameters: {e}") from None
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        job = Job(request_id=rid, prompt_ids=ids, prompt_text=prompt_text, max_tokens=max_tokens, sampling=sampling,
+                  stop=req.stop, deadline=time.monotonic() + self.cfg.server.request_timeout,
+                  loop=asyncio.get_running_loop(), session_id=req.session_id, logprobs=req.logprobs)
+        try:
+            self.engine.submit(job)
+        except QueueFull as e:
+            raise ApiError(429, "The server is busy: its request queue is full; retry after a while",
+                           kind="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(e.retry_after)}) from None
+        watcher = asyncio.create_task(_watch_disconnect(request, job))
+        streaming = False
+        try:
+            first = await job.events.get()  # "start" once the worker takes the job, or why it did not
+            if first[0] == "error":
+                raise first[1]
+            if first[0] == "gone":
+                return Response(status_code=499)
+            shape = Shape(self, req, rid, job)
+            if not req.stream:
+                return JSONResponse(await shape.collect(), headers={"x-request-id": rid})
+            streaming = True
+        finally:
+            watcher.cancel()  # from here on the streaming response watches for the client going away
+            if not streaming:
+                job.gone.set()  # nobody reads any more (a no-op once the job is done)
+        ndjson = _wants_ndjson(request)
+        return StreamingResponse(shape.stream(ndjson), media_type="application/x-ndjson" if ndjson else
+                                 "text/event-stream", headers={"x-request-id": rid, "Cache-Control": "no-cache",
+                                                               "X-Accel-Buffering": "no"})
+
+
+def _wants_ndjson(request: Request) -> bool:
+    accept = request.headers.get("accept", "")
+    return "application/x-ndjson" in accept and "text/event-stream" not in accept
+
+
+async def _watch_disconnect(request: Request, job: Job) -> None:
+    """Until cancelled: if the client hangs up, tell the worker and wake the waiting coroutine."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            job.gone.set()
+            job.events.put_nowait(("gone",))
+            return
+
+
+class Shape:
+    """Turns a job's events into the OpenAI response shapes of one endpoint."""
+
+    def __init__(self, server: Server, req: GenerationRequest, rid: str, job: Job):
+        self.server, self.req, self.rid, self.job = server, req, rid, job
+        self.tok = server.model.tokenizer
+        self.created = int(time.time())
+        self.chat = req.kind == "chat"
+        self.offset = 0  # characters of completion text so far (completions' text_offset)
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.server.model_id,
+                "system_fingerprint": FINGERPRINT}
+
+    @staticmethod
+    def usage(done: dict[str, Any]) -> dict[str, Any]:
+        return {"prompt_tokens": done["prompt_tokens"], "completion_tokens": done["completion_tokens"],
+                "total_tokens": done["prompt_tokens"] + done["completion_tokens"],
+                "prompt_tokens_details": {"cached_tokens": done["cached_tokens"]}}
+
+    def _token_text(self, token: int) -> str:
+        return self.tok.token_bytes(token).decode("utf-8", "replace")
+
+    def _logprobs(self, entries: list[dict[str, Any]], text_len_before: int) -> dict[str, Any] | None:
+        """OpenAI logprobs for the tokens behind one piece of text (None when not asked for)."""
+        if self.req.logprobs is None:
+            return None
+        if self.chat:
+            def item(token: int, logprob: float) -> dict[str, Any]:
+                b = self.tok.token_bytes(token)
+                return {"token": b.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(b)}
+
+            return {"content": [{**item(e["id"], e["logprob"]), "top_logprobs": [item(t, lp) for t, lp in e["top"]]}
+                                for e in entries], "refusal": None}
+        tokens, offsets, pos = [], [], text_len_before
+        for e in entries:
+            s = self._token_text(e["id"])
+            tokens.append(s)
+            offsets.append(pos)
+            pos += len(s)
+        return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{self._token_text(t): lp for t, lp in e["top"]} for e in entries],
+                "text_offset": offsets}
+
+    async def _events(self) -> AsyncIterator[tuple[Any, ...]]:
+        while True:
+            event = await self.job.events.get()
+            yield event
+            if event[0] in ("done", "error", "gone"):
+                return
+
+    async def collect(self) -> dict[str, Any]:
+        text: list[str] = []
+        entries: list[dict[str, Any]] = []
+        async for event in self._events():
+            if event[0] == "piece":
+                text.append(event[1])
+                entries.extend(event[2])
+            elif event[0] == "error":
+                raise event[1]
+            elif event[0] == "gone":
+                raise ApiError(499, "client closed the request")
+            elif event[0] == "done":
+                done = event[1]
+        logprobs = self._logprobs(entries, 0)
+        body = "".join(text)
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": body, "refusal": None},
+                      "logprobs": logprobs, "finish_reason": done["finish_reason"]}
+            return {**self._head("chat.completion"), "choices": [choice], "usage": self.usage(done)}
+        choice = {"index": 0, "text": body, "logprobs": logprobs, "finish_reason": done["finish_reason"]}
+        return {**self._head("text_completion"), "choices": [choice], "usage": self.usage(done)}
+
+    def _chunk(self, piece: str | None, finish: str | None, logprobs: Any, first: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {}
+            if first:
+                delta = {"role": "assistant", "content": ""}
+            elif piece is not None:
+                delta = {"content": piece}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            chunk = {**self._head("chat.completion.chunk"), "choices": [choice]}
+        else:
+            choice = {"index": 0, "text": piece or "", "logprobs": logprobs, "finish_reason": finish}
+            chunk = {**self._head("text_completion"), "choices": [choice]}
+        if self.req.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    async def stream(self, ndjson: bool) -> AsyncIterator[bytes]:
+        def frame(obj: dict[str, Any]) -> bytes:
+            data = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+            return (data + "\n").encode() if ndjson else f"data: {data}\n\n".encode()
+
+        finished = False
+        try:
+            if self.chat:
+                yield frame(self._chunk(None, None, None, first=True))
+            async for event in self._events():
+                if event[0] == "piece":
+                    yield frame(self._chunk(event[1], None, self._logprobs(event[2], self.offset)))
+                    self.offset += sum(len(self._token_text(e["id"])) for e in event[2])
+                elif event[0] == "error":
+                    yield frame(event[1].body())
+                    finished = True
+                    return
+                elif event[0] == "done":
+                    done = event[1]
+                    yield frame(self._chunk(None, done["finish_reason"], None))
+                    if self.req.include_usage:
+                        yield frame({**self._chunk(None, None, None), "choices": [], "usage": self.usage(done)})
+            finished = True
+            if not ndjson:
+                yield b"data: [DONE]\n\n"
+        finally:
+            if not finished:  # the client went away (or the stream was cancelled): stop generating
+                self.job.gone.set()
+
+
+def _api_error(_request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    if exc.status == 499:
+        return Response(status_code=499)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+def _http_error(_request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    body = {"error": {"message": str(exc.detail), "type": kind, "param": None, "code": None}}
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+
+def _internal_error(_request: Request, exc: Exception) -> Response:
+    log.error("unhandled error", exc_info=exc)
+    body = {"error": {"message": "internal server error; see the server log", "type": "server_error",
+                      "param": None, "code": None}}
+    return JSONResponse(body, status_code=500)

@@ -1,0 +1,294 @@
+"""OpenAI request bodies -> checked generation requests; every client mistake becomes an `ApiError` (4xx).
+
+The checks follow the OpenAI API: unknown arguments are rejected, `null` means "not given", booleans
+are not numbers, and values the engine cannot honour (n > 1, tools, logit_bias, ...) get a 400 that
+names the argument rather than being silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+import attrs
+
+# Arguments every generation endpoint takes, plus tracelm's extensions (top_k, min_p, repetition_penalty,
+# repeat_last_n, session_id).
+_COMMON = frozenset({
+    "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p",
+    "repetition_penalty", "repeat_penalty", "repeat_last_n", "frequency_penalty", "presence_penalty", "seed",
+    "stop", "n", "user", "session_id", "logprobs", "logit_bias",
+})
+_COMPLETION = _COMMON | {"prompt", "echo", "best_of", "suffix"}
+_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
+                   "function_call", "response_format", "parallel_tool_calls", "store", "metadata"}
+# Arguments accepted only at their neutral value (what the engine does anyway).
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "logit_bias": ({},), "tools": ([],),
+    "functions": ([],), "tool_choice": ("none",), "function_call": ("none",), "parallel_tool_calls": (True, False),
+    "response_format": ({"type": "text"},), "store": (False,),
+}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+MAX_STOPS = 16
+
+
+class ApiError(Exception):
+    """A request the server will not serve, as the OpenAI error body and an HTTP status."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 kind: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+@attrs.frozen
+class GenerationRequest:
+    """What a completions or chat request asks for, checked; None = the server's default."""
+
+    kind: str  # "completion" | "chat"
+    model: str
+    prompt: str | list[int] | None = None  # completions: text or token ids
+    messages: list[dict[str, str]] | None = None  # chat: [{"role", "content"}] with text content
+    max_tokens: int | None = None
+    sampling: dict[str, Any] = attrs.Factory(dict)  # SamplingParams fields the request sets
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None  # top alternatives per token (0..), None = no logprobs
+    session_id: str | None = None
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise bad("the request body is not UTF-8") from None
+    if not text.strip():
+        raise bad("the request body is empty; expected a JSON object")
+    try:
+        body = json.loads(text, parse_constant=_no_constant)
+    except json.JSONDecodeError as e:
+        raise bad(f"the request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except RecursionError:
+        raise bad("the request body nests too deeply") from None
+    except ValueError as e:
+        raise bad(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad(f"the request body must be a JSON object, not {_kind(body)}")
+    return body
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _kind(x: Any) -> str:
+    if x is None:
+        return "null"
+    if isinstance(x, bool):
+        return "a boolean"
+    if isinstance(x, int | float):
+        return "a number"
+    if isinstance(x, str):
+        return "a string"
+    if isinstance(x, list):
+        return "an array"
+    return "an object"
+
+
+def _integer(body: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
+    x = body.get(key)
+    if x is None:
+        return None
+    if isinstance(x, float) and x.is_integer():
+        x = int(x)
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise bad(f"'{key}' must be an integer, got {_kind(x)}", key)
+    if not lo <= x <= hi:
+        raise bad(f"'{key}' must be between {lo} and {hi}, got {x}", key)
+    return x
+
+
+def _number(body: dict[str, Any], key: str, lo: float, hi: float, lo_open: bool = False) -> float | None:
+    x = body.get(key)
+    if x is None:
+        return None
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        raise bad(f"'{key}' must be a number, got {_kind(x)}", key)
+    x = float(x)
+    if not math.isfinite(x) or x > hi or x < lo or (lo_open and x == lo):
+        low = f"greater than {lo:g}" if lo_open else f"at least {lo:g}"
+        raise bad(f"'{key}' must be {low} and at most {hi:g}, got {x:g}", key)
+    return x
+
+
+def _boolean(body: dict[str, Any], key: str) -> bool | None:
+    x = body.get(key)
+    if x is not None and not isinstance(x, bool):
+        raise bad(f"'{key}' must be a boolean, got {_kind(x)}", key)
+    return x
+
+
+def _string(body: dict[str, Any], key: str) -> str | None:
+    x = body.get(key)
+    if x is not None and not isinstance(x, str):
+        raise bad(f"'{key}' must be a string, got {_kind(x)}", key)
+    return x
+
+
+def _stops(body: dict[str, Any]) -> tuple[str, ...]:
+    x = body.get("stop")
+    if x is None:
+        return ()
+    items = [x] if isinstance(x, str) else x
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise bad("'stop' must be a string or an array of strings", "stop")
+    if len(items) > MAX_STOPS:
+        raise bad(f"'stop' takes at most {MAX_STOPS} strings, got {len(items)}", "stop")
+    if any(s == "" for s in items):
+        raise bad("'stop' strings must not be empty", "stop")
+    return tuple(items)
+
+
+def _prompt(body: dict[str, Any]) -> str | list[int]:
+    x = body.get("prompt")
+    if x is None:
+        raise bad("'prompt' is required", "prompt")
+    if isinstance(x, list) and len(x) == 1 and isinstance(x[0], str | list):
+        x = x[0]  # one prompt in a batch of one
+    if isinstance(x, str):
+        return x
+    if isinstance(x, list) and x and all(isinstance(i, int) and not isinstance(i, bool) for i in x):
+        return list(x)
+    if isinstance(x, list) and len(x) > 1 and all(isinstance(p, str | list) for p in x):
+        raise bad(f"'prompt' holds {len(x)} prompts; this server takes one per request", "prompt")
+    raise bad("'prompt' must be a string, an array of token ids, or an array holding one of those", "prompt")
+
+
+def _content(m: dict[str, Any], i: int) -> str:
+    c = m.get("content")
+    if isinstance(c, str):
+        return c
+    if c is None and m.get("role") == "assistant":
+        return ""
+    if isinstance(c, list):
+        texts = []
+        for part in c:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise bad(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) are supported",
+                          f"messages[{i}].content")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad(f"messages[{i}].content must be a string or an array of text parts, got {_kind(c)}",
+              f"messages[{i}].content")
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    x = body.get("messages")
+    if x is None:
+        raise bad("'messages' is required", "messages")
+    if not isinstance(x, list) or not x:
+        raise bad("'messages' must be a non-empty array of messages", "messages")
+    out = []
+    for i, m in enumerate(x):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}] must be an object, got {_kind(m)}", f"messages[{i}]")
+        extra = set(m) - {"role", "content", "name"}
+        if extra:
+            raise bad(f"messages[{i}]: unsupported field {sorted(extra)[0]!r} (this server takes role and text "
+                      "content)", f"messages[{i}]")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise bad(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}", f"messages[{i}].role")
+        out.append({"role": _ROLES[role], "content": _content(m, i)})
+    return out
+
+
+def parse_request(body: dict[str, Any], kind: str) -> GenerationRequest:
+    """Check a /v1/completions ("completion") or /v1/chat/completions ("chat") body."""
+    known = _COMPLETION if kind == "completion" else _CHAT
+    for key in body:
+        if key not in known:
+            raise bad(f"Unrecognized request argument supplied: {key}", key, "unrecognized_argument")
+    for key, neutral in _NEUTRAL.items():
+        if key in body and body[key] is not None and body[key] not in neutral:
+            raise bad(f"'{key}' = {json.dumps(body[key])[:60]} is not supported by this server", key, "unsupported")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("'model' is required: a model id from GET /v1/models", "model")
+
+    sampling: dict[str, Any] = {}
+    for key, field, lo, hi, lo_open in (("temperature", "temperature", 0.0, 2.0, False),
+                                        ("top_p", "top_p", 0.0, 1.0, True),
+                                        ("min_p", "min_p", 0.0, 1.0, False),
+                                        ("frequency_penalty", "frequency_penalty", -2.0, 2.0, False),
+                                        ("presence_penalty", "presence_penalty", -2.0, 2.0, False),
+                                        ("repetition_penalty", "repeat_penalty", 0.0, 10.0, True),
+                                        ("repeat_penalty", "repeat_penalty", 0.0, 10.0, True)):
+        value = _number(body, key, lo, hi, lo_open)
+        if value is not None:
+            sampling[field] = value
+    for key, lo, hi in (("top_k", 0, 1 << 30), ("repeat_last_n", 0, 1 << 30)):
+        value = _integer(body, key, lo, hi)
+        if value is not None:
+            sampling[key] = value
+
+    max_tokens = _integer(body, "max_tokens", 1, 1 << 30)
+    logprobs = None
+    if kind == "chat":
+        mct = _integer(body, "max_completion_tokens", 1, 1 << 30)
+        if mct is not None:
+            if max_tokens is not None and max_tokens != mct:
+                raise bad("give one of 'max_tokens' and 'max_completion_tokens'", "max_completion_tokens")
+            max_tokens = mct
+        top = _integer(body, "top_logprobs", 0, 20)
+        if _boolean(body, "logprobs"):
+            logprobs = top or 0
+        elif top is not None:
+            raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    else:
+        logprobs = _integer(body, "logprobs", 0, 5)
+
+    stream = bool(_boolean(body, "stream"))
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise bad("'stream_options' is only allowed with 'stream': true", "stream_options")
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise bad("'stream_options' takes one key, include_usage", "stream_options")
+        include_usage = bool(_boolean(options, "include_usage"))
+    _string(body, "user")
+    session_id = _string(body, "session_id")
+    if session_id is not None and not SESSION_ID.fullmatch(session_id):
+        raise bad("'session_id' must be 1-128 characters of letters, digits and . _ : -", "session_id")
+    return GenerationRequest(
+        kind=kind,
+        model=model,
+        prompt=_prompt(body) if kind == "completion" else None,
+        messages=_messages(body) if kind == "chat" else None,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        seed=_integer(body, "seed", 0, (1 << 63) - 1),
+        stop=_stops(body),
+        stream=stream,
+        include_usage=include_usage,
+        logprobs=logprobs,
+        session_id=session_id,
+    )
