@@ -86,9 +86,13 @@ def test_unknown_pre_tokenizer_is_named():
         Tokenizer.from_gguf_metadata(small_meta("wizard-7"), source="m.gguf")
 
 
-def test_not_a_byte_level_vocabulary():
-    with pytest.raises(TracelmError, match="'llama'"):
+def test_unsupported_or_incomplete_vocabulary_is_named():
+    with pytest.raises(TracelmError, match="'bert' is not supported"):
+        Tokenizer.from_gguf_metadata({**small_meta(), "tokenizer.ggml.model": "bert"}, source="m.gguf")
+    with pytest.raises(TracelmError, match="tokenizer.ggml.scores"):  # a `llama` vocabulary needs its scores
         Tokenizer.from_gguf_metadata({**small_meta(), "tokenizer.ggml.model": "llama"})
+    with pytest.raises(TracelmError, match="no vocabulary"):
+        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "none"}, source="m.gguf")
 
 
 def test_parse_special(small):

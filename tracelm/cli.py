@@ -164,9 +164,25 @@ def cmd_logits(args: argparse.Namespace) -> int:
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
     from tracelm.io.loader import load_tokenizer
+    from tracelm.io.tokenizer_tools import parse_ids, read_text_file, split_inputs
 
+    if (args.text is None) == (args.input_file is None):
+        raise TracelmError("tokenize: give exactly one of --text or --input-file")
     tok = load_tokenizer(args.model)
-    print(json.dumps(tok.encode(args.text, parse_special=args.parse_special)))
+    if args.text is not None:
+        inputs = [args.text]
+    else:
+        inputs = split_inputs(read_text_file(args.input_file), args.separator)
+    out = sys.stdout
+    for text in inputs:
+        if args.decode:
+            out.write(tok.decode(parse_ids(text), skip_special=args.skip_special) + "\n")
+            if args.separator is not None:
+                out.write(args.separator + "\n")
+        else:
+            ids = tok.encode(text, add_bos=args.add_special and None, add_eos=args.add_special and None,
+                             parse_special=args.parse_special)
+            out.write(json.dumps(ids) + "\n")
     return 0
 
 
@@ -184,10 +200,22 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from tracelm.pipeline.bench import run_bench
+    from tracelm.pipeline.bench import run_bench, trace_overhead
 
+    if args.what == "tokenizer":
+        from tracelm.io.loader import load_tokenizer
+        from tracelm.io.tokenizer_tools import PROSE_NOTE, bench_tokenizer, english_prose, read_text_file
+
+        tok = load_tokenizer(args.model)
+        text = read_text_file(args.input_file) if args.input_file else english_prose()
+        report = {"text": args.input_file or PROSE_NOTE, **bench_tokenizer(tok, text)}
     with _threads(args.threads):
-        report = run_bench(args.model, args.prompt_tokens, args.decode_tokens, args.context)
+        if args.what == "tokenizer":
+            pass
+        elif args.trace_overhead:
+            report = trace_overhead(args.model, args.decode_tokens, args.repeats)
+        else:
+            report = run_bench(args.model, args.prompt_tokens, args.decode_tokens, args.context)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -220,6 +248,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
     report = replay(args.trace, args.model, args.allow_model_change, key, limit_threads=_threads)
     print(report.describe())
     return report.status
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from tracelm.pipeline.validate import DEFAULT_PROMPTS, run_validate
+
+    with _threads(args.threads):
+        return run_validate(args.model, args.reference, args.prompt or DEFAULT_PROMPTS, args.tokens, args.json)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -268,11 +303,27 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", required=True)
     sp.set_defaults(fn=cmd_logits)
 
-    sp = sub.add_parser("tokenize", help="print the token ids of a text as a JSON array")
-    sp.add_argument("--model", required=True)
-    sp.add_argument("--text", required=True)
+    sp = sub.add_parser("tokenize", help="print the token ids of each input as a JSON array, one per line")
+    sp.add_argument("--model", required=True,
+                    help="model name, GGUF (also vocab-only), SentencePiece .model, tokenizer.json or llama2.c .bin")
+    sp.add_argument("--text", help="one input")
+    sp.add_argument("--input-file", metavar="FILE", help="inputs from a UTF-8 file: one per line, or see --separator")
+    sp.add_argument("--separator", metavar="LINE", help="inputs in the file are separated by lines equal to LINE")
     sp.add_argument("--parse-special", action="store_true", help="match control tokens written in the text")
+    sp.add_argument("--add-special", action="store_true", help="add BOS/EOS as the vocabulary's flags say")
+    sp.add_argument("--decode", action="store_true", help="inputs are token ids ([1, 2] or 1 2): print their text")
+    sp.add_argument("--skip-special", action="store_true", help="--decode: leave control tokens out")
     sp.set_defaults(fn=cmd_tokenize)
+
+    sp = sub.add_parser("validate", help="compare every layer, the logits and greedy tokens with a reference "
+                        "implementation on the same weights (exit 0: within tolerance, 1: not)")
+    sp.add_argument("--model", required=True, help="registry name or model path")
+    sp.add_argument("--reference", choices=("transformers",), default="transformers")
+    sp.add_argument("--prompt", action="append", help="a prompt (repeatable; default: three built-in prompts)")
+    sp.add_argument("--tokens", type=int, default=32, help="greedy tokens to compare")
+    sp.add_argument("--threads", type=int, default=0)
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(fn=cmd_validate)
 
     sp = sub.add_parser("models", help="the model registry: list | pull NAME | path NAME")
     sp.add_argument("action", choices=("list", "pull", "path"))
@@ -293,13 +344,19 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--key-env", metavar="NAME", help="check the trace's HMAC first, key from env var NAME")
     sp.set_defaults(fn=cmd_replay)
 
-    sp = sub.add_parser("bench", help="load time, prefill and decode rates, peak RSS, against the machine's limits")
+    sp = sub.add_parser("bench", help="load time, prefill and decode rates, peak RSS, against the machine's limits "
+                        "(`bench tokenizer`: encode/decode throughput)")
+    sp.add_argument("what", nargs="?", choices=("model", "tokenizer"), default="model")
+    sp.add_argument("--input-file", metavar="FILE", help="bench tokenizer: the text to encode (default: English prose)")
     sp.add_argument("--model", default="smollm2-135m-instruct")
     sp.add_argument("--prompt-tokens", type=int, default=256)
     sp.add_argument("--decode-tokens", type=int, default=128)
     sp.add_argument("--context", type=int, default=1024)
     sp.add_argument("--threads", type=int, default=0)
     sp.add_argument("--json", action="store_true")
+    sp.add_argument("--trace-overhead", action="store_true",
+                    help="instead: decode tok/s untraced vs trace levels summary and digest, interleaved")
+    sp.add_argument("--repeats", type=int, default=5, help="--trace-overhead: repetitions of each level (best counts)")
     sp.set_defaults(fn=cmd_bench)
     return p
 

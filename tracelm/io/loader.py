@@ -8,6 +8,7 @@ from typing import Any
 
 import attrs
 
+from tracelm import TracelmError
 from tracelm.io import registry
 from tracelm.io.gguf_file import GGUFFile, load_weights, model_config
 from tracelm.io.tokenizer import Tokenizer
@@ -51,5 +52,29 @@ def load_model(name_or_path: str, progress: bool = True) -> LoadedModel:
 
 
 def load_tokenizer(name_or_path: str) -> Tokenizer:
-    gf = GGUFFile(registry.resolve(name_or_path))
-    return Tokenizer.from_gguf_metadata(gf.metadata, source=gf.name)
+    """The tokenizer of a model name or a file, by its kind: a GGUF (a whole model or vocabulary only), a
+    SentencePiece `.model`, a Hugging Face `tokenizer.json` (or a folder holding one), a llama2.c `.bin`."""
+    p = Path(name_or_path).expanduser()
+    if p.is_dir():
+        for name in ("tokenizer.json", "tokenizer.model"):
+            if (p / name).is_file():
+                return load_tokenizer(str(p / name))
+        raise TracelmError(f"{p}: folder has no tokenizer.json or tokenizer.model")
+    if not p.is_file():
+        p = Path(registry.resolve(name_or_path))
+    try:
+        with open(p, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise TracelmError(f"{p}: cannot read: {e.strerror}") from None
+    if magic == b"GGUF" or p.suffix == ".gguf":
+        gf = GGUFFile(p)
+        return Tokenizer.from_gguf_metadata(gf.metadata, source=gf.name)
+    if p.suffix == ".json":
+        return Tokenizer.from_hf_json(p)
+    if p.suffix == ".model":
+        return Tokenizer.from_sentencepiece(p)
+    if p.suffix == ".bin":
+        return Tokenizer.from_llama2c(p)
+    raise TracelmError(f"{p.name}: not a tokenizer tracelm knows (a GGUF, a SentencePiece .model, a "
+                       "tokenizer.json or a llama2.c tokenizer.bin)")

@@ -1,25 +1,39 @@
-"""Byte-level BPE tokenizer for GGUF `gpt2` vocabularies, built on the `tokenizers` package.
+"""Tokenizers: text <-> token ids, one interface for every vocabulary tracelm reads.
 
-The GGUF stores the vocabulary (in GPT-2's printable byte alphabet), the merges, a type per token and
-`tokenizer.ggml.pre`, the name of the text-splitting rules the merges were learned with. Encoding is
-`tokenizers`' BPE; decoding joins each token's raw bytes, so a stream of tokens can be decoded
-piece by piece without ever cutting a UTF-8 character in half.
+Kinds (each built by one constructor of `Tokenizer`):
+- GGUF `gpt2` (byte-level BPE with merges, split first by the rules `tokenizer.ggml.pre` names),
+- GGUF `llama` (SentencePiece-style BPE over scores: space as U+2581, byte fallback `<0xHH>`, unknown token),
+- llama2.c `tokenizer.bin` (the same algorithm, its own file layout),
+- Hugging Face `tokenizer.json` (+ `tokenizer_config.json`), run by the `tokenizers` package,
+- SentencePiece `.model`, run by the `sentencepiece` package.
+
+The BPE kinds are encoded by `tokenizers` (Rust): the GGUF vocabulary is turned into a `tokenizers` BPE model
+(for scored vocabularies, merges ranked by the score of the token they make, which is the order in which
+SentencePiece's BPE and llama.cpp merge). Decoding never goes through a library: every token has its raw
+bytes, and text is their UTF-8 decoding, so a stream of tokens decodes piece by piece exactly as the whole.
+
+Special tokens: control (and unknown) tokens are matched in text only with `parse_special=True`; user-defined
+tokens are always matched whole (as llama.cpp and transformers do).
 """
 
 from __future__ import annotations
 
 import codecs
+import json
 import re
-from collections.abc import Mapping, Sequence
+import struct
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
-from tokenizers import AddedToken, Regex, models, pre_tokenizers
-from tokenizers import Tokenizer as BPETokenizer
+from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 from tracelm import TracelmError
 
 # tokenizer.ggml.token_type values
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+SPACE = "\u2581"  # SentencePiece's visible space
 
 
 class PreTokenizer(NamedTuple):
@@ -36,16 +50,59 @@ _LLAMA3 = _CONTRACTIONS + (
     r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
+# DeepSeek LLM's letter class (its tokenizer.json's, as llama.cpp spells it): code point ranges, in hex
+_DEEPSEEK_LETTER_RANGES = """
+41-5A 61-7A B5 C0-D6 D8-F6 F8-1BA 1BC-1BF 1C4-293 295-2AF 370-373 376-377 37B-37D 37F 386 388-38A 38C
+38E-3A1 3A3-3F5 3F7-481 48A-52F 531-556 10A0-10C5 13A0-13F5 13F8-13FD 1C90-1CBA 1CBD-1CBF 1D00-1D2B 1D6B-1D77
+1D79-1D9A 1E00-1F15 1F18-1F1D 1F20-1F45 1F48-1F4D 1F50-1F57 1F59 1F5B 1F5D 1F5F-1F7D 1F80-1FB4 1FB6-1FBC 1FBE
+1FC2-1FC4 1FC6-1FCC 1FD0-1FD3 1FD6-1FDB 1FE0-1FEC 1FF2-1FF4 1FF6-1FFC 2102 2107 210A-2113 2115 2119-211D 2124
+2126 2128 212A-212D 212F-2134 2139 213C-213F 2145-2149 214E 2183-2184 2C00-2C7B 2C7E-2CE4 2CEB-2CEE 2CF2-2CF3
+A640-A66D A680-A69B A722-A76F A771-A787 A78B-A78E AB70-ABBF FB00-FB06 FB13-FB17 FF21-FF3A FF41-FF5A
+10400-1044F 104B0-104D3 104D8-104FB 10C80-10CB2 10CC0-10CF2 118A0-118DF 1E900-1E943
+"""
+_DEEPSEEK_LETTERS = "".join(
+    "-".join(f"\\x{{{cp}}}" for cp in r.split("-")) for r in _DEEPSEEK_LETTER_RANGES.split()
+)
+
+_GPT2_RULES = PreTokenizer((_GPT2,))
+_STARCODER_RULES = PreTokenizer((r"\p{N}", _GPT2))  # every digit alone, then GPT-2's regex
+_LLAMA3_RULES = PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True)
 
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {
-    "gpt-2": PreTokenizer((_GPT2,)),
-    # llama.cpp's fallback for files that name no known pre-tokenizer
+    "gpt-2": _GPT2_RULES,
+    "gpt2": _GPT2_RULES,
+    "phi-2": _GPT2_RULES,
+    "mpt": _GPT2_RULES,
+    "gpt-neox": _GPT2_RULES,
+    "olmo": _GPT2_RULES,
+    # llama.cpp's rules for files that name the generic pre-tokenizer
     "default": PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")),
-    "smollm": PreTokenizer((r"\p{N}", _GPT2)),  # every digit alone, then GPT-2's regex
-    "llama-bpe": PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True),
-    "llama3": PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True),
-    "llama-v3": PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True),
+    "smollm": _STARCODER_RULES,
+    "starcoder": _STARCODER_RULES,
+    "refact": _STARCODER_RULES,
+    "codeshell": _STARCODER_RULES,
+    "command-r": _STARCODER_RULES,
+    "llama-bpe": _LLAMA3_RULES,
+    "llama3": _LLAMA3_RULES,
+    "llama-v3": _LLAMA3_RULES,
+    "dbrx": PreTokenizer((_LLAMA3,)),
+    "smaug-bpe": PreTokenizer((_LLAMA3,)),
     "qwen2": PreTokenizer((_QWEN2,)),
+    "stablelm2": PreTokenizer((_QWEN2,)),
+    "deepseek-r1-qwen": PreTokenizer((_QWEN2,)),
+    "falcon": PreTokenizer((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]")),
+    "deepseek-llm": PreTokenizer(
+        (
+            r"[\r\n]",
+            rf"\s?[{_DEEPSEEK_LETTERS}]+",
+            r"\s?[!-/:-~\x{FF01}-\x{FF0F}\x{FF1A}-\x{FF5E}\x{2018}-\x{201F}\x{3000}-\x{3002}]+",
+            r"\s+$",
+            _CJK,
+            r"\p{N}+",
+        )
+    ),
+    "deepseek-coder": PreTokenizer((r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK, r"\p{N}")),
 }
 
 SPECIAL_ID_KEYS = ("bos_token_id", "eos_token_id", "eot_token_id", "eom_token_id")
@@ -75,9 +132,10 @@ def _byte_alphabet() -> dict[int, str]:
 
 _CHAR_TO_BYTE = {ord(c): b for b, c in _byte_alphabet().items()}
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _raw_bytes(piece: str, token_type: int) -> bytes:
+def _byte_level_bytes(piece: str, token_type: int) -> bytes:
     if token_type in (NORMAL, UNUSED) and all(ord(c) in _CHAR_TO_BYTE for c in piece):
         return piece.translate(_CHAR_TO_BYTE).encode("latin-1")
     if token_type == BYTE and (m := _BYTE_TOKEN.fullmatch(piece)):
@@ -85,96 +143,494 @@ def _raw_bytes(piece: str, token_type: int) -> bytes:
     return piece.encode("utf-8")  # control / user-defined tokens are stored as plain text
 
 
+def _spm_bytes(piece: str, token_type: int) -> bytes:
+    if token_type == BYTE and (m := _BYTE_TOKEN.fullmatch(piece)):
+        return bytes([int(m.group(1), 16)])
+    if token_type in (CONTROL, UNKNOWN):
+        return piece.encode("utf-8")
+    return piece.replace(SPACE, " ").encode("utf-8")
+
+
+def _where(source: str) -> str:
+    return f"{source}: " if source else ""
+
+
+def _check_text(text: str) -> None:
+    if not isinstance(text, str):
+        raise TracelmError(f"text to encode must be a str, not {type(text).__name__}")
+    if m := _SURROGATE.search(text):
+        raise TracelmError(f"text has a lone surrogate U+{ord(m.group()):04X} at character {m.start()}; "
+                           "it is not Unicode text")
+
+
+# ---------------------------------------------------------------- encoders (text -> ids)
+
+
+_CHUNK = 1 << 16  # texts longer than this are cut into pieces encoded in parallel, where that is exact
+_CHUNK_CUT = re.compile(r"(?<=\S)\n(?=\S)")
+
+
+class _HFEncoder:
+    """Two `tokenizers` tokenizers over one vocabulary: control tokens matched in text, or not.
+
+    A long text is cut after newlines that stand between two non-space characters and the pieces are encoded
+    in parallel (`encode_batch`), but only where no token can span such a cut: `split_safe` says the
+    vocabulary has no mergeable or added token with a newline inside (always true of the byte-level
+    pre-tokenizers, which end every piece at such a newline). `tail` is the same tokenizer without the
+    SentencePiece space prefix, for the pieces after the first."""
+
+    def __init__(self, special: HFTokenizer, split_safe: bool = False, tail: Callable[[], HFTokenizer] | None = None):
+        self.special = special
+        self.plain = HFTokenizer.from_str(special.to_str())
+        self.plain.encode_special_tokens = True  # special tokens' text is encoded as plain text
+        self.split_safe = split_safe
+        self._make_tail = tail
+        self._tails: dict[bool, HFTokenizer] = {}
+
+    def _tail(self, parse_special: bool) -> HFTokenizer:
+        if self._make_tail is None:
+            return self.special if parse_special else self.plain
+        if parse_special not in self._tails:
+            tail = self._make_tail()
+            tail.encode_special_tokens = not parse_special
+            self._tails[parse_special] = tail
+        return self._tails[parse_special]
+
+    def __call__(self, text: str, parse_special: bool) -> list[int]:
+        bpe = self.special if parse_special else self.plain
+        if len(text) <= _CHUNK or not self.split_safe:
+            return bpe.encode(text, add_special_tokens=False).ids
+        cuts = [0]
+        for m in _CHUNK_CUT.finditer(text):
+            if m.end() - cuts[-1] >= _CHUNK:
+                cuts.append(m.end())
+        if len(cuts) == 1:
+            return bpe.encode(text, add_special_tokens=False).ids
+        cuts.append(len(text))
+        pieces = [text[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+        ids = bpe.encode(pieces[0], add_special_tokens=False).ids
+        for enc in self._tail(parse_special).encode_batch(pieces[1:], add_special_tokens=False):
+            ids += enc.ids
+        return ids
+
+    def batch(self, texts: list[str], parse_special: bool) -> list[list[int]]:
+        bpe = self.special if parse_special else self.plain
+        return [e.ids for e in bpe.encode_batch(texts, add_special_tokens=False)]
+
+
+class _SentencePieceEncoder:
+    """The `sentencepiece` library; with parse_special, control-token texts are cut out first."""
+
+    def __init__(self, processor: Any, specials: Mapping[str, int]):
+        self.sp = processor
+        self.specials = dict(specials)
+        texts = sorted(self.specials, key=len, reverse=True)
+        self.pattern = re.compile("|".join(map(re.escape, texts))) if texts else None
+
+    def __call__(self, text: str, parse_special: bool) -> list[int]:
+        if not parse_special or self.pattern is None:
+            return self.sp.encode(text) if text else []
+        ids: list[int] = []
+        pos = 0
+        for m in self.pattern.finditer(text):
+            if m.start() > pos:
+                ids += self.sp.encode(text[pos : m.start()])
+            ids.append(self.specials[m.group()])
+            pos = m.end()
+        if pos < len(text):
+            ids += self.sp.encode(text[pos:])
+        return ids
+
+
+def _bpe_merges_from_scores(tokens: Sequence[str], scores: Sequence[float], mergeable: Sequence[bool]):
+    """Merges for a scored (SentencePiece-style) vocabulary: every split of a mergeable token into two
+    tokens, ranked by the token's score, highest first (ties: the lower id first)."""
+    index: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        index.setdefault(t, i)
+    found = []
+    for i, t in enumerate(tokens):
+        if not mergeable[i] or len(t) < 2 or index[t] != i:
+            continue
+        for k in range(1, len(t)):
+            a, b = t[:k], t[k:]
+            ia, ib = index.get(a), index.get(b)
+            if ia is not None and ib is not None:
+                found.append((-scores[i], i, ia, ib, a, b))
+    found.sort()
+    return [(a, b) for *_, a, b in found]
+
+
+def _spm_hf_tokenizer(
+    tokens: Sequence[str],
+    scores: Sequence[float],
+    types: Sequence[int],
+    add_space_prefix: bool,
+    unk_id: int | None,
+) -> HFTokenizer:
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    mergeable = [k in (NORMAL, USER_DEFINED, UNUSED) for k in types]
+    merges = _bpe_merges_from_scores(tokens, scores, mergeable)
+    unk = tokens[unk_id] if unk_id is not None else None
+    has_bytes = any(k == BYTE for k in types)
+    bpe = HFTokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=has_bytes))
+    steps = [normalizers.Prepend(SPACE)] if add_space_prefix else []
+    bpe.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", SPACE)])
+    _add_special(bpe, tokens, types)
+    return bpe
+
+
+def _spm_encoder(bpe: HFTokenizer, tokens: Sequence[str], types: Sequence[int], add_space_prefix: bool):
+    safe = not any("\n" in t[:-1] for t, k in zip(tokens, types, strict=True) if k != BYTE)
+
+    def tail() -> HFTokenizer:
+        t = HFTokenizer.from_str(bpe.to_str())
+        t.normalizer = normalizers.Replace(" ", SPACE)
+        return t
+
+    return _HFEncoder(bpe, split_safe=safe, tail=tail if add_space_prefix else None)
+
+
+def _add_special(bpe: HFTokenizer, tokens: Sequence[str], types: Sequence[int]) -> None:
+    # User-defined tokens are always matched whole; control (and unknown) tokens only when asked.
+    bpe.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types, strict=True)
+         if k == USER_DEFINED]
+    )
+    bpe.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types, strict=True)
+         if k in (CONTROL, UNKNOWN)]
+    )
+
+
+# ---------------------------------------------------------------- the one interface
+
+
 class Tokenizer:
-    """Text <-> token ids for one GGUF byte-level BPE vocabulary."""
+    """Text <-> token ids for one vocabulary, whatever file it came from."""
 
     def __init__(
         self,
-        tokens: list[str],
-        merges: list[str],
-        token_types: list[int],
-        pre: str,
+        *,
+        pieces: Sequence[str],
+        types: Sequence[int],
+        token_bytes: Sequence[bytes],
+        encoder: Callable[[str, bool], list[int]],
         special_ids: Mapping[str, int | None],
-        add_bos: bool | None,
+        add_bos: bool,
+        add_eos: bool = False,
+        strip_first_space: bool = False,
+        kind: str = "",
         source: str = "",
+        chat_template: str | None = None,
     ):
-        where = f"{source}: " if source else ""
+        where = _where(source)
+        if len(types) != len(pieces):
+            raise TracelmError(f"{where}{len(types)} token types for {len(pieces)} tokens")
+        self.n_vocab = len(pieces)
+        for name, i in special_ids.items():
+            if i is not None and not 0 <= i < self.n_vocab:
+                raise TracelmError(f"{where}{name} {i} is outside the vocabulary (size {self.n_vocab})")
+        self._pieces = list(pieces)
+        self._types = list(types)
+        self._bytes = list(token_bytes)
+        self._encoder = encoder
+        self.kind = kind
+        self.source = source
+        self.chat_template = chat_template
+        self.strip_first_space = strip_first_space
+        self.bos_id = special_ids.get("bos_token_id")
+        self.eos_id = special_ids.get("eos_token_id")
+        self.unk_id = special_ids.get("unknown_token_id")
+        self.add_bos = bool(add_bos)
+        self.add_eos = bool(add_eos)
+        ends = {special_ids.get(k) for k in SPECIAL_ID_KEYS[1:]} - {None}  # eos, eot, eom
+        ends |= {i for i, (t, k) in enumerate(zip(pieces, types, strict=True)) if k == CONTROL and t in EOG_TEXTS}
+        self.eog_ids: frozenset[int] = frozenset(i for i in ends if i is not None)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.kind}, {self.n_vocab} tokens, {self.source!r})"
+
+    # ------------------------------------------------------------ constructors
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: Mapping[str, Any], source: str = "") -> Tokenizer:
+        """From GGUF `tokenizer.ggml.*` metadata: `gpt2` (byte-level BPE) or `llama` (SentencePiece BPE)."""
+        where = _where(source)
+        model = meta.get("tokenizer.ggml.model")
+        tokens = meta.get("tokenizer.ggml.tokens")
+        if model in (None, "none", "no") or not tokens:
+            raise TracelmError(f"{where}the GGUF has no vocabulary (tokenizer.ggml.model {model!r}, "
+                               f"{len(tokens or [])} tokens)")
+        types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+        if len(types) != len(tokens):
+            raise TracelmError(f"{where}{len(types)} token types for {len(tokens)} tokens")
+        ids = {k: meta.get(f"tokenizer.ggml.{k}") for k in (*SPECIAL_ID_KEYS, "unknown_token_id")}
+        template = meta.get("tokenizer.chat_template")
+        template = template if isinstance(template, str) and template.strip() else None
+        add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+        if model == "gpt2":
+            return cls._byte_level(meta, list(tokens), list(types), ids, add_eos, template, source)
+        if model == "llama":
+            scores = meta.get("tokenizer.ggml.scores")
+            if scores is None or len(scores) != len(tokens):
+                raise TracelmError(f"{where}tokenizer.ggml.scores has {len(scores or [])} values for "
+                                   f"{len(tokens)} tokens")
+            return cls.from_scored_vocab(
+                list(tokens), list(scores), list(types), ids,
+                add_bos=meta.get("tokenizer.ggml.add_bos_token", True),
+                add_eos=add_eos,
+                add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
+                kind="gguf-llama", source=source, chat_template=template,
+            )  # fmt: skip
+        raise TracelmError(f"{where}tokenizer.ggml.model {model!r} is not supported (supported: 'gpt2', 'llama')")
+
+    @classmethod
+    def _byte_level(cls, meta, tokens, types, ids, add_eos, template, source) -> Tokenizer:
+        where = _where(source)
+        pre = meta.get("tokenizer.ggml.pre", "default")
         spec = PRE_TOKENIZERS.get(pre)
         if spec is None:
             known = ", ".join(PRE_TOKENIZERS)
             raise TracelmError(f"{where}unknown tokenizer.ggml.pre {pre!r} (known: {known})")
-        if len(token_types) != len(tokens):
-            raise TracelmError(f"{where}{len(token_types)} token types for {len(tokens)} tokens")
-        self.n_vocab = len(tokens)
-        for name, i in special_ids.items():
-            if i is not None and not 0 <= i < self.n_vocab:
-                raise TracelmError(f"{where}{name} {i} is outside the vocabulary (size {self.n_vocab})")
-        self._pieces = tokens
-        self._types = token_types
-        typed = list(zip(tokens, token_types, strict=True))
-        self._bytes = [_raw_bytes(t, k) for t, k in typed]
-        self.bos_id = special_ids.get("bos_token_id")
-        self.eos_id = special_ids.get("eos_token_id")
-        self.add_bos = spec.add_bos if add_bos is None else bool(add_bos)
-        ends = {special_ids.get(k) for k in SPECIAL_ID_KEYS[1:]} - {None}  # eos, eot, eom
-        ends |= {i for i, (t, k) in enumerate(typed) if k == CONTROL and t in EOG_TEXTS}
-        self.eog_ids: frozenset[int] = frozenset(ends)
-
+        merges = meta.get("tokenizer.ggml.merges")
+        if merges is None:
+            raise TracelmError(f"{where}the GGUF has no tokenizer.ggml.merges")
         vocab: dict[str, int] = {}
         for i, t in enumerate(tokens):
             vocab.setdefault(t, i)  # a repeated text keeps its first id, as llama.cpp does
         pairs = [tuple(m.split(" ", 1)) for m in merges]
         try:
-            self._plain = BPETokenizer(models.BPE(vocab, pairs, ignore_merges=spec.ignore_merges))
+            bpe = HFTokenizer(models.BPE(vocab, pairs, ignore_merges=spec.ignore_merges))
         except Exception as e:  # tokenizers raises plain Exception for a merge whose parts are not tokens
             raise TracelmError(f"{where}cannot build the BPE vocabulary: {e}") from None
-        self._plain.pre_tokenizer = pre_tokenizers.Sequence(
+        bpe.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in spec.splits]
             + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
         )
-        # User-defined tokens are always matched whole; control (and unknown) tokens only when asked.
-        self._plain.add_tokens(
-            [AddedToken(t, special=False, normalized=False) for t, k in typed if k == USER_DEFINED]
-        )
-        self._plain.add_special_tokens(
-            [AddedToken(t, special=True, normalized=False) for t, k in typed if k in (CONTROL, UNKNOWN)]
-        )
-        self._special = BPETokenizer.from_str(self._plain.to_str())
-        self._plain.encode_special_tokens = True  # special tokens' text is encoded as plain text
+        _add_special(bpe, tokens, types)
+        add_bos = meta.get("tokenizer.ggml.add_bos_token")
+        return cls(
+            pieces=tokens, types=types,
+            token_bytes=[_byte_level_bytes(t, k) for t, k in zip(tokens, types, strict=True)],
+            encoder=_HFEncoder(bpe, split_safe=not any("\n" in t for t, k in zip(tokens, types, strict=True)
+                                                       if k in (CONTROL, UNKNOWN, USER_DEFINED))),
+            special_ids=ids, add_bos=spec.add_bos if add_bos is None else add_bos, add_eos=add_eos,
+            kind=f"gguf-gpt2/{pre}", source=source, chat_template=template,
+        )  # fmt: skip
 
     @classmethod
-    def from_gguf_metadata(cls, meta: Mapping[str, Any], source: str = "") -> Tokenizer:
-        where = f"{source}: " if source else ""
-        model = meta.get("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise TracelmError(f"{where}tokenizer.ggml.model is {model!r}, not byte-level BPE ('gpt2')")
-        tokens = meta.get("tokenizer.ggml.tokens")
-        merges = meta.get("tokenizer.ggml.merges")
-        if not tokens or merges is None:
-            raise TracelmError(f"{where}the GGUF has no tokenizer.ggml.tokens or tokenizer.ggml.merges")
-        types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
-        ids = {k: meta.get(f"tokenizer.ggml.{k}") for k in SPECIAL_ID_KEYS}
+    def from_scored_vocab(
+        cls,
+        tokens: list[str],
+        scores: list[float],
+        types: list[int],
+        special_ids: Mapping[str, int | None],
+        *,
+        add_bos: bool = True,
+        add_eos: bool = False,
+        add_space_prefix: bool = True,
+        kind: str = "spm-bpe",
+        source: str = "",
+        chat_template: str | None = None,
+    ) -> Tokenizer:
+        """SentencePiece-style BPE: pieces with U+2581 for space, merged by score, bytes as `<0xHH>`."""
+        bpe = _spm_hf_tokenizer(tokens, scores, types, add_space_prefix, special_ids.get("unknown_token_id"))
         return cls(
-            list(tokens),
-            list(merges),
-            list(types),
-            meta.get("tokenizer.ggml.pre", "default"),
-            ids,
-            meta.get("tokenizer.ggml.add_bos_token"),
-            source,
-        )
+            pieces=tokens, types=types,
+            token_bytes=[_spm_bytes(t, k) for t, k in zip(tokens, types, strict=True)],
+            encoder=_spm_encoder(bpe, tokens, types, add_space_prefix), special_ids=special_ids,
+            add_bos=add_bos, add_eos=add_eos,
+            strip_first_space=add_space_prefix, kind=kind, source=source, chat_template=chat_template,
+        )  # fmt: skip
 
-    def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = False) -> list[int]:
-        bpe = self._special if parse_special else self._plain
-        ids = bpe.encode(text, add_special_tokens=False).ids
+    @classmethod
+    def from_llama2c(cls, path: str | Path) -> Tokenizer:
+        """llama2.c's `tokenizer.bin`: max token length (i32), then per token: score (f32), length (i32), bytes.
+        Token 0 is <unk>, 1 and 2 are BOS and EOS, `<0xHH>` are byte tokens; spaces are plain spaces."""
+        path = Path(path)
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise TracelmError(f"{path}: cannot read: {e.strerror}") from None
+        if len(data) < 4:
+            raise TracelmError(f"{path.name}: not a llama2.c tokenizer (only {len(data)} bytes)")
+        pos, tokens, scores = 4, [], []
+        while pos < len(data):
+            if pos + 8 > len(data):
+                raise TracelmError(f"{path.name}: truncated or corrupt llama2.c tokenizer at byte {pos}")
+            score, n = struct.unpack_from("<fi", data, pos)
+            pos += 8
+            if n < 0 or pos + n > len(data):
+                raise TracelmError(f"{path.name}: truncated or corrupt llama2.c tokenizer (token {len(tokens)} "
+                                   f"of length {n} at byte {pos - 4})")
+            tokens.append(data[pos : pos + n].decode("utf-8", errors="replace"))
+            scores.append(score)
+            pos += n
+        if len(tokens) < 3:
+            raise TracelmError(f"{path.name}: a llama2.c tokenizer needs at least 3 tokens, has {len(tokens)}")
+        pieces, types = [], []
+        for i, t in enumerate(tokens):
+            if i == 0:
+                pieces.append(t), types.append(UNKNOWN)
+            elif i in (1, 2):
+                pieces.append(t.strip()), types.append(CONTROL)
+            elif _BYTE_TOKEN.fullmatch(t):
+                pieces.append(t), types.append(BYTE)
+            else:
+                pieces.append(t.replace(" ", SPACE)), types.append(NORMAL)
+        ids = {"unknown_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+        return cls.from_scored_vocab(pieces, scores, types, ids, kind="llama2c", source=path.name)
+
+    @classmethod
+    def from_sentencepiece(cls, path: str | Path) -> Tokenizer:
+        """A SentencePiece `.model` file, encoded by the `sentencepiece` library itself."""
+        import sentencepiece
+
+        path = Path(path)
+        try:
+            sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+        except (OSError, RuntimeError) as e:
+            raise TracelmError(f"{path.name}: not a readable SentencePiece model: {e}") from None
+        n = sp.vocab_size()
+        pieces = [sp.id_to_piece(i) for i in range(n)]
+        types = []
+        for i in range(n):
+            if sp.is_unknown(i):
+                types.append(UNKNOWN)
+            elif sp.is_control(i):
+                types.append(CONTROL)
+            elif sp.is_byte(i):
+                types.append(BYTE)
+            elif sp.is_unused(i):
+                types.append(UNUSED)
+            else:
+                types.append(NORMAL)
+        ids = {
+            "bos_token_id": sp.bos_id() if sp.bos_id() >= 0 else None,
+            "eos_token_id": sp.eos_id() if sp.eos_id() >= 0 else None,
+            "unknown_token_id": sp.unk_id() if sp.unk_id() >= 0 else None,
+        }
+        specials = {p: i for i, (p, k) in enumerate(zip(pieces, types, strict=True)) if k in (CONTROL, UNKNOWN) and p}
+        strip = sp.encode("a", out_type=str)[:1] in ([SPACE + "a"], [SPACE])  # the model adds a dummy prefix
+        return cls(
+            pieces=pieces, types=types, token_bytes=[_spm_bytes(p, k) for p, k in zip(pieces, types, strict=True)],
+            encoder=_SentencePieceEncoder(sp, specials), special_ids=ids, add_bos=True,
+            strip_first_space=strip, kind="sentencepiece", source=path.name,
+        )  # fmt: skip
+
+    @classmethod
+    def from_hf_json(cls, path: str | Path) -> Tokenizer:
+        """A Hugging Face `tokenizer.json`, with `tokenizer_config.json` beside it when there is one."""
+        path = Path(path)
+        try:
+            spec = json.loads(path.read_text(encoding="utf-8"))
+            hf = HFTokenizer.from_str(json.dumps(spec))
+        except OSError as e:
+            raise TracelmError(f"{path}: cannot read: {e.strerror}") from None
+        except Exception as e:  # json or tokenizers rejects it
+            raise TracelmError(f"{path.name}: not a valid tokenizer.json: {str(e).splitlines()[0]}") from None
+        config: dict[str, Any] = {}
+        cfg_path = path.with_name("tokenizer_config.json")
+        if cfg_path.is_file():
+            try:
+                config = json.loads(cfg_path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as e:
+                raise TracelmError(f"{cfg_path.name}: not valid JSON: {e}") from None
+        n = hf.get_vocab_size(with_added_tokens=True)
+        pieces = [hf.id_to_token(i) or "" for i in range(n)]
+        types = [NORMAL] * n
+        model = spec.get("model") or {}
+        if model.get("unk_token") in hf.get_vocab():
+            types[hf.token_to_id(model["unk_token"])] = UNKNOWN
+        if model.get("byte_fallback"):
+            for i, p in enumerate(pieces):
+                if _BYTE_TOKEN.fullmatch(p):
+                    types[i] = BYTE
+        for added in spec.get("added_tokens") or []:
+            types[added["id"]] = CONTROL if added.get("special") else USER_DEFINED
+        decoder = json.dumps(spec.get("decoder"))
+        if '"ByteLevel"' in decoder:
+            token_bytes = [_byte_level_bytes(p, k) for p, k in zip(pieces, types, strict=True)]
+            strip = False
+        elif SPACE in decoder or '"Metaspace"' in decoder:
+            token_bytes = [_spm_bytes(p, k) for p, k in zip(pieces, types, strict=True)]
+            strip = '"Strip"' in decoder or '"prepend_scheme": "always"' in decoder or (
+                '"prepend_scheme": "first"' in decoder)
+        else:
+            raise TracelmError(f"{path.name}: decoder {(spec.get('decoder') or {}).get('type')!r} is not supported "
+                               "(byte-level or SentencePiece-style only)")
+
+        def token_id(key: str) -> int | None:
+            value = config.get(key)
+            if isinstance(value, dict):
+                value = value.get("content")
+            return hf.token_to_id(value) if isinstance(value, str) else None
+
+        ids = {"bos_token_id": token_id("bos_token"), "eos_token_id": token_id("eos_token"),
+               "unknown_token_id": token_id("unk_token")}
+        add_bos = config.get("add_bos_token")
+        if add_bos is None:  # the post-processor decides: does it put BOS in front?
+            with_special = hf.encode("a", add_special_tokens=True).ids
+            add_bos = ids["bos_token_id"] is not None and with_special[:1] == [ids["bos_token_id"]]
+        template = config.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        if template is None and (jinja := path.with_name("chat_template.jinja")).is_file():
+            template = jinja.read_text(encoding="utf-8")
+        return cls(
+            pieces=pieces, types=types, token_bytes=token_bytes, encoder=_HFEncoder(hf), special_ids=ids,
+            add_bos=add_bos, add_eos=bool(config.get("add_eos_token", False)), strip_first_space=strip,
+            kind="tokenizer.json", source=path.name,
+            chat_template=template if isinstance(template, str) and template.strip() else None,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------ encode
+
+    def encode(
+        self,
+        text: str,
+        add_bos: bool | None = None,
+        parse_special: bool = False,
+        add_eos: bool | None = None,
+    ) -> list[int]:
+        """Token ids of `text`; BOS/EOS as the vocabulary's flags say unless given."""
+        _check_text(text)
+        ids = self._encoder(text, parse_special)
         if self.add_bos if add_bos is None else add_bos:
             if self.bos_id is None:
                 raise TracelmError("this vocabulary has no BOS token to add")
             ids.insert(0, self.bos_id)
+        if self.add_eos if add_eos is None else add_eos:
+            if self.eos_id is None:
+                raise TracelmError("this vocabulary has no EOS token to add")
+            ids.append(self.eos_id)
         return ids
 
+    def encode_batch(self, texts: Sequence[str], add_bos: bool | None = None, parse_special: bool = False,
+                     add_eos: bool | None = None) -> list[list[int]]:
+        """`encode` of each text; in parallel where the encoder can."""
+        texts = list(texts)
+        for t in texts:
+            _check_text(t)
+        if not hasattr(self._encoder, "batch"):
+            return [self.encode(t, add_bos, parse_special, add_eos) for t in texts]
+        out = self._encoder.batch(texts, parse_special)
+        bos = self.add_bos if add_bos is None else add_bos
+        eos = self.add_eos if add_eos is None else add_eos
+        if bos or eos:
+            head = [self.encode("", add_bos=bos, add_eos=False)] if bos else [[]]
+            tail = self.encode("", add_bos=False, add_eos=eos) if eos else []
+            out = [head[0] + ids + tail for ids in out]
+        return out
+
+    # ------------------------------------------------------------ tokens
+
     def _check(self, token_id: int) -> int:
-        if not 0 <= token_id < self.n_vocab:
+        if not isinstance(token_id, int) or not 0 <= token_id < self.n_vocab:
             raise TracelmError(f"token id {token_id} is outside the vocabulary (0..{self.n_vocab - 1})")
         return token_id
 
@@ -184,29 +640,52 @@ class Tokenizer:
     def piece(self, token_id: int) -> str:
         return self._pieces[self._check(token_id)]
 
+    def token_type(self, token_id: int) -> int:
+        return self._types[self._check(token_id)]
+
     def is_control(self, token_id: int) -> bool:
         return self._types[self._check(token_id)] == CONTROL
 
-    def _shown_bytes(self, token_id: int, skip_special: bool) -> bytes:
-        return b"" if skip_special and self.is_control(token_id) else self.token_bytes(token_id)
+    def token_id(self, piece: str) -> int | None:
+        """The id of a token by its text (first one, if repeated), or None."""
+        if not hasattr(self, "_index"):
+            index: dict[str, int] = {}
+            for i, p in enumerate(self._pieces):
+                index.setdefault(p, i)
+            self._index = index
+        return self._index.get(piece)
+
+    # ------------------------------------------------------------ decode
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
-        return b"".join(self._shown_bytes(i, skip_special) for i in ids).decode("utf-8", errors="replace")
+        stream = self.stream_decoder(skip_special)
+        return "".join([stream.push(i) for i in ids]) + stream.flush()
 
     def stream_decoder(self, skip_special: bool = False) -> StreamDecoder:
         return StreamDecoder(self, skip_special)
 
 
 class StreamDecoder:
-    """Decodes one token at a time, holding back the bytes of a character not yet complete."""
+    """Decodes one token at a time, holding back the bytes of a character not yet complete. The text it
+    gives, joined, is exactly `Tokenizer.decode` of the same ids."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special: bool = False):
         self._tokenizer = tokenizer
         self._skip_special = skip_special
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._strip = tokenizer.strip_first_space  # the space the SentencePiece prefix added
 
     def push(self, token_id: int) -> str:
-        return self._utf8.decode(self._tokenizer._shown_bytes(token_id, self._skip_special))
+        tok = self._tokenizer
+        data = tok.token_bytes(token_id)
+        if tok.is_control(token_id):
+            if self._skip_special:
+                return ""
+        elif self._strip:
+            self._strip = False
+            if data[:1] == b" ":
+                data = data[1:]
+        return self._utf8.decode(data)
 
     def flush(self) -> str:
         return self._utf8.decode(b"", final=True)
