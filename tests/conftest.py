@@ -125,3 +125,25 @@ def has_reference() -> bool:
     except ImportError:
         return False
     return os.environ.get("TRACELM_SKIP_REFERENCE") != "1"
+
+
+def _pull(name: str) -> Path:
+    from tracelm import TracelmError
+    from tracelm.io import registry
+
+    try:
+        return registry.pull(name, progress=False)
+    except TracelmError as e:
+        pytest.skip(f"model {name} not available: {e}")
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    """Gemma 3 270M (GGUF Q4_K_M), pulled into TRACELM_HOME on first use."""
+    return _pull("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def qwen_coder_path() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct (GGUF Q4_K_M), pulled into TRACELM_HOME on first use."""
+    return _pull("qwen2.5-coder-0.5b-instruct")

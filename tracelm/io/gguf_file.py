@@ -20,8 +20,15 @@ from tracelm.state.records import LayerWeights, ModelWeights
 GGUF_MAGIC = b"GGUF"
 
 # Architectures the graph builds, with the options their GGUF files imply.
+# Keys read from the metadata override these (attention.sliding_window, rope.freq_base_swa, ...).
 ARCH_OPTIONS: dict[str, dict[str, Any]] = {
-    "llama": {"rope_mode": "adjacent", "qkv_bias": False},
+    "llama": {"rope_mode": "adjacent"},
+    "qwen2": {"rope_mode": "neox", "qkv_bias": True},
+    "qwen3": {"rope_mode": "neox", "qk_norm": True},
+    "phi3": {"rope_mode": "neox"},
+    # llama.cpp's gemma3: every 6th layer global, windowed layers on RoPE base 10000
+    "gemma3": {"rope_mode": "neox", "qk_norm": True, "post_norms": True, "ffn_act": "gelu_tanh",
+               "swa_pattern": 6, "rope_base_swa": 10000.0},
 }
 
 
@@ -194,6 +201,17 @@ def model_config(gf: GGUFFile) -> ModelConfig:
     n_head = int(a("attention.head_count"))
     head_dim = int(a("attention.key_length", n_embd // n_head))
     n_vocab = int(gf.tensors["token_embd.weight"].shape[0])
+    opts = dict(ARCH_OPTIONS[arch])
+    if arch == "gemma3":
+        opts["embd_scale"] = float(np.float32(np.sqrt(np.float32(n_embd))))
+    for key, field, conv in (("attention.sliding_window", "sliding_window", int),
+                             ("attention.sliding_window_pattern", "swa_pattern", int),
+                             ("rope.freq_base_swa", "rope_base_swa", float),
+                             ("attention.scale", "attn_scale", float)):
+        if f"{arch}.{key}" in meta:
+            opts[field] = conv(meta[f"{arch}.{key}"])
+    if "rope_freqs.weight" in gf.tensors:
+        opts["rope_freq_factors"] = tuple(float(f) for f in gf.tensor_f32("rope_freqs.weight").ravel())
     try:
         return ModelConfig(
             arch=arch,
@@ -209,7 +227,7 @@ def model_config(gf: GGUFFile) -> ModelConfig:
             rms_eps=float(a("attention.layer_norm_rms_epsilon", 1e-5)),
             n_ctx_train=int(a("context_length")),
             tied_head="output.weight" not in gf.tensors,
-            **ARCH_OPTIONS[arch],
+            **opts,
         )
     except ValueError as e:
         raise TracelmError(f"{name}: {e}") from None
@@ -264,9 +282,18 @@ def _load_all(gf: GGUFFile, cfg: ModelConfig, bar: Any) -> ModelWeights:
     layers = []
     for i in range(cfg.n_layer):
         p = f"blk.{i}."
-        qkv = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
-        gate_up = [p + "ffn_gate.weight", p + "ffn_up.weight"]
-        bias = [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"] if cfg.qkv_bias else []
+        # phi3 stores q/k/v fused (attn_qkv) and gate/up fused (ffn_up of 2 n_ff rows)
+        fused_qkv = p + "attn_qkv.weight" in gf.tensors
+        qkv = [p + "attn_qkv.weight"] if fused_qkv else [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
+        gate_up = [p + "ffn_gate.weight", p + "ffn_up.weight"] if p + "ffn_gate.weight" in gf.tensors else [
+            p + "ffn_up.weight"]
+        bias = []
+        if cfg.qkv_bias:
+            bias = [p + "attn_qkv.bias"] if fused_qkv else [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"]
+        hd = cfg.head_dim
+        norms = [p + "attn_q_norm.weight", p + "attn_k_norm.weight"] if cfg.qk_norm else []
+        if cfg.post_norms:
+            norms += [p + "post_attention_norm.weight", p + "post_ffw_norm.weight"]
         lw = LayerWeights(
             attn_norm=_checked(gf, p + "attn_norm.weight", (d,)),
             wqkv=_stack_rows(gf, qkv, d),
@@ -274,14 +301,18 @@ def _load_all(gf: GGUFFile, cfg: ModelConfig, bar: Any) -> ModelWeights:
             ffn_norm=_checked(gf, p + "ffn_norm.weight", (d,)),
             w_gate_up=_stack_rows(gf, gate_up, d),
             w_down=_checked(gf, p + "ffn_down.weight", (d, cfg.n_ff)),
-            bqkv=np.concatenate([gf.tensor_f32(b) for b in bias]) if bias else None,
+            bqkv=np.concatenate([gf.tensor_f32(b).ravel() for b in bias]) if bias else None,
+            q_norm=_checked(gf, p + "attn_q_norm.weight", (hd,)) if cfg.qk_norm else None,
+            k_norm=_checked(gf, p + "attn_k_norm.weight", (hd,)) if cfg.qk_norm else None,
+            post_attn_norm=_checked(gf, p + "post_attention_norm.weight", (d,)) if cfg.post_norms else None,
+            post_ffn_norm=_checked(gf, p + "post_ffw_norm.weight", (d,)) if cfg.post_norms else None,
         )
         if lw.wqkv.shape[0] != cfg.q_dim + 2 * cfg.kv_dim or lw.w_gate_up.shape[0] != 2 * cfg.n_ff:
             raise TracelmError(f"{gf.name}: block {i} projections do not match the metadata "
                                f"(qkv rows {lw.wqkv.shape[0]}, gate/up rows {lw.w_gate_up.shape[0]})")
         layers.append(lw)
         done(p + "attn_norm.weight", *qkv, p + "attn_output.weight", p + "ffn_norm.weight", *gate_up,
-             p + "ffn_down.weight", *bias)
+             p + "ffn_down.weight", *bias, *norms)
     output_norm = _checked(gf, "output_norm.weight", (d,))
     output = embd if cfg.tied_head else _checked(gf, "output.weight", (cfg.n_vocab, d))
     done("output_norm.weight", "output.weight")

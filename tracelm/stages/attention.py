@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tracelm.stages.norm import rms_normalize
 from tracelm.state.records import Heads, Hidden
 
 
@@ -20,10 +21,14 @@ def qkv(h: Hidden, wqkv: np.ndarray, bqkv: np.ndarray | None, n_head: int, n_hea
     return Heads(q, k, v, h.start)
 
 
-def rope_tables(n_ctx: int, rope_dim: int, base: float, mode: str) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin of angle[p, i] = p * base^(-2i / rope_dim), laid out per dimension for `mode`:
-    [n_ctx, rope_dim], each angle repeated on both dims of its pair (see `rotate`)."""
+def rope_tables(n_ctx: int, rope_dim: int, base: float, mode: str,
+                freq_factors: tuple[float, ...] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of angle[p, i] = p * base^(-2i / rope_dim) / factor[i], laid out per dimension for
+    `mode`: [n_ctx, rope_dim], each angle repeated on both dims of its pair (see `rotate`).
+    `freq_factors` (llama 3 frequency scaling, GGUF `rope_freqs`) divide pair i's frequency; None = 1."""
     inv_freq = base ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
+    if freq_factors is not None:
+        inv_freq = inv_freq / np.asarray(freq_factors, np.float64)
     angle = np.arange(n_ctx, dtype=np.float64)[:, None] * inv_freq[None, :]
     if mode == "adjacent":
         angle = np.repeat(angle, 2, axis=1)  # pair i is dims (2i, 2i+1)
@@ -63,6 +68,11 @@ def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, mode: str) -> np.nda
     return np.concatenate((rotated, x[..., rope_dim:]), axis=-1)
 
 
+def qk_norm(heads: Heads, q_weight: np.ndarray, k_weight: np.ndarray, eps: float) -> Heads:
+    """RMSNorm of every head of q and of k over its head_dim values (weights [head_dim] shared by heads)."""
+    return Heads(rms_normalize(heads.q, q_weight, eps), rms_normalize(heads.k, k_weight, eps), heads.v, heads.start)
+
+
 def rope(heads: Heads, cos: np.ndarray, sin: np.ndarray, mode: str) -> Heads:
     """Rotary position embedding of q and k (rotated together); cos/sin are the T positions' table rows."""
     n_head = heads.q.shape[1]
@@ -92,8 +102,10 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray
     return Hidden(out.reshape(n_kv, g, T, hd).transpose(2, 0, 1, 3).reshape(T, H * hd), start)
 
 
-def out_proj(attn: Hidden, wo: np.ndarray, residual: Hidden) -> Hidden:
-    """residual + attn wo^T."""
+def out_proj(attn: Hidden, wo: np.ndarray, residual: Hidden | None) -> Hidden:
+    """residual + attn wo^T (just attn wo^T when residual is None: a post-norm comes first)."""
     out = attn.x @ wo.T
+    if residual is None:
+        return Hidden(out, attn.start)
     out += residual.x
     return Hidden(out, residual.start)

@@ -5,6 +5,9 @@ import numpy as np
 from tracelm.state.records import Hidden
 
 
-def embed(table: np.ndarray, ids: np.ndarray, start: int) -> Hidden:
-    """x[t] = table[ids[t]] for the T positions start..start+T-1."""
-    return Hidden(table[ids], start)
+def embed(table: np.ndarray, ids: np.ndarray, start: int, scale: float = 1.0) -> Hidden:
+    """x[t] = table[ids[t]] * scale for the T positions start..start+T-1 (scale: gemma's sqrt(d))."""
+    x = table[ids]
+    if scale != 1.0:
+        x *= np.float32(scale)
+    return Hidden(x, start)

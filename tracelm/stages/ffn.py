@@ -1,5 +1,7 @@
 """Feed-forward block: SwiGLU (Shazeer 2020), down(silu(gate x) * up x), plus the residual."""
 
+import math
+
 import numpy as np
 
 from tracelm.state.records import Hidden
@@ -15,12 +17,33 @@ def silu(x: np.ndarray) -> np.ndarray:
     return np.divide(x, e, out=e)
 
 
-def ffn(h: Hidden, w_gate_up: np.ndarray, w_down: np.ndarray, residual: Hidden) -> Hidden:
-    """residual + w_down (silu(w_gate h) * (w_up h)); w_gate_up is [gate; up] stacked by rows."""
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), in one new array."""
+    inner = x * x
+    inner *= np.float32(0.044715)
+    inner += 1.0
+    inner *= x
+    inner *= np.float32(math.sqrt(2.0 / math.pi))
+    np.tanh(inner, out=inner)
+    inner += 1.0
+    inner *= x
+    inner *= np.float32(0.5)
+    return inner
+
+
+ACTIVATIONS = {"silu": silu, "gelu_tanh": gelu_tanh}
+
+
+def ffn(h: Hidden, w_gate_up: np.ndarray, w_down: np.ndarray, residual: Hidden | None,
+        act: str = "silu") -> Hidden:
+    """residual + w_down (act(w_gate h) * (w_up h)); w_gate_up is [gate; up] stacked by rows.
+    act "silu" is SwiGLU, "gelu_tanh" GeGLU; residual None returns the block output alone (post-norm)."""
     gate_up = h.x @ w_gate_up.T
     n_ff = w_down.shape[1]
-    act = silu(gate_up[:, :n_ff])
-    act *= gate_up[:, n_ff:]
-    out = act @ w_down.T
+    a = ACTIVATIONS[act](gate_up[:, :n_ff])
+    a *= gate_up[:, n_ff:]
+    out = a @ w_down.T
+    if residual is None:
+        return Hidden(out, h.start)
     out += residual.x
     return Hidden(out, residual.start)

@@ -14,3 +14,10 @@ def rms_normalize(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 def rms_norm(h: Hidden, weight: np.ndarray, eps: float) -> Hidden:
     return Hidden(rms_normalize(h.x, weight, eps).astype(np.float32, copy=False), h.start)
+
+
+def post_norm(h: Hidden, weight: np.ndarray, eps: float, residual: Hidden) -> Hidden:
+    """residual + RMSNorm(h): the norm of a block's output before its residual add (gemma's post-norms)."""
+    out = rms_normalize(h.x, weight, eps)
+    out += residual.x
+    return Hidden(out.astype(np.float32, copy=False), residual.start)

@@ -63,10 +63,15 @@ class LayerWeights:
     w_gate_up: np.ndarray = attrs.field(converter=frozen_array)
     w_down: np.ndarray = attrs.field(converter=frozen_array)
     bqkv: np.ndarray | None = attrs.field(default=None, converter=_ro)
+    q_norm: np.ndarray | None = attrs.field(default=None, converter=_ro)  # [head_dim], shared by the heads
+    k_norm: np.ndarray | None = attrs.field(default=None, converter=_ro)
+    post_attn_norm: np.ndarray | None = attrs.field(default=None, converter=_ro)  # [d]
+    post_ffn_norm: np.ndarray | None = attrs.field(default=None, converter=_ro)
 
     @property
     def nbytes(self) -> int:
-        arrays = (self.attn_norm, self.wqkv, self.wo, self.ffn_norm, self.w_gate_up, self.w_down, self.bqkv)
+        arrays = (self.attn_norm, self.wqkv, self.wo, self.ffn_norm, self.w_gate_up, self.w_down, self.bqkv,
+                  self.q_norm, self.k_norm, self.post_attn_norm, self.post_ffn_norm)
         return sum(a.nbytes for a in arrays if a is not None)
 
 
