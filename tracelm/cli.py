@@ -266,13 +266,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_validate(args: argparse.Namespace) -> int:
-    from tracelm.pipeline.validate import DEFAULT_PROMPTS, run_validate
-
-    with _threads(args.threads):
-        return run_validate(args.model, args.reference, args.prompt or DEFAULT_PROMPTS, args.tokens, args.json)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tracelm", description="Auditable LLM inference on the CPU.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -321,16 +314,6 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--decode", action="store_true", help="inputs are token ids ([1, 2] or 1 2): print their text")
     sp.add_argument("--skip-special", action="store_true", help="--decode: leave control tokens out")
     sp.set_defaults(fn=cmd_tokenize)
-
-    sp = sub.add_parser("validate", help="compare every layer, the logits and greedy tokens with a reference "
-                        "implementation on the same weights (exit 0: within tolerance, 1: not)")
-    sp.add_argument("--model", required=True, help="registry name or model path")
-    sp.add_argument("--reference", choices=("transformers",), default="transformers")
-    sp.add_argument("--prompt", action="append", help="a prompt (repeatable; default: three built-in prompts)")
-    sp.add_argument("--tokens", type=int, default=32, help="greedy tokens to compare")
-    sp.add_argument("--threads", type=int, default=0)
-    sp.add_argument("--json", action="store_true")
-    sp.set_defaults(fn=cmd_validate)
 
     sp = sub.add_parser("validate", help="compare every layer, the logits and greedy tokens with a reference "
                         "implementation on the same weights (exit 0: within tolerance, 1: not)")
