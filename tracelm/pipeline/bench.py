@@ -10,6 +10,7 @@ and the sgemm rate of a large square product. From them:
 from __future__ import annotations
 
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -113,4 +114,50 @@ def run_bench(model_name: str, n_prompt: int = 256, n_decode: int = 128, n_ctx: 
         "decode_vs_roofline": round(n_decode / decode_s / roofline_tok_s, 3),
         "prefill_sgemm_bound_tok_s": round(sgemm_bound_tok_s, 1),
         "prefill_vs_sgemm_bound": round(n_prompt / prefill_s / sgemm_bound_tok_s, 3),
+    }
+
+
+def _traced_decode_seconds(model: Any, ids: list[int], n_decode: int, level: str) -> float:
+    """Seconds to decode n_decode greedy tokens after `ids`, with a Tracer at `level` writing to /dev/null
+    (events rendered, chained and written as in a real run; a token event per step), or untraced ("off")."""
+    from tracelm.pipeline.trace import Tracer
+
+    with open(os.devnull, "w", encoding="utf-8") as sink:
+        tracer = Tracer(sink, level) if level != "off" else None
+        runner = Runner(model, len(ids) + n_decode + 1, tracer)
+        token = int(np.argmax(runner.prefill(ids).values[-1]))
+        t0 = time.perf_counter()
+        for _ in range(n_decode):
+            if tracer is not None:
+                tracer.event("token", id=token, piece=model.tokenizer.piece(token), prob=0.0)
+            token = int(np.argmax(runner.step(token).values[-1]))
+        if tracer is not None:
+            tracer.flush()
+        return time.perf_counter() - t0
+
+
+def trace_overhead(model_name: str, n_decode: int = 32, repeats: int = 5, n_prompt: int = 32) -> dict[str, Any]:
+    """Decode tok/s untraced, at level summary and at level digest, measured in one process with the
+    three interleaved `repeats` times (so drifts in machine load hit all three alike); each level's best
+    repetition counts. Ratios are traced / untraced tok/s; the spread (worst / best of the untraced runs)
+    says how noisy the machine was."""
+    model = load_model(model_name, progress=False)
+    ids = bench_ids(model.tokenizer, n_prompt)
+    levels = ("off", "summary", "digest")
+    _traced_decode_seconds(model, ids, 4, "digest")  # warm up
+    times: dict[str, list[float]] = {lv: [] for lv in levels}
+    for r in range(repeats):
+        for lv in levels[r % 3:] + levels[: r % 3]:  # rotate the order every repetition
+            times[lv].append(_traced_decode_seconds(model, ids, n_decode, lv))
+    best = {lv: n_decode / min(t) for lv, t in times.items()}
+    return {
+        "model": str(model.path.name),
+        "decode_tokens": n_decode,
+        "repeats": repeats,
+        **{f"decode_tok_s_{lv}": round(best[lv], 2) for lv in levels},
+        "summary_vs_off": round(best["summary"] / best["off"], 4),
+        "digest_vs_off": round(best["digest"] / best["off"], 4),
+        "summary_overhead_pct": round(100 * (1 - best["summary"] / best["off"]), 2),
+        "digest_overhead_pct": round(100 * (1 - best["digest"] / best["off"]), 2),
+        "noise_off_worst_vs_best": round(max(times["off"]) / min(times["off"]), 3),
     }

@@ -1,0 +1,114 @@
+"""`tracelm replay`: exact reproduction (sampling included), the first divergence after a one-weight change
+or a changed seed, refusal when the model differs or the trace is damaged."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from tests.test_trace import rechain, record
+from tracelm.cli import main
+from tracelm.pipeline.replay import DIVERGED, REPRODUCED, replay
+
+
+@pytest.fixture(scope="module")
+def recorded(tiny_gguf, tmp_path_factory) -> tuple[Path, Path]:
+    """A private copy of the tiny model (tests below write changed copies beside it) and a digest trace
+    of a run sampling at temperature 0.9."""
+    d = tmp_path_factory.mktemp("replay")
+    model = d / "tiny.gguf"
+    shutil.copy(tiny_gguf, model)
+    trace = d / "run.jsonl"
+    record(model, trace)
+    return model, trace
+
+
+def run_replay(capsys, *args: str) -> tuple[int, str]:
+    code = main(["replay", *map(str, args)])
+    cap = capsys.readouterr()
+    return code, cap.out + cap.err
+
+
+def test_sampled_run_replays_bit_for_bit(recorded, capsys) -> None:
+    _, trace = recorded
+    lines = trace.read_text().splitlines()
+    assert json.loads(lines[0])["config"]["sampling"]["temperature"] == 0.9
+    report = replay(trace)
+    assert report.status == REPRODUCED and report.divergence is None and report.first_bit_difference is None
+    assert report.compared == len(lines) - 2  # every event but the header and the footer
+    assert report.bit_exact == sum('"event":"stage"' in x for x in lines)
+    code, out = run_replay(capsys, trace)
+    assert code == 0 and "every stage output bit-identical" in out
+
+
+def test_summary_level_replays_by_statistics(recorded, tmp_path, capsys) -> None:
+    model, _ = recorded
+    trace = tmp_path / "summary.jsonl"
+    record(model, trace, "--set", "trace.level=summary")
+    report = replay(trace)
+    assert report.status == REPRODUCED and report.bit_exact == 0 and report.compared > 50
+
+
+def _change_one_weight(src: Path, dst: Path, tensor: str, index: int, value: float) -> float:
+    """Copy the GGUF and overwrite one f32 element of one tensor; return the old value."""
+    shutil.copy(src, dst)
+    t = next(t for t in gguf.GGUFReader(str(src)).tensors if t.name == tensor)
+    assert t.tensor_type == gguf.GGMLQuantizationType.F32
+    offset = int(t.data_offset) + 4 * index
+    with open(dst, "r+b") as f:
+        f.seek(offset)
+        old = float(np.frombuffer(f.read(4), np.float32)[0])
+        f.seek(offset)
+        f.write(np.float32(value).tobytes())
+    return old
+
+
+def test_one_changed_weight_is_found_at_its_layer_and_stage(recorded, tmp_path, capsys) -> None:
+    model, trace = recorded
+    changed = tmp_path / "changed.gguf"
+    old = _change_one_weight(model, changed, "blk.1.ffn_up.weight", 7 * 64 + 5, 4.0)
+    assert old != 4.0
+    code, out = run_replay(capsys, trace, "--model", changed)  # a different file: said plainly, no replay
+    assert code == 2 and "sha256 differs" in out and "--allow-model-change" in out
+    report = replay(trace, str(changed), allow_model_change=True)
+    assert report.status == DIVERGED
+    d = report.divergence
+    assert (d.kind, d.token, d.layer, d.stage) == ("stage", 0, 1, "ffn"), d.describe()
+    first = report.first_bit_difference
+    assert first is None or (first.layer, first.stage) == (1, "ffn")
+    # every stage before it matched bit for bit
+    assert report.bit_exact == 1 + 7 + 6 and report.within_tolerance == 0
+    assert d.recorded["digest"] != d.replayed["digest"] and d.recorded["rms"] != d.replayed["rms"]
+    code, out = run_replay(capsys, trace, "--model", changed, "--allow-model-change")
+    assert code == 1 and "token 0, layer 1, stage ffn" in out and "sha256 differs" in out
+    # the same weight changed in layer 0 is found in layer 0
+    changed0 = tmp_path / "changed0.gguf"
+    _change_one_weight(model, changed0, "blk.0.ffn_up.weight", 7 * 64 + 5, 4.0)
+    d0 = replay(trace, str(changed0), allow_model_change=True).divergence
+    assert (d0.layer, d0.stage) == (0, "ffn")
+
+
+def test_a_different_seed_diverges_at_a_token(recorded, tmp_path) -> None:
+    _, trace = recorded
+    lines = trace.read_text().splitlines(keepends=True)
+    assert '"seed":3' in lines[1]
+    lines[1] = lines[1].replace('"seed":3', '"seed":4')  # the generate event's sampling seed and rng seed
+    forged = tmp_path / "seed4.jsonl"
+    forged.write_text("".join(rechain(lines)))
+    report = replay(forged)
+    assert report.status == DIVERGED and report.divergence.kind == "token"
+    assert report.first_bit_difference is None  # every stage before the first differing token matched
+
+
+def test_replay_refuses_a_damaged_trace(recorded, tmp_path, capsys) -> None:
+    _, trace = recorded
+    lines = trace.read_text().splitlines(keepends=True)
+    damaged = tmp_path / "damaged.jsonl"
+    damaged.write_text("".join(lines[:-1]))
+    code, out = run_replay(capsys, damaged)
+    assert code == 2 and "not intact" in out and "footer" in out
