@@ -22,6 +22,7 @@ import codecs
 import json
 import re
 import struct
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -179,43 +180,44 @@ class _HFEncoder:
     pre-tokenizers, which end every piece at such a newline). `tail` is the same tokenizer without the
     SentencePiece space prefix, for the pieces after the first."""
 
-    def __init__(self, special: HFTokenizer, split_safe: bool = False, tail: Callable[[], HFTokenizer] | None = None):
-        self.special = special
-        self.plain = HFTokenizer.from_str(special.to_str())
-        self.plain.encode_special_tokens = True  # special tokens' text is encoded as plain text
+    def __init__(self, bpe: HFTokenizer, split_safe: bool = False, tail: Callable[[], HFTokenizer] | None = None):
+        self.bpe = bpe
         self.split_safe = split_safe
         self._make_tail = tail
-        self._tails: dict[bool, HFTokenizer] = {}
+        self._tail: HFTokenizer | None = None
+        self._lock = threading.Lock()  # encode_special_tokens is a setting of the shared tokenizer
 
-    def _tail(self, parse_special: bool) -> HFTokenizer:
-        if self._make_tail is None:
-            return self.special if parse_special else self.plain
-        if parse_special not in self._tails:
-            tail = self._make_tail()
-            tail.encode_special_tokens = not parse_special
-            self._tails[parse_special] = tail
-        return self._tails[parse_special]
+    def _run(self, bpe: HFTokenizer, texts: list[str], parse_special: bool) -> list[list[int]]:
+        with self._lock:
+            bpe.encode_special_tokens = not parse_special  # off: control tokens' text is plain text
+            if len(texts) == 1:
+                return [bpe.encode(texts[0], add_special_tokens=False).ids]
+            return [e.ids for e in bpe.encode_batch(texts, add_special_tokens=False)]
 
     def __call__(self, text: str, parse_special: bool) -> list[int]:
-        bpe = self.special if parse_special else self.plain
         if len(text) <= _CHUNK or not self.split_safe:
-            return bpe.encode(text, add_special_tokens=False).ids
+            return self._run(self.bpe, [text], parse_special)[0]
         cuts = [0]
         for m in _CHUNK_CUT.finditer(text):
             if m.end() - cuts[-1] >= _CHUNK:
                 cuts.append(m.end())
-        if len(cuts) == 1:
-            return bpe.encode(text, add_special_tokens=False).ids
         cuts.append(len(text))
-        pieces = [text[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
-        ids = bpe.encode(pieces[0], add_special_tokens=False).ids
-        for enc in self._tail(parse_special).encode_batch(pieces[1:], add_special_tokens=False):
-            ids += enc.ids
+        pieces = [text[a:b] for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
+        if len(pieces) == 1:
+            return self._run(self.bpe, pieces, parse_special)[0]
+        ids = self._run(self.bpe, pieces[:1], parse_special)[0]
+        if self._make_tail is None:
+            rest = self._run(self.bpe, pieces[1:], parse_special)
+        else:
+            if self._tail is None:
+                self._tail = self._make_tail()
+            rest = self._run(self._tail, pieces[1:], parse_special)
+        for r in rest:
+            ids += r
         return ids
 
     def batch(self, texts: list[str], parse_special: bool) -> list[list[int]]:
-        bpe = self.special if parse_special else self.plain
-        return [e.ids for e in bpe.encode_batch(texts, add_special_tokens=False)]
+        return self._run(self.bpe, texts, parse_special) if texts else []
 
 
 class _SentencePieceEncoder:
@@ -267,12 +269,18 @@ def _spm_hf_tokenizer(
     types: Sequence[int],
     add_space_prefix: bool,
     unk_id: int | None,
+    rank_by_id: bool = False,
 ) -> HFTokenizer:
+    # User-defined runs of spaces (Gemma's) are stored with plain spaces: as transformers does, they are
+    # ordinary pieces in U+2581 form, made by merges, not matched whole in the raw text.
+    respell = [k == USER_DEFINED and " " in t for t, k in zip(tokens, types, strict=True)]
+    tokens = [t.replace(" ", SPACE) if r else t for t, r in zip(tokens, respell, strict=True)]
+    types = [NORMAL if r else k for k, r in zip(types, respell, strict=True)]
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)
     mergeable = [k in (NORMAL, USER_DEFINED, UNUSED) for k in types]
-    merges = _bpe_merges_from_scores(tokens, scores, mergeable)
+    merges = _bpe_merges_from_scores(tokens, [-i for i in range(len(tokens))] if rank_by_id else scores, mergeable)
     unk = tokens[unk_id] if unk_id is not None else None
     has_bytes = any(k == BYTE for k in types)
     bpe = HFTokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=has_bytes))
@@ -383,6 +391,10 @@ class Tokenizer:
                 add_bos=meta.get("tokenizer.ggml.add_bos_token", True),
                 add_eos=add_eos,
                 add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
+                # Gemma's scores rank its user-defined tokens (runs of spaces, HTML tags) at -1000 while its
+                # merges made them early: rank by position (which orders its normal tokens as their scores do),
+                # as transformers' GGUF loader does for Gemma.
+                rank_by_id=str(meta.get("general.architecture", "")) in ("gemma", "gemma2", "gemma3"),
                 kind="gguf-llama", source=source, chat_template=template,
             )  # fmt: skip
         raise TracelmError(f"{where}tokenizer.ggml.model {model!r} is not supported (supported: 'gpt2', 'llama')")
@@ -432,12 +444,15 @@ class Tokenizer:
         add_bos: bool = True,
         add_eos: bool = False,
         add_space_prefix: bool = True,
+        rank_by_id: bool = False,
         kind: str = "spm-bpe",
         source: str = "",
         chat_template: str | None = None,
     ) -> Tokenizer:
-        """SentencePiece-style BPE: pieces with U+2581 for space, merged by score, bytes as `<0xHH>`."""
-        bpe = _spm_hf_tokenizer(tokens, scores, types, add_space_prefix, special_ids.get("unknown_token_id"))
+        """SentencePiece-style BPE: pieces with U+2581 for space, merged by score (or by position where the
+        scores do not give the merge order), bytes as `<0xHH>`."""
+        bpe = _spm_hf_tokenizer(tokens, scores, types, add_space_prefix, special_ids.get("unknown_token_id"),
+                                rank_by_id)
         return cls(
             pieces=tokens, types=types,
             token_bytes=[_spm_bytes(t, k) for t, k in zip(tokens, types, strict=True)],
@@ -526,8 +541,9 @@ class Tokenizer:
         """A Hugging Face `tokenizer.json`, with `tokenizer_config.json` beside it when there is one."""
         path = Path(path)
         try:
-            spec = json.loads(path.read_text(encoding="utf-8"))
-            hf = HFTokenizer.from_str(json.dumps(spec))
+            text = path.read_text(encoding="utf-8")
+            spec = json.loads(text)
+            hf = HFTokenizer.from_str(text)
         except OSError as e:
             raise TracelmError(f"{path}: cannot read: {e.strerror}") from None
         except Exception as e:  # json or tokenizers rejects it
@@ -551,7 +567,7 @@ class Tokenizer:
                     types[i] = BYTE
         for added in spec.get("added_tokens") or []:
             types[added["id"]] = CONTROL if added.get("special") else USER_DEFINED
-        decoder = json.dumps(spec.get("decoder"))
+        decoder = json.dumps(spec.get("decoder"), ensure_ascii=False)
         if '"ByteLevel"' in decoder:
             token_bytes = [_byte_level_bytes(p, k) for p, k in zip(pieces, types, strict=True)]
             strip = False
