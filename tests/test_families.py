@@ -4,13 +4,14 @@ tokens) on three prompts each, and the options of the graph on the tiny model.""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from tests.conftest import has_reference
+from tests.conftest import REPO, has_reference
 
 
 def tracelm(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
@@ -73,3 +74,31 @@ def test_qwen2_options_from_metadata(qwen_coder_path) -> None:
     cfg = model_config(GGUFFile(qwen_coder_path))
     assert cfg.qkv_bias and not cfg.qk_norm and cfg.rope_mode == "neox" and not cfg.tied_head
     assert (cfg.n_head, cfg.n_head_kv, cfg.head_dim) == (14, 2, 64)
+
+
+GEMMA_CONFIG = str(REPO / "configs" / "gemma3.yaml")
+QWEN_CONFIG = str(REPO / "configs" / "qwen2.5-coder.yaml")
+
+
+@pytest.mark.model
+def test_gemma3_run_continues_a_story(gemma3_path) -> None:
+    proc = tracelm("run", GEMMA_CONFIG, "--temperature", "0", "--max-tokens", "40")
+    assert proc.returncode == 0, proc.stderr
+    words = re.findall(r"[A-Za-z']+", proc.stdout)
+    assert len(words) >= 20, proc.stdout
+    assert {"the", "and", "she", "he", "her", "his", "was"} & {w.lower() for w in words}, proc.stdout
+    assert len(set(words)) >= 12, proc.stdout  # not one token repeated
+
+
+@pytest.mark.model
+def test_qwen_coder_chat_writes_a_working_function(qwen_coder_path) -> None:
+    proc = tracelm("chat", QWEN_CONFIG, "--temperature", "0", "--max-tokens", "160", "--message",
+                   "Write a Python function is_prime(n) that returns True when n is a prime number. "
+                   "Reply with only the code.")
+    assert proc.returncode == 0, proc.stderr
+    m = re.search(r"```(?:python)?\n(.*?)```", proc.stdout, re.S)
+    code = m.group(1) if m else proc.stdout
+    scope: dict = {}
+    exec(compile(code, "qwen_answer", "exec"), scope)  # noqa: S102 - the model's answer, run in-process
+    primes = [n for n in range(-3, 60) if scope["is_prime"](n)]
+    assert primes == [2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59]
