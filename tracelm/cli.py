@@ -94,14 +94,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def chat_prompt(model: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Render the conversation with the model's chat template and encode it."""
-    from tracelm.io.chat_template import render_chat
+    """The conversation's token ids, rendered with the model's chat template (or the built-in one for its
+    vocabulary); control tokens spelled in the messages stay plain text."""
+    from tracelm.io.chat_template import encode_chat
 
-    tok = model.tokenizer
-    text = render_chat(model.chat_template, messages, bos_token=tok.piece(tok.bos_id) if tok.bos_id is not None
-                       else "", eos_token=tok.piece(tok.eos_id) if tok.eos_id is not None else "",
-                       add_generation_prompt=True)
-    return tok.encode(text, parse_special=True)
+    return encode_chat(model.tokenizer, model.chat_template, messages, add_generation_prompt=True)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

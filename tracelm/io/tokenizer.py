@@ -662,6 +662,16 @@ class Tokenizer:
     def is_control(self, token_id: int) -> bool:
         return self._types[self._check(token_id)] == CONTROL
 
+    def control_tokens(self) -> dict[str, int]:
+        """Text -> id of the tokens that parse_special matches (control and unknown tokens)."""
+        if not hasattr(self, "_controls"):
+            found: dict[str, int] = {}
+            for i, (p, k) in enumerate(zip(self._pieces, self._types, strict=True)):
+                if k in (CONTROL, UNKNOWN) and p:
+                    found.setdefault(p, i)
+            self._controls = found
+        return self._controls
+
     def token_id(self, piece: str) -> int | None:
         """The id of a token by its text (first one, if repeated), or None."""
         if not hasattr(self, "_index"):
