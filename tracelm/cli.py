@@ -76,7 +76,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     cfg = _load_config(args)
     with _threads(cfg.threads):
-        source = ModelFile(cfg.model)
+        source = ModelFile(cfg.model, cfg.tokenizer)
         ids = source.tokenizer.encode(cfg.prompt)
         check_fits(len(ids), cfg.max_tokens, cfg.context)
         model = source.load()
@@ -108,7 +108,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     cfg = _load_config(args)
     interactive = sys.stdin.isatty() and not args.message
     with _threads(cfg.threads):
-        model = load_model(cfg.model)
+        model = load_model(cfg.model, tokenizer=cfg.tokenizer)
         runner = Runner(model, cfg.context)
         messages: list[dict[str, str]] = [{"role": "system", "content": cfg.system}] if cfg.system else []
         inputs = iter(args.message) if args.message else sys.stdin
@@ -263,6 +263,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from tracelm.io.export import export_gguf
+    from tracelm.io.loader import load_model
+
+    model = load_model(args.model, tokenizer=args.tokenizer)
+    out = export_gguf(model.cfg, model.weights, args.out, model.metadata, name=model.path.stem)
+    print(f"{out}: GGUF {model.cfg.n_layer} layers, f32", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tracelm", description="Auditable LLM inference on the CPU.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -321,6 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--threads", type=int, default=0)
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_validate)
+
+    sp = sub.add_parser("export", help="write a model (GGUF, Hugging Face folder, llama2.c .bin) as an f32 GGUF")
+    sp.add_argument("--model", required=True, help="registry name or model path")
+    sp.add_argument("--tokenizer", help="tokenizer file (a llama2.c .bin model needs one)")
+    sp.add_argument("--out", required=True, help="the GGUF file to write")
+    sp.set_defaults(fn=cmd_export)
 
     sp = sub.add_parser("models", help="the model registry: list | pull NAME | path NAME")
     sp.add_argument("action", choices=("list", "pull", "path"))

@@ -34,21 +34,70 @@ class ModelFile:
     """An opened model file whose config and tokenizer are read but whose weights are not yet loaded,
     so a prompt can be checked against the context before the expensive part."""
 
-    def __init__(self, name_or_path: str):
+    def __init__(self, name_or_path: str, tokenizer: str | None = None):
+        """A GGUF file, a Hugging Face folder (config.json + safetensors) or a llama2.c `.bin`, by its kind;
+        `tokenizer` (any file `load_tokenizer` reads) replaces the model's own (a llama2.c `.bin` has none)."""
         self.t0 = time.perf_counter()
-        self.path = Path(registry.resolve(name_or_path))
-        self.gguf = GGUFFile(self.path)
-        self.cfg = model_config(self.gguf)
-        self.tokenizer = Tokenizer.from_gguf_metadata(self.gguf.metadata, source=self.gguf.name)
+        p = Path(name_or_path).expanduser()
+        self.path = p if p.is_dir() else Path(registry.resolve(name_or_path))
+        self.kind = model_kind(self.path)
+        self.gguf = None
+        if self.kind == "gguf":
+            self.gguf = GGUFFile(self.path)
+            self.cfg = model_config(self.gguf)
+            self.metadata = self.gguf.metadata
+        elif self.kind == "llama2c":
+            from tracelm.io.llama2c import Llama2cFile
+
+            self.llama2c = Llama2cFile(self.path)
+            self.cfg, self.metadata = self.llama2c.cfg, self.llama2c.metadata
+        else:
+            from tracelm.io.safetensors_file import HFFolder
+
+            self.hf = HFFolder(self.path)
+            self.cfg, self.metadata = self.hf.cfg, self.hf.metadata
+        if tokenizer is not None:
+            self.tokenizer = load_tokenizer(tokenizer)
+        elif self.kind == "gguf":
+            self.tokenizer = Tokenizer.from_gguf_metadata(self.gguf.metadata, source=self.gguf.name)
+        elif self.kind == "hf":
+            self.tokenizer = load_tokenizer(str(self.path))
+        else:
+            raise TracelmError(f"{self.path.name}: a llama2.c checkpoint holds no vocabulary: name its "
+                               "tokenizer.bin (config key `tokenizer`, or --tokenizer)")
+        if self.tokenizer.n_vocab > self.cfg.n_vocab:
+            raise TracelmError(f"{self.tokenizer.source or tokenizer}: tokenizer has {self.tokenizer.n_vocab} "
+                               f"tokens, the model only {self.cfg.n_vocab}")
 
     def load(self, progress: bool = True) -> LoadedModel:
-        weights = load_weights(self.gguf, self.cfg, progress=progress)
-        meta = {k: v for k, v in self.gguf.metadata.items() if not isinstance(v, list) or len(v) < 256}
+        if self.kind == "gguf":
+            weights = load_weights(self.gguf, self.cfg, progress=progress)
+        elif self.kind == "llama2c":
+            from tracelm.io.llama2c import load_weights as load_llama2c
+
+            weights = load_llama2c(self.llama2c)
+        else:
+            weights = self.hf.load_weights(progress=progress)
+        meta = {k: v for k, v in self.metadata.items() if not isinstance(v, list) or len(v) < 256}
         return LoadedModel(self.path, self.cfg, weights, self.tokenizer, meta, time.perf_counter() - self.t0)
 
 
-def load_model(name_or_path: str, progress: bool = True) -> LoadedModel:
-    return ModelFile(name_or_path).load(progress)
+def model_kind(path: Path) -> str:
+    """"gguf", "hf" (a folder with config.json) or "llama2c" (anything else: checked by its header)."""
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise TracelmError(f"{path}: folder has no config.json (a Hugging Face model folder needs one)")
+        return "hf"
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise TracelmError(f"{path}: cannot open model file: {e.strerror}") from None
+    return "gguf" if magic == b"GGUF" or path.suffix == ".gguf" else "llama2c"
+
+
+def load_model(name_or_path: str, progress: bool = True, tokenizer: str | None = None) -> LoadedModel:
+    return ModelFile(name_or_path, tokenizer).load(progress)
 
 
 def load_tokenizer(name_or_path: str) -> Tokenizer:

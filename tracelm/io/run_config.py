@@ -84,11 +84,12 @@ def load_run_config(path: str | Path | None, overrides: Iterable[str] = ()) -> R
             raise TracelmError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
         if not isinstance(tree, dict):
             raise TracelmError(f"{path}: a config is a mapping of keys, got {type(tree).__name__}")
-        model = tree.get("model")
-        if isinstance(model, str) and ("/" in model or model.endswith(".gguf")):
-            local = Path(path).parent / model
-            if not Path(model).exists() and local.exists():
-                tree["model"] = str(local)
+        for key in ("model", "tokenizer"):  # a relative path: from the working directory, else the config's
+            model = tree.get(key)
+            if isinstance(model, str) and ("/" in model or model.endswith((".gguf", ".bin"))):
+                local = Path(path).parent / model
+                if not Path(model).exists() and local.exists():
+                    tree[key] = str(local)
     for item in overrides:
         _apply_override(tree, item)
     return _build(RunConfig, tree)

@@ -32,6 +32,7 @@ class ServerOptions:
 @attrs.frozen(slots=True)
 class RunConfig:
     model: str = "smollm2-135m-instruct"  # registry name or path to a GGUF file
+    tokenizer: str | None = None  # a tokenizer file replacing the model's own (needed by a llama2.c .bin)
     context: int = attrs.field(default=2048, validator=v.gt(0))  # positions the Cache holds
     threads: int = attrs.field(default=0, validator=v.ge(0))  # BLAS threads; 0 = all cores
     max_tokens: int = attrs.field(default=128, validator=v.ge(0))
