@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -239,6 +240,21 @@ def test_every_llama_cpp_vector(gpt2, vectors):
     n_ok = len(vectors) - len(bad)
     print(f"\nggml-vocab-gpt-2 vectors: {n_ok}/{len(vectors)} encode to the expected ids and decode back")
     assert not bad, f"{n_ok}/{len(vectors)} vectors pass; failures:\n" + "\n".join(bad)
+
+
+def test_every_llama_cpp_vector_through_the_cli(gpt2_gguf, vectors, capsys):
+    """`tracelm tokenize --input-file X.inp --separator __ggml_vocab_test__` prints exactly the ids of X.out."""
+    from tracelm.cli import main
+
+    inp = Path(f"{DAMAGED}.inp")
+    assert main(["tokenize", "--model", str(gpt2_gguf), "--input-file", str(inp),
+                 "--separator", SEPARATOR.strip()]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    want = [ids for _, ids in vectors]
+    got = [json.loads(line) for line in printed]
+    n_ok = sum(g == w for g, w in zip(got, want, strict=False))
+    print(f"\nggml-vocab-gpt-2 vectors via `tracelm tokenize --input-file`: {n_ok}/{len(want)}")
+    assert len(got) == len(want) and n_ok == len(want)
 
 
 def test_damaged_shared_vocab_fails_clearly_or_passes_the_vectors(vectors):

@@ -168,8 +168,8 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     tok = load_tokenizer(args.model)
     if args.text is not None:
         inputs = [args.text]
-    else:
-        inputs = split_inputs(read_text_file(args.input_file), args.separator)
+    else:  # --decode reads one list of ids per line; --separator then separates the texts it prints
+        inputs = split_inputs(read_text_file(args.input_file), None if args.decode else args.separator)
     out = sys.stdout
     for text in inputs:
         if args.decode:
@@ -315,10 +315,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="model name, GGUF (also vocab-only), SentencePiece .model, tokenizer.json or llama2.c .bin")
     sp.add_argument("--text", help="one input")
     sp.add_argument("--input-file", metavar="FILE", help="inputs from a UTF-8 file: one per line, or see --separator")
-    sp.add_argument("--separator", metavar="LINE", help="inputs in the file are separated by lines equal to LINE")
+    sp.add_argument("--separator", metavar="LINE", help="inputs in the file are separated by lines equal to LINE "
+                    "(--decode: printed after each text)")
     sp.add_argument("--parse-special", action="store_true", help="match control tokens written in the text")
     sp.add_argument("--add-special", action="store_true", help="add BOS/EOS as the vocabulary's flags say")
-    sp.add_argument("--decode", action="store_true", help="inputs are token ids ([1, 2] or 1 2): print their text")
+    sp.add_argument("--decode", action="store_true",
+                    help="inputs are token ids ([1, 2] or 1 2; one list per line of a file): print their text")
     sp.add_argument("--skip-special", action="store_true", help="--decode: leave control tokens out")
     sp.set_defaults(fn=cmd_tokenize)
 

@@ -541,12 +541,10 @@ class Tokenizer:
         """A Hugging Face `tokenizer.json`, with `tokenizer_config.json` beside it when there is one."""
         path = Path(path)
         try:
-            text = path.read_text(encoding="utf-8")
-            spec = json.loads(text)
-            hf = HFTokenizer.from_str(text)
-        except OSError as e:
-            raise TracelmError(f"{path}: cannot read: {e.strerror}") from None
-        except Exception as e:  # json or tokenizers rejects it
+            hf = HFTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers rejects it (or cannot read it)
+            if not path.is_file():
+                raise TracelmError(f"{path}: no such file") from None
             raise TracelmError(f"{path.name}: not a valid tokenizer.json: {str(e).splitlines()[0]}") from None
         config: dict[str, Any] = {}
         cfg_path = path.with_name("tokenizer_config.json")
@@ -555,28 +553,30 @@ class Tokenizer:
                 config = json.loads(cfg_path.read_text(encoding="utf-8"))
             except (OSError, ValueError) as e:
                 raise TracelmError(f"{cfg_path.name}: not valid JSON: {e}") from None
-        n = hf.get_vocab_size(with_added_tokens=True)
-        pieces = [hf.id_to_token(i) or "" for i in range(n)]
+        vocab = hf.get_vocab(with_added_tokens=True)
+        n = max(vocab.values(), default=-1) + 1
+        pieces = [""] * n
+        for piece, i in vocab.items():
+            pieces[i] = piece
         types = [NORMAL] * n
-        model = spec.get("model") or {}
-        if model.get("unk_token") in hf.get_vocab():
-            types[hf.token_to_id(model["unk_token"])] = UNKNOWN
-        if model.get("byte_fallback"):
+        unk = getattr(hf.model, "unk_token", None)
+        if unk in vocab:
+            types[vocab[unk]] = UNKNOWN
+        if getattr(hf.model, "byte_fallback", False):
             for i, p in enumerate(pieces):
                 if _BYTE_TOKEN.fullmatch(p):
                     types[i] = BYTE
-        for added in spec.get("added_tokens") or []:
-            types[added["id"]] = CONTROL if added.get("special") else USER_DEFINED
-        decoder = json.dumps(spec.get("decoder"), ensure_ascii=False)
-        if '"ByteLevel"' in decoder:
+        for i, added in hf.get_added_tokens_decoder().items():
+            types[i] = CONTROL if added.special else USER_DEFINED
+        decoder = repr(hf.decoder)  # e.g. ByteLevel(...), Sequence(decoders=[Replace(...), ByteFallback(), ...])
+        if decoder.startswith("ByteLevel"):
             token_bytes = [_byte_level_bytes(p, k) for p, k in zip(pieces, types, strict=True)]
             strip = False
-        elif SPACE in decoder or '"Metaspace"' in decoder:
+        elif SPACE in decoder:  # SentencePiece style: U+2581 is a space, <0xHH> a byte
             token_bytes = [_spm_bytes(p, k) for p, k in zip(pieces, types, strict=True)]
-            strip = '"Strip"' in decoder or '"prepend_scheme": "always"' in decoder or (
-                '"prepend_scheme": "first"' in decoder)
+            strip = "Strip(" in decoder or "prepend_scheme=always" in decoder or "prepend_scheme=first" in decoder
         else:
-            raise TracelmError(f"{path.name}: decoder {(spec.get('decoder') or {}).get('type')!r} is not supported "
+            raise TracelmError(f"{path.name}: decoder {decoder.split('(')[0]!r} is not supported "
                                "(byte-level or SentencePiece-style only)")
 
         def token_id(key: str) -> int | None:
