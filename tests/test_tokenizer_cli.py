@@ -207,3 +207,26 @@ def test_every_tokenizer_kind_has_one_interface(small_gguf, llama_gguf):
         assert tok.decode(ids, skip_special=True).strip() == "hello 🦙"
         assert b"".join(tok.token_bytes(i) for i in ids[1:]).decode().strip() == "hello 🦙"
         assert all(isinstance(tok.piece(i), str) for i in ids) and tok.n_vocab > max(ids)
+
+
+def test_stream_decoder_equals_decode_on_random_ids(llama_gguf, small_gguf):
+    """Byte tokens, control tokens and the SentencePiece prefix space, in any order: streaming gives the text
+    of a one-shot decode, piece by piece, and never a half character."""
+    import random
+
+    rng = random.Random(7)
+    for path in (llama_gguf, small_gguf):
+        tok = load_tokenizer(str(path))
+        byte_ids = [i for i in range(tok.n_vocab) if tok.token_type(i) == 6] or list(range(256))
+        for _ in range(300):
+            ids = [rng.choice([rng.randrange(tok.n_vocab), rng.choice(byte_ids), tok.bos_id])
+                   for _ in range(rng.randrange(10))]
+            for skip in (False, True):
+                stream = tok.stream_decoder(skip_special=skip)
+                parts = [stream.push(i) for i in ids]
+                assert "".join(parts) + stream.flush() == tok.decode(ids, skip_special=skip)
+        text = "naïve 🦙 日本"
+        ids = tok.encode(text, add_bos=False)
+        stream = tok.stream_decoder()
+        parts = [stream.push(i) for i in ids]
+        assert "".join(parts) == text and not any("\ufffd" in p for p in parts)
