@@ -226,3 +226,71 @@ def test_smollm2_stream_decoder(smol):
     assert "".join(parts) + stream.flush() == smol.decode(ids)
     assert not any("\ufffd" in p for p in parts)
     assert any(p == "" for p in parts)  # some token ended mid-character and was held back
+
+
+# ---------------------------------------------------------------- SentencePiece-style BPE on a toy vocabulary
+
+
+def spm_reference(text: str, pieces: list[str], scores: list[float], add_space_prefix: bool = True) -> list[int]:
+    """llama.cpp's SentencePiece BPE, plainly: characters, then repeatedly merge the adjacent pair whose
+    concatenation is the best-scoring piece (leftmost on ties); what is left unknown becomes <0xHH> bytes."""
+    index = {p: i for i, p in enumerate(pieces)}
+    text = ((" " if add_space_prefix and text else "") + text).replace(" ", "\u2581")
+    syms = list(text)
+    while True:
+        best = None
+        for k in range(len(syms) - 1):
+            i = index.get(syms[k] + syms[k + 1])
+            if i is not None and (best is None or scores[i] > scores[best[1]]):
+                best = (k, i)
+        if best is None:
+            break
+        k = best[0]
+        syms[k : k + 2] = [syms[k] + syms[k + 1]]
+    out = []
+    for s in syms:
+        if s in index:
+            out.append(index[s])
+        else:
+            out += [index[f"<0x{b:02X}>"] for b in s.encode("utf-8")]
+    return out
+
+
+def toy_spm(rng: random.Random, add_space_prefix: bool = True):
+    from tracelm.io.tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN
+
+    alphabet = list("ab c\u2581") + ["é"]
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [UNKNOWN, CONTROL, CONTROL] + [BYTE] * 256
+    singles = [c for c in alphabet if c != " "]
+    multi = set()
+    while len(multi) < 40:
+        multi.add("".join(rng.choice(singles) for _ in range(rng.randint(2, 4))))
+    pieces += singles + sorted(multi)
+    types += [NORMAL] * (len(singles) + len(multi))
+    scores = [0.0] * 259 + [-1000.0 - rng.random() for _ in singles] + [-rng.random() * 100 for _ in multi]
+    tok = Tokenizer.from_scored_vocab(pieces, scores, types, {"unknown_token_id": 0, "bos_token_id": 1,
+                                                                "eos_token_id": 2}, add_space_prefix=add_space_prefix)
+    return tok, pieces, scores
+
+
+@pytest.mark.parametrize("add_space_prefix", [True, False])
+def test_scored_bpe_matches_a_plain_reference(add_space_prefix):
+    rng = random.Random(42 + add_space_prefix)
+    for _ in range(5):  # five random vocabularies
+        tok, pieces, scores = toy_spm(rng, add_space_prefix)
+        for _ in range(200):
+            text = "".join(rng.choice("ab c  é€x") for _ in range(rng.randint(0, 12)))
+            want = spm_reference(text, pieces, scores, add_space_prefix)
+            assert tok.encode(text, add_bos=False) == want, (text, [pieces[i] for i in want])
+            assert tok.decode(want) == text  # the prefix space is dropped again
+
+
+def test_scored_bpe_without_byte_tokens_uses_unk():
+    from tracelm.io.tokenizer import CONTROL, NORMAL, UNKNOWN
+
+    pieces, types = ["<unk>", "<s>", "</s>", "\u2581", "a", "\u2581a"], [UNKNOWN, CONTROL, CONTROL] + [NORMAL] * 3
+    tok = Tokenizer.from_scored_vocab(pieces, [0, 0, 0, -3, -2, -1], types,
+                                      {"unknown_token_id": 0, "bos_token_id": 1, "eos_token_id": 2})
+    assert tok.encode("a a", add_bos=False) == [5, 5]
+    assert tok.encode("aéa", add_bos=False) == [5, 0, 4]  # one <unk> for the unknown character
