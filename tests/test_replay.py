@@ -112,3 +112,13 @@ def test_replay_refuses_a_damaged_trace(recorded, tmp_path, capsys) -> None:
     damaged.write_text("".join(lines[:-1]))
     code, out = run_replay(capsys, damaged)
     assert code == 2 and "not intact" in out and "footer" in out
+
+
+def test_bench_trace_overhead_reports_all_levels(tiny_gguf) -> None:
+    from tracelm.pipeline.bench import trace_overhead
+
+    report = trace_overhead(str(tiny_gguf), n_decode=3, repeats=1, n_prompt=4)
+    for level in ("off", "summary", "digest"):
+        assert report[f"decode_tok_s_{level}"] > 0 and report[f"cpu_ms_per_token_{level}"] > 0
+    assert report["summary_vs_off"] == pytest.approx(report["decode_tok_s_summary"] / report["decode_tok_s_off"],
+                                                     rel=0.01)

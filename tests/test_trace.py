@@ -227,3 +227,42 @@ def test_show(traced, capsys) -> None:
                                            r"head)\s+\d+\s+[\d.]+\s+[\d.]+\s+([\d.]+)%$", out, re.M)]
     assert len(shares) == 10 and abs(sum(shares) - 100) < 0.5
     assert re.search(r"hottest layers \(of 2\):\n  layer +[01] ", out)
+
+
+def test_chain_follows_the_documented_rule(traced) -> None:
+    _, lines = traced
+    assert rechain(lines) == lines  # the test's own implementation of docs/trace.md reproduces every byte
+
+
+def test_statistics_of_multi_array_and_non_finite_outputs() -> None:
+    import io
+
+    from tracelm.pipeline import trace as trace_mod
+    from tracelm.pipeline.trace import Tracer
+    from tracelm.state.records import Heads, Hidden
+
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((3, 4, 8), (3, 2, 8), (3, 2, 8)))
+    bad = rng.standard_normal((2, 16)).astype(np.float32)
+    bad[1, 3] = np.nan
+    big = rng.standard_normal((trace_mod.BATCH_ELEMENTS // 1000 + 1, 1000)).astype(np.float32)  # forces a batch
+    stream = io.StringIO()
+    tr = Tracer(stream, "digest")
+    tr.call("qkv", 0, lambda: Heads(q, k, v, 5))
+    tr.call("big", 0, lambda: Hidden(big, 0))
+    tr.call("bad", 1, lambda: Hidden(bad, 7))
+    tr.call("plain", None, lambda: bad[:1])  # a bare array
+    tr.event("token", id=1, piece="a", prob=0.5)
+    events = [json.loads(x) for x in stream.getvalue().splitlines()]
+    assert [e["seq"] for e in events] == list(range(5)) and [e["event"] for e in events] == ["stage"] * 4 + ["token"]
+    e = events[0]
+    allv = np.concatenate([q.ravel(), k.ravel(), v.ravel()]).astype(np.float64)
+    assert e["shape"] == [[3, 4, 8], [3, 2, 8], [3, 2, 8]] and e["start"] == 5 and e["n"] == 3 and e["layer"] == 0
+    np.testing.assert_allclose([e["mean"], e["rms"], e["maxabs"]],
+                               [allv.mean(), np.sqrt((allv**2).mean()), np.abs(allv).max()], rtol=1e-5)
+    assert e["digest"] == hashlib.sha256(q.tobytes() + k.tobytes() + v.tobytes()).hexdigest()[:32]
+    assert events[1]["rms"] == pytest.approx(float(np.sqrt((big.astype(np.float64) ** 2).mean())), rel=1e-5)
+    assert events[2]["mean"] == "nan" and events[2]["rms"] == "nan" and events[2]["layer"] == 1
+    assert events[3]["layer"] is None and events[3]["shape"] == [[1, 16]]
+    assert events[3]["maxabs"] == pytest.approx(float(np.abs(bad[0]).max()), rel=1e-6)
+    assert events[4]["tok"] == 0 and tr.n_tokens == 1

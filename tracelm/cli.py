@@ -371,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true")
     sp.add_argument("--trace-overhead", action="store_true",
                     help="instead: decode tok/s untraced vs trace levels summary and digest, interleaved")
-    sp.add_argument("--repeats", type=int, default=5, help="--trace-overhead: repetitions of each level (best counts)")
+    sp.add_argument("--repeats", type=int, default=3, help="--trace-overhead: repetitions of the lock-step decode")
     sp.set_defaults(fn=cmd_bench)
     return p
 

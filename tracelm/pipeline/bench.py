@@ -117,47 +117,60 @@ def run_bench(model_name: str, n_prompt: int = 256, n_decode: int = 128, n_ctx: 
     }
 
 
-def _traced_decode_seconds(model: Any, ids: list[int], n_decode: int, level: str) -> float:
-    """Seconds to decode n_decode greedy tokens after `ids`, with a Tracer at `level` writing to /dev/null
-    (events rendered, chained and written as in a real run; a token event per step), or untraced ("off")."""
+def trace_overhead(model_name: str, n_decode: int = 64, repeats: int = 3, n_prompt: int = 32) -> dict[str, Any]:
+    """Decode tok/s untraced, at level summary and at level digest, measured in one process.
+
+    Three runners (one per level; the traced ones write to /dev/null, rendering, chaining and writing as
+    in a real run, with a token event per step) decode the same greedy tokens in lock step: every step
+    runs the three levels back to back in a rotating order, so a change in machine load hits all three
+    alike. A level's time per token is the median of its step times over `repeats` x `n_decode` steps;
+    ratios are traced / untraced tok/s. `noise` is the untraced steps' 90th / 10th percentile.
+
+    The same is measured in process CPU time (`cpu_*`): on a machine shared with other work the wall
+    time of every step stretches with what the others do, the CPU time much less. With one BLAS thread
+    (`--threads 1`) CPU time per token is what wall time per token would be on an idle machine."""
     from tracelm.pipeline.trace import Tracer
 
-    with open(os.devnull, "w", encoding="utf-8") as sink:
-        tracer = Tracer(sink, level) if level != "off" else None
-        runner = Runner(model, len(ids) + n_decode + 1, tracer)
-        token = int(np.argmax(runner.prefill(ids).values[-1]))
-        t0 = time.perf_counter()
-        for _ in range(n_decode):
-            if tracer is not None:
-                tracer.event("token", id=token, piece=model.tokenizer.piece(token), prob=0.0)
-            token = int(np.argmax(runner.step(token).values[-1]))
-        if tracer is not None:
-            tracer.flush()
-        return time.perf_counter() - t0
-
-
-def trace_overhead(model_name: str, n_decode: int = 32, repeats: int = 5, n_prompt: int = 32) -> dict[str, Any]:
-    """Decode tok/s untraced, at level summary and at level digest, measured in one process with the
-    three interleaved `repeats` times (so drifts in machine load hit all three alike); each level's best
-    repetition counts. Ratios are traced / untraced tok/s; the spread (worst / best of the untraced runs)
-    says how noisy the machine was."""
     model = load_model(model_name, progress=False)
     ids = bench_ids(model.tokenizer, n_prompt)
     levels = ("off", "summary", "digest")
-    _traced_decode_seconds(model, ids, 4, "digest")  # warm up
-    times: dict[str, list[float]] = {lv: [] for lv in levels}
-    for r in range(repeats):
-        for lv in levels[r % 3:] + levels[: r % 3]:  # rotate the order every repetition
-            times[lv].append(_traced_decode_seconds(model, ids, n_decode, lv))
-    best = {lv: n_decode / min(t) for lv, t in times.items()}
+    steps: dict[str, list[float]] = {lv: [] for lv in levels}
+    cpu: dict[str, list[float]] = {lv: [] for lv in levels}
+    with open(os.devnull, "w", encoding="utf-8") as sink:
+        for _ in range(repeats):
+            tracers = {lv: Tracer(sink, lv) if lv != "off" else None for lv in levels}
+            runners = {lv: Runner(model, n_prompt + n_decode + 1, tracers[lv]) for lv in levels}
+            tokens = {lv: int(np.argmax(runners[lv].prefill(ids).values[-1])) for lv in levels}
+            for i in range(n_decode):
+                for lv in levels[i % 3:] + levels[: i % 3]:
+                    runner, tracer, token = runners[lv], tracers[lv], tokens[lv]
+                    c0, t0 = time.process_time(), time.perf_counter()
+                    if tracer is not None:  # drains the previous pass's stage events, as generate does
+                        tracer.event("token", id=token, piece=model.tokenizer.piece(token), prob=0.0)
+                    tokens[lv] = int(np.argmax(runner.step(token).values[-1]))
+                    steps[lv].append(time.perf_counter() - t0)
+                    cpu[lv].append(time.process_time() - c0)
+            for tracer in tracers.values():
+                if tracer is not None:
+                    tracer.flush()
+            if len({tokens[lv] for lv in levels}) != 1:
+                raise RuntimeError("traced and untraced decoding chose different tokens")
+    median = {lv: float(np.median(t)) for lv, t in steps.items()}
+    rate = {lv: 1.0 / median[lv] for lv in levels}
+    cpu_ms = {lv: 1e3 * float(np.mean(t)) for lv, t in cpu.items()}
+    off = np.asarray(steps["off"])
     return {
         "model": str(model.path.name),
         "decode_tokens": n_decode,
         "repeats": repeats,
-        **{f"decode_tok_s_{lv}": round(best[lv], 2) for lv in levels},
-        "summary_vs_off": round(best["summary"] / best["off"], 4),
-        "digest_vs_off": round(best["digest"] / best["off"], 4),
-        "summary_overhead_pct": round(100 * (1 - best["summary"] / best["off"]), 2),
-        "digest_overhead_pct": round(100 * (1 - best["digest"] / best["off"]), 2),
-        "noise_off_worst_vs_best": round(max(times["off"]) / min(times["off"]), 3),
+        **{f"decode_tok_s_{lv}": round(rate[lv], 2) for lv in levels},
+        **{f"ms_per_token_{lv}": round(1e3 * median[lv], 3) for lv in levels},
+        "summary_vs_off": round(rate["summary"] / rate["off"], 4),
+        "digest_vs_off": round(rate["digest"] / rate["off"], 4),
+        "summary_overhead_pct": round(100 * (1 - rate["summary"] / rate["off"]), 2),
+        "digest_overhead_pct": round(100 * (1 - rate["digest"] / rate["off"]), 2),
+        "noise_off_p90_vs_p10": round(float(np.percentile(off, 90) / np.percentile(off, 10)), 3),
+        **{f"cpu_ms_per_token_{lv}": round(cpu_ms[lv], 3) for lv in levels},
+        "cpu_summary_overhead_pct": round(100 * (cpu_ms["summary"] / cpu_ms["off"] - 1), 2),
+        "cpu_digest_overhead_pct": round(100 * (cpu_ms["digest"] / cpu_ms["off"] - 1), 2),
     }
