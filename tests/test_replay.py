@@ -122,3 +122,39 @@ def test_bench_trace_overhead_reports_all_levels(tiny_gguf) -> None:
         assert report[f"decode_tok_s_{level}"] > 0 and report[f"cpu_ms_per_token_{level}"] > 0
     assert report["summary_vs_off"] == pytest.approx(report["decode_tok_s_summary"] / report["decode_tok_s_off"],
                                                      rel=0.01)
+
+
+def test_multi_turn_trace_with_a_warm_cache_replays(recorded, tmp_path) -> None:
+    """A trace of two generate calls on one Runner whose Cache already held a prefix before tracing began
+    (as a server session does), with an annotation event the replay does not produce."""
+    from tracelm.io.loader import load_model
+    from tracelm.pipeline.runner import Runner
+    from tracelm.pipeline.trace import Tracer, write_footer, write_header
+    from tracelm.state.records import SamplingParams
+    from tracelm.state.run_config import RunConfig
+
+    model_path, _ = recorded
+    model = load_model(str(model_path), progress=False)
+    cfg = RunConfig(model=str(model_path), context=128)
+    params = SamplingParams(temperature=0.8, seed=11)
+    first = model.tokenizer.encode("hello there")
+    runner = Runner(model, cfg.context)
+    list(runner.generate(first, 3, params))  # untraced: the Cache now holds `first` and 2 generated tokens
+    second = first + runner.stats.tokens + model.tokenizer.encode(" and more")
+    path = tmp_path / "session.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        runner.tracer = tracer = Tracer(f, "digest")
+        write_header(tracer, cfg, model, second)
+        tracer.event("request", request_id="r1")
+        list(runner.generate(second, 4, params))
+        third = second + runner.stats.tokens + model.tokenizer.encode("!")
+        list(runner.generate(third, 3, SamplingParams(temperature=0.0)))
+        write_footer(tracer, runner.stats)
+    events = [json.loads(x) for x in path.read_text().splitlines()]
+    gens = [e for e in events if e["event"] == "generate"]
+    assert len(gens) == 2 and gens[0]["reused"] == len(first) + 2 and gens[1]["reused"] > len(second)
+    report = replay(path)
+    assert report.status == REPRODUCED, report.describe()
+    assert report.first_bit_difference is None or report.within_tolerance > 0
+    assert any("cached, untraced" in n for n in report.notes)
+    assert report.compared == len(events) - 3  # all but the header, the request annotation and the footer

@@ -10,7 +10,8 @@ Each event the replay produces is compared, in order, with the recorded event of
 
 Tolerance (STATS_RTOL): |mean - mean'| <= STATS_RTOL * max(rms, rms') and, for rms and max |x|,
 |a - a'| <= STATS_RTOL * max(|a|, |a'|) (+ STATS_ATOL for values near 0). Timing fields (`*_us`,
-`*_seconds`) and the chain fields (prev, hash, mac) are never compared.
+`*_seconds`), the chain fields (prev, hash, mac) and `seq` are never compared, and recorded events a
+replay does not produce (e.g. a server's `request` annotation) are skipped.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tracelm.pipeline.trace import CHAIN_FIELDS, Tracer, is_timing_field
 STATS_RTOL = 1e-3
 STATS_ATOL = 1e-6
 STATS = ("mean", "rms", "maxabs")
+REPLAYED = ("generate", "stage", "token")  # the events a replay produces (the rest are not compared)
 REPRODUCED, DIVERGED = 0, 1  # exit statuses; 2 (cannot replay) is a TracelmError
 
 
@@ -147,11 +149,13 @@ class _Comparer:
 
     def compare(self, rep: dict[str, Any]) -> None:
         events = self.trace.events
+        while self.i < len(events) and (events[self.i] or {}).get("event") not in REPLAYED:
+            self.i += 1  # an annotation the caller wrote (e.g. a server's request event): nothing to compare
         if self.i >= len(events) or (events[self.i] or {}).get("event") == "footer":
             self.diverge({}, rep, "the replay produced an event the recorded run does not have")
         rec = events[self.i] or {}
         plain = lambda e: {k: v for k, v in e.items()  # noqa: E731
-                           if k not in CHAIN_FIELDS and not is_timing_field(k) and k not in STATS + ("digest",)}
+                           if k not in CHAIN_FIELDS and not is_timing_field(k) and k not in STATS + ("digest", "seq")}
         a, b = plain(rec), plain(rep)
         if rec.get("event") == "token" and rep.get("event") == "token":
             a.pop("prob", None), b.pop("prob", None)
@@ -184,7 +188,7 @@ def replay(path: str | Path, model: str | None = None, allow_model_change: bool 
     from tracelm.io.loader import ModelFile
     from tracelm.io.registry import file_sha256
     from tracelm.io.run_config import record_from_dict, run_config_from_dict
-    from tracelm.pipeline.runner import Runner
+    from tracelm.pipeline.runner import Runner, common_prefix
     from tracelm.state.records import SamplingParams
 
     trace = read_trace(path)
@@ -228,6 +232,15 @@ def replay(path: str | Path, model: str | None = None, allow_model_change: bool 
                 except (KeyError, TypeError, ValueError):
                     raise TracelmError(f"{trace.path}: line {line + 1}: generate event lacks prompt_ids or "
                                        f"max_tokens") from None
+                reused = int(call.get("reused", 0))
+                if min(common_prefix(runner.cache.tokens, ids), len(ids) - 1) < reused:
+                    # the recorded run found these prompt tokens already in its Cache (e.g. a server session
+                    # that began before the trace): compute them untraced first, so the traced passes match
+                    runner.tracer = None
+                    runner.prefill(ids[:reused])
+                    runner.tracer = tracer
+                    notes.append(f"line {line + 1}: computed the {reused} prompt tokens the recorded run had "
+                                 f"cached, untraced (their chunking may round differently)")
                 for _ in runner.generate(ids, max_tokens, sampling, stop):
                     pass
                 tracer.flush()

@@ -107,8 +107,9 @@ class Runner:
         self.stats = stats = GenerationStats(n_prompt=len(prompt_ids), finish_reason="length")
         rng = np.random.default_rng(sampling.seed)
         if self.tracer is not None:  # what a replay needs to repeat this call exactly
-            self.tracer.event("generate", prompt_ids=prompt_ids, max_tokens=max_tokens, stop=list(stop),
-                              sampling=attrs.asdict(sampling),
+            reused = min(common_prefix(self.cache.tokens, prompt_ids), len(prompt_ids) - 1)
+            self.tracer.event("generate", prompt_ids=prompt_ids, reused=reused, max_tokens=max_tokens,
+                              stop=list(stop), sampling=attrs.asdict(sampling),
                               rng={"generator": type(rng.bit_generator).__name__, "seed": sampling.seed})
         t0 = time.perf_counter()
         logits = self.prefill(prompt_ids)
