@@ -1,0 +1,292 @@
+"""`tracelm serve` on the tiny synthetic model: bad input of every kind gets the right 4xx in the OpenAI
+error shape and the server keeps serving; API key; body limit; sessions (reuse, isolation, LRU);
+per-request traces. Plus the pieces in-process: request checks, the session store, the runner's hooks."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.test_server_helpers import ServerProcess, assert_openai_error
+from tracelm import TracelmError
+from tracelm.server.params import ApiError, parse_json, parse_request
+from tracelm.server.sessions import SessionStore
+
+KEY = "test-key-0123456789"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CONTEXT = 128
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path):
+    work = tmp_path_factory.mktemp("tiny-server")
+    config = {
+        "model": str(tiny_gguf), "context": CONTEXT, "max_tokens": 16, "threads": 1,
+        "sampling": {"temperature": 0.0},
+        "server": {"queue_size": 2, "max_body_bytes": 65536, "max_sessions": 2, "api_key_env": "TRACELM_TEST_KEY",
+                   "trace_dir": str(work / "traces")},
+    }
+    server = ServerProcess(work, config, env={"TRACELM_TEST_KEY": KEY})
+    server.traces = work / "traces"
+    server.model_id = tiny_gguf.stem
+    yield server
+    server.stop()
+
+
+def post(server: ServerProcess, path: str, body, headers=None):
+    return server.request("POST", path, body, {**AUTH, **(headers or {})})
+
+
+def completion(server: ServerProcess, **kw):
+    r = post(server, "/v1/completions", {"model": server.model_id, **kw})
+    assert r.status == 200, r.text
+    return r.json()
+
+
+# --- the HTTP surface -------------------------------------------------------------------------------------
+
+
+def test_health_models_and_key(tiny_server):
+    s = tiny_server
+    assert s.request("GET", "/health").status == 200  # health needs no key (for probes)
+    assert_openai_error(s.request("GET", "/v1/models"), 401, code="invalid_api_key")
+    for bad in ("Bearer wrong", "Basic " + KEY, KEY, "Bearer " + KEY[:-1], "Bearer"):
+        assert_openai_error(s.request("GET", "/v1/models", headers={"Authorization": bad}), 401,
+                            code="invalid_api_key")
+        r = s.request("POST", "/v1/completions", {"model": s.model_id, "prompt": "hi"}, {"Authorization": bad})
+        assert_openai_error(r, 401, code="invalid_api_key")
+    models = s.request("GET", "/v1/models", headers=AUTH).json()
+    assert [m["id"] for m in models["data"]] == [s.model_id]
+    assert s.request("GET", f"/v1/models/{s.model_id}", headers=AUTH).json()["id"] == s.model_id
+    assert_openai_error(s.request("GET", "/v1/models/nope", headers=AUTH), 404, code="model_not_found")
+
+
+def M(**kw):  # a completions body with the tiny model filled in at request time
+    return ("completion", kw)
+
+
+def C(**kw):
+    return ("chat", kw)
+
+
+BAD_REQUESTS = [
+    (M(prompt="hi", max_tokens="4"), 400, "max_tokens", None),
+    (M(prompt="hi", max_tokens=True), 400, "max_tokens", None),
+    (M(prompt="hi", max_tokens=0), 400, "max_tokens", None),
+    (M(prompt="hi", max_tokens=2.5), 400, "max_tokens", None),
+    (M(prompt="hi", temperature="hot"), 400, "temperature", None),
+    (M(prompt="hi", temperature=3), 400, "temperature", None),
+    (M(prompt="hi", top_p=0), 400, "top_p", None),
+    (M(prompt="hi", top_k=-1), 400, "top_k", None),
+    (M(prompt="hi", min_p=1.5), 400, "min_p", None),
+    (M(prompt="hi", frequency_penalty=2.5), 400, "frequency_penalty", None),
+    (M(prompt="hi", presence_penalty=[1]), 400, "presence_penalty", None),
+    (M(prompt="hi", repetition_penalty=0), 400, "repetition_penalty", None),
+    (M(prompt="hi", seed=-1), 400, "seed", None),
+    (M(prompt="hi", stop=5), 400, "stop", None),
+    (M(prompt="hi", stop=[""]), 400, "stop", None),
+    (M(prompt="hi", stop=["a"] * 17), 400, "stop", None),
+    (M(prompt="hi", n=2), 400, "n", "unsupported"),
+    (M(prompt="hi", best_of=3), 400, "best_of", "unsupported"),
+    (M(prompt="hi", echo=True), 400, "echo", "unsupported"),
+    (M(prompt="hi", logit_bias={"5": 10}), 400, "logit_bias", "unsupported"),
+    (M(prompt="hi", logprobs=9), 400, "logprobs", None),
+    (M(prompt="hi", stream="yes"), 400, "stream", None),
+    (M(prompt="hi", stream_options={"include_usage": True}), 400, "stream_options", None),
+    (M(prompt="hi", session_id="no spaces allowed"), 400, "session_id", None),
+    (M(prompt="hi", session_id=7), 400, "session_id", None),
+    (M(prompt="hi", frobnicate=1), 400, "frobnicate", "unrecognized_argument"),
+    (M(), 400, "prompt", None),
+    (M(prompt={"text": "hi"}), 400, "prompt", None),
+    (M(prompt=["one", "two"]), 400, "prompt", None),
+    (M(prompt=[1, 2, 99999]), 400, "prompt", None),
+    (M(prompt=""), 400, "prompt", None),
+    (M(prompt="hi", max_tokens=CONTEXT), 400, "max_tokens", "context_length_exceeded"),
+    (M(prompt="x " * 200), 400, "prompt", "context_length_exceeded"),
+    (C(), 400, "messages", None),
+    (C(messages="hi"), 400, "messages", None),
+    (C(messages=[]), 400, "messages", None),
+    (C(messages=[{"role": "tool", "content": "x"}]), 400, "messages[0].role", None),
+    (C(messages=[{"role": "user", "content": 5}]), 400, "messages[0].content", None),
+    (C(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400,
+     "messages[0].content", None),
+    (C(messages=[{"role": "user", "content": "hi", "tool_calls": []}]), 400, "messages[0]", None),
+    (C(messages=[{"role": "user", "content": "hi"}], tools=[{"type": "function"}]), 400, "tools", "unsupported"),
+    (C(messages=[{"role": "user", "content": "hi"}], top_logprobs=3), 400, "top_logprobs", None),
+    (C(messages=[{"role": "user", "content": "hi"}], prompt="hi"), 400, "prompt", "unrecognized_argument"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(BAD_REQUESTS)))
+def test_bad_requests_get_400_in_openai_shape(tiny_server, case):
+    (kind, body), status, param, code = BAD_REQUESTS[case]
+    path = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
+    assert_openai_error(post(tiny_server, path, {"model": tiny_server.model_id, **body}), status, param, code)
+
+
+@pytest.mark.parametrize("raw", [b"{bad", b"", b"[1, 2]", b'"text"', b"\xff\xfe{}",
+                                 b'{"model": "m", "max_tokens": NaN}', b"[" * 60000])
+def test_malformed_bodies_get_400(tiny_server, raw):
+    assert_openai_error(post(tiny_server, "/v1/completions", raw), 400)
+
+
+def test_unknown_model_route_and_method(tiny_server):
+    r = post(tiny_server, "/v1/completions", {"model": "gpt-4", "prompt": "hi"})
+    assert_openai_error(r, 404, "model", "model_not_found")
+    assert_openai_error(post(tiny_server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+                        400, "model")
+    assert_openai_error(tiny_server.request("GET", "/v1/nothing", headers=AUTH), 404)
+    assert_openai_error(tiny_server.request("GET", "/v1/completions", headers=AUTH), 405)
+
+
+def test_huge_bodies_get_413_and_the_server_keeps_serving(tiny_server):
+    filler = "x" * (2 << 20)
+    body = json.dumps({"model": tiny_server.model_id, "prompt": filler}).encode()
+    assert_openai_error(post(tiny_server, "/v1/completions", body), 413, code="request_too_large")
+    # a client that claims a huge body and sends little: the declared length alone is refused
+    with socket.create_connection(("127.0.0.1", tiny_server.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 999999999999\r\n"
+                     b"Authorization: Bearer " + KEY.encode() + b"\r\n\r\n{")
+        head = sock.recv(65536).decode()
+        assert head.startswith("HTTP/1.1 413"), head
+    assert completion(tiny_server, prompt="hello", max_tokens=4)["usage"]["completion_tokens"] >= 1
+
+
+def test_server_survives_the_faults_without_tracebacks(tiny_server):
+    """Runs after the fault tests in this module: the server still answers and never logged a traceback."""
+    out = completion(tiny_server, prompt="hello", max_tokens=8)
+    assert out["choices"][0]["finish_reason"] in ("length", "stop")
+    assert "Traceback" not in tiny_server.log()
+    assert tiny_server.health()["counters"]["failed"] == 0
+
+
+# --- generation, sessions, traces ---------------------------------------------------------------------------
+
+
+def test_completion_shape_usage_and_trace(tiny_server):
+    ids = [104, 101, 108, 108, 111]  # "hello" byte by byte
+    r = post(tiny_server, "/v1/completions", {"model": tiny_server.model_id, "prompt": ids, "max_tokens": 6,
+                                              "logprobs": 2})
+    assert r.status == 200, r.text
+    out = r.json()
+    assert out["object"] == "text_completion" and out["id"] == r.headers["x-request-id"]
+    usage = out["usage"]
+    assert usage["prompt_tokens"] == 5 and usage["total_tokens"] == 5 + usage["completion_tokens"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0  # no session: nothing kept from before
+    lp = out["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == len(lp["tokens"]) == len(lp["top_logprobs"]) <= usage["completion_tokens"]
+    for chosen, top in zip(lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        assert len(top) <= 2 and chosen <= 0.0 and max(top.values()) == pytest.approx(chosen)  # greedy: the top one
+
+    lines = [json.loads(x) for x in (tiny_server.traces / f"{out['id']}.jsonl").read_text().splitlines()]
+    kinds = [x.get("event") for x in lines]
+    assert kinds[0] == "header" and kinds[-1] == "footer" and "request" in kinds and "stage" in kinds
+    assert lines[0]["prompt_ids"] == ids
+    assert lines[0]["config"]["max_tokens"] == 6 and lines[0]["config"]["sampling"]["temperature"] == 0.0
+    assert lines[-1]["n_generated"] == usage["completion_tokens"]
+    assert next(x for x in lines if x.get("event") == "request")["request_id"] == out["id"]
+
+
+def test_streaming_equals_plain_and_ndjson(tiny_server):
+    body = {"model": tiny_server.model_id, "prompt": "hello", "max_tokens": 10}
+    plain = completion(tiny_server, **body)["choices"][0]["text"]
+    r = post(tiny_server, "/v1/completions", {**body, "stream": True})
+    assert r.status == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [e for e in r.text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == plain
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+    r = post(tiny_server, "/v1/completions", {**body, "stream": True}, {"Accept": "application/x-ndjson"})
+    assert r.headers["content-type"].startswith("application/x-ndjson")
+    rows = [json.loads(x) for x in r.text.splitlines()]
+    assert "".join(c["choices"][0]["text"] for c in rows) == plain
+
+
+def test_sessions_reuse_their_own_cache_only(tiny_server):
+    s = tiny_server
+    a1, b1 = [104, 101, 108, 108, 111, 32], [119, 111, 114, 108, 100, 33, 33]
+    a2, b2 = a1 + [97, 98, 99], b1 + [120, 121]
+
+    def run(ids, session=None):
+        body = {"prompt": ids, "max_tokens": 8, **({"session_id": session} if session else {})}
+        out = completion(s, **body)
+        return out["choices"][0]["text"], out["usage"]
+
+    fresh = {tuple(p): run(p)[0] for p in (a1, b1, a2, b2)}
+    text, usage = run(a1, "A")
+    assert text == fresh[tuple(a1)] and usage["prompt_tokens"] == 6
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    assert run(b1, "B")[0] == fresh[tuple(b1)]
+    text, usage = run(a2, "A")  # A's cache still holds a1 (+ its output): only the new tokens are prefilled
+    assert text == fresh[tuple(a2)]
+    assert len(a1) <= usage["prompt_tokens_details"]["cached_tokens"] < len(a2)
+    text, usage = run(b2, "B")
+    assert text == fresh[tuple(b2)] and len(b1) <= usage["prompt_tokens_details"]["cached_tokens"] < len(b2)
+    # a third session evicts the least recently used (A); A starts over from nothing
+    run(b1, "C")
+    assert s.health()["sessions"] == 2
+    text, usage = run(a2, "A")
+    assert text == fresh[tuple(a2)] and usage["prompt_tokens_details"]["cached_tokens"] == 0
+    # and requests without a session never reuse anything
+    assert run(a2)[1]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+# --- in-process pieces ---------------------------------------------------------------------------------------
+
+
+def test_parse_request_defaults_and_aliases():
+    r = parse_request({"model": "m", "prompt": [[1, 2]], "repeat_penalty": 1.2, "top_k": 5, "stop": "x",
+                       "stream": True, "stream_options": {"include_usage": True}, "user": "u"}, "completion")
+    assert (r.prompt, r.stop, r.stream, r.include_usage) == ([1, 2], ("x",), True, True)
+    assert r.sampling == {"repeat_penalty": 1.2, "top_k": 5} and r.max_tokens is None and r.seed is None
+    r = parse_request({"model": "m", "messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},
+                                                                                     {"type": "text", "text": "b"}]}],
+                       "max_completion_tokens": 3, "logprobs": True, "top_logprobs": 2, "n": 1, "logit_bias": None},
+                      "chat")
+    assert r.messages == [{"role": "system", "content": "ab"}] and r.max_tokens == 3 and r.logprobs == 2
+    with pytest.raises(ApiError) as e:
+        parse_json(b'{"a": Infinity}')
+    assert e.value.status == 400
+
+
+def test_session_store_lru_and_bounds():
+    made = []
+
+    def new():
+        made.append(object())
+        return made[-1]
+
+    store = SessionStore(new, max_sessions=10, max_bytes=3 * 100, bytes_per_session=100)  # memory allows 3
+    assert store.capacity == 3
+    a, b = store.get("a"), store.get("b")
+    store.get("c")
+    assert store.get("a") is a  # a is now the most recent
+    store.get("d")  # evicts b, the least recently used
+    assert "b" not in store and store.ids() == ["c", "a", "d"] and store.evicted == 1 and store.nbytes == 300
+    assert store.get("b") is not b
+    with pytest.raises(TracelmError, match="sessions are off"):
+        SessionStore(new, max_sessions=4, max_bytes=50, bytes_per_session=100).get("x")
+
+
+def test_runner_cancel_and_on_token(tiny_gguf):
+    from tracelm.io.loader import load_model
+    from tracelm.pipeline.runner import Runner
+    from tracelm.state.records import SamplingParams
+
+    model = load_model(str(tiny_gguf), progress=False)
+    runner = Runner(model, CONTEXT)
+    seen, asked = [], []
+
+    def cancel():
+        asked.append(1)
+        return len(asked) > 5
+
+    "".join(runner.generate([104, 101], 50, SamplingParams(temperature=0.0), cancel=cancel,
+                            on_token=lambda c, logits: seen.append((c.token, int(np.argmax(logits))))))
+    assert runner.stats.finish_reason == "cancelled" and runner.stats.n_generated == 5 == len(seen)
+    assert [t for t, _ in seen] == runner.stats.tokens == [g for _, g in seen]  # greedy: the argmax of its logits
