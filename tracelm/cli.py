@@ -57,7 +57,10 @@ def _tracer(cfg: Any, model: Any, prompt_ids: list[int], key_env: str | None = N
     with stream:
         tracer = Tracer(stream, cfg.trace.level, key=key)
         write_header(tracer, cfg, model, prompt_ids)
-        yield tracer
+        try:
+            yield tracer
+        finally:  # an interrupted run still leaves every event up to the interruption (and no footer)
+            tracer.flush()
 
 
 def _generate(runner: Any, ids: list[int], cfg: Any, out: Any) -> str:
