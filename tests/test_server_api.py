@@ -90,6 +90,7 @@ BAD_REQUESTS = [
     (M(prompt="hi", stop=5), 400, "stop", None),
     (M(prompt="hi", stop=[""]), 400, "stop", None),
     (M(prompt="hi", stop=["a"] * 17), 400, "stop", None),
+    (M(prompt="hi", stop=["a" * 1025]), 400, "stop", None),
     (M(prompt="hi", n=2), 400, "n", "unsupported"),
     (M(prompt="hi", best_of=3), 400, "best_of", "unsupported"),
     (M(prompt="hi", echo=True), 400, "echo", "unsupported"),

@@ -181,6 +181,20 @@ def test_client_hanging_up_stops_generation(server, model_id, client):
     out = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=3, temperature=0)  # still serving
     assert out.usage.completion_tokens == 3
 
+    # the same without streaming: the server notices the closed connection while it generates
+    before = server.wait_idle()["counters"]
+    body = b'{"model": "%s", "prompt": "%s", "max_tokens": 400}' % (model_id.encode(), COUNTING)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 30
+        while not server.health()["running"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.3)  # a few tokens in
+    after = server.wait_idle(timeout=20)["counters"]
+    assert after["cancelled"] == before["cancelled"] + 1 and after["served"] == before["served"] + 1
+    assert after["generated_tokens"] - before["generated_tokens"] < 40  # not 400
+
 
 def test_time_limit_cuts_a_long_request(client, model_id):
     t0 = time.monotonic()
@@ -235,3 +249,4 @@ def test_load_streaming_clients_with_back_pressure(server, client, model_id):
     assert h["counters"]["rejected"] >= len(statuses) and h["counters"]["failed"] == 0
     rss_after = server.rss_kb()
     assert abs(rss_after - rss_before) <= 0.10 * rss_before, (rss_before, rss_after)
+    assert "Traceback" not in server.log()

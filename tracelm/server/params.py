@@ -33,6 +33,7 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 MAX_STOPS = 16
+MAX_STOP_CHARS = 1024
 
 
 class ApiError(Exception):
@@ -161,8 +162,8 @@ def _stops(body: dict[str, Any]) -> tuple[str, ...]:
         raise bad("'stop' must be a string or an array of strings", "stop")
     if len(items) > MAX_STOPS:
         raise bad(f"'stop' takes at most {MAX_STOPS} strings, got {len(items)}", "stop")
-    if any(s == "" for s in items):
-        raise bad("'stop' strings must not be empty", "stop")
+    if any(s == "" or len(s) > MAX_STOP_CHARS for s in items):
+        raise bad(f"'stop' strings must have 1 to {MAX_STOP_CHARS} characters", "stop")
     return tuple(items)
 
 
