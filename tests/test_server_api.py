@@ -291,3 +291,27 @@ def test_runner_cancel_and_on_token(tiny_gguf):
                             on_token=lambda c, logits: seen.append((c.token, int(np.argmax(logits))))))
     assert runner.stats.finish_reason == "cancelled" and runner.stats.n_generated == 5 == len(seen)
     assert [t for t, _ in seen] == runner.stats.tokens == [g for _, g in seen]  # greedy: the argmax of its logits
+
+
+def test_serve_cli_user_errors(tmp_path, tiny_gguf):
+    import subprocess
+    import sys
+
+    from tests.test_server_helpers import REPO
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model: {tiny_gguf}\ncontext: 128\n", encoding="utf-8")
+
+    def serve(*args):
+        return subprocess.run([sys.executable, "-m", "tracelm.cli", "serve", str(cfg), *args], cwd=REPO,
+                              capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        r = serve("--port", str(taken.getsockname()[1]))
+    assert r.returncode == 2 and "cannot listen on 127.0.0.1:" in r.stderr and "Traceback" not in r.stderr
+    r = serve("--set", "server.queue_size=-1")
+    assert r.returncode == 2 and "server.queue_size" in r.stderr and "Traceback" not in r.stderr
+    r = serve("--port", "70000")
+    assert r.returncode == 2 and "--port 70000" in r.stderr

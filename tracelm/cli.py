@@ -302,7 +302,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_chat)
 
     sp = sub.add_parser("serve", help="an OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, streaming")
-    run_options(sp)
+    sp.add_argument("config", help="YAML run config (see configs/); its server: section sets the limits")
+    sp.add_argument("--max-tokens", type=int, help="default max_tokens of a request that gives none")
+    sp.add_argument("--temperature", type=float, help="default temperature of a request that gives none")
+    sp.add_argument("--context", type=int, help="positions of each KV cache (prompt + completion)")
+    sp.add_argument("--model", help="registry name or GGUF path (overrides the config)")
+    sp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key")
     sp.add_argument("--host", help="address to listen on (default: server.host of the config, 127.0.0.1)")
     sp.add_argument("--port", type=int, help="port (default: server.port of the config, 8080; 0 = any free port)")
     sp.set_defaults(fn=cmd_serve)
