@@ -157,7 +157,7 @@ def trace_overhead(model_name: str, n_decode: int = 64, repeats: int = 3, n_prom
                 raise RuntimeError("traced and untraced decoding chose different tokens")
     median = {lv: float(np.median(t)) for lv, t in steps.items()}
     rate = {lv: 1.0 / median[lv] for lv in levels}
-    cpu_ms = {lv: 1e3 * float(np.mean(t)) for lv, t in cpu.items()}
+    cpu_ms = {lv: 1e3 * float(np.median(t)) for lv, t in cpu.items()}
     off = np.asarray(steps["off"])
     return {
         "model": str(model.path.name),
