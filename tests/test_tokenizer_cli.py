@@ -230,3 +230,23 @@ def test_stream_decoder_equals_decode_on_random_ids(llama_gguf, small_gguf):
         stream = tok.stream_decoder()
         parts = [stream.push(i) for i in ids]
         assert "".join(parts) == text and not any("\ufffd" in p for p in parts)
+
+
+def test_long_texts_encode_as_one(llama_gguf, small_gguf):
+    """Long texts are cut at newlines and encoded in parallel; the ids are those of encoding them whole."""
+    import tracelm.io.tokenizer as tokenizer_module
+
+    line = "x\n\n  Hello <s>world</s>!\n\t1234\nend.\n\n=== head\n"
+    text = line * 40
+    newlines = Tokenizer.from_gguf_metadata(small_meta(extra=("\u010a\u010a",), merges=("\u010a \u010a",)))
+    for tok in (load_tokenizer(str(llama_gguf)), load_tokenizer(str(small_gguf)), newlines):
+        parts = {}
+        sizes = [*range(8, 90, 3), 10**9]
+        for chunk in sizes:  # cut after a few characters each time (at the next newline that allows it), or never
+            old = tokenizer_module._CHUNK
+            tokenizer_module._CHUNK = chunk
+            try:
+                parts[chunk] = [tok.encode(text, add_bos=False, parse_special=p) for p in (False, True)]
+            finally:
+                tokenizer_module._CHUNK = old
+        assert all(parts[size] == parts[10**9] for size in sizes)

@@ -195,7 +195,9 @@ class _HFEncoder:
             return [e.ids for e in bpe.encode_batch(texts, add_special_tokens=False)]
 
     def __call__(self, text: str, parse_special: bool) -> list[int]:
-        if len(text) <= _CHUNK or not self.split_safe:
+        # (with parse_special, a SentencePiece prefix follows every control token: the tail tokenizer, which
+        # has no prefix, would miss it; so such texts are encoded whole)
+        if len(text) <= _CHUNK or not self.split_safe or (parse_special and self._make_tail is not None):
             return self._run(self.bpe, [text], parse_special)[0]
         cuts = [0]
         for m in _CHUNK_CUT.finditer(text):
