@@ -137,6 +137,10 @@ class Engine:
                 self._serve(job)
             except ApiError as e:
                 job.post("error", e)
+            except TracelmError as e:  # a user-caused error the checks before admission did not catch
+                if job.session_id is not None:
+                    self.sessions.drop(job.session_id)
+                job.post("error", ApiError(400, str(e)))
             except Exception:  # never let one request take the worker down; the client gets a plain 500
                 self.counters.failed += 1
                 log.exception("request %s failed", job.request_id)
