@@ -223,9 +223,16 @@ def test_sessions_reuse_their_own_cache_only(tiny_server):
     assert text == fresh[tuple(a1)] and usage["prompt_tokens"] == 6
     assert usage["prompt_tokens_details"]["cached_tokens"] == 0
     assert run(b1, "B")[0] == fresh[tuple(b1)]
-    text, usage = run(a2, "A")  # A's cache still holds a1 (+ its output): only the new tokens are prefilled
+    out = completion(s, prompt=a2, max_tokens=8, session_id="A")  # A still holds a1 (+ output): only new tokens
+    text, usage = out["choices"][0]["text"], out["usage"]
     assert text == fresh[tuple(a2)]
     assert len(a1) <= usage["prompt_tokens_details"]["cached_tokens"] < len(a2)
+    trace = [json.loads(x) for x in (s.traces / f"{out['id']}.jsonl").read_text().splitlines()]
+    assert trace[-1]["n_reused"] == usage["prompt_tokens_details"]["cached_tokens"]  # the trace says so too
+    request = next(x for x in trace if x.get("event") == "request")
+    assert request["session_id"] == "A"
+    prefilled = [x for x in trace if x.get("event") == "stage" and x.get("stage") == "embed"][0]
+    assert prefilled["start"] == trace[-1]["n_reused"]  # the first stage call starts past the reused prefix
     text, usage = run(b2, "B")
     assert text == fresh[tuple(b2)] and len(b1) <= usage["prompt_tokens_details"]["cached_tokens"] < len(b2)
     # a third session evicts the least recently used (A); A starts over from nothing
