@@ -222,7 +222,7 @@ def test_show(traced, capsys) -> None:
     assert main(["trace", "show", str(path)]) == 0
     out = capsys.readouterr().out
     footer = json.loads(lines[-1])
-    assert "'hello world'" in out and repr(footer["output_text"]) in out
+    assert "'hello world'" in out and repr(footer["output_text"]) in out and "integrity  intact" in out
     shares = [float(m) for m in re.findall(r"^(?:embed|attn_norm|qkv|rope|attend|out_proj|ffn_norm|ffn|output_norm|"
                                            r"head)\s+\d+\s+[\d.]+\s+[\d.]+\s+([\d.]+)%$", out, re.M)]
     assert len(shares) == 10 and abs(sum(shares) - 100) < 0.5

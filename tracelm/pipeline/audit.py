@@ -147,6 +147,7 @@ def summary(trace: Trace, top_layers: int = 5) -> str:
     out = [
         f"trace      {trace.path} (format {h.get('format')} v{h.get('trace_version')}, level {h.get('level')}, "
         f"{'signed' if h.get('mac_algorithm') else 'unsigned'})",
+        f"integrity  {verify(trace).message}",
         f"model      {h.get('model_file')}  sha256 {str(h.get('model_sha256'))[:16]}...",
         f"tracelm    {h.get('tracelm_version')}  numpy {(h.get('packages') or {}).get('numpy')}  "
         f"{(h.get('platform') or {}).get('machine')}  BLAS "
