@@ -28,6 +28,11 @@ def _families() -> dict:
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64})),
         "qwen2": ("Qwen2Config", dict(rope_theta=1e6, tie_word_embeddings=True)),
+        "gemma3": ("Gemma3TextConfig", dict(
+            head_dim=16, sliding_window=6, query_pre_attn_scalar=24, tie_word_embeddings=True, num_hidden_layers=4,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
     }
 
 
@@ -68,7 +73,8 @@ def test_safetensors_and_gguf_paths_match_transformers(checkpoint, tmp_path) -> 
     cfg = hf.cfg
     expect = {"qwen3": cfg.qk_norm and cfg.tied_head, "mistral": cfg.sliding_window == 12 and cfg.swa_pattern == 0,
               "phi3": cfg.rope_dim == cfg.head_dim // 2, "llama3": cfg.rope_freq_factors is not None
-              and not cfg.tied_head, "qwen2": cfg.qkv_bias}
+              and not cfg.tied_head, "qwen2": cfg.qkv_bias,
+              "gemma3": cfg.post_norms and cfg.swa_pattern == 2 and cfg.rope_base_swa == 1e4 and cfg.attn_scale > 0}
     assert expect[family], cfg
     ours = types.SimpleNamespace(cfg=cfg, weights=hf.load_weights(progress=False))
     ref = TransformersReference(path)
