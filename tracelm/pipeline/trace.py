@@ -21,6 +21,7 @@ or when the pending arrays pass `BATCH_ELEMENTS` -- through one structlog call p
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -163,9 +164,15 @@ def blas_facts() -> list[dict[str, Any]]:
 def tokenizer_sha256(model_path: Any) -> str:
     """sha256 of the GGUF's `tokenizer.*` metadata (vocabulary, types, merges, special ids, template) as
     canonical JSON: the same for two files that tokenize alike, whatever their weights."""
+    st = os.stat(model_path)
+    return _tokenizer_sha256(str(Path(model_path).resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer_sha256(path: str, _size: int, _mtime_ns: int) -> str:
     from tracelm.io.gguf_file import GGUFFile
 
-    meta = GGUFFile(model_path).metadata
+    meta = GGUFFile(path).metadata
     tok = {k: v for k, v in sorted(meta.items()) if k.startswith("tokenizer.")}
     text = json.dumps(tok, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=_jsonable)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
