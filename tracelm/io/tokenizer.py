@@ -252,17 +252,18 @@ def _bpe_merges_from_scores(tokens: Sequence[str], scores: Sequence[float], merg
     index: dict[str, int] = {}
     for i, t in enumerate(tokens):
         index.setdefault(t, i)
-    found = []
-    for i, t in enumerate(tokens):
+    get = index.get
+    merges = []
+    add = merges.append
+    for i in sorted(range(len(tokens)), key=lambda i: (-scores[i], i)):
+        t = tokens[i]
         if not mergeable[i] or len(t) < 2 or index[t] != i:
             continue
         for k in range(1, len(t)):
-            a, b = t[:k], t[k:]
-            ia, ib = index.get(a), index.get(b)
-            if ia is not None and ib is not None:
-                found.append((-scores[i], i, ia, ib, a, b))
-    found.sort()
-    return [(a, b) for *_, a, b in found]
+            left = t[:k]
+            if get(left) is not None and get(right := t[k:]) is not None:
+                add((left, right))
+    return merges
 
 
 def _spm_hf_tokenizer(
