@@ -87,15 +87,28 @@ def stats_of(arrays: list[np.ndarray]) -> tuple[float, float, float]:
     return float(m[0]), float(r[0]), float(x[0])
 
 
-def _batch_stats(arrays: list[np.ndarray], sizes: list[int], scratch: np.ndarray | None = None
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _join_float32(arrays: list[np.ndarray], total: int) -> bytes | None:
+    """The arrays' bytes one after another if all are C-contiguous float32 (`total` elements), else None.
+    Joining buffers is ~3x faster than np.concatenate over hundreds of small arrays."""
+    if not arrays or arrays[0].dtype != np.float32:
+        return None
+    try:
+        raw = b"".join(arrays)
+    except (BufferError, TypeError, ValueError):  # a non-contiguous array
+        return None
+    return raw if len(raw) == 4 * total else None
+
+
+def _batch_stats(arrays: list[np.ndarray], sizes: list[int], scratch: np.ndarray | None = None,
+                 joined: bytes | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Mean, rms and max |x| of consecutive groups of `arrays` (group i holds sizes[i] elements), in a
     few vectorised passes over all of them.
 
     Sums and sums of squares accumulate in the arrays' own float type (float32: numpy's pairwise
     summation keeps the relative error near 1e-6 for these sizes; float64 would double the cost), the
     divisions and the square root in float64. Empty groups give NaN. `scratch`: a float32 buffer of at
-    least as many elements, reused between batches (fresh large temporaries cost page faults).
+    least as many elements, reused between batches (fresh large temporaries cost page faults); `joined`:
+    the arrays' bytes as `_join_float32` gives them, if already at hand.
     """
     n = len(sizes)
     counts = np.array(sizes, dtype=np.int64)
@@ -103,14 +116,13 @@ def _batch_stats(arrays: list[np.ndarray], sizes: list[int], scratch: np.ndarray
         return np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
     total = int(counts.sum())
     buf = tmp = None
-    if scratch is not None and scratch.size >= total and arrays[0].dtype == np.float32:
-        try:  # joining the arrays' buffers is ~3x faster than np.concatenate over hundreds of small arrays
-            raw = b"".join(arrays)
-        except (BufferError, TypeError, ValueError):  # a non-contiguous array
-            raw = b""
-        if len(raw) == 4 * total:  # all float32
-            buf, tmp = np.frombuffer(raw, np.float32), scratch[:total]
-    if buf is None:
+    if joined is None and len(arrays) > 1:
+        joined = _join_float32(arrays, total)
+    if joined is not None:
+        buf = np.frombuffer(joined, np.float32)
+        if scratch is not None and scratch.size >= total:
+            tmp = scratch[:total]
+    else:
         buf = np.concatenate(arrays, axis=None) if len(arrays) > 1 else arrays[0].ravel()
         if buf.dtype.kind != "f":
             buf = buf.astype(np.float64)
@@ -279,7 +291,8 @@ class Tracer:
             self._scratch = np.empty(total, np.float32)
         flat = self._flat
         self._flat = []
-        mean, rms, maxabs = _batch_stats(flat, list(sizes), self._scratch)
+        joined = _join_float32(flat, total)
+        mean, rms, maxabs = _batch_stats(flat, list(sizes), self._scratch, joined)
         finite = bool(np.isfinite(mean).all() and np.isfinite(rms).all() and np.isfinite(maxabs).all())
         if finite:
             stats = (mean.tolist(), rms.tolist(), maxabs.tolist())
@@ -297,7 +310,10 @@ class Tracer:
         seq = self.seq
         self.stage_ns += sum(durs)
         cols: list[Any] = [range(seq, seq + len(rows)), toks, starts, *stats]
-        if self._digest:
+        if self._digest and joined is not None:  # each event's bytes are a slice of the joined buffer
+            view, ends, sha256 = memoryview(joined), np.cumsum(sizes).tolist(), hashlib.sha256
+            cols.append([sha256(view[4 * (e - n) : 4 * e]).hexdigest()[:32] for e, n in zip(ends, sizes, strict=True)])
+        elif self._digest:
             cols.append([digest(x) for x in arrays])
         cols.append([d / 1000 for d in durs])
         heads = (template % tuple(chain.from_iterable(zip(*cols, strict=True)))).split("\0")
