@@ -162,6 +162,7 @@ def test_verify_rejects_what_is_not_a_trace(tmp_path, traced, capsys) -> None:
         "garbage": "hello\nworld\n",
         "newer": lines[0].replace('"trace_version":2', '"trace_version":3') + "".join(lines[1:]),
         "no_header": "".join(lines[1:]),
+        "cut_header": lines[0][:200],
     }
     for name, text in cases.items():
         p = tmp_path / f"{name}.jsonl"
@@ -171,6 +172,7 @@ def test_verify_rejects_what_is_not_a_trace(tmp_path, traced, capsys) -> None:
         assert out.startswith("tracelm: error: ") and len(out.strip().splitlines()) == 1, out
     _, out = verify(tmp_path / "newer.jsonl", capsys)
     assert "version 3 is newer" in out
+    assert "truncated inside its header" in verify(tmp_path / "cut_header.jsonl", capsys)[1]
     code, out = verify(tmp_path / "missing.jsonl", capsys)
     assert code == 2 and "cannot read trace" in out
 

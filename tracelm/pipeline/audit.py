@@ -66,6 +66,8 @@ def read_trace(path: str | Path) -> Trace:
             obj = None
         events.append(obj if isinstance(obj, dict) else None)
     head = events[0]
+    if head is None and lines[0].startswith(b'{"seq":0,"event":"header"'):
+        raise TracelmError(f"{p}: truncated inside its header (line 1 is cut off): nothing to verify")
     if head is None or head.get("event") != "header":
         raise TracelmError(f"{p}: not a tracelm trace (line 1 is not a JSON trace header)")
     version = head.get("trace_version")
