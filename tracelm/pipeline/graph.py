@@ -46,15 +46,17 @@ def forward(cfg: ModelConfig, w: ModelWeights, cache: Cache, ids: Sequence[int],
     ids = np.asarray(ids, dtype=np.int64)
     start, T = cache.n_past, len(ids)
     # per layer kind (window, rope base): the RoPE rows, the first visible key and the mask
-    kinds = {}
+    kinds: dict[tuple[int, float], tuple] = {}
+    per_layer = []
     for i in range(cfg.n_layer):
         kind = (cfg.window(i), cfg.layer_rope_base(i))
         if kind not in kinds:
             kinds[kind] = (*cache.rope_rows(start, T, kind[1]), *cache.window_mask(start, T, kind[0]))
+        per_layer.append(kinds[kind])
     scale, eps, act = cfg.scale, cfg.rms_eps, cfg.ffn_act
     h = call("embed", None, embed, w.token_embd, ids, start, cfg.embd_scale)
     for i, lw in enumerate(w.layers):
-        cos, sin, lo, mask = kinds[(cfg.window(i), cfg.layer_rope_base(i))]
+        cos, sin, lo, mask = per_layer[i]
         x = call("attn_norm", i, rms_norm, h, lw.attn_norm, eps)
         heads = call("qkv", i, qkv, x, lw.wqkv, lw.bqkv, cfg.n_head, cfg.n_head_kv, cfg.head_dim)
         if cfg.qk_norm:
