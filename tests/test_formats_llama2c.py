@@ -135,3 +135,40 @@ def test_size_not_matching_header_is_a_clear_error(tmp_path) -> None:
 def test_missing_tokenizer_is_a_clear_error() -> None:
     proc = tracelm("export", "--model", str(MODEL), "--out", "/nonexistent/x.gguf")
     assert proc.returncode == 2 and "no vocabulary" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def runc_encode(path, text: str) -> list[int]:
+    """run.c's encode(): BOS, a dummy-prefix space, one token per UTF-8 character (bytes + 3 when absent),
+    then repeatedly merge the adjacent pair whose concatenation has the highest score (leftmost on ties)."""
+    raw = open(path, "rb").read()
+    pos, vocab, scores = 4, [], []
+    while pos < len(raw):
+        score, n = struct.unpack_from("<fi", raw, pos)
+        vocab.append(raw[pos + 8 : pos + 8 + n])
+        scores.append(score)
+        pos += 8 + n
+    index: dict[bytes, int] = {}
+    for i, v in enumerate(vocab):
+        index.setdefault(v, i)
+    ids = [1]
+    if text:
+        ids.append(index[b" "])
+    for ch in text:
+        b = ch.encode("utf-8")
+        ids.extend([index[b]] if b in index else [x + 3 for x in b])
+    while True:
+        best, best_i, best_id = -1e10, -1, -1
+        for i in range(len(ids) - 1):
+            j = index.get(vocab[ids[i]] + vocab[ids[i + 1]], -1)
+            if j != -1 and scores[j] > best:
+                best, best_i, best_id = scores[j], i, j
+        if best_i == -1:
+            return ids
+        ids[best_i : best_i + 2] = [best_id]
+
+
+@pytest.mark.parametrize("text", ["Once upon a time", "e4 e5 Nf3 Nc6 Bb5", "hello, world!  two spaces"])
+def test_prompt_ids_follow_run_c_encode(text) -> None:
+    from tracelm.io.loader import load_tokenizer
+
+    assert load_tokenizer(str(TOK)).encode(text) == runc_encode(TOK, text)
