@@ -14,9 +14,10 @@ The format is described in docs/trace.md (format "tracelm-trace", version 2). In
 Levels: "off" (no events), "summary" (statistics, no digests), "digest" (also a sha256-128 digest of the
 output bytes, so two runs can be compared bit for bit).
 
-The hot path (`Tracer.call`) only times the stage and keeps a reference to its (read-only) output arrays.
-Statistics, digests, JSON rendering, chaining and signing run in batches -- at each token event, at flush,
-or when the pending arrays pass `BATCH_ELEMENTS` -- through one structlog call per batch.
+The hot path (`Tracer.call`) only times the stage and copies its float32 output into an arena (while it
+is hot in cache). Statistics, digests, JSON rendering, chaining and signing run in batches over the arena
+-- at each token event, at flush, or when the arena would pass `BATCH_ELEMENTS` -- through one structlog
+call per batch. Outputs larger than that, or not float32, are kept as arrays and form a batch of their own.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ TRACE_VERSION = 2
 GENESIS = "0" * 64  # the `prev` of line 1
 PACKAGES = ("tracelm", "numpy", "numexpr", "gguf", "tokenizers", "sentencepiece", "attrs", "structlog", "jinja2",
             "PyYAML")
-BATCH_ELEMENTS = 1 << 20  # pending output elements that force a batch (bounds memory held during prefill)
+BATCH_ELEMENTS = 1 << 20  # arena elements (4 MiB) that force a batch: bounds the memory a prefill holds
 TIMING_SUFFIXES = ("_us", "_seconds")
 CHAIN_FIELDS = ("prev", "hash", "mac")
 
@@ -83,49 +84,32 @@ def digest(arrays: list[np.ndarray]) -> str:
 
 def stats_of(arrays: list[np.ndarray]) -> tuple[float, float, float]:
     """(mean, rms, max |x|) over all elements of the arrays, as the batched path computes them."""
-    m, r, x = _batch_stats(list(arrays), [sum(a.size for a in arrays)])
+    m, r, x = _batch_stats(_flatten(list(arrays)), [sum(a.size for a in arrays)])
     return float(m[0]), float(r[0]), float(x[0])
 
 
-def _join_float32(arrays: list[np.ndarray], total: int) -> bytes | None:
-    """The arrays' bytes one after another if all are C-contiguous float32 (`total` elements), else None.
-    Joining buffers is ~3x faster than np.concatenate over hundreds of small arrays."""
-    if not arrays or arrays[0].dtype != np.float32:
-        return None
-    try:
-        raw = b"".join(arrays)
-    except (BufferError, TypeError, ValueError):  # a non-contiguous array
-        return None
-    return raw if len(raw) == 4 * total else None
+def _flatten(arrays: list[np.ndarray]) -> np.ndarray:
+    """All elements of the arrays, one after another, as one 1-D float array."""
+    buf = np.concatenate(arrays, axis=None) if len(arrays) != 1 else arrays[0].ravel()
+    return buf if buf.dtype.kind == "f" else buf.astype(np.float64)
 
 
-def _batch_stats(arrays: list[np.ndarray], sizes: list[int], scratch: np.ndarray | None = None,
-                 joined: bytes | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Mean, rms and max |x| of consecutive groups of `arrays` (group i holds sizes[i] elements), in a
-    few vectorised passes over all of them.
+def _batch_stats(buf: np.ndarray, sizes: list[int], scratch: np.ndarray | None = None
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Mean, rms and max |x| of consecutive groups of the 1-D array `buf` (group i holds sizes[i]
+    elements), in a few vectorised passes over all of them.
 
     Sums and sums of squares accumulate in the arrays' own float type (float32: numpy's pairwise
     summation keeps the relative error near 1e-6 for these sizes; float64 would double the cost), the
-    divisions and the square root in float64. Empty groups give NaN. `scratch`: a float32 buffer of at
-    least as many elements, reused between batches (fresh large temporaries cost page faults); `joined`:
-    the arrays' bytes as `_join_float32` gives them, if already at hand.
+    divisions and the square root in float64. Empty groups give NaN. `scratch`: a buffer like `buf`,
+    reused between batches for the temporaries (fresh large temporaries cost page faults).
     """
     n = len(sizes)
     counts = np.array(sizes, dtype=np.int64)
-    if not arrays or not counts.any():
+    if not counts.any():
         return np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
     total = int(counts.sum())
-    buf = tmp = None
-    if joined is None and len(arrays) > 1:
-        joined = _join_float32(arrays, total)
-    if joined is not None:
-        buf = np.frombuffer(joined, np.float32)
-        if scratch is not None and scratch.size >= total:
-            tmp = scratch[:total]
-    else:
-        buf = np.concatenate(arrays, axis=None) if len(arrays) > 1 else arrays[0].ravel()
-        if buf.dtype.kind != "f":
-            buf = buf.astype(np.float64)
+    tmp = scratch[:total] if scratch is not None and scratch.size >= total and scratch.dtype == buf.dtype else None
     offsets = np.cumsum(counts) - counts
     if counts.all():
         mean = np.add.reduceat(buf, offsets).astype(np.float64) / counts
@@ -133,8 +117,7 @@ def _batch_stats(arrays: list[np.ndarray], sizes: list[int], scratch: np.ndarray
         return mean, rms, np.maximum.reduceat(np.abs(buf, out=tmp), offsets).astype(np.float64)
     nonempty = counts > 0
     mean, rms, maxabs = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
-    sub = _batch_stats([buf], counts[nonempty].tolist())
-    mean[nonempty], rms[nonempty], maxabs[nonempty] = sub
+    mean[nonempty], rms[nonempty], maxabs[nonempty] = _batch_stats(buf, counts[nonempty].tolist(), scratch)
     return mean, rms, maxabs
 
 
@@ -218,11 +201,15 @@ class Tracer:
         self.counts: dict[str, int] = {}
         self.stage_ns = 0  # total duration of the stage calls
         self._digest = level == "digest"
-        self._pending: list[tuple[str, int | None, int, int, list[np.ndarray], int, int]] = []
-        self._pending_elements = 0
+        # pending stage events: (stage, layer, tok, start, shapes, dtype, dur_ns, size, arrays or None)
+        self._pending: list[tuple[Any, ...]] = []
         self._templates: dict[tuple[Any, ...], str] = {}
+        # float32 outputs are copied into the arena as they come (while hot in cache; their arrays are then
+        # free to be reused at once, which keeps the untraced run's memory behaviour); a batch's statistics
+        # and digests read the arena
+        self._arena = np.empty(0, np.float32)
         self._scratch = np.empty(0, np.float32)
-        self._flat: list[np.ndarray] = []  # the pending stage outputs' arrays, in order
+        self._fill = 0
         self._stream = stream
         self._log = structlog.wrap_logger(structlog.WriteLogger(stream), processors=[self._render],
                                           context_class=dict)
@@ -233,15 +220,34 @@ class Tracer:
         out = fn(*args)
         dur = time.perf_counter_ns() - t0
         arrays = output_arrays(out)
-        size = 0
-        flat = self._flat
-        for a in arrays:
-            size += a.size
-            flat.append(a)
-        self._pending.append((stage, layer, self.n_tokens, getattr(out, "start", -1), arrays, dur, size))
-        self._pending_elements += size
-        if self._pending_elements >= BATCH_ELEMENTS:
+        if len(arrays) == 1:
+            a = arrays[0]
+            size, shapes, dtype = a.size, (a.shape,), a.dtype
+        else:
+            size, shapes = sum(a.size for a in arrays), tuple(a.shape for a in arrays)
+            dtype = arrays[0].dtype if arrays else np.dtype(np.float32)
+        start = getattr(out, "start", -1)
+        if dtype != np.float32 or size > BATCH_ELEMENTS:  # kept as arrays, in a batch of its own
             self._drain()
+            self._pending.append((stage, layer, self.n_tokens, start, shapes, dtype.name, dur, size, arrays))
+            self._drain()
+            return out
+        end = self._fill + size
+        if end > self._arena.size:
+            if end > BATCH_ELEMENTS:
+                self._drain()
+                end = size
+            if end > self._arena.size:
+                grown = np.empty(max(end, 2 * self._arena.size), np.float32)
+                grown[: self._fill] = self._arena[: self._fill]
+                self._arena = grown
+        arena, fill = self._arena, self._fill
+        for a in arrays:
+            n = fill + a.size
+            arena[fill:n] = a.reshape(-1)
+            fill = n
+        self._fill = fill
+        self._pending.append((stage, layer, self.n_tokens, start, shapes, "float32", dur, size, None))
         return out
 
     # -- events -------------------------------------------------------------------------------------
@@ -261,8 +267,9 @@ class Tracer:
 
     def _drain(self) -> None:
         if self._pending:
-            rows, self._pending, self._pending_elements = self._pending, [], 0  # (_flat: reset by the batch)
+            rows, self._pending = self._pending, []
             self._log.msg("stages", rows=rows)
+            self._fill = 0
 
     # -- rendering and chaining (structlog processor) -------------------------------------------------
     def _render(self, _logger: Any, _name: str, event: dict[str, Any]) -> str:
@@ -285,36 +292,37 @@ class Tracer:
         """Render, chain and sign a batch of stage events (~200 per decoded token, so kept lean): one
         %-format call renders every line up to its `prev` (the format is cached per sequence of stages and
         shapes, which repeats every decode step); then each line is closed and hashed in turn."""
-        stages, layers, toks, starts, arrays, durs, sizes = zip(*rows, strict=True)
-        total = sum(sizes)
-        if total <= BATCH_ELEMENTS and self._scratch.size < total:
-            self._scratch = np.empty(total, np.float32)
-        flat = self._flat
-        self._flat = []
-        joined = _join_float32(flat, total)
-        mean, rms, maxabs = _batch_stats(flat, list(sizes), self._scratch, joined)
+        stages, layers, toks, starts, shapes, dtypes, durs, sizes, held = zip(*rows, strict=True)
+        if held[0] is None:  # float32 outputs, copied into the arena in order
+            buf = self._arena[: sum(sizes)]
+            if self._scratch.size < buf.size:
+                self._scratch = np.empty(self._arena.size, np.float32)
+            mean, rms, maxabs = _batch_stats(buf, list(sizes), self._scratch)
+        else:  # one event whose arrays were kept
+            buf = _flatten(held[0])
+            mean, rms, maxabs = _batch_stats(buf, list(sizes))
         finite = bool(np.isfinite(mean).all() and np.isfinite(rms).all() and np.isfinite(maxabs).all())
         if finite:
             stats = (mean.tolist(), rms.tolist(), maxabs.tolist())
         else:
             stats = tuple([_num(v) for v in col.tolist()] for col in (mean, rms, maxabs))
         # the first output's shape fixes the others' (a record's arrays share T; the rest is the model's)
-        key = (stages, layers, finite, tuple([len(x) for x in arrays]),
-               tuple([x[0].shape if x else None for x in arrays]))
+        key = (stages, layers, finite, shapes, dtypes)
         template = self._templates.get(key)
         if template is None:
             if len(self._templates) >= 256:  # prefill batches rarely repeat: keep the cache bounded
                 self._templates.clear()
-            template = self._templates[key] = "\0".join(_stage_template(st, ly, x, self._digest, finite)
-                                                         for st, ly, x in zip(stages, layers, arrays, strict=True))
+            template = self._templates[key] = "\0".join(
+                _stage_template(st, ly, sh, dt, self._digest, finite)
+                for st, ly, sh, dt in zip(stages, layers, shapes, dtypes, strict=True))
         seq = self.seq
         self.stage_ns += sum(durs)
         cols: list[Any] = [range(seq, seq + len(rows)), toks, starts, *stats]
-        if self._digest and joined is not None:  # each event's bytes are a slice of the joined buffer
-            view, ends, sha256 = memoryview(joined), np.cumsum(sizes).tolist(), hashlib.sha256
+        if self._digest and held[0] is None:  # each event's bytes are a slice of the arena
+            view, ends, sha256 = memoryview(buf).cast("B"), np.cumsum(sizes).tolist(), hashlib.sha256
             cols.append([sha256(view[4 * (e - n) : 4 * e]).hexdigest()[:32] for e, n in zip(ends, sizes, strict=True)])
         elif self._digest:
-            cols.append([digest(x) for x in arrays])
+            cols.append([digest(held[0])])
         cols.append([d / 1000 for d in durs])
         heads = (template % tuple(chain.from_iterable(zip(*cols, strict=True)))).split("\0")
         lines = []
@@ -332,11 +340,11 @@ class Tracer:
         return lines
 
 
-def _stage_template(stage: str, layer: int | None, arrays: list[np.ndarray], with_digest: bool, finite: bool) -> str:
+def _stage_template(stage: str, layer: int | None, shapes: tuple[tuple[int, ...], ...], dtype: str,
+                    with_digest: bool, finite: bool) -> str:
     """A stage line up to its `prev` value, as a %-format: seq, tok, start, mean, rms, maxabs, [digest,] dur_us."""
-    shape = ",".join("[" + ",".join(map(str, a.shape)) + "]" for a in arrays)
-    n = arrays[0].shape[0] if arrays and arrays[0].ndim > 1 else 1
-    dtype = arrays[0].dtype.name if arrays else ""
+    shape = ",".join("[" + ",".join(map(str, sh)) + "]" for sh in shapes)
+    n = shapes[0][0] if shapes and len(shapes[0]) > 1 else 1
     fixed = (f'"stage":{json.dumps(stage)},"layer":{"null" if layer is None else layer}').replace("%", "%%")
     num = "%.7g" if finite else "%s"
     return (f'{{"seq":%d,"event":"stage","tok":%d,{fixed},"start":%d,"n":{n},"shape":[{shape}],"dtype":"{dtype}",'
