@@ -19,13 +19,16 @@ def tracelm(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-def _validate(path) -> dict:
+def _validate(path, *extra_prompts: str) -> dict:
     if not has_reference():
         pytest.skip("transformers + torch not installed (pip install -e '.[reference]')")
-    proc = tracelm("validate", "--model", str(path), "--reference", "transformers", "--json")
+    from tracelm.pipeline.validate import DEFAULT_PROMPTS
+
+    prompts = [a for p in (*DEFAULT_PROMPTS, *extra_prompts) for a in ("--prompt", p)]
+    proc = tracelm("validate", "--model", str(path), "--reference", "transformers", "--json", *prompts)
     assert proc.returncode in (0, 1), proc.stderr
     report = json.loads(proc.stdout)
-    assert len(report["prompts"]) == 3
+    assert len(report["prompts"]) == 3 + len(extra_prompts)
     for p in report["prompts"]:
         assert p["first_divergent"] is None, (p["prompt"], p["first_divergent"])
         assert min(r["cosine"] for r in p["rows"]) >= 0.9999
@@ -45,8 +48,10 @@ def test_validate_smollm2(smollm2_path) -> None:
 @pytest.mark.model
 @pytest.mark.reference
 def test_validate_gemma3(gemma3_path) -> None:
-    report = _validate(gemma3_path)
+    long = ", ".join(str(i) for i in range(1, 160))  # past the 512-position window of the local layers
+    report = _validate(gemma3_path, long)
     assert len(report["prompts"][0]["rows"]) == 18 + 2
+    assert report["prompts"][3]["n_prompt"] > 512
 
 
 @pytest.mark.model
