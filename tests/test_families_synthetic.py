@@ -20,10 +20,11 @@ COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_l
 
 
 def _families() -> dict:
+    """Head ratios as in the real models: qwen3 2:1, mistral / llama 3 4:1, phi3 1:1 (multi-head)."""
     return {
-        "qwen3": ("Qwen3Config", dict(head_dim=16, rope_theta=1e6, tie_word_embeddings=True)),
+        "qwen3": ("Qwen3Config", dict(head_dim=16, rope_theta=1e6, tie_word_embeddings=True, num_key_value_heads=4)),
         "mistral": ("MistralConfig", dict(sliding_window=12, rope_theta=1e4)),
-        "phi3": ("Phi3Config", dict(partial_rotary_factor=0.5, rope_theta=1e4, pad_token_id=0)),
+        "phi3": ("Phi3Config", dict(partial_rotary_factor=0.5, rope_theta=1e4, pad_token_id=0, num_key_value_heads=8)),
         "llama3": ("LlamaConfig", dict(rope_theta=5e5, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64})),
