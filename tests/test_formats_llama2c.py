@@ -3,6 +3,8 @@ plain transcription of run.c's forward pass, exported to GGUF and read back."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import struct
 import subprocess
 import sys
@@ -107,6 +109,19 @@ def test_tracelm_run_with_config() -> None:
     proc = tracelm("run", CONFIG, "--max-tokens", "16")
     assert proc.returncode == 0, proc.stderr
     assert "16 generated" in proc.stderr
+
+
+def test_trace_of_a_llama2c_run_verifies_and_replays(tmp_path) -> None:
+    """The header hashes the .bin and its separate tokenizer.bin (not GGUF metadata); replay reloads both."""
+    trace = tmp_path / "s.jsonl"
+    proc = tracelm("run", CONFIG, "--max-tokens", "6", "--temperature", "0.8", "--trace", str(trace))
+    assert proc.returncode == 0, proc.stderr
+    header = json.loads(trace.read_text().splitlines()[0])
+    assert header["tokenizer_sha256"] == hashlib.sha256((L2C / "tok512.bin").read_bytes()).hexdigest()
+    assert header["model_sha256"] == hashlib.sha256((L2C / "stories260K.bin").read_bytes()).hexdigest()
+    assert tracelm("trace", "verify", str(trace)).returncode == 0
+    replayed = tracelm("replay", str(trace))
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
 
 
 def test_export_to_gguf_gives_identical_logits(tmp_path) -> None:

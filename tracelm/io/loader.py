@@ -24,6 +24,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     metadata: dict[str, Any]  # GGUF metadata without the vocabulary arrays
     load_seconds: float
+    tokenizer_path: Path | None = None  # where the tokenizer came from when not the model file itself
 
     @property
     def chat_template(self) -> str | None:
@@ -56,6 +57,7 @@ class ModelFile:
 
             self.hf = HFFolder(self.path)
             self.cfg, self.metadata = self.hf.cfg, self.hf.metadata
+        self.tokenizer_path = Path(tokenizer) if tokenizer is not None else None
         if tokenizer is not None:
             self.tokenizer = load_tokenizer(tokenizer)
         elif self.kind == "gguf":
@@ -79,7 +81,8 @@ class ModelFile:
         else:
             weights = self.hf.load_weights(progress=progress)
         meta = {k: v for k, v in self.metadata.items() if not isinstance(v, list) or len(v) < 256}
-        return LoadedModel(self.path, self.cfg, weights, self.tokenizer, meta, time.perf_counter() - self.t0)
+        return LoadedModel(self.path, self.cfg, weights, self.tokenizer, meta, time.perf_counter() - self.t0,
+                           self.tokenizer_path)
 
 
 def model_kind(path: Path) -> str:

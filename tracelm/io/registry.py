@@ -199,6 +199,16 @@ def file_sha256(path: str | os.PathLike) -> str:
     return digest
 
 
+def path_sha256(path: str | os.PathLike) -> str:
+    """sha256 of a model's bytes: a file's own; for a folder (a Hugging Face model), the sha256 of the lines
+    `name sha256` of its files, sorted by name."""
+    p = Path(path).expanduser().absolute()
+    if not p.is_dir():
+        return file_sha256(p)
+    lines = "".join(f"{f.name} {file_sha256(f)}\n" for f in sorted(p.iterdir()) if f.is_file())
+    return hashlib.sha256(lines.encode("utf-8")).hexdigest()
+
+
 # ---- download ----
 
 

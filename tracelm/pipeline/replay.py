@@ -186,7 +186,7 @@ def replay(path: str | Path, model: str | None = None, allow_model_change: bool 
 
     `limit_threads(n)` applies the recorded BLAS thread count (the CLI passes its own)."""
     from tracelm.io.loader import ModelFile
-    from tracelm.io.registry import file_sha256
+    from tracelm.io.registry import path_sha256
     from tracelm.io.run_config import record_from_dict, run_config_from_dict
     from tracelm.pipeline.runner import Runner, common_prefix
     from tracelm.state.records import SamplingParams
@@ -204,8 +204,8 @@ def replay(path: str | Path, model: str | None = None, allow_model_change: bool 
     if model is None:
         recorded_file = h.get("model_file")
         model = recorded_file if isinstance(recorded_file, str) and Path(recorded_file).exists() else cfg.model
-    source = ModelFile(model)
-    sha = file_sha256(source.path)
+    source = ModelFile(model, cfg.tokenizer)
+    sha = path_sha256(source.path)
     if sha != h.get("model_sha256"):
         msg = (f"the model's sha256 differs: the trace was recorded with {h.get('model_sha256')} "
                f"({h.get('model_file')}), {source.path} has {sha}")

@@ -157,8 +157,17 @@ def blas_facts() -> list[dict[str, Any]]:
 
 
 def tokenizer_sha256(model_path: Any) -> str:
-    """sha256 of the GGUF's `tokenizer.*` metadata (vocabulary, types, merges, special ids, template) as
-    canonical JSON: the same for two files that tokenize alike, whatever their weights."""
+    """For a GGUF, sha256 of its `tokenizer.*` metadata (vocabulary, types, merges, special ids, template) as
+    canonical JSON: the same for two files that tokenize alike, whatever their weights. For any other
+    tokenizer source (tokenizer.bin, .model, tokenizer.json, a model folder), the sha256 of its bytes."""
+    from tracelm.io.registry import path_sha256
+
+    p = Path(model_path)
+    if p.is_dir():
+        return path_sha256(p)
+    with open(p, "rb") as f:
+        if f.read(4) != b"GGUF":
+            return path_sha256(p)
     st = os.stat(model_path)
     return _tokenizer_sha256(str(Path(model_path).resolve()), st.st_size, st.st_mtime_ns)
 
@@ -369,7 +378,7 @@ def _jsonable(x: Any) -> Any:
 def write_header(tracer: Tracer, run_config: Any, model: Any, prompt_ids: list[int]) -> None:
     """The opening event: everything needed to know what the run was and to repeat it."""
     from tracelm import __version__
-    from tracelm.io.registry import file_sha256
+    from tracelm.io.registry import path_sha256
     from tracelm.io.run_config import config_as_dict
 
     tok = model.tokenizer
@@ -384,8 +393,8 @@ def write_header(tracer: Tracer, run_config: Any, model: Any, prompt_ids: list[i
         tracelm_version=__version__,
         config=config_as_dict(run_config),
         model_file=str(Path(model.path).resolve()),
-        model_sha256=file_sha256(model.path),
-        tokenizer_sha256=tokenizer_sha256(model.path),
+        model_sha256=path_sha256(model.path),
+        tokenizer_sha256=tokenizer_sha256(model.tokenizer_path or model.path),
         model_config=attrs.asdict(model.cfg),
         packages=package_versions(),
         platform=platform_facts(),
