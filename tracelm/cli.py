@@ -74,7 +74,7 @@ def _generate(runner: Any, ids: list[int], cfg: Any, out: Any) -> str:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from tracelm.io.loader import ModelFile
-    from tracelm.pipeline.runner import Runner, check_fits
+    from tracelm.pipeline.runner import Runner, check_fits, speculation
     from tracelm.pipeline.trace import write_footer
 
     cfg = _load_config(args)
@@ -84,15 +84,17 @@ def cmd_run(args: argparse.Namespace) -> int:
         check_fits(len(ids), cfg.max_tokens, cfg.context)
         model = source.load()
         with _tracer(cfg, model, ids, getattr(args, "trace_key_env", None)) as tracer:
-            runner = Runner(model, cfg.context, tracer)
+            runner = Runner(model, cfg.context, tracer, **speculation(cfg))
             text = _generate(runner, ids, cfg, sys.stdout)
             if tracer is not None:
                 write_footer(tracer, runner.stats, text)
     sys.stdout.write("\n")
     s = runner.stats
     rate = s.n_generated / s.decode_seconds if s.decode_seconds else 0.0
+    spec = (f", {s.n_generated / max(s.n_passes, 1):.2f} tokens per pass, {s.n_accepted}/{s.n_drafted} drafted "
+            "accepted" if s.n_drafted else "")
     print(f"[{s.n_prompt} prompt tokens, {s.n_generated} generated ({s.finish_reason}), "
-          f"prefill {s.prefill_seconds:.2f} s, decode {rate:.1f} tok/s]", file=sys.stderr)
+          f"prefill {s.prefill_seconds:.2f} s, decode {rate:.1f} tok/s{spec}]", file=sys.stderr)
     return 0
 
 
@@ -106,13 +108,13 @@ def chat_prompt(model: Any, messages: list[dict[str, str]]) -> list[int]:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from tracelm.io.loader import load_model
-    from tracelm.pipeline.runner import Runner
+    from tracelm.pipeline.runner import Runner, speculation
 
     cfg = _load_config(args)
     interactive = sys.stdin.isatty() and not args.message
     with _threads(cfg.threads):
         model = load_model(cfg.model, tokenizer=cfg.tokenizer)
-        runner = Runner(model, cfg.context)
+        runner = Runner(model, cfg.context, **speculation(cfg))
         messages: list[dict[str, str]] = [{"role": "system", "content": cfg.system}] if cfg.system else []
         inputs = iter(args.message) if args.message else sys.stdin
         while True:

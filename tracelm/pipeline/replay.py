@@ -188,7 +188,7 @@ def replay(path: str | Path, model: str | None = None, allow_model_change: bool 
     from tracelm.io.loader import ModelFile
     from tracelm.io.registry import path_sha256
     from tracelm.io.run_config import record_from_dict, run_config_from_dict
-    from tracelm.pipeline.runner import Runner, common_prefix
+    from tracelm.pipeline.runner import Runner, common_prefix, speculation
     from tracelm.state.records import SamplingParams
 
     trace = read_trace(path)
@@ -222,7 +222,7 @@ def replay(path: str | Path, model: str | None = None, allow_model_change: bool 
         loaded = source.load(progress=False)
         tracer = Tracer(comparer, level)  # type: ignore[arg-type]
         tracer.seq = 1
-        runner = Runner(loaded, cfg.context, tracer)
+        runner = Runner(loaded, cfg.context, tracer, **speculation(cfg))
         try:
             for line, call in calls:
                 sampling = record_from_dict(SamplingParams, call.get("sampling"), f"line {line + 1}: sampling.")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -11,6 +12,7 @@ import numpy as np
 from tracelm import TracelmError
 from tracelm.io.loader import LoadedModel
 from tracelm.pipeline.graph import forward, new_cache, plain_call
+from tracelm.pipeline.speculative import lookup_draft
 from tracelm.pipeline.trace import Tracer
 from tracelm.stages.sample import sample
 from tracelm.state.records import Choice, Logits, SamplingParams
@@ -25,6 +27,9 @@ class GenerationStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     tokens: list[int] = attrs.Factory(list)
+    n_passes: int = 0  # decode forward passes (with speculation one pass can yield several tokens)
+    n_drafted: int = 0  # draft tokens fed ahead of being sampled
+    n_accepted: int = 0  # draft tokens the sampler then chose
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -60,13 +65,21 @@ def check_fits(n_prompt: int, max_tokens: int, n_ctx: int) -> None:
                            f"{n_ctx} positions")
 
 
+def speculation(cfg: Any) -> dict[str, int]:
+    """Runner keyword arguments for a RunConfig's `speculative` section."""
+    return {"draft_tokens": cfg.speculative.draft_tokens, "draft_ngram": cfg.speculative.ngram}
+
+
 class Runner:
     """A model and one Cache (one conversation). Later calls reuse the cached common prefix."""
 
-    def __init__(self, model: LoadedModel, n_ctx: int, tracer: Tracer | None = None):
+    def __init__(self, model: LoadedModel, n_ctx: int, tracer: Tracer | None = None, draft_tokens: int = 0,
+                 draft_ngram: int = 3):
         self.model = model
         self.cache = new_cache(model.cfg, n_ctx)
         self.tracer = tracer
+        self.draft_tokens = draft_tokens  # prompt-lookup speculation: tokens guessed per pass (0 = off)
+        self.draft_ngram = draft_ngram
         self.stats = GenerationStats()
 
     def _forward(self, ids: Sequence[int], all_logits: bool = False) -> Logits:
@@ -117,14 +130,24 @@ class Runner:
         history = list(prompt_ids)
         decoder = tok.stream_decoder()
         pending, stopped = "", False
+        rows = [logits.values[-1]]  # logits rows ready to sample from, in position order
+        guesses: list[int] = []  # draft tokens fed ahead; rows[i + 1] assumes guesses[:i + 1]
         t0 = time.perf_counter()
         for step in range(max_tokens):
             if cancel is not None and cancel():
                 stats.finish_reason = "cancelled"
                 break
-            choice = sample(logits.values[-1], sampling, rng, np.asarray(history))
+            row = rows.pop(0)
+            choice = sample(row, sampling, rng, np.asarray(history))
+            if guesses:
+                if choice.token == guesses[0]:
+                    guesses.pop(0)
+                    stats.n_accepted += 1
+                else:  # the rest was computed for a context that did not happen
+                    self.cache.truncate(self.cache.n_past - len(guesses))
+                    rows, guesses = [], []
             if on_token is not None:
-                on_token(choice, logits.values[-1])
+                on_token(choice, row)
             if self.tracer is not None:
                 self.tracer.event("token", draw=step, id=choice.token, piece=tok.piece(choice.token),
                                   text=tok.token_bytes(choice.token).decode("utf-8", "replace"), prob=choice.prob)
@@ -140,8 +163,14 @@ class Runner:
             if stopped:
                 stats.finish_reason = "stop"
                 break
-            if step + 1 < max_tokens:
-                logits = self.step(choice.token)
+            if not rows and step + 1 < max_tokens:
+                # the last sampled token is never fed, so a pass may guess up to max_tokens - step - 2 more
+                guesses = lookup_draft(history, min(self.draft_tokens, max_tokens - step - 2), self.draft_ngram)
+                rows = list(self._forward([choice.token, *guesses], all_logits=bool(guesses)).values)
+                stats.n_passes += 1
+                stats.n_drafted += len(guesses)
+        if guesses:  # keep the Cache holding only tokens that were chosen
+            self.cache.truncate(self.cache.n_past - len(guesses))
         if not stopped:  # release what was held back for a stop string, and any trailing bytes
             emit, _, stopped = stop_split(pending + decoder.flush(), stop)
             if stopped and stats.finish_reason != "cancelled":

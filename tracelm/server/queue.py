@@ -26,7 +26,7 @@ import numpy as np
 
 from tracelm import TracelmError
 from tracelm.io.loader import LoadedModel
-from tracelm.pipeline.runner import Runner
+from tracelm.pipeline.runner import Runner, speculation
 from tracelm.server.params import ApiError
 from tracelm.server.sessions import SessionStore
 from tracelm.stages.sample import top_logprobs
@@ -79,9 +79,10 @@ class Engine:
     def __init__(self, model: LoadedModel, cfg: RunConfig):
         self.model = model
         self.cfg = cfg
-        self.scratch = Runner(model, cfg.context)  # for requests without a session; emptied before each
+        # for requests without a session; emptied before each
+        self.scratch = Runner(model, cfg.context, **speculation(cfg))
         opts = cfg.server
-        self.sessions = SessionStore(lambda: Runner(model, cfg.context), opts.max_sessions,
+        self.sessions = SessionStore(lambda: Runner(model, cfg.context, **speculation(cfg)), opts.max_sessions,
                                      opts.session_memory_mb << 20, self.scratch.cache.nbytes)
         self.trace_dir = Path(opts.trace_dir) if opts.trace_dir else None
         self.trace_level = cfg.trace.level if cfg.trace.level != "off" else "digest"

@@ -30,6 +30,15 @@ class ServerOptions:
 
 
 @attrs.frozen(slots=True)
+class SpeculativeOptions:
+    """Prompt-lookup speculative decoding: each decode pass also feeds up to `draft_tokens` tokens guessed
+    from an earlier occurrence of the last `ngram` tokens; the output is the same as without it."""
+
+    draft_tokens: int = attrs.field(default=0, validator=v.ge(0))  # 0 = off
+    ngram: int = attrs.field(default=3, validator=v.ge(1))
+
+
+@attrs.frozen(slots=True)
 class RunConfig:
     model: str = "smollm2-135m-instruct"  # registry name or path to a GGUF file
     tokenizer: str | None = None  # a tokenizer file replacing the model's own (needed by a llama2.c .bin)
@@ -41,4 +50,5 @@ class RunConfig:
     prompt: str = "The capital of France is"
     sampling: SamplingParams = SamplingParams()
     trace: TraceOptions = TraceOptions()
+    speculative: SpeculativeOptions = SpeculativeOptions()
     server: ServerOptions = ServerOptions()

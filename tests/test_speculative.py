@@ -1,0 +1,53 @@
+"""Prompt-lookup speculative decoding: drafts, and output identical to plain decoding."""
+
+from __future__ import annotations
+
+import pytest
+
+from tracelm.io.loader import load_model
+from tracelm.pipeline.runner import Runner
+from tracelm.pipeline.speculative import lookup_draft
+from tracelm.state.records import SamplingParams
+
+
+def test_lookup_draft_follows_the_latest_longest_match() -> None:
+    h = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    assert lookup_draft(h, 3) == [7, 8, 5]  # "2 3" last seen at 6..7 ("1 2 3" never ends the history)
+    assert lookup_draft([4, 5, 6, 4, 5], 2, ngram=2) == [6, 4]
+    assert lookup_draft([4, 5, 6, 4, 5], 9) == [6, 4, 5]
+    assert lookup_draft([1, 2, 3], 4) == []  # nothing repeats
+    assert lookup_draft([7], 4) == [] and lookup_draft([1, 1], 0) == []
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_gguf):
+    return load_model(str(tiny_gguf), progress=False)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, repeat_penalty=1.0),
+    SamplingParams(temperature=0.0, repeat_penalty=1.3, repeat_last_n=8),
+    SamplingParams(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=11),
+    SamplingParams(temperature=1.2, top_k=20, top_p=0.9, seed=5),
+])
+def test_speculation_gives_the_tokens_of_plain_decoding(tiny, params) -> None:
+    prompt = tiny.tokenizer.encode("hello hello hello hell")
+    plain = Runner(tiny, 96)
+    text = "".join(plain.generate(prompt, 40, params))
+    for k in (1, 4, 8):
+        fast = Runner(tiny, 96, draft_tokens=k)
+        assert "".join(fast.generate(prompt, 40, params)) == text
+        s = fast.stats
+        assert s.tokens == plain.stats.tokens and s.finish_reason == plain.stats.finish_reason
+        assert s.n_passes <= plain.stats.n_generated
+        assert fast.cache.tokens == (prompt + s.tokens)[: fast.cache.n_past]  # only chosen tokens stay cached
+
+
+def test_speculation_saves_passes_on_repetitive_text(tiny) -> None:
+    # a tiny random model falls into loops under greedy decoding: lookup guesses them
+    greedy = SamplingParams(temperature=0.0, repeat_penalty=1.0)
+    runner = Runner(tiny, 200, draft_tokens=6)
+    list(runner.generate(tiny.tokenizer.encode("hello"), 120, greedy))
+    s = runner.stats
+    assert s.n_accepted > 0 and s.n_passes < s.n_generated
+    assert s.n_accepted <= s.n_drafted

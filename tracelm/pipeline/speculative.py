@@ -1,0 +1,35 @@
+"""Prompt-lookup drafts for speculative decoding (no second model).
+
+The draft for the next positions is what followed the most recent earlier occurrence of the context's
+last n tokens (n = ngram down to 1). The runner feeds [sampled token] + draft in one batched pass, so the
+weights are read once for up to 1 + k positions, then keeps the positions whose guessed token the sampler
+actually chose.
+
+Why this is lossless, also at temperature > 0: every token is still drawn by the one sampler from the
+logits of its true context, with the same single RNG draw per token as plain decoding; a draft only decides
+which logits were computed ahead. A guessed position is kept iff the drawn token equals the guess. For a
+deterministic draft (probability 1 on the guessed token x) this is exactly the standard accept/reject rule:
+accept x with probability p(x), else draw from p without x renormalised -- and plain decoding with the same
+seed gives the same tokens, so a speculative run's trace replays token for token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+
+def lookup_draft(history: Sequence[int], k: int, ngram: int = 3) -> list[int]:
+    """Up to k tokens that followed the latest earlier match of the last n tokens of `history`."""
+    h = np.asarray(history, dtype=np.int64)
+    if k <= 0 or len(h) < 2:
+        return []
+    for n in range(min(ngram, len(h) - 1), 0, -1):
+        windows = sliding_window_view(h[:-1], n)  # windows[i] = h[i:i+n], all ending before the last token
+        hits = np.flatnonzero((windows == h[-n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return h[start : start + k].tolist()
+    return []
