@@ -130,19 +130,28 @@ def _prefix(p: np.ndarray, cand: np.ndarray, top_p: float) -> np.ndarray | None:
     return None if n > order.size else np.sort(order[:n])
 
 
-def _penalise(logits: np.ndarray, params: SamplingParams, recent: np.ndarray) -> np.ndarray:
-    """Apply the repetition penalty to the distinct ids of the recent window (a copy if anything changes)."""
-    if params.repeat_penalty == 1.0 or params.repeat_last_n == 0:
-        return logits
+def _window(recent: np.ndarray, params: SamplingParams, vocab: int) -> np.ndarray | None:
+    """The last `repeat_last_n` ids of `recent` (checked: 1-D integer ids inside the vocabulary), or None."""
     recent = np.asarray(recent)
-    if recent.size == 0:
-        return logits
+    if params.repeat_last_n == 0 or recent.size == 0:
+        return None
     if recent.ndim != 1 or not np.issubdtype(recent.dtype, np.integer):
         raise ValueError(f"recent must be a 1-D integer array of token ids, got {recent.dtype} "
                          f"shape {list(recent.shape)}")
-    window = np.unique(recent[-params.repeat_last_n :])
-    if window[0] < 0 or window[-1] >= logits.size:
-        raise ValueError(f"recent holds token ids outside the vocabulary [0, {logits.size})")
+    window = recent[-params.repeat_last_n :]
+    if window.min() < 0 or window.max() >= vocab:
+        raise ValueError(f"recent holds token ids outside the vocabulary [0, {vocab})")
+    return window
+
+
+def _penalise(logits: np.ndarray, params: SamplingParams, recent: np.ndarray) -> np.ndarray:
+    """Apply the repetition penalty to the distinct ids of the recent window (a copy if anything changes)."""
+    if params.repeat_penalty == 1.0:
+        return logits
+    window = _window(recent, params, logits.size)
+    if window is None:
+        return logits
+    window = np.unique(window)
     out = logits.copy()
     v = out[window]
     out[window] = np.where(v > 0, v / params.repeat_penalty, v * params.repeat_penalty)
@@ -152,17 +161,12 @@ def _penalise(logits: np.ndarray, params: SamplingParams, recent: np.ndarray) ->
 def _frequency_presence(logits: np.ndarray, params: SamplingParams, recent: np.ndarray) -> np.ndarray:
     """OpenAI's frequency and presence penalties over the counts of ids in the last `repeat_last_n` entries
     of `recent`: logit -= frequency_penalty * count + presence_penalty * (count > 0) (a copy if anything changes)."""
-    if (params.frequency_penalty == 0.0 and params.presence_penalty == 0.0) or params.repeat_last_n == 0:
+    if params.frequency_penalty == 0.0 and params.presence_penalty == 0.0:
         return logits
-    recent = np.asarray(recent)
-    if recent.size == 0:
+    window = _window(recent, params, logits.size)
+    if window is None:
         return logits
-    if recent.ndim != 1 or not np.issubdtype(recent.dtype, np.integer):
-        raise ValueError(f"recent must be a 1-D integer array of token ids, got {recent.dtype} "
-                         f"shape {list(recent.shape)}")
-    ids, counts = np.unique(recent[-params.repeat_last_n :], return_counts=True)
-    if ids[0] < 0 or ids[-1] >= logits.size:
-        raise ValueError(f"recent holds token ids outside the vocabulary [0, {logits.size})")
+    ids, counts = np.unique(window, return_counts=True)
     out = logits.copy()
     out[ids] -= (params.frequency_penalty * counts + params.presence_penalty).astype(out.dtype)
     return out
