@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 
+from tests.conftest import REPO
 from tracelm.io.loader import load_model
 from tracelm.pipeline.runner import Runner
 from tracelm.pipeline.speculative import lookup_draft
@@ -51,3 +56,17 @@ def test_speculation_saves_passes_on_repetitive_text(tiny) -> None:
     s = runner.stats
     assert s.n_accepted > 0 and s.n_passes < s.n_generated
     assert s.n_accepted <= s.n_drafted
+
+
+def test_a_speculative_traced_run_replays(tiny_gguf, tmp_path) -> None:
+    trace = tmp_path / "spec.jsonl"
+    cli = [sys.executable, "-m", "tracelm.cli"]
+    run = subprocess.run([*cli, "run", str(REPO / "configs" / "smollm2.yaml"), "--model", str(tiny_gguf),
+                          "--prompt", "hello hello hello", "--max-tokens", "30", "--temperature", "0.9",
+                          "--set", "speculative.draft_tokens=4", "--trace", str(trace)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    footer = json.loads(trace.read_text().splitlines()[-1])
+    assert footer["draft_tokens"] > 0 and footer["decode_passes"] <= footer["n_generated"]
+    replay = subprocess.run([*cli, "replay", str(trace)], capture_output=True, text=True, timeout=120)
+    assert replay.returncode == 0, replay.stdout + replay.stderr
