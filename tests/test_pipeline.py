@@ -113,3 +113,14 @@ def test_trace_events_cover_every_stage(tiny, tmp_path) -> None:
     assert {e["stage"] for e in stages} == {"embed", "attn_norm", "qkv", "rope", "attend", "out_proj", "ffn_norm",
                                             "ffn", "output_norm", "head"}
     assert sum(e["event"] == "token" for e in events) == 2
+
+
+def test_bench_kernels_reports_every_type_and_shape(tiny_gguf) -> None:
+    from tracelm.pipeline.bench import bench_kernels
+
+    report = bench_kernels(str(tiny_gguf), rows=(1, 4))
+    assert report["dequant_F32_gb_s"] > 0
+    for kind in ("qkv", "attn_output", "ffn_gate_up", "ffn_down", "head"):
+        for m in (1, 4):
+            row = report[f"{kind}_M{m}"]
+            assert row["ms"] > 0 and row["gb_s"] > 0 and row["gflop_s"] > 0

@@ -202,7 +202,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from tracelm.pipeline.bench import run_bench, trace_overhead
+    from tracelm.pipeline.bench import bench_kernels, run_bench, trace_overhead
 
     if args.what == "tokenizer":
         from tracelm.io.loader import load_tokenizer
@@ -214,6 +214,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     with _threads(args.threads):
         if args.what == "tokenizer":
             pass
+        elif args.what == "kernels":
+            report = bench_kernels(args.model)
         elif args.trace_overhead:
             report = trace_overhead(args.model, args.decode_tokens, args.repeats)
         else:
@@ -370,8 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_replay)
 
     sp = sub.add_parser("bench", help="load time, prefill and decode rates, peak RSS, against the machine's limits "
-                        "(`bench tokenizer`: encode/decode throughput)")
-    sp.add_argument("what", nargs="?", choices=("model", "tokenizer"), default="model")
+                        "(`bench tokenizer`: encode/decode throughput; `bench kernels`: dequantization and "
+                        "weight-product rates at the model's shapes)")
+    sp.add_argument("what", nargs="?", choices=("model", "tokenizer", "kernels"), default="model")
     sp.add_argument("--input-file", metavar="FILE", help="bench tokenizer: the text to encode (default: English prose)")
     sp.add_argument("--model", default="smollm2-135m-instruct")
     sp.add_argument("--prompt-tokens", type=int, default=256)

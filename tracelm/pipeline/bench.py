@@ -174,3 +174,43 @@ def trace_overhead(model_name: str, n_decode: int = 64, repeats: int = 3, n_prom
         "cpu_summary_overhead_pct": round(100 * (cpu_ms["summary"] / cpu_ms["off"] - 1), 2),
         "cpu_digest_overhead_pct": round(100 * (cpu_ms["digest"] / cpu_ms["off"] - 1), 2),
     }
+
+
+def bench_kernels(model_name: str, rows: tuple[int, ...] = (1, 2, 4, 8, 256)) -> dict[str, Any]:
+    """The kernels under the stages, at the shapes of a real model: dequantization throughput per tensor
+    type in the file, and the weight products x[M, in] @ W[out, in]^T for M = rows, swept over every
+    layer, as ms per sweep, GB/s of weights read and GFLOP/s. One kind's sweep (e.g. 30 layers of gate/up,
+    212 MB for SmolLM2) can stay in a large last-level cache between repetitions: compare rows M against
+    each other (the cost of M > 1 against a matrix-vector product), and take DRAM rates from `tracelm bench`."""
+    from tracelm.io.gguf_file import GGUFFile, dequantize
+    from tracelm.io.loader import ModelFile
+
+    source = ModelFile(model_name)
+    report: dict[str, Any] = {"model": source.path.name}
+    if isinstance(source.gguf, GGUFFile):
+        by_type: dict[str, list[Any]] = {}
+        for t in source.gguf.tensors.values():
+            by_type.setdefault(t.qtype.name, []).append(t)
+        for name, tensors in sorted(by_type.items()):
+            raw = [(source.gguf.raw(t.name), t.qtype, t.shape) for t in tensors]
+            seconds = _best_seconds(lambda raw=raw: [dequantize(*r) for r in raw], 2)
+            out_bytes = sum(4 * int(np.prod(r[2])) for r in raw)
+            report[f"dequant_{name}_gb_s"] = round(out_bytes / seconds / 1e9, 2)
+    weights = source.load(progress=False).weights
+    kinds = {"qkv": "wqkv", "attn_output": "wo", "ffn_gate_up": "w_gate_up", "ffn_down": "w_down"}
+    for kind, field in kinds.items():
+        mats = [getattr(lw, field) for lw in weights.layers]
+        nbytes = sum(m.nbytes for m in mats)
+        for m_rows in rows:
+            x = np.random.default_rng(0).standard_normal((m_rows, mats[0].shape[1]), dtype=np.float32)
+            seconds = _best_seconds(lambda x=x, mats=mats: [x @ w.T for w in mats], 3)
+            flops = sum(2 * m_rows * w.shape[0] * w.shape[1] for w in mats)
+            report[f"{kind}_M{m_rows}"] = {"ms": round(seconds * 1e3, 2), "gb_s": round(nbytes / seconds / 1e9, 1),
+                                          "gflop_s": round(flops / seconds / 1e9, 1)}
+    for m_rows in rows:
+        x = np.random.default_rng(0).standard_normal((m_rows, weights.output.shape[1]), dtype=np.float32)
+        seconds = _best_seconds(lambda x=x: x @ weights.output.T, 3)
+        report[f"head_M{m_rows}"] = {"ms": round(seconds * 1e3, 2),
+                                     "gb_s": round(weights.output.nbytes / seconds / 1e9, 1),
+                                     "gflop_s": round(2 * m_rows * weights.output.size / seconds / 1e9, 1)}
+    return report
