@@ -205,12 +205,12 @@ def bench_kernels(model_name: str, rows: tuple[int, ...] = (1, 2, 4, 8, 256)) ->
             x = np.random.default_rng(0).standard_normal((m_rows, mats[0].shape[1]), dtype=np.float32)
             seconds = _best_seconds(lambda x=x, mats=mats: [x @ w.T for w in mats], 3)
             flops = sum(2 * m_rows * w.shape[0] * w.shape[1] for w in mats)
-            report[f"{kind}_M{m_rows}"] = {"ms": round(seconds * 1e3, 2), "gb_s": round(nbytes / seconds / 1e9, 1),
+            report[f"{kind}_M{m_rows}"] = {"ms": round(seconds * 1e3, 4), "gb_s": round(nbytes / seconds / 1e9, 1),
                                           "gflop_s": round(flops / seconds / 1e9, 1)}
     for m_rows in rows:
         x = np.random.default_rng(0).standard_normal((m_rows, weights.output.shape[1]), dtype=np.float32)
         seconds = _best_seconds(lambda x=x: x @ weights.output.T, 3)
-        report[f"head_M{m_rows}"] = {"ms": round(seconds * 1e3, 2),
+        report[f"head_M{m_rows}"] = {"ms": round(seconds * 1e3, 4),
                                      "gb_s": round(weights.output.nbytes / seconds / 1e9, 1),
                                      "gflop_s": round(2 * m_rows * weights.output.size / seconds / 1e9, 1)}
     return report
