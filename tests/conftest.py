@@ -87,6 +87,11 @@ def write_tiny_gguf(path: Path, *, arch: str = "llama", qtype: gguf.GGMLQuantiza
             w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_shape=a.shape, raw_dtype=qtype)
         else:
             w.add_tensor(name, a)
+    return finish_gguf(w, path)
+
+
+def finish_gguf(w: gguf.GGUFWriter, path: Path) -> Path:
+    """Write a GGUFWriter's header, metadata and tensors to its file and close it."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -22,7 +22,7 @@ from pathlib import Path
 import gguf
 import pytest
 
-from tests.conftest import FIXTURES, byte_level_vocab
+from tests.conftest import FIXTURES, byte_level_vocab, finish_gguf
 from tracelm import TracelmError
 from tracelm.io import registry
 from tracelm.io.gguf_file import GGUFFile
@@ -191,11 +191,7 @@ def write_gpt2_vocab_gguf(path: Path, tokens: list[bytes]) -> Path:
     w.add_token_merges([f"{text(a)} {text(b)}" for a, b in merges_from_ranks(tokens)])
     w.add_bos_token_id(len(tokens))
     w.add_eos_token_id(len(tokens))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish_gguf(w, path)
 
 
 @pytest.fixture(scope="module")

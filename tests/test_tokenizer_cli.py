@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import finish_gguf
 from tests.test_gpt2_vectors import SEPARATOR, read_vectors
 from tests.test_tokenizer import small_meta
 from tests.test_tokenizer_reference import SP_MODEL, write_llama_vocab_gguf
@@ -112,11 +113,7 @@ def small_gguf(tmp_path_factory) -> Path:
     w.add_token_merges(meta["tokenizer.ggml.merges"])
     w.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
     w.add_bos_token_id(meta["tokenizer.ggml.bos_token_id"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish_gguf(w, path)
 
 
 def test_invalid_utf8_input_file_is_a_clear_error(small_gguf, tmp_path, capsys):

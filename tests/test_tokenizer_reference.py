@@ -20,7 +20,7 @@ from pathlib import Path
 import gguf
 import pytest
 
-from tests.conftest import FIXTURES, has_reference
+from tests.conftest import FIXTURES, finish_gguf, has_reference
 from tests.test_tokenizer_corpus import corpus
 from tracelm.io import registry
 from tracelm.io.loader import load_tokenizer
@@ -89,11 +89,7 @@ def write_llama_vocab_gguf(path: Path, sp) -> Path:
     w.add_unk_token_id(0)
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish_gguf(w, path)
 
 
 @pytest.fixture(scope="module")

@@ -63,15 +63,6 @@ def _tracer(cfg: Any, model: Any, prompt_ids: list[int], key_env: str | None = N
             tracer.flush()
 
 
-def _generate(runner: Any, ids: list[int], cfg: Any, out: Any) -> str:
-    text = []
-    for piece in runner.generate(ids, cfg.max_tokens, cfg.sampling, cfg.stop):
-        out.write(piece)
-        out.flush()
-        text.append(piece)
-    return "".join(text)
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     from tracelm.io.loader import ModelFile
     from tracelm.pipeline.runner import Runner, check_fits, speculation
@@ -85,7 +76,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         model = source.load()
         with _tracer(cfg, model, ids, getattr(args, "trace_key_env", None)) as tracer:
             runner = Runner(model, cfg.context, tracer, **speculation(cfg))
-            text = _generate(runner, ids, cfg, sys.stdout)
+            text = "".join(_echo(runner.generate(ids, cfg.max_tokens, cfg.sampling, cfg.stop)))
             if tracer is not None:
                 write_footer(tracer, runner.stats, text)
     sys.stdout.write("\n")
@@ -144,6 +135,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _echo(pieces: Iterator[str]) -> Iterator[str]:
+    """Stream text pieces to stdout as they come, passing them on."""
     for p in pieces:
         sys.stdout.write(p)
         sys.stdout.flush()

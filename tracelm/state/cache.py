@@ -23,7 +23,7 @@ class Cache:
         for table in (self.rope_cos, self.rope_sin, *(t for pair in self.rope_extra.values() for t in pair)):
             table.flags.writeable = False
         self.tokens: list[int] = []
-        self._masks: dict[tuple[int, int], np.ndarray] = {}
+        self._masks: dict[tuple[int, int, int], np.ndarray] = {}  # (start, T, window) -> mask
 
     @property
     def n_past(self) -> int:
@@ -62,24 +62,13 @@ class Cache:
 
     def causal_mask(self, start: int, T: int) -> np.ndarray | None:
         """Additive mask [T, start+T]: query t (position start+t) sees keys 0..start+t; None for T = 1."""
-        if T == 1:
-            return None
-        mask = self._masks.get((start, T))
-        if mask is None:
-            mask = np.triu(np.full((T, start + T), -np.inf, np.float32), k=start + 1)
-            mask.flags.writeable = False
-            if len(self._masks) > 8:
-                self._masks.clear()
-            self._masks[(start, T)] = mask
-        return mask
+        return self.window_mask(start, T, 0)[1]
 
     def window_mask(self, start: int, T: int, window: int) -> tuple[int, np.ndarray | None]:
-        """For a layer that sees only the last `window` positions (query p sees keys k with p - k < window):
-        the first key position lo it can see, and the additive mask [T, start+T-lo] over keys lo..start+T-1
-        (None when every one of them is visible). window 0 is plain causal attention from lo = 0."""
-        if not window:
-            return 0, self.causal_mask(start, T)
-        lo = max(0, start - window + 1)
+        """For a layer that sees only the last `window` positions (query p sees keys k with p - k < window;
+        window 0: every earlier position): the first key position lo it can see, and the additive mask
+        [T, start+T-lo] of 0 / -inf over keys lo..start+T-1 (None when every one of them is visible)."""
+        lo = max(0, start - window + 1) if window else 0
         if T == 1:
             return lo, None
         key = (start, T, window)
@@ -87,7 +76,8 @@ class Cache:
         if mask is None:
             q = np.arange(start, start + T)[:, None]
             k = np.arange(lo, start + T)[None, :]
-            mask = np.where((k <= q) & (q - k < window), np.float32(0), np.float32(-np.inf)).astype(np.float32)
+            visible = (k <= q) & ((q - k < window) if window else True)
+            mask = np.where(visible, np.float32(0), np.float32(-np.inf)).astype(np.float32)
             mask.flags.writeable = False
             if len(self._masks) > 8:
                 self._masks.clear()
