@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from pathlib import Path
@@ -98,7 +97,3 @@ def bench_tokenizer(tokenizer: Any, text: str, min_seconds: float = 2.0) -> dict
         "encode_tokens_s": round(len(ids) / whole),
         "decode_tokens_s": round(len(ids) / decode),
     }
-
-
-def dumps_ids(ids: list[int]) -> str:
-    return json.dumps(ids)

@@ -82,12 +82,6 @@ def digest(arrays: list[np.ndarray]) -> str:
     return h.hexdigest()[:32]
 
 
-def stats_of(arrays: list[np.ndarray]) -> tuple[float, float, float]:
-    """(mean, rms, max |x|) over all elements of the arrays, as the batched path computes them."""
-    m, r, x = _batch_stats(_flatten(list(arrays)), [sum(a.size for a in arrays)])
-    return float(m[0]), float(r[0]), float(x[0])
-
-
 def _flatten(arrays: list[np.ndarray]) -> np.ndarray:
     """All elements of the arrays, one after another, as one 1-D float array."""
     buf = np.concatenate(arrays, axis=None) if len(arrays) != 1 else arrays[0].ravel()

@@ -69,11 +69,3 @@ class ModelConfig:
     @property
     def kv_dim(self) -> int:
         return self.n_head_kv * self.head_dim
-
-    @property
-    def n_params(self) -> int:
-        """Parameters of the matrices and norms (the head counted once when tied)."""
-        d, ff = self.n_embd, self.n_ff
-        block = d * (self.q_dim + 2 * self.kv_dim) + self.q_dim * d + 3 * d * ff + (4 if self.post_norms else 2) * d
-        head = 0 if self.tied_head else self.n_vocab * d
-        return self.n_vocab * d + self.n_layer * block + d + head
