@@ -200,17 +200,24 @@ def bench_kernels(model_name: str, rows: tuple[int, ...] = (1, 2, 4, 8, 256)) ->
     kinds = {"qkv": "wqkv", "attn_output": "wo", "ffn_gate_up": "w_gate_up", "ffn_down": "w_down"}
     for kind, field in kinds.items():
         mats = [getattr(lw, field) for lw in weights.layers]
-        nbytes = sum(m.nbytes for m in mats)
         for m_rows in rows:
             x = np.random.default_rng(0).standard_normal((m_rows, mats[0].shape[1]), dtype=np.float32)
-            seconds = _best_seconds(lambda x=x, mats=mats: [x @ w.T for w in mats], 3)
-            flops = sum(2 * m_rows * w.shape[0] * w.shape[1] for w in mats)
-            report[f"{kind}_M{m_rows}"] = {"ms": round(seconds * 1e3, 4), "gb_s": round(nbytes / seconds / 1e9, 1),
-                                          "gflop_s": round(flops / seconds / 1e9, 1)}
+            report[f"{kind}_M{m_rows}"] = _product_rates(x, mats)
     for m_rows in rows:
         x = np.random.default_rng(0).standard_normal((m_rows, weights.output.shape[1]), dtype=np.float32)
-        seconds = _best_seconds(lambda x=x: x @ weights.output.T, 3)
-        report[f"head_M{m_rows}"] = {"ms": round(seconds * 1e3, 4),
-                                     "gb_s": round(weights.output.nbytes / seconds / 1e9, 1),
-                                     "gflop_s": round(2 * m_rows * weights.output.size / seconds / 1e9, 1)}
+        report[f"head_M{m_rows}"] = _product_rates(x, [weights.output])
     return report
+
+
+def _product_rates(x: np.ndarray, mats: list[np.ndarray]) -> dict[str, float]:
+    """x @ w.T over `mats` through the stages' `linear` (ms, GB/s of weights, GFLOP/s), and for a few rows
+    also as one plain matrix-matrix product (`sgemm_ms`), the call `linear` avoids there."""
+    from tracelm.stages.linear import GEMV_ROWS, linear
+
+    seconds = _best_seconds(lambda: [linear(x, w) for w in mats], 3)
+    flops = sum(2 * x.shape[0] * w.size for w in mats)
+    rates = {"ms": round(seconds * 1e3, 4), "gb_s": round(sum(w.nbytes for w in mats) / seconds / 1e9, 1),
+             "gflop_s": round(flops / seconds / 1e9, 1)}
+    if 1 < x.shape[0] <= GEMV_ROWS:
+        rates["sgemm_ms"] = round(_best_seconds(lambda: [x @ w.T for w in mats], 3) * 1e3, 4)
+    return rates

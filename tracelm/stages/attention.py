@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tracelm.stages.linear import linear
 from tracelm.stages.norm import rms_normalize
 from tracelm.state.records import Heads, Hidden
 
@@ -11,7 +12,7 @@ from tracelm.state.records import Heads, Hidden
 def qkv(h: Hidden, wqkv: np.ndarray, bqkv: np.ndarray | None, n_head: int, n_head_kv: int,
         head_dim: int) -> Heads:
     """One product with the fused [q; k; v] matrix, split into per-head q [T,H,hd], k and v [T,Hkv,hd]."""
-    y = h.x @ wqkv.T
+    y = linear(h.x, wqkv)
     if bqkv is not None:
         y += bqkv
     T, q_dim, kv_dim = y.shape[0], n_head * head_dim, n_head_kv * head_dim
@@ -104,7 +105,7 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray
 
 def out_proj(attn: Hidden, wo: np.ndarray, residual: Hidden | None) -> Hidden:
     """residual + attn wo^T (just attn wo^T when residual is None: a post-norm comes first)."""
-    out = attn.x @ wo.T
+    out = linear(attn.x, wo)
     if residual is None:
         return Hidden(out, attn.start)
     out += residual.x

@@ -4,6 +4,7 @@ import math
 
 import numpy as np
 
+from tracelm.stages.linear import linear
 from tracelm.state.records import Hidden
 
 
@@ -38,11 +39,11 @@ def ffn(h: Hidden, w_gate_up: np.ndarray, w_down: np.ndarray, residual: Hidden |
         act: str = "silu") -> Hidden:
     """residual + w_down (act(w_gate h) * (w_up h)); w_gate_up is [gate; up] stacked by rows.
     act "silu" is SwiGLU, "gelu_tanh" GeGLU; residual None returns the block output alone (post-norm)."""
-    gate_up = h.x @ w_gate_up.T
+    gate_up = linear(h.x, w_gate_up)
     n_ff = w_down.shape[1]
     a = ACTIVATIONS[act](gate_up[:, :n_ff])
     a *= gate_up[:, n_ff:]
-    out = a @ w_down.T
+    out = linear(a, w_down)
     if residual is None:
         return Hidden(out, h.start)
     out += residual.x
