@@ -5,6 +5,15 @@
 returns logits. Every stage call goes through `call(stage, layer, fn, *args)`, which is either a
 plain call or a Tracer's timed, logged call. Architecture variants are options of `ModelConfig`
 (stages in parentheses run only when their option is on); a stage never sees the architecture name.
+
+`forward_batch` runs the same graph over several sequences in one pass (server batching): each `Part` is
+one sequence with its own Cache and stage-call hook. Their rows are stacked for every row-wise stage
+(embed, norms, the weight products, RoPE with each row's own table row, the head), so the weights are read
+once per pass for all of them; keys/values are written and attended per sequence, each in its own Cache.
+A row's numbers do not depend on its neighbours (`linear` is bitwise row-invariant for up to 8 rows, the
+other stages are row-wise), so a sequence's logits in a batch equal, bitwise, its logits run alone; and a
+traced sequence's hook sees exactly the events a lone pass would give (its rows of each stacked stage).
+`forward` is the batch of one.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
 import numpy as np
 
 from tracelm.stages.attention import attend, out_proj, qk_norm, qkv, rope, rope_tables
@@ -21,7 +31,7 @@ from tracelm.stages.head import head
 from tracelm.stages.norm import post_norm, rms_norm
 from tracelm.state.cache import Cache
 from tracelm.state.model_config import ModelConfig
-from tracelm.state.records import Hidden, Logits, ModelWeights
+from tracelm.state.records import Heads, Hidden, Logits, ModelWeights
 
 StageCall = Callable[..., Any]
 
@@ -37,34 +47,81 @@ def new_cache(cfg: ModelConfig, n_ctx: int) -> Cache:
     return Cache(cfg, n_ctx, cos, sin, {b: tables(b) for b in bases})
 
 
+@attrs.frozen
+class Part:
+    """One sequence of a pass: its Cache, its T new token ids, and the hook its stage events go through."""
+
+    cache: Cache
+    ids: Sequence[int]
+    call: StageCall = plain_call
+
+
+def rows_of(out: Any, a: int, b: int, start: int) -> Any:
+    """Rows a..b-1 of a stacked stage output, as the record a lone pass over those rows returns."""
+    if isinstance(out, Heads):
+        return Heads(out.q[a:b], out.k[a:b], out.v[a:b], start)
+    if isinstance(out, Logits):
+        return Logits(out.values[a:b], start)
+    return Hidden(out.x[a:b], start)
+
+
+class Batch:
+    """The row layout of a pass: part j owns stacked rows bounds[j]..bounds[j+1]-1, the first at `starts[j]`."""
+
+    def __init__(self, parts: Sequence[Part], starts: Sequence[int], sizes: Sequence[int]):
+        self.parts, self.starts, self.sizes = parts, list(starts), list(sizes)
+        self.bounds = np.cumsum([0, *sizes]).tolist()
+
+    def call(self, stage: str, layer: int | None, fn: Callable[..., Any], *args: Any) -> Any:
+        """A row-wise stage, run once over every part's rows; each traced part's hook gets its own rows."""
+        if len(self.parts) == 1:
+            return self.parts[0].call(stage, layer, fn, *args)
+        out = fn(*args)
+        for p, a, b, start in zip(self.parts, self.bounds, self.bounds[1:], self.starts, strict=False):
+            if p.call is not plain_call:
+                p.call(stage, layer, rows_of, out, a, b, start)
+        return out
+
+    def stack(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
+        return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+    def last_rows(self, h: Hidden) -> tuple[Batch, Hidden]:
+        """The layout and rows of each part's last position (the only logits a decode step needs)."""
+        ends = self.bounds[1:]
+        last = Batch(self.parts, [s + n - 1 for s, n in zip(self.starts, self.sizes, strict=True)], [1] * len(ends))
+        x = h.x[-1:] if len(ends) == 1 else h.x[[e - 1 for e in ends]]
+        return last, Hidden(x, last.starts[0])
+
+    def split(self, logits: Logits) -> list[Logits]:
+        if len(self.parts) == 1:
+            return [logits]
+        return [rows_of(logits, a, b, s) for a, b, s in zip(self.bounds, self.bounds[1:], self.starts, strict=False)]
+
+
 def forward(cfg: ModelConfig, w: ModelWeights, cache: Cache, ids: Sequence[int], all_logits: bool = False,
             call: StageCall = plain_call) -> Logits:
     """Run T = len(ids) new positions (prefill: T > 1 in one batched pass; decode: T = 1).
 
     Returns logits of the last position, or of every position when all_logits.
     """
-    ids = np.asarray(ids, dtype=np.int64)
-    start, T = cache.n_past, len(ids)
-    # per layer kind (window, rope base): the RoPE rows, the first visible key and the mask
-    kinds: dict[tuple[int, float], tuple] = {}
-    per_layer = []
-    for i in range(cfg.n_layer):
-        kind = (cfg.window(i), cfg.layer_rope_base(i))
-        if kind not in kinds:
-            kinds[kind] = (*cache.rope_rows(start, T, kind[1]), *cache.window_mask(start, T, kind[0]))
-        per_layer.append(kinds[kind])
-    scale, eps, act = cfg.scale, cfg.rms_eps, cfg.ffn_act
-    h = call("embed", None, embed, w.token_embd, ids, start, cfg.embd_scale)
+    return forward_batch(cfg, w, [Part(cache, ids, call)], all_logits)[0]
+
+
+def forward_batch(cfg: ModelConfig, w: ModelWeights, parts: Sequence[Part], all_logits: bool = False) -> list[Logits]:
+    """One pass over several sequences (see the module docstring): the logits of each part, in order."""
+    ids = [np.asarray(p.ids, dtype=np.int64) for p in parts]
+    batch = Batch(parts, [p.cache.n_past for p in parts], [len(i) for i in ids])
+    per_layer = layer_tables(cfg, batch)
+    scale, eps, act, call = cfg.scale, cfg.rms_eps, cfg.ffn_act, batch.call
+    h = call("embed", None, embed, w.token_embd, batch.stack(ids), batch.starts[0], cfg.embd_scale)
     for i, lw in enumerate(w.layers):
-        cos, sin, lo, mask = per_layer[i]
+        cos, sin, windows = per_layer[i]
         x = call("attn_norm", i, rms_norm, h, lw.attn_norm, eps)
         heads = call("qkv", i, qkv, x, lw.wqkv, lw.bqkv, cfg.n_head, cfg.n_head_kv, cfg.head_dim)
         if cfg.qk_norm:
             heads = call("qk_norm", i, qk_norm, heads, lw.q_norm, lw.k_norm, eps)
         heads = call("rope", i, rope, heads, cos, sin, cfg.rope_mode)
-        cache.write(i, start, heads.k, heads.v)
-        keys, values = cache.keys_values(i, start + T, lo)
-        a = call("attend", i, attend, heads.q, keys, values, mask, scale, start)
+        a = attend_each(batch, i, heads, windows, scale)
         if cfg.post_norms:
             o = call("out_proj", i, out_proj, a, lw.wo, None)
             h = call("post_attn_norm", i, post_norm, o, lw.post_attn_norm, eps, h)
@@ -77,8 +134,37 @@ def forward(cfg: ModelConfig, w: ModelWeights, cache: Cache, ids: Sequence[int],
         else:
             h = call("ffn", i, ffn, x, lw.w_gate_up, lw.w_down, h, act)
     if not all_logits:
-        h = Hidden(h.x[-1:], start + T - 1)
-    x = call("output_norm", None, rms_norm, h, w.output_norm, eps)
-    logits = call("head", None, head, x, w.output)
-    cache.commit(ids)
-    return logits
+        batch, h = batch.last_rows(h)
+    x = batch.call("output_norm", None, rms_norm, h, w.output_norm, eps)
+    logits = batch.call("head", None, head, x, w.output)
+    for p, i in zip(parts, ids, strict=True):
+        p.cache.commit(i)
+    return batch.split(logits)
+
+
+def layer_tables(cfg: ModelConfig, batch: Batch) -> list[tuple[np.ndarray, np.ndarray, list[tuple[int, Any]]]]:
+    """Per layer: the RoPE cos/sin rows of every stacked row, and per part (first visible key, mask), looked
+    up once per layer kind (window, RoPE base)."""
+    kinds: dict[tuple[int, float], tuple] = {}
+    per_layer = []
+    for i in range(cfg.n_layer):
+        kind = (cfg.window(i), cfg.layer_rope_base(i))
+        if kind not in kinds:
+            caches = [(p.cache, s, n) for p, s, n in zip(batch.parts, batch.starts, batch.sizes, strict=True)]
+            rows = [c.rope_rows(s, n, kind[1]) for c, s, n in caches]
+            kinds[kind] = (batch.stack([r[0] for r in rows]), batch.stack([r[1] for r in rows]),
+                           [c.window_mask(s, n, kind[0]) for c, s, n in caches])
+        per_layer.append(kinds[kind])
+    return per_layer
+
+
+def attend_each(batch: Batch, i: int, heads: Heads, windows: list[tuple[int, Any]], scale: float) -> Hidden:
+    """Write each part's keys/values of layer i into its Cache and attend over that Cache alone."""
+    outs = []
+    for p, a, b, start, (lo, mask) in zip(batch.parts, batch.bounds, batch.bounds[1:], batch.starts, windows,
+                                          strict=False):
+        q, k, v = (heads.q, heads.k, heads.v) if len(batch.parts) == 1 else (heads.q[a:b], heads.k[a:b], heads.v[a:b])
+        p.cache.write(i, start, k, v)
+        keys, values = p.cache.keys_values(i, start + b - a, lo)
+        outs.append(p.call("attend", i, attend, q, keys, values, mask, scale, start))
+    return outs[0] if len(outs) == 1 else Hidden(np.concatenate([o.x for o in outs]), batch.starts[0])
