@@ -14,10 +14,12 @@ The format is described in docs/trace.md (format "tracelm-trace", version 2). In
 Levels: "off" (no events), "summary" (statistics, no digests), "digest" (also a sha256-128 digest of the
 output bytes, so two runs can be compared bit for bit).
 
-The hot path (`Tracer.call`) only times the stage and copies its float32 output into an arena (while it
-is hot in cache). Statistics, digests, JSON rendering, chaining and signing run in batches over the arena
--- at each token event, at flush, or when the arena would pass `BATCH_ELEMENTS` -- through one structlog
-call per batch. Outputs larger than that, or not float32, are kept as arrays and form a batch of their own.
+The hot path (`Tracer.call`) only times the stage and keeps a reference to its output (stage outputs are
+fresh arrays, frozen by their records, so their bytes cannot change before they are read). Statistics,
+digests, JSON rendering, chaining and signing run in batches -- at each token event, at flush, or when the
+outputs held pass `BATCH_ELEMENTS` -- through one structlog call per batch: the batch's float32 outputs are
+joined into one buffer by one `np.concatenate`, and every event's statistics come from a few vectorised
+passes over it. An output that is not float32 forms a batch of its own.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ TRACE_VERSION = 2
 GENESIS = "0" * 64  # the `prev` of line 1
 PACKAGES = ("tracelm", "numpy", "numexpr", "gguf", "tokenizers", "sentencepiece", "attrs", "structlog", "jinja2",
             "PyYAML")
-BATCH_ELEMENTS = 1 << 20  # arena elements (4 MiB) that force a batch: bounds the memory a prefill holds
+BATCH_ELEMENTS = 1 << 20  # output elements held (4 MiB) that force a batch: bounds the memory a prefill holds
 TIMING_SUFFIXES = ("_us", "_seconds")
 CHAIN_FIELDS = ("prev", "hash", "mac")
 
@@ -204,15 +206,11 @@ class Tracer:
         self.counts: dict[str, int] = {}
         self.stage_ns = 0  # total duration of the stage calls
         self._digest = level == "digest"
-        # pending stage events: (stage, layer, tok, start, shapes, dtype, dur_ns, size, arrays or None)
+        # pending stage events: (stage, layer, tok, start, arrays, dur_ns); `_held`: their elements
         self._pending: list[tuple[Any, ...]] = []
+        self._held = 0
         self._templates: dict[tuple[Any, ...], str] = {}
-        # float32 outputs are copied into the arena as they come (while hot in cache; their arrays are then
-        # free to be reused at once, which keeps the untraced run's memory behaviour); a batch's statistics
-        # and digests read the arena
-        self._arena = np.empty(0, np.float32)
-        self._scratch = np.empty(0, np.float32)
-        self._fill = 0
+        self._scratch = np.empty(0, np.float32)  # reused by the statistics' temporaries
         self._stream = stream
         self._log = structlog.wrap_logger(structlog.WriteLogger(stream), processors=[self._render],
                                           context_class=dict)
@@ -223,34 +221,18 @@ class Tracer:
         out = fn(*args)
         dur = time.perf_counter_ns() - t0
         arrays = output_arrays(out)
-        if len(arrays) == 1:
-            a = arrays[0]
-            size, shapes, dtype = a.size, (a.shape,), a.dtype
-        else:
-            size, shapes = sum(a.size for a in arrays), tuple(a.shape for a in arrays)
-            dtype = arrays[0].dtype if arrays else np.dtype(np.float32)
-        start = getattr(out, "start", -1)
-        if dtype != np.float32 or size > BATCH_ELEMENTS:  # kept as arrays, in a batch of its own
-            self._drain()
-            self._pending.append((stage, layer, self.n_tokens, start, shapes, dtype.name, dur, size, arrays))
-            self._drain()
-            return out
-        end = self._fill + size
-        if end > self._arena.size:
-            if end > BATCH_ELEMENTS:
+        if len(arrays) != 1 or arrays[0].dtype != np.float32:
+            if any(a.dtype != np.float32 for a in arrays):  # a batch of its own
                 self._drain()
-                end = size
-            if end > self._arena.size:
-                grown = np.empty(max(end, 2 * self._arena.size), np.float32)
-                grown[: self._fill] = self._arena[: self._fill]
-                self._arena = grown
-        arena, fill = self._arena, self._fill
-        for a in arrays:
-            n = fill + a.size
-            arena[fill:n] = a.reshape(-1)
-            fill = n
-        self._fill = fill
-        self._pending.append((stage, layer, self.n_tokens, start, shapes, "float32", dur, size, None))
+                self._pending.append((stage, layer, self.n_tokens, getattr(out, "start", -1), arrays, dur))
+                self._drain()
+                return out
+            self._held += sum(a.size for a in arrays)
+        else:
+            self._held += arrays[0].size
+        self._pending.append((stage, layer, self.n_tokens, getattr(out, "start", -1), arrays, dur))
+        if self._held > BATCH_ELEMENTS:
+            self._drain()
         return out
 
     # -- events -------------------------------------------------------------------------------------
@@ -270,9 +252,8 @@ class Tracer:
 
     def _drain(self) -> None:
         if self._pending:
-            rows, self._pending = self._pending, []
+            rows, self._pending, self._held = self._pending, [], 0
             self._log.msg("stages", rows=rows)
-            self._fill = 0
 
     # -- rendering and chaining (structlog processor) -------------------------------------------------
     def _render(self, _logger: Any, _name: str, event: dict[str, Any]) -> str:
@@ -291,19 +272,24 @@ class Tracer:
         mac = hmac.new(self.key, h.encode("ascii"), "sha256").hexdigest()
         return f'{body},"hash":"{h}","mac":"{mac}"}}'
 
-    def _stage_lines(self, rows: list[tuple[str, int | None, int, int, list[np.ndarray], int, int]]) -> list[str]:
+    def _stage_lines(self, rows: list[tuple[str, int | None, int, int, list[np.ndarray], int]]) -> list[str]:
         """Render, chain and sign a batch of stage events (~200 per decoded token, so kept lean): one
         %-format call renders every line up to its `prev` (the format is cached per sequence of stages and
         shapes, which repeats every decode step); then each line is closed and hashed in turn."""
-        stages, layers, toks, starts, shapes, dtypes, durs, sizes, held = zip(*rows, strict=True)
-        if held[0] is None:  # float32 outputs, copied into the arena in order
-            buf = self._arena[: sum(sizes)]
+        stages, layers, toks, starts, held, durs = zip(*rows, strict=True)
+        arrays = [a for arrs in held for a in arrs]
+        sizes = [arrs[0].size if len(arrs) == 1 else sum(a.size for a in arrs) for arrs in held]
+        shapes = tuple((arrs[0].shape,) if len(arrs) == 1 else tuple(a.shape for a in arrs) for arrs in held)
+        # batches of several events are float32 (`call`); dtype.name is slow enough to matter here
+        dtypes = (held[0][0].dtype.name if held[0] else "float32",) if len(rows) == 1 else ("float32",) * len(rows)
+        if len(rows) == 1:  # possibly not float32: statistics in float64 when not floats, digest of its arrays
+            buf = _flatten(list(held[0])) if held[0] else np.empty(0, np.float32)
+            mean, rms, maxabs = _batch_stats(buf, sizes)
+        else:  # all float32: every element, event after event, each array in C order (the bytes digested)
+            buf = np.concatenate(arrays, axis=None)
             if self._scratch.size < buf.size:
-                self._scratch = np.empty(self._arena.size, np.float32)
-            mean, rms, maxabs = _batch_stats(buf, list(sizes), self._scratch)
-        else:  # one event whose arrays were kept
-            buf = _flatten(held[0])
-            mean, rms, maxabs = _batch_stats(buf, list(sizes))
+                self._scratch = np.empty(max(buf.size, 2 * self._scratch.size), np.float32)
+            mean, rms, maxabs = _batch_stats(buf, sizes, self._scratch)
         finite = bool(np.isfinite(mean).all() and np.isfinite(rms).all() and np.isfinite(maxabs).all())
         if finite:
             stats = (mean.tolist(), rms.tolist(), maxabs.tolist())
@@ -321,11 +307,11 @@ class Tracer:
         seq = self.seq
         self.stage_ns += sum(durs)
         cols: list[Any] = [range(seq, seq + len(rows)), toks, starts, *stats]
-        if self._digest and held[0] is None:  # each event's bytes are a slice of the arena
+        if self._digest and len(rows) == 1:
+            cols.append([digest(list(held[0]))])
+        elif self._digest:  # each event's bytes are a slice of the buffer
             view, ends, sha256 = memoryview(buf).cast("B"), np.cumsum(sizes).tolist(), hashlib.sha256
             cols.append([sha256(view[4 * (e - n) : 4 * e]).hexdigest()[:32] for e, n in zip(ends, sizes, strict=True)])
-        elif self._digest:
-            cols.append([digest(held[0])])
         cols.append([d / 1000 for d in durs])
         heads = (template % tuple(chain.from_iterable(zip(*cols, strict=True)))).split("\0")
         lines = []
