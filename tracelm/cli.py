@@ -196,6 +196,9 @@ def cmd_models(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from tracelm.pipeline.bench import bench_kernels, run_bench, trace_overhead
 
+    if args.compare and (args.what != "model" or args.trace_overhead):
+        what = "--trace-overhead" if args.trace_overhead else args.what
+        raise TracelmError(f"bench {what}: --compare applies to the model bench only")
     if args.what == "tokenizer":
         from tracelm.io.loader import load_tokenizer
         from tracelm.io.tokenizer_tools import PROSE_NOTE, bench_tokenizer, english_prose, read_text_file
@@ -203,6 +206,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         tok = load_tokenizer(args.model)
         text = read_text_file(args.input_file) if args.input_file else english_prose()
         report = {"text": args.input_file or PROSE_NOTE, **bench_tokenizer(tok, text)}
+    if args.compare:  # each engine in its own child process, which sets its own threads
+        from tracelm.pipeline.bench_compare import format_table, run_compare
+
+        report = run_compare(args.model, args.threads, args.prompt_tokens, args.decode_tokens, args.repeats)
+        print(json.dumps(report, indent=2) if args.json else format_table(report))
+        return 0
     with _threads(args.threads):
         if args.what == "tokenizer":
             pass
@@ -376,7 +385,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true")
     sp.add_argument("--trace-overhead", action="store_true",
                     help="instead: decode tok/s untraced vs trace levels summary and digest, interleaved")
-    sp.add_argument("--repeats", type=int, default=3, help="--trace-overhead: repetitions of the lock-step decode")
+    sp.add_argument("--repeats", type=int, default=3, help="--trace-overhead: repetitions of the lock-step decode; "
+                    "--compare: prefills timed per engine (the best counts)")
+    sp.add_argument("--compare", action="store_true",
+                    help="instead: tracelm, llama-cpp-python and transformers (each when installed) on the same GGUF, "
+                    "prompt ids and threads, each in its own process; prints their rates, peak RSS and ratios")
     sp.set_defaults(fn=cmd_bench)
     return p
 

@@ -1,0 +1,114 @@
+"""`tracelm bench --compare`: the report's shape from fake engine results, the child-process runner on the
+tiny GGUF, absent and failing engines reported as such, and (with transformers) a small real run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import has_reference
+from tracelm import TracelmError
+from tracelm.cli import main
+from tracelm.pipeline import bench_compare as bc
+
+
+def _ok(engine: str, prefill: float, decode: float, tokens: list[int]) -> dict:
+    return {"engine": engine, "status": "ok", "version": "1.0", "threads": 2, "load_seconds": 0.5,
+            "import_seconds": 0.1, "prefill_tok_s": prefill, "decode_tok_s": decode, "peak_rss_mb": 100.0,
+            "tokens": tokens}
+
+
+def test_report_ratios_agreement_and_table():
+    results = {
+        "tracelm": _ok("tracelm", 600.0, 30.0, [1, 2, 3, 4]),
+        "llama.cpp": _ok("llama.cpp", 500.0, 100.0, [1, 2, 9, 4]),
+        "transformers": _ok("transformers", 400.0, 20.0, [1, 2, 3, 4]),
+    }
+    rep = bc.build_report("m.gguf", 2, 256, 128, results)
+    json.dumps(rep)  # plain JSON
+    r = rep["ratios"]
+    assert r["prefill_vs_llama_cpp"]["value"] == pytest.approx(1.2) and r["prefill_vs_llama_cpp"]["met"] is False
+    assert r["prefill_vs_transformers"]["value"] == pytest.approx(1.5) and r["prefill_vs_transformers"]["met"] is True
+    assert r["decode_vs_transformers"]["value"] == pytest.approx(1.5) and r["decode_vs_transformers"]["met"] is False
+    assert rep["engines"]["llama.cpp"]["greedy_same_as_tracelm"] == 2
+    assert rep["engines"]["transformers"]["greedy_same_as_tracelm"] == 4
+    assert "tokens" not in rep["engines"]["tracelm"]
+    table = bc.format_table(rep)
+    assert "1.20x" in table and "1.50x" in table and "not met" in table
+    assert "2/4" in table and "600.0" in table
+
+
+def test_report_with_absent_and_failed_engines():
+    results = {
+        "tracelm": _ok("tracelm", 600.0, 30.0, [1, 2]),
+        "llama.cpp": {"engine": "llama.cpp", "status": "not installed", "error": "no module llama_cpp"},
+        "transformers": {"engine": "transformers", "status": "failed", "error": "ValueError: cannot read"},
+    }
+    rep = bc.build_report("m.gguf", 2, 256, 128, results)
+    assert all(r["value"] is None and r["met"] is None for r in rep["ratios"].values())
+    table = bc.format_table(rep)
+    assert "llama.cpp      not installed: no module llama_cpp" in table
+    assert "transformers   failed: ValueError: cannot read" in table
+    assert table.count("n/a") == 3
+
+
+def test_tracelm_child_on_tiny_gguf(tiny_gguf):
+    from tracelm.io.loader import load_model
+    from tracelm.pipeline.bench import bench_ids
+    from tracelm.pipeline.validate import greedy
+
+    model = load_model(str(tiny_gguf), progress=False)
+    ids = bench_ids(model.tokenizer, 24)
+    r = bc.run_engine("tracelm", str(tiny_gguf), ids, n_decode=6, threads=1, repeats=2)
+    assert r["status"] == "ok", r
+    assert r["threads"] == 1
+    assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0
+    assert 10 < r["peak_rss_mb"] < 4096
+    assert 0 <= r["load_seconds"] < 60
+    assert r["tokens"] == greedy(model, ids, 7)  # the child decoded the same greedy tokens as in-process
+
+
+def test_absent_engine_is_reported_not_a_crash(tiny_gguf, monkeypatch):
+    monkeypatch.setitem(bc.REQUIRES, "llama.cpp", ("tracelm_no_such_module",))
+    rep = bc.run_compare(str(tiny_gguf), threads=1, n_prompt=8, n_decode=4, repeats=1,
+                         engines=("tracelm", "llama.cpp"))
+    assert rep["engines"]["llama.cpp"]["status"] == "not installed"
+    assert "tracelm_no_such_module" in rep["engines"]["llama.cpp"]["error"]
+    assert rep["engines"]["tracelm"]["status"] == "ok"
+    assert rep["ratios"]["prefill_vs_llama_cpp"]["value"] is None
+    assert "not installed" in bc.format_table(rep)
+
+
+def test_failing_child_reports_its_error_line(tmp_path):
+    r = bc.run_engine("tracelm", str(tmp_path / "missing.gguf"), [1, 2, 3], n_decode=2, threads=1, repeats=1)
+    assert r["status"] == "failed"
+    assert "missing.gguf" in r["error"] and "Traceback" not in r["error"]
+
+
+def test_compare_user_errors(tiny_gguf, capsys):
+    with pytest.raises(TracelmError, match="unknown engine"):
+        bc.run_compare(str(tiny_gguf), engines=("vllm",))
+    with pytest.raises(TracelmError, match="must be >= 1"):
+        bc.run_compare(str(tiny_gguf), n_decode=0)
+    assert main(["bench", "tokenizer", "--compare", "--model", str(tiny_gguf)]) == 2
+    assert "--compare applies to the model bench only" in capsys.readouterr().err
+
+
+@pytest.mark.reference
+def test_compare_cli_with_transformers(tiny_gguf, monkeypatch, capsys):
+    if not has_reference():
+        pytest.skip("transformers + torch not installed")
+    monkeypatch.setitem(bc.REQUIRES, "llama.cpp", ("tracelm_no_such_module",))  # keep the run small and fixed
+    argv = ["bench", "--compare", "--model", str(tiny_gguf), "--threads", "1", "--prompt-tokens", "16",
+            "--decode-tokens", "8", "--repeats", "1", "--json"]
+    assert main(argv) == 0
+    rep = json.loads(capsys.readouterr().out)
+    hf = rep["engines"]["transformers"]
+    if hf["status"] == "failed":
+        pytest.skip(f"transformers cannot load the tiny random GGUF: {hf['error']}")
+    assert hf["status"] == "ok" and hf["threads"] == 1
+    assert hf["greedy_same_as_tracelm"] == hf["greedy_tokens"] == 9  # both in f32 on the same weights
+    assert rep["ratios"]["prefill_vs_transformers"]["value"] > 0
+    assert rep["ratios"]["decode_vs_transformers"]["value"] > 0
+    assert rep["engines"]["llama.cpp"]["status"] == "not installed"
