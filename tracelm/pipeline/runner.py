@@ -11,7 +11,7 @@ import numpy as np
 
 from tracelm import TracelmError
 from tracelm.io.loader import LoadedModel
-from tracelm.pipeline.graph import forward, new_cache, plain_call
+from tracelm.pipeline.graph import Part, forward, forward_batch, new_cache, plain_call
 from tracelm.pipeline.speculative import lookup_draft
 from tracelm.pipeline.trace import Tracer
 from tracelm.stages.sample import sample
@@ -106,17 +106,16 @@ class Runner:
         """f32 logits of every position of `ids`: [T, vocab]."""
         return np.asarray(self.prefill(ids, all_logits=True).values)
 
-    def generate(self, prompt_ids: Sequence[int], max_tokens: int, sampling: SamplingParams,
-                 stop: Sequence[str] = (), *, cancel: Callable[[], bool] | None = None,
-                 on_token: Callable[[Choice, np.ndarray], None] | None = None) -> Iterator[str]:
-        """Yield text as it is decoded (never half a UTF-8 character); statistics land in self.stats.
+    def part(self, ids: Sequence[int]) -> Part:
+        """This runner's share of a batched pass: its Cache, the ids to feed, its tracer's hook."""
+        return Part(self.cache, ids, self.tracer.call if self.tracer is not None else plain_call)
 
-        `cancel()` is asked before each token is sampled: True ends generation there (finish_reason
-        "cancelled"). `on_token(choice, logits)` sees each sampled token with the logits [vocab] it came from.
-        """
+    def start(self, prompt_ids: Sequence[int], max_tokens: int, sampling: SamplingParams,
+              stop: Sequence[str] = (), *, cancel: Callable[[], bool] | None = None,
+              on_token: Callable[[Choice, np.ndarray], None] | None = None) -> Generation:
+        """Prefill the prompt and return the Generation that decodes from it (see `generate`)."""
         prompt_ids = [int(i) for i in prompt_ids]
         check_fits(len(prompt_ids), max_tokens, self.cache.n_ctx)
-        tok = self.model.tokenizer
         self.stats = stats = GenerationStats(n_prompt=len(prompt_ids), finish_reason="length")
         rng = np.random.default_rng(sampling.seed)
         if self.tracer is not None:  # what a replay needs to repeat this call exactly
@@ -127,54 +126,123 @@ class Runner:
         t0 = time.perf_counter()
         logits = self.prefill(prompt_ids)
         stats.prefill_seconds = time.perf_counter() - t0
-        history = list(prompt_ids)
-        decoder = tok.stream_decoder()
-        pending, stopped = "", False
-        rows = [logits.values[-1]]  # logits rows ready to sample from, in position order
-        guesses: list[int] = []  # draft tokens fed ahead; rows[i + 1] assumes guesses[:i + 1]
-        t0 = time.perf_counter()
-        for step in range(max_tokens):
-            if cancel is not None and cancel():
-                stats.finish_reason = "cancelled"
-                break
-            row = rows.pop(0)
-            choice = sample(row, sampling, rng, np.asarray(history))
-            if guesses:
-                if choice.token == guesses[0]:
-                    guesses.pop(0)
-                    stats.n_accepted += 1
-                else:  # the rest was computed for a context that did not happen
-                    self.cache.truncate(self.cache.n_past - len(guesses))
-                    rows, guesses = [], []
-            if on_token is not None:
-                on_token(choice, row)
-            if self.tracer is not None:
-                self.tracer.event("token", draw=step, id=choice.token, piece=tok.piece(choice.token),
-                                  text=tok.token_bytes(choice.token).decode("utf-8", "replace"), prob=choice.prob)
-            if choice.token in tok.eog_ids:
-                stats.finish_reason = "stop"
-                break
-            history.append(choice.token)
-            stats.tokens.append(choice.token)
-            stats.n_generated += 1
-            emit, pending, stopped = stop_split(pending + decoder.push(choice.token), stop)
-            if emit:
-                yield emit
-            if stopped:
-                stats.finish_reason = "stop"
-                break
-            if not rows and step + 1 < max_tokens:
-                # the last sampled token is never fed, so a pass may guess up to max_tokens - step - 2 more
-                guesses = lookup_draft(history, min(self.draft_tokens, max_tokens - step - 2), self.draft_ngram)
-                rows = list(self._forward([choice.token, *guesses], all_logits=bool(guesses)).values)
-                stats.n_passes += 1
-                stats.n_drafted += len(guesses)
-        if guesses:  # keep the Cache holding only tokens that were chosen
-            self.cache.truncate(self.cache.n_past - len(guesses))
-        if not stopped:  # release what was held back for a stop string, and any trailing bytes
-            emit, _, stopped = stop_split(pending + decoder.flush(), stop)
-            if stopped and stats.finish_reason != "cancelled":
-                stats.finish_reason = "stop"
-            if emit:
-                yield emit
-        stats.decode_seconds = time.perf_counter() - t0
+        return Generation(self, prompt_ids, logits.values[-1], max_tokens, sampling, rng, stop, cancel, on_token)
+
+    def generate(self, prompt_ids: Sequence[int], max_tokens: int, sampling: SamplingParams,
+                 stop: Sequence[str] = (), *, cancel: Callable[[], bool] | None = None,
+                 on_token: Callable[[Choice, np.ndarray], None] | None = None) -> Iterator[str]:
+        """Yield text as it is decoded (never half a UTF-8 character); statistics land in self.stats.
+
+        `cancel()` is asked before each token is sampled: True ends generation there (finish_reason
+        "cancelled"). `on_token(choice, logits)` sees each sampled token with the logits [vocab] it came from.
+        """
+        gen = self.start(prompt_ids, max_tokens, sampling, stop, cancel=cancel, on_token=on_token)
+        while not gen.done:
+            text = gen.step(self.draft_tokens)
+            if text:
+                yield text
+            feed_together([gen])
+        text = gen.close()
+        if text:
+            yield text
+
+
+class Generation:
+    """One sequence being decoded, one token per `step`: sampling from the logits rows computed for it,
+    end-of-generation, stop strings, the UTF-8 stream decoder, statistics and speculation guesses.
+
+    After a step either `done` is set or `feed` holds the ids the next forward pass must compute for this
+    sequence (the sampled token, plus any guessed ones); `take` hands it their logits. `Runner.generate`
+    drives one Generation; the server drives several in step, computing all their `feed`s in one pass
+    (`feed_together`). `close` releases held-back text and fixes the statistics.
+    """
+
+    def __init__(self, runner: Runner, prompt_ids: list[int], row: np.ndarray, max_tokens: int,
+                 sampling: SamplingParams, rng: np.random.Generator, stop: Sequence[str] = (),
+                 cancel: Callable[[], bool] | None = None,
+                 on_token: Callable[[Choice, np.ndarray], None] | None = None):
+        self.runner, self.max_tokens, self.sampling, self.rng, self.stop = runner, max_tokens, sampling, rng, stop
+        self.cancel, self.on_token = cancel, on_token
+        self.stats = runner.stats
+        self.history = list(prompt_ids)
+        self.decoder = runner.model.tokenizer.stream_decoder()
+        self.pending, self.stopped = "", False
+        self.rows = [row]  # logits rows ready to sample from, in position order
+        self.guesses: list[int] = []  # draft tokens fed ahead; rows[i + 1] assumes guesses[:i + 1]
+        self.feed: list[int] = []  # what the next pass computes for this sequence ([]: rows are ready, or done)
+        self.n_steps = 0
+        self.done = max_tokens == 0
+        self.t0 = time.perf_counter()
+
+    def step(self, draft_tokens: int = 0) -> str:
+        """Sample the next token and return the text it completes (often ""); may guess up to
+        `draft_tokens` tokens ahead to feed with it."""
+        stats, tok, runner = self.stats, self.runner.model.tokenizer, self.runner
+        if self.cancel is not None and self.cancel():
+            return self._end("cancelled")
+        row = self.rows.pop(0)
+        choice = sample(row, self.sampling, self.rng, np.asarray(self.history))
+        if self.guesses:
+            if choice.token == self.guesses[0]:
+                self.guesses.pop(0)
+                stats.n_accepted += 1
+            else:  # the rest was computed for a context that did not happen
+                runner.cache.truncate(runner.cache.n_past - len(self.guesses))
+                self.rows, self.guesses = [], []
+        if self.on_token is not None:
+            self.on_token(choice, row)
+        if runner.tracer is not None:
+            runner.tracer.event("token", draw=self.n_steps, id=choice.token, piece=tok.piece(choice.token),
+                                text=tok.token_bytes(choice.token).decode("utf-8", "replace"), prob=choice.prob)
+        if choice.token in tok.eog_ids:
+            return self._end("stop")
+        self.history.append(choice.token)
+        stats.tokens.append(choice.token)
+        stats.n_generated += 1
+        self.n_steps += 1
+        emit, self.pending, self.stopped = stop_split(self.pending + self.decoder.push(choice.token), self.stop)
+        if self.stopped:
+            self._end("stop")
+        elif self.n_steps >= self.max_tokens:
+            self.done = True
+        elif not self.rows:
+            # the last sampled token is never fed, so a pass may guess up to max_tokens - n_steps - 1 more
+            k = min(draft_tokens, self.max_tokens - self.n_steps - 1)
+            self.guesses = lookup_draft(self.history, k, runner.draft_ngram)
+            self.feed = [choice.token, *self.guesses]
+            stats.n_passes += 1
+            stats.n_drafted += len(self.guesses)
+        return emit
+
+    def take(self, logits: Logits) -> None:
+        """The logits of the positions `feed` asked for."""
+        self.rows, self.feed = list(logits.values), []
+
+    def _end(self, reason: str) -> str:
+        self.stats.finish_reason, self.done = reason, True
+        return ""
+
+    def close(self) -> str:
+        """Finish: keep the Cache holding only chosen tokens; return the text held back until now."""
+        if self.guesses:
+            self.runner.cache.truncate(self.runner.cache.n_past - len(self.guesses))
+            self.guesses = []
+        emit = ""
+        if not self.stopped:  # release what was held back for a stop string, and any trailing bytes
+            emit, _, stopped = stop_split(self.pending + self.decoder.flush(), self.stop)
+            if stopped and self.stats.finish_reason != "cancelled":
+                self.stats.finish_reason = "stop"
+        self.stats.decode_seconds = time.perf_counter() - self.t0
+        return emit
+
+
+def feed_together(gens: Sequence[Generation]) -> None:
+    """One forward pass computing every waiting Generation's `feed` (one weight read for all of them)."""
+    waiting = [g for g in gens if g.feed]
+    if not waiting:
+        return
+    model = waiting[0].runner.model
+    parts = [g.runner.part(g.feed) for g in waiting]
+    for g, logits in zip(waiting, forward_batch(model.cfg, model.weights, parts, any(len(g.feed) > 1 for g in waiting)),
+                         strict=True):
+        g.take(logits)
