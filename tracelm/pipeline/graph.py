@@ -18,7 +18,8 @@ traced sequence's hook sees exactly the events a lone pass would give (its rows 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -44,7 +45,25 @@ def new_cache(cfg: ModelConfig, n_ctx: int) -> Cache:
     tables = lambda base: rope_tables(n_ctx, cfg.rope_dim, base, cfg.rope_mode, cfg.rope_freq_factors)  # noqa: E731
     cos, sin = tables(cfg.rope_base)
     bases = {cfg.layer_rope_base(i) for i in range(cfg.n_layer)} - {cfg.rope_base}
-    return Cache(cfg, n_ctx, cos, sin, {b: tables(b) for b in bases})
+    with small_pages():
+        return Cache(cfg, n_ctx, cos, sin, {b: tables(b) for b in bases})
+
+
+@contextlib.contextmanager
+def small_pages() -> Iterator[None]:
+    """numpy advises transparent huge pages (2 MiB) for arrays of 4 MiB and more. A Cache's KV arrays are
+    written a few positions at a time in every (layer, kv head) slab, so with huge pages its first token
+    would make nearly all of it resident (SmolLM2 at 1,024 positions: 42 MB at once instead of ~1 MB):
+    allocate them with ordinary pages, resident as positions fill."""
+    try:
+        from numpy._core.multiarray import _set_madvise_hugepage  # numpy >= 2
+    except ImportError:  # pragma: no cover - numpy 1.x
+        from numpy.core.multiarray import _set_madvise_hugepage
+    before = _set_madvise_hugepage(False)
+    try:
+        yield
+    finally:
+        _set_madvise_hugepage(before)
 
 
 @attrs.frozen

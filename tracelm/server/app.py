@@ -85,8 +85,9 @@ class Server:
         return JSONResponse({
             "status": "ok",
             "model": self.model_id,
-            "running": e.running is not None,
+            "running": e.running,
             "queued": e.queued,
+            "max_batch": e.max_batch,
             "sessions": len(e.sessions),
             "session_capacity": e.sessions.capacity,
             "counters": attrs.asdict(e.counters),

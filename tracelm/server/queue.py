@@ -1,12 +1,18 @@
-"""The engine: one model, one worker thread, requests served one at a time in arrival order.
+"""The engine: one model, one worker thread, requests decoded together in batches, started in arrival order.
 
 numpy/BLAS work never runs on the event loop: `Engine.submit` admits a `Job` into a bounded queue (or
-refuses it at once: the caller answers 429), the worker thread runs it on a `Runner` -- the session's, or
-a scratch one emptied first -- and posts what happens back to the job's asyncio queue: `("start",)`,
-`("piece", text, logprobs)` per piece of text, then `("done", result)` or `("error", ApiError)`.
+refuses it at once: the caller answers 429). The worker thread keeps a batch of up to `server.max_batch`
+active sequences, each a `Generation` on its own `Runner` (the session's, or a scratch one emptied first),
+so its own Cache, sampler and RNG, stop strings and limits. At every step boundary it starts waiting jobs
+while the batch has room (their prompts prefilled one at a time), samples one token of every active
+sequence, lets finished ones leave, and computes the next position of all the others in one batched
+forward pass (one read of the weights for all of them). A sequence's numbers do not depend on its batch
+(`forward_batch`), so a request gets the text it would get alone. Alone in the batch a sequence may
+speculate (`speculative.draft_tokens`); with company it does not.
 
-A job ends early when its client is gone (`Job.gone`) or its time limit passes: the runner asks before
-every token, so generation stops within one token of either.
+What happens is posted back to the job's asyncio queue: `("start",)`, `("piece", text, logprobs)` per
+piece of text, then `("done", result)` or `("error", ApiError)`. A job ends early when its client is gone
+(`Job.gone`) or its time limit passes: it is asked before every token, so generation stops within one token.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +32,7 @@ import numpy as np
 
 from tracelm import TracelmError
 from tracelm.io.loader import LoadedModel
-from tracelm.pipeline.runner import Runner, speculation
+from tracelm.pipeline.runner import Generation, Runner, feed_together, speculation
 from tracelm.server.params import ApiError
 from tracelm.server.sessions import SessionStore
 from tracelm.stages.sample import top_logprobs
@@ -75,15 +81,39 @@ class Counters:
     generated_tokens: int = 0
 
 
+@attrs.define(eq=False)
+class Active:
+    """A started job: its runner (its session's, or a scratch one), its Generation and its trace file."""
+
+    job: Job
+    started: float  # time.monotonic() when it left the waiting line
+    runner: Runner | None = None
+    gen: Generation | None = None
+    tracer: Any = None
+    closing: contextlib.ExitStack = attrs.Factory(contextlib.ExitStack)  # closes the trace file
+    entries: list[dict[str, Any]] = attrs.Factory(list)  # logprobs of the tokens behind text not yet posted
+    ended: bool = False
+
+    def cancelled(self) -> bool:
+        return self.job.gone.is_set() or time.monotonic() > self.job.deadline
+
+    def logprob(self, choice: Choice, logits: np.ndarray) -> None:
+        if self.job.logprobs is not None and choice.token not in self.runner.model.tokenizer.eog_ids:
+            lp, ids, lps = top_logprobs(logits, choice.token, self.job.logprobs)
+            self.entries.append({"id": choice.token, "logprob": lp, "top": list(zip(ids.tolist(), lps.tolist(),
+                                                                                    strict=True))})
+
+
 class Engine:
     def __init__(self, model: LoadedModel, cfg: RunConfig):
         self.model = model
         self.cfg = cfg
-        # for requests without a session; emptied before each
-        self.scratch = Runner(model, cfg.context, **speculation(cfg))
         opts = cfg.server
-        self.sessions = SessionStore(lambda: Runner(model, cfg.context, **speculation(cfg)), opts.max_sessions,
-                                     opts.session_memory_mb << 20, self.scratch.cache.nbytes)
+        self.max_batch = opts.max_batch
+        # runners for requests without a session, at most max_batch of them; each emptied before use
+        self._scratch = [self._new_runner()]
+        self.sessions = SessionStore(self._new_runner, opts.max_sessions, opts.session_memory_mb << 20,
+                                     self._scratch[0].cache.nbytes)
         self.trace_dir = Path(opts.trace_dir) if opts.trace_dir else None
         self.trace_level = cfg.trace.level if cfg.trace.level != "off" else "digest"
         if self.trace_dir is not None:
@@ -94,11 +124,15 @@ class Engine:
         self.counters = Counters()
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
-        self._outstanding = 0  # admitted and not finished: the running job plus those waiting
+        self._outstanding = 0  # admitted and not finished: those decoding plus those waiting
         self._limit = opts.queue_size + 1
         self._mean_seconds = 1.0  # running mean of a job's time, for Retry-After
-        self.running: Job | None = None
+        self.active: list[Active] = []  # the batch: sequences decoding together (worker thread only)
+        self._waiting: deque[Job] = deque()  # taken from the queue, not yet in the batch
         self._thread = threading.Thread(target=self._work, name="tracelm-engine", daemon=True)
+
+    def _new_runner(self) -> Runner:
+        return Runner(self.model, self.cfg.context, **speculation(self.cfg))
 
     # -- the event loop's side ---------------------------------------------------------------------------
 
@@ -106,96 +140,131 @@ class Engine:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        running = self.running
-        if running is not None:
-            running.gone.set()
+        for a in list(self.active):
+            a.job.gone.set()
         self._jobs.put(None)
         self._thread.join(timeout)
 
     @property
+    def running(self) -> int:
+        """Requests decoding now (in the batch)."""
+        return len(self.active)
+
+    @property
     def queued(self) -> int:
-        return self._jobs.qsize()
+        """Requests admitted and waiting for a place in the batch."""
+        return max(0, self._outstanding - len(self.active))
 
     def submit(self, job: Job) -> None:
         """Admit a job in arrival order, or raise QueueFull at once."""
         with self._lock:
             if self._outstanding >= self._limit:
                 self.counters.rejected += 1
-                raise QueueFull(max(1, round(self._mean_seconds * self._outstanding)))
+                rounds = self._outstanding / min(self.max_batch, self._outstanding)
+                raise QueueFull(max(1, round(self._mean_seconds * rounds)))
             self._outstanding += 1
         self._jobs.put(job)
 
     # -- the worker thread -------------------------------------------------------------------------------
 
     def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            t0 = time.monotonic()
-            self.running = job
-            try:
-                self._serve(job)
-            except ApiError as e:
-                job.post("error", e)
-            except TracelmError as e:  # a user-caused error the checks before admission did not catch
-                if job.session_id is not None:
-                    self.sessions.drop(job.session_id)
-                job.post("error", ApiError(400, str(e)))
-            except Exception:  # never let one request take the worker down; the client gets a plain 500
-                self.counters.failed += 1
-                log.exception("request %s failed", job.request_id)
-                if job.session_id is not None:
-                    self.sessions.drop(job.session_id)  # its Cache may be half-written
-                job.post("error", ApiError(500, "internal error while generating; see the server log"))
-            finally:
-                self.running = None
-                with self._lock:
-                    self._outstanding -= 1
-                    self._mean_seconds = 0.8 * self._mean_seconds + 0.2 * (time.monotonic() - t0)
+        """Step boundaries: take new jobs, start (prefill) those that fit the batch, then decode one token of
+        every active sequence, the forward passes of all of them in one batched pass."""
+        stopping = False
+        while not stopping or self.active:
+            block = not self.active and not self._waiting and not stopping
+            stopping = self._take(block) or stopping
+            if stopping:
+                self._cancel_all()
+            self._admit()
+            self._step()
 
-    def _serve(self, job: Job) -> None:
+    def _take(self, block: bool) -> bool:
+        """Move jobs from the queue to the waiting line (waiting for one when `block`); True on the stop mark."""
+        while True:
+            try:
+                job = self._jobs.get(block=block)
+            except queue.Empty:
+                return False
+            if job is None:
+                return True
+            self._waiting.append(job)
+            block = False
+
+    def _cancel_all(self) -> None:
+        for a in self.active:
+            a.job.gone.set()
+        while self._waiting:
+            job = self._waiting.popleft()
+            job.post("error", ApiError(503, "the server is shutting down", headers={"Retry-After": "1"}))
+            self._release()
+
+    def _admit(self) -> None:
+        """Start waiting jobs in arrival order while the batch has room; a job whose session is busy in the
+        batch waits for it (one Cache serves one request at a time)."""
+        busy = {a.job.session_id for a in self.active} - {None}
+        for job in list(self._waiting):
+            if len(self.active) >= self.max_batch:
+                return
+            if job.session_id in busy:
+                continue
+            self._waiting.remove(job)
+            busy.add(job.session_id)
+            self._start(job)
+
+    def _start(self, job: Job) -> None:
+        t0 = time.monotonic()
         if job.gone.is_set():
             self.counters.cancelled += 1
-            return
-        if time.monotonic() > job.deadline:
+            return self._release()
+        if t0 > job.deadline:
             self.counters.timed_out += 1
-            raise ApiError(503, "the request waited in the queue past its time limit (server.request_timeout)",
-                           headers={"Retry-After": "1"})
-        if job.session_id is not None:
+            job.post("error", ApiError(503, "the request waited in the queue past its time limit "
+                                            "(server.request_timeout)", headers={"Retry-After": "1"}))
+            return self._release()
+        a = Active(job, t0)
+        try:
+            a.runner = self._runner_for(job)
+            job.post("start")
+            a.tracer = self._open_trace(job, a.runner, a.closing)
+            a.gen = a.runner.start(job.prompt_ids, job.max_tokens, job.sampling, job.stop, cancel=a.cancelled,
+                                   on_token=a.logprob if job.logprobs is not None else None)
+        except Exception as e:  # noqa: BLE001 -- mapped to the job's error answer
+            return self._fail(a, e)
+        self.active.append(a)
+
+    def _step(self) -> None:
+        """One token of every active sequence; those that finish leave; one pass computes the rest."""
+        draft = self.active[0].runner.draft_tokens if len(self.active) == 1 else 0  # alone, it may speculate
+        for a in list(self.active):
             try:
-                runner = self.sessions.get(job.session_id)
-            except TracelmError as e:
-                raise ApiError(400, str(e), param="session_id") from None
-        else:
-            runner = self.scratch
-            runner.cache.reset()  # a request without a session sees nothing of the one before
-        job.post("start")
-        tok = self.model.tokenizer
-        pending: list[dict[str, Any]] = []
+                text = a.gen.step(draft)
+                if text:
+                    a.job.post("piece", text, a.entries[:])
+                    a.entries.clear()
+                if a.gen.done:
+                    self._finish(a)
+            except Exception as e:  # noqa: BLE001 -- mapped to the job's error answer
+                self._fail(a, e)
+        try:
+            feed_together([a.gen for a in self.active])
+        except Exception as e:  # noqa: BLE001 -- the shared pass failed: every sequence in it fails
+            for a in [a for a in self.active if a.gen.feed]:
+                self._fail(a, e)
 
-        def cancel() -> bool:
-            return job.gone.is_set() or time.monotonic() > job.deadline
+    def _finish(self, a: Active) -> None:
+        text = a.gen.close()
+        if text:
+            a.job.post("piece", text, a.entries[:])
+        stats = a.runner.stats
+        if a.tracer is not None:
+            from tracelm.pipeline.trace import write_footer
 
-        def on_token(choice: Choice, logits: np.ndarray) -> None:
-            if job.logprobs is not None and choice.token not in tok.eog_ids:
-                lp, ids, lps = top_logprobs(logits, choice.token, job.logprobs)
-                pending.append({"id": choice.token, "logprob": lp, "top": list(zip(ids.tolist(), lps.tolist(),
-                                                                                    strict=True))})
-
-        with self._trace(job, runner) as tracer:
-            for piece in runner.generate(job.prompt_ids, job.max_tokens, job.sampling, job.stop, cancel=cancel,
-                                         on_token=on_token if job.logprobs is not None else None):
-                job.post("piece", piece, pending[:])
-                pending.clear()
-            stats = runner.stats
-            if tracer is not None:
-                from tracelm.pipeline.trace import write_footer
-
-                write_footer(tracer, stats)
+            write_footer(a.tracer, stats)
+        self._end(a)
         finish = stats.finish_reason
         if finish == "cancelled":
-            if job.gone.is_set():
+            if a.job.gone.is_set():
                 self.counters.cancelled += 1
             else:  # the time limit: what was generated is returned, cut short as by max_tokens
                 self.counters.timed_out += 1
@@ -204,27 +273,67 @@ class Engine:
         self.counters.prompt_tokens += stats.n_prompt
         self.counters.reused_tokens += stats.n_reused
         self.counters.generated_tokens += stats.n_generated
-        job.post("done", {"finish_reason": finish, "prompt_tokens": stats.n_prompt, "cached_tokens": stats.n_reused,
-                          "completion_tokens": stats.n_generated})
+        a.job.post("done", {"finish_reason": finish, "prompt_tokens": stats.n_prompt,
+                            "cached_tokens": stats.n_reused, "completion_tokens": stats.n_generated})
 
-    @contextlib.contextmanager
-    def _trace(self, job: Job, runner: Runner) -> Iterator[Any]:
-        """The request's own trace file when server.trace_dir is set; the runner writes into it meanwhile."""
-        if self.trace_dir is None:
-            yield None
+    def _fail(self, a: Active, e: Exception) -> None:
+        """End a job with the error answer its exception calls for (a session's Cache may be half-written)."""
+        job = a.job
+        if isinstance(e, ApiError):
+            job.post("error", e)
+        else:
+            if job.session_id is not None:
+                self.sessions.drop(job.session_id)
+            if isinstance(e, TracelmError):  # a user-caused error the checks before admission did not catch
+                job.post("error", ApiError(400, str(e)))
+            else:  # never let one request take the worker down; the client gets a plain 500
+                self.counters.failed += 1
+                log.error("request %s failed", job.request_id, exc_info=e)
+                job.post("error", ApiError(500, "internal error while generating; see the server log"))
+        self._end(a)
+
+    def _end(self, a: Active) -> None:
+        """The job leaves: its trace file closes, a scratch runner goes back to the pool."""
+        if a.ended:
             return
+        a.ended = True
+        if a in self.active:
+            self.active.remove(a)
+        a.closing.close()
+        if a.runner is not None and a.job.session_id is None:
+            self._scratch.append(a.runner)
+        self._release(a.started)
+
+    def _release(self, started: float | None = None) -> None:
+        with self._lock:
+            self._outstanding -= 1
+            if started is not None:
+                self._mean_seconds = 0.8 * self._mean_seconds + 0.2 * (time.monotonic() - started)
+
+    def _runner_for(self, job: Job) -> Runner:
+        if job.session_id is not None:
+            try:
+                return self.sessions.get(job.session_id)
+            except TracelmError as e:
+                raise ApiError(400, str(e), param="session_id") from None
+        runner = self._scratch.pop() if self._scratch else self._new_runner()
+        runner.cache.reset()  # a request without a session sees nothing of the one before
+        return runner
+
+    def _open_trace(self, job: Job, runner: Runner, closing: contextlib.ExitStack) -> Any:
+        """The request's own trace file when server.trace_dir is set; the runner writes into it until `closing`
+        closes."""
+        if self.trace_dir is None:
+            return None
         from tracelm.pipeline.trace import Tracer, write_header
 
         path = self.trace_dir / f"{job.request_id}.jsonl"
         cfg = attrs.evolve(self.cfg, prompt=job.prompt_text, max_tokens=job.max_tokens, stop=job.stop,
                            sampling=job.sampling, trace=TraceOptions(level=self.trace_level, file=str(path)))
-        with open(path, "w", encoding="utf-8") as stream:
-            tracer = Tracer(stream, self.trace_level)
-            write_header(tracer, cfg, self.model, job.prompt_ids)
-            tracer.event("request", request_id=job.request_id, session_id=job.session_id)
-            runner.tracer = tracer
-            try:
-                yield tracer
-            finally:
-                runner.tracer = None
-
+        stream = closing.enter_context(open(path, "w", encoding="utf-8"))
+        tracer = Tracer(stream, self.trace_level)
+        write_header(tracer, cfg, self.model, job.prompt_ids)
+        tracer.event("request", request_id=job.request_id, session_id=job.session_id)
+        runner.tracer = tracer
+        closing.callback(setattr, runner, "tracer", None)
+        return tracer

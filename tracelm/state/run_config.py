@@ -7,6 +7,8 @@ from attrs import validators as v
 
 from tracelm.state.records import SamplingParams
 
+WEIGHT_MODES = ("resident", "streamed")
+
 
 @attrs.frozen(slots=True)
 class TraceOptions:
@@ -20,7 +22,10 @@ class ServerOptions:
 
     host: str = "127.0.0.1"  # loopback only unless told otherwise
     port: int = attrs.field(default=8080, validator=[v.ge(0), v.le(65535)])
-    queue_size: int = attrs.field(default=8, validator=v.ge(0))  # requests waiting behind the running one; then 429
+    # requests the engine holds besides one (decoding or waiting); one more gets 429
+    queue_size: int = attrs.field(default=8, validator=v.ge(0))
+    # sequences decoded together in one pass (at most 8: the weight products' rows stay bitwise row-invariant)
+    max_batch: int = attrs.field(default=8, validator=[v.ge(1), v.le(8)])
     request_timeout: float = attrs.field(default=300.0, validator=v.gt(0))  # seconds from arrival to the last token
     max_body_bytes: int = attrs.field(default=1 << 20, validator=v.gt(0))  # larger request bodies get 413
     max_sessions: int = attrs.field(default=16, validator=v.ge(0))  # conversations whose KV cache is kept (LRU)
@@ -42,6 +47,9 @@ class SpeculativeOptions:
 class RunConfig:
     model: str = "smollm2-135m-instruct"  # registry name or path to a GGUF file
     tokenizer: str | None = None  # a tokenizer file replacing the model's own (needed by a llama2.c .bin)
+    # resident: every weight in f32 in memory; streamed (a GGUF only): weights stay quantized in the mapped file,
+    # each block dequantized into one reused buffer as it runs (little RAM, slower, the same logits)
+    weights: str = attrs.field(default="resident", validator=v.in_(WEIGHT_MODES))
     context: int = attrs.field(default=2048, validator=v.gt(0))  # positions the Cache holds
     threads: int = attrs.field(default=0, validator=v.ge(0))  # BLAS threads; 0 = all cores
     max_tokens: int = attrs.field(default=128, validator=v.ge(0))
