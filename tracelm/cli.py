@@ -215,6 +215,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     with _threads(args.threads):
         if args.what == "tokenizer":
             pass
+        elif args.what == "speculative":
+            from tracelm.pipeline.bench_speculative import speculative_bench
+
+            report = speculative_bench(args.model, args.draft_tokens, n_decode=args.decode_tokens)
         elif args.what == "kernels":
             report = bench_kernels(args.model)
         elif args.trace_overhead:
@@ -373,9 +377,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_replay)
 
     sp = sub.add_parser("bench", help="load time, prefill and decode rates, peak RSS, against the machine's limits "
-                        "(`bench tokenizer`: encode/decode throughput; `bench kernels`: dequantization and "
+                        "(`bench tokenizer`: encode/decode throughput; `bench speculative`: prompt-lookup decoding "
+                        "vs plain; `bench kernels`: dequantization and "
                         "weight-product rates at the model's shapes)")
-    sp.add_argument("what", nargs="?", choices=("model", "tokenizer", "kernels"), default="model")
+    sp.add_argument("what", nargs="?", choices=("model", "tokenizer", "kernels", "speculative"), default="model")
+    sp.add_argument("--draft-tokens", type=int, default=15,
+                    help="bench speculative: most tokens guessed per pass (prompt lookup)")
     sp.add_argument("--input-file", metavar="FILE", help="bench tokenizer: the text to encode (default: English prose)")
     sp.add_argument("--model", default="smollm2-135m-instruct")
     sp.add_argument("--prompt-tokens", type=int, default=256)

@@ -21,8 +21,10 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 
-def lookup_draft(history: Sequence[int], k: int, ngram: int = 3) -> list[int]:
-    """Up to k tokens that followed the latest earlier match of the last n tokens of `history`."""
+def lookup_draft(history: Sequence[int], k: int, ngram: int = 8) -> list[int]:
+    """The tokens that followed the latest earlier match of the last n tokens of `history` (n from `ngram`
+    down to 1), as many as the match earns: 2^n, at most k. A long match is a copy in progress and worth a
+    long draft; a one-token match is a guess, and a batched pass costs more the more rows it has."""
     h = np.asarray(history, dtype=np.int64)
     if k <= 0 or len(h) < 2:
         return []
@@ -31,5 +33,5 @@ def lookup_draft(history: Sequence[int], k: int, ngram: int = 3) -> list[int]:
         hits = np.flatnonzero((windows == h[-n:]).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return h[start : start + k].tolist()
+            return h[start : start + min(k, 2**n)].tolist()
     return []

@@ -2,7 +2,7 @@
 the number of rows of x.
 
 One row is a matrix-vector product: it reads W once and runs at memory bandwidth. OpenBLAS's
-matrix-matrix product at 2..8 rows costs 2.5-3x that (it packs W before multiplying), which would eat the
+matrix-matrix product at 2..16 rows costs 2.5-3x that (it packs W before multiplying), which would eat the
 gain of reading the weights once for several tokens (speculative drafts, batched sequences). So for a few
 rows W is cut into blocks of rows that fit the core caches, and each block does one matrix-vector product
 per row of x while it is cached: W still crosses from memory once, and every output element is the same
@@ -16,7 +16,7 @@ import functools
 
 import numpy as np
 
-GEMV_ROWS = 8  # up to this many rows: cache-blocked matrix-vector products; more: one matrix-matrix product
+GEMV_ROWS = 16  # up to this many rows: cache-blocked matrix-vector products; more: one matrix-matrix product
 # OpenBLAS runs a matrix-vector product of fewer than about 460k elements on one thread (measured: 442k
 # one, 553k both), so a block must hold at least this many; above that, smaller blocks stay in L2 (2 MiB).
 MIN_BLOCK_ELEMENTS = 1 << 19

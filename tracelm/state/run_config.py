@@ -40,7 +40,7 @@ class SpeculativeOptions:
     from an earlier occurrence of the last `ngram` tokens; the output is the same as without it."""
 
     draft_tokens: int = attrs.field(default=0, validator=v.ge(0))  # 0 = off
-    ngram: int = attrs.field(default=3, validator=v.ge(1))
+    ngram: int = attrs.field(default=8, validator=v.ge(1))  # longest context match tried; a match of n earns 2^n
 
 
 @attrs.frozen(slots=True)
