@@ -79,6 +79,8 @@ class Counters:
     prompt_tokens: int = 0
     reused_tokens: int = 0
     generated_tokens: int = 0
+    passes: int = 0  # decode forward passes
+    peak_batch: int = 0  # most sequences that shared one pass
 
 
 @attrs.define(eq=False)
@@ -246,6 +248,10 @@ class Engine:
                     self._finish(a)
             except Exception as e:  # noqa: BLE001 -- mapped to the job's error answer
                 self._fail(a, e)
+        n = sum(1 for a in self.active if a.gen.feed)
+        if n:
+            self.counters.passes += 1
+            self.counters.peak_batch = max(self.counters.peak_batch, n)
         try:
             feed_together([a.gen for a in self.active])
         except Exception as e:  # noqa: BLE001 -- the shared pass failed: every sequence in it fails
