@@ -24,6 +24,17 @@ def test_lookup_draft_follows_the_latest_longest_match() -> None:
     assert lookup_draft([7], 4) == [] and lookup_draft([1, 1], 0) == []
 
 
+def test_a_draft_is_as_long_as_its_match_earns() -> None:
+    """A match of n tokens earns at most 2^n drafted tokens (and never more than k)."""
+    h = list(range(1, 20))
+    assert lookup_draft(h + [1], 16) == [2, 3]  # one-token match: 2
+    assert lookup_draft(h + [1, 2], 16) == [3, 4, 5, 6]  # two tokens: 4
+    assert lookup_draft(h + [1, 2, 3], 16) == list(range(4, 12))  # three: 8
+    assert lookup_draft(h + [1, 2, 3, 4], 16) == list(range(5, 20)) + [1]  # four: 16 (reading on into the repeat)
+    assert lookup_draft(h + [1, 2, 3, 4], 5) == [5, 6, 7, 8, 9]  # k caps it
+    assert lookup_draft(h + [1, 2, 3], 16, ngram=1) == []  # "3" alone: the last occurrence is the end itself
+
+
 @pytest.fixture(scope="module")
 def tiny(tiny_gguf):
     return load_model(str(tiny_gguf), progress=False)
