@@ -194,7 +194,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from tracelm.pipeline.bench import bench_kernels, run_bench, trace_overhead
+    from tracelm.pipeline.bench import bench_kernels, context_scaling, run_bench, trace_overhead
 
     if args.compare and (args.what != "model" or args.trace_overhead):
         what = "--trace-overhead" if args.trace_overhead else args.what
@@ -223,6 +223,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             report = bench_kernels(args.model)
         elif args.trace_overhead:
             report = trace_overhead(args.model, args.decode_tokens, args.repeats)
+        elif args.positions:
+            report = context_scaling(args.model, _positions(args.positions))
         else:
             report = run_bench(args.model, args.prompt_tokens, args.decode_tokens, args.context)
     if args.json:
@@ -231,6 +233,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         for k, v in report.items():
             print(f"{k:34s} {v}")
     return 0
+
+
+def _positions(text: str) -> tuple[int, ...]:
+    """`--positions 100,500,1000,2000`: distinct positive positions, the first the baseline of the ratios."""
+    try:
+        positions = tuple(int(p) for p in text.split(","))
+    except ValueError:
+        positions = ()
+    if not positions or min(positions) < 1 or len(set(positions)) != len(positions):
+        raise TracelmError(f"--positions {text!r}: expected distinct positive integers separated by commas")
+    return positions
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -390,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--context", type=int, default=1024)
     sp.add_argument("--threads", type=int, default=0)
     sp.add_argument("--json", action="store_true")
+    sp.add_argument("--positions", metavar="P1,P2,...",
+                    help="instead: decode ms/token at each position (32 steps each, interleaved; ratios to the "
+                    "first) and prefill tok/s of a 2,048-token prompt")
     sp.add_argument("--trace-overhead", action="store_true",
                     help="instead: decode tok/s untraced vs trace levels summary and digest, interleaved")
     sp.add_argument("--repeats", type=int, default=3, help="--trace-overhead: repetitions of the lock-step decode; "

@@ -221,3 +221,64 @@ def _product_rates(x: np.ndarray, mats: list[np.ndarray]) -> dict[str, float]:
     if 1 < x.shape[0] <= GEMV_ROWS:
         rates["sgemm_ms"] = round(_best_seconds(lambda: [x @ w.T for w in mats], 3) * 1e3, 4)
     return rates
+
+
+def context_scaling(model_name: str, positions: tuple[int, ...] = (100, 500, 1000, 2000), n_decode: int = 32,
+                    n_prompt: int = 2048) -> dict[str, Any]:
+    """Decode cost against position: ms per token decoding at each of `positions` (the Cache holding that
+    many tokens of a prompt), and prefill tok/s of an `n_prompt`-token prompt.
+
+    One runner per position, each prefilled to its position, decode `n_decode` greedy tokens in lock step
+    (every step runs the positions back to back in a rotating order, so a change in machine load hits them
+    alike); a position's cost is the median over its steps, in wall time and in process CPU time, with the
+    attend stage's share. Ratios are against the first position (the issue's target: position 2,000 costs
+    <= 1.5x position 100)."""
+    from tracelm.pipeline.graph import forward
+
+    model = load_model(model_name, progress=False)
+    cfg, w = model.cfg, model.weights
+    ids = bench_ids(model.tokenizer, max(n_prompt, *positions))
+    top = max(positions)
+    runners = {p: Runner(model, (max(top, n_prompt) if p == top else p) + n_decode + 1) for p in positions}
+    t0 = time.perf_counter()
+    runners[top].prefill(ids[:n_prompt])
+    prefill_s = time.perf_counter() - t0
+    tokens = {p: int(np.argmax(runners[p].prefill(ids[:p]).values[-1])) for p in positions}
+    wall: dict[int, list[float]] = {p: [] for p in positions}
+    cpu: dict[int, list[float]] = {p: [] for p in positions}
+    attend: dict[int, list[float]] = {p: [] for p in positions}
+    spent = [0.0]
+
+    def timed(stage: str, layer: int | None, fn: Any, *args: Any) -> Any:
+        if stage != "attend":
+            return fn(*args)
+        t = time.perf_counter()
+        out = fn(*args)
+        spent[0] += time.perf_counter() - t
+        return out
+
+    order = list(positions)
+    for i in range(n_decode):
+        for p in order[i % len(order):] + order[: i % len(order)]:
+            cache = runners[p].cache
+            spent[0] = 0.0
+            c0, t0 = time.process_time(), time.perf_counter()
+            logits = forward(cfg, w, cache, [tokens[p]], call=timed)
+            wall[p].append(time.perf_counter() - t0)
+            cpu[p].append(time.process_time() - c0)
+            attend[p].append(spent[0])
+            tokens[p] = int(np.argmax(logits.values[-1]))
+    ms = {p: 1e3 * float(np.median(wall[p])) for p in positions}
+    cpu_ms = {p: 1e3 * float(np.median(cpu[p])) for p in positions}
+    first = positions[0]
+    report: dict[str, Any] = {"model": str(model.path.name), "positions": list(positions), "decode_tokens": n_decode,
+                              "prefill_tokens": n_prompt, "prefill_tok_s": round(n_prompt / prefill_s, 1)}
+    for p in positions:
+        report[f"decode_ms_at_{p}"] = round(ms[p], 2)
+        report[f"attend_ms_at_{p}"] = round(1e3 * float(np.median(attend[p])), 2)
+        report[f"cpu_ms_at_{p}"] = round(cpu_ms[p], 2)
+    for p in positions[1:]:
+        report[f"ratio_{p}_vs_{first}"] = round(ms[p] / ms[first], 3)
+        report[f"cpu_ratio_{p}_vs_{first}"] = round(cpu_ms[p] / cpu_ms[first], 3)
+    report["kv_cache_mb_at_max"] = round(runners[top].cache.nbytes / 2**20, 1)
+    return report

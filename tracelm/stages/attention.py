@@ -81,14 +81,50 @@ def rope(heads: Heads, cos: np.ndarray, sin: np.ndarray, mode: str) -> Heads:
     return Heads(qk[:, :n_head], qk[:, n_head:], heads.v, heads.start)
 
 
+ATTEND_ROWS = 8  # up to this many query rows (decode, speculation): one product over every key, as always
+SCORE_BYTES = 2 << 20  # more rows: chunks of query rows whose scores [Hkv, g * rows, keys] stay within this
+
+
 def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray | None, scale: float,
            start: int) -> Hidden:
     """softmax(q k^T * scale + mask) v for every head, grouped-query style.
 
-    q [T, H, hd]; keys, values [Hkv, L, hd] (all L cached positions, L = start + T); mask [T, L] of
-    0 / -inf or None (decode: every cached position is visible). Query head h reads kv head h // (H/Hkv).
-    Returns the heads concatenated: [T, H * hd].
+    q [T, H, hd]; keys, values [Hkv, L, hd] (the L cached positions the queries may see, the T new ones
+    last); mask [T, L] of 0 / -inf or None (every key visible to every query). Query head h reads kv head
+    h // (H/Hkv). Returns the heads concatenated: [T, H * hd].
+
+    Up to ATTEND_ROWS queries are one product over all L keys. More (a prompt) go in chunks of query rows
+    small enough that a chunk's scores fit in a core's cache, each over only the keys its mask leaves
+    visible to some row of the chunk (causal: none past its last query; a window: none before its first
+    query's window), so a 2,048-token prompt never holds [H, T, L] scores, and does about half the work.
     """
+    T, H, hd = q.shape
+    if T <= ATTEND_ROWS:
+        return Hidden(attend_rows(q, keys, values, mask, scale), start)
+    L = keys.shape[1]
+    rows = max(ATTEND_ROWS, SCORE_BYTES // (4 * H * max(L, 1)))
+    out = np.empty((T, H * hd), np.float32)
+    for a in range(0, T, rows):
+        b = min(T, a + rows)
+        if mask is None:
+            out[a:b] = attend_rows(q[a:b], keys, values, None, scale)
+            continue
+        k0, k1 = visible_keys(mask[a:b])
+        out[a:b] = attend_rows(q[a:b], keys[:, k0:k1], values[:, k0:k1], mask[a:b, k0:k1], scale)
+    return Hidden(out, start)
+
+
+def visible_keys(mask: np.ndarray) -> tuple[int, int]:
+    """The span k0..k1-1 of key columns holding every key some row of `mask` [rows, L] sees (all L when none)."""
+    seen = np.flatnonzero(mask.max(axis=0) > -np.inf)
+    if seen.size == 0:  # rows that see nothing: keep their (undefined) softmax what the unchunked form gives
+        return 0, mask.shape[1]
+    return int(seen[0]), int(seen[-1]) + 1
+
+
+def attend_rows(q: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray | None,
+                scale: float) -> np.ndarray:
+    """`attend` of T query rows over all L keys in one product: scores [Hkv, g, T, L]. Returns [T, H * hd]."""
     T, H, hd = q.shape
     n_kv, L = keys.shape[0], keys.shape[1]
     g = H // n_kv
@@ -100,7 +136,7 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)
     out = scores.reshape(n_kv, g * T, L) @ values  # [n_kv, g*T, hd]
-    return Hidden(out.reshape(n_kv, g, T, hd).transpose(2, 0, 1, 3).reshape(T, H * hd), start)
+    return out.reshape(n_kv, g, T, hd).transpose(2, 0, 1, 3).reshape(T, H * hd)
 
 
 def out_proj(attn: Hidden, wo: np.ndarray, residual: Hidden | None) -> Hidden:
