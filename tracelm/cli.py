@@ -221,6 +221,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             report = speculative_bench(args.model, args.draft_tokens, n_decode=args.decode_tokens)
         elif args.what == "kernels":
             report = bench_kernels(args.model)
+        elif args.what == "server":
+            from tracelm.server.bench import bench_server
+
+            report = bench_server(args.model, _streams(args.streams), n_decode=args.decode_tokens,
+                                  repeats=args.repeats)
         elif args.trace_overhead:
             report = trace_overhead(args.model, args.decode_tokens, args.repeats)
         elif args.positions:
@@ -244,6 +249,17 @@ def _positions(text: str) -> tuple[int, ...]:
     if not positions or min(positions) < 1 or len(set(positions)) != len(positions):
         raise TracelmError(f"--positions {text!r}: expected distinct positive integers separated by commas")
     return positions
+
+
+def _streams(text: str) -> tuple[int, ...]:
+    """`--streams 1,2,4,8`: stream counts of 1..8, the first the baseline of the ratios."""
+    try:
+        streams = tuple(int(n) for n in text.split(","))
+    except ValueError:
+        streams = ()
+    if not streams or min(streams) < 1 or max(streams) > 8 or len(set(streams)) != len(streams):
+        raise TracelmError(f"--streams {text!r}: expected distinct counts of 1 to 8 separated by commas")
+    return streams
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -390,10 +406,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_replay)
 
     sp = sub.add_parser("bench", help="load time, prefill and decode rates, peak RSS, against the machine's limits "
-                        "(`bench tokenizer`: encode/decode throughput; `bench speculative`: prompt-lookup decoding "
+                        "(`bench tokenizer`: encode/decode throughput; `bench server`: N streams decoded together; "
+                        "`bench speculative`: prompt-lookup decoding "
                         "vs plain; `bench kernels`: dequantization and "
                         "weight-product rates at the model's shapes)")
-    sp.add_argument("what", nargs="?", choices=("model", "tokenizer", "kernels", "speculative"), default="model")
+    sp.add_argument("what", nargs="?", choices=("model", "tokenizer", "kernels", "speculative", "server"),
+                    default="model")
+    sp.add_argument("--streams", default="1,2,4,8", metavar="N1,N2,...",
+                    help="bench server: concurrent streams decoded together through the server's engine (1..8 each); "
+                    "aggregate decode tok/s and the ratio to the first")
     sp.add_argument("--draft-tokens", type=int, default=15,
                     help="bench speculative: most tokens guessed per pass (prompt lookup)")
     sp.add_argument("--input-file", metavar="FILE", help="bench tokenizer: the text to encode (default: English prose)")

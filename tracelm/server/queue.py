@@ -280,7 +280,8 @@ class Engine:
         self.counters.reused_tokens += stats.n_reused
         self.counters.generated_tokens += stats.n_generated
         a.job.post("done", {"finish_reason": finish, "prompt_tokens": stats.n_prompt,
-                            "cached_tokens": stats.n_reused, "completion_tokens": stats.n_generated})
+                            "cached_tokens": stats.n_reused, "completion_tokens": stats.n_generated,
+                            "prefill_seconds": stats.prefill_seconds, "decode_seconds": stats.decode_seconds})
 
     def _fail(self, a: Active, e: Exception) -> None:
         """End a job with the error answer its exception calls for (a session's Cache may be half-written)."""

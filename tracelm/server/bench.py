@@ -1,0 +1,85 @@
+"""`tracelm bench server`: aggregate decode rate of N concurrent streams through the server's engine.
+
+For each N, a fresh `Engine` gets N requests at once (greedy, the same prompt length, each its own prompt: the
+bench text shifted by one token per stream), so they start together and decode in one batch. The decode rate
+is all generated tokens over the wall time from the start to the last token, less the prompts' prefills
+(which run one at a time, before the batch decodes). Ratios are against one stream, measured in the same run;
+the order of N alternates between repeats and the best rate of each N counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+from tracelm.io.loader import load_model
+from tracelm.pipeline.bench import bench_ids
+from tracelm.server.queue import Engine, Job
+from tracelm.state.records import SamplingParams
+from tracelm.state.run_config import RunConfig, ServerOptions
+
+GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0)
+
+
+def run_streams(engine: Engine, prompts: list[list[int]], n_decode: int) -> dict[str, float]:
+    """Run one request per prompt through a not yet started engine; their summed counts and the wall time."""
+
+    async def main() -> tuple[list[dict[str, Any]], float]:
+        loop = asyncio.get_running_loop()
+        jobs = [Job(request_id=f"bench-{i}", prompt_ids=ids, prompt_text="", max_tokens=n_decode, sampling=GREEDY,
+                    stop=(), deadline=time.monotonic() + 3600, loop=loop) for i, ids in enumerate(prompts)]
+        for job in jobs:
+            engine.submit(job)
+        t0 = time.perf_counter()
+        engine.start()
+
+        async def done(job: Job) -> dict[str, Any]:
+            while True:
+                event = await job.events.get()
+                if event[0] == "done":
+                    return event[1]
+                if event[0] == "error":
+                    raise event[1]
+
+        results = await asyncio.gather(*(done(j) for j in jobs))
+        return results, time.perf_counter() - t0
+
+    try:
+        results, wall = asyncio.run(main())
+    finally:
+        engine.stop()
+    return {"generated": sum(r["completion_tokens"] for r in results), "shortest": min(r["completion_tokens"]
+            for r in results), "prefill_seconds": sum(r["prefill_seconds"] for r in results), "wall_seconds": wall}
+
+
+def bench_server(model_name: str, streams: tuple[int, ...] = (1, 2, 4, 8), n_prompt: int = 64, n_decode: int = 128,
+                 repeats: int = 2) -> dict[str, Any]:
+    model = load_model(model_name, progress=False)
+    most = max(streams)
+    text = bench_ids(model.tokenizer, n_prompt + most)
+    cfg = RunConfig(model=model_name, context=n_prompt + n_decode + 1, sampling=GREEDY,
+                    server=ServerOptions(queue_size=most, max_batch=min(most, 8)))
+    best: dict[int, dict[str, float]] = {}
+    load_before = os.getloadavg()
+    for r in range(repeats):
+        for n in streams if r % 2 == 0 else streams[::-1]:
+            engine = Engine(model, cfg)
+            got = run_streams(engine, [text[k : k + n_prompt] for k in range(n)], n_decode)
+            decode = got["wall_seconds"] - got["prefill_seconds"]
+            got |= {"tok_s": got["generated"] / decode, "ms_per_pass": 1e3 * decode / max(engine.counters.passes, 1),
+                    "peak_batch": engine.counters.peak_batch}
+            if n not in best or got["tok_s"] > best[n]["tok_s"]:
+                best[n] = got
+    report: dict[str, Any] = {"model": str(model.path.name), "prompt_tokens": n_prompt, "decode_tokens": n_decode,
+                              "repeats": repeats, "loadavg_before": [round(x, 2) for x in load_before],
+                              "loadavg_after": [round(x, 2) for x in os.getloadavg()]}
+    one = best[streams[0]]["tok_s"]
+    for n in streams:
+        b = best[n]
+        report[f"streams_{n}"] = {"aggregate_tok_s": round(b["tok_s"], 2), f"vs_{streams[0]}_stream":
+                                  round(b["tok_s"] / one, 3), "ms_per_pass": round(b["ms_per_pass"], 2),
+                                  "peak_batch": b["peak_batch"], "generated": int(b["generated"]),
+                                  "shortest_stream": int(b["shortest"])}
+    return report
