@@ -34,9 +34,10 @@ F32 = gguf.GGMLQuantizationType.F32
 
 
 def write_tiny_gguf(path: Path, *, arch: str = "llama", qtype: gguf.GGMLQuantizationType = F32,
-                    drop: str | None = None, seed: int = 0, tied: bool = True) -> Path:
+                    drop: str | None = None, seed: int = 0, tied: bool = True, window: int = 0) -> Path:
     """A 2-layer llama with random weights and a byte-level BPE vocabulary (256 bytes, 3 merges,
-    <|endoftext|> as BOS/EOS). `drop` leaves one tensor out; `qtype` stores the matrices quantized."""
+    <|endoftext|> as BOS/EOS). `drop` leaves one tensor out; `qtype` stores the matrices quantized;
+    `window` > 0 gives every layer that sliding window (mistral-style)."""
     rng = np.random.default_rng(seed)
     t = TINY
     tokens = byte_level_vocab() + ["he", "ll", "hell", "<|endoftext|>"]
@@ -59,6 +60,8 @@ def write_tiny_gguf(path: Path, *, arch: str = "llama", qtype: gguf.GGMLQuantiza
     w.add_bos_token_id(n_vocab - 1)
     w.add_eos_token_id(n_vocab - 1)
     w.add_add_bos_token(False)
+    if window:
+        w.add_sliding_window(window)
 
     def mat(rows: int, cols: int) -> np.ndarray:
         return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)

@@ -30,7 +30,7 @@ from tracelm.stages.embed import embed
 from tracelm.stages.ffn import ffn
 from tracelm.stages.head import head
 from tracelm.stages.norm import post_norm, rms_norm
-from tracelm.state.cache import Cache
+from tracelm.state.cache import RING_SLACK, Cache
 from tracelm.state.model_config import ModelConfig
 from tracelm.state.records import Heads, Hidden, Logits, ModelWeights
 
@@ -41,12 +41,13 @@ def plain_call(stage: str, layer: int | None, fn: Callable[..., Any], *args: Any
     return fn(*args)
 
 
-def new_cache(cfg: ModelConfig, n_ctx: int) -> Cache:
+def new_cache(cfg: ModelConfig, n_ctx: int, slack: int = RING_SLACK) -> Cache:
+    """A Cache for n_ctx positions (a window ring with `slack` when every layer has one window: see Cache)."""
     tables = lambda base: rope_tables(n_ctx, cfg.rope_dim, base, cfg.rope_mode, cfg.rope_freq_factors)  # noqa: E731
     cos, sin = tables(cfg.rope_base)
     bases = {cfg.layer_rope_base(i) for i in range(cfg.n_layer)} - {cfg.rope_base}
     with small_pages():
-        return Cache(cfg, n_ctx, cos, sin, {b: tables(b) for b in bases})
+        return Cache(cfg, n_ctx, cos, sin, {b: tables(b) for b in bases}, slack)
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ from tracelm.pipeline.graph import Part, forward, forward_batch, new_cache, plai
 from tracelm.pipeline.speculative import lookup_draft
 from tracelm.pipeline.trace import Tracer
 from tracelm.stages.sample import sample
+from tracelm.state.cache import RING_SLACK
 from tracelm.state.records import Choice, Logits, SamplingParams
 
 
@@ -76,7 +77,7 @@ class Runner:
     def __init__(self, model: LoadedModel, n_ctx: int, tracer: Tracer | None = None, draft_tokens: int = 0,
                  draft_ngram: int = 3):
         self.model = model
-        self.cache = new_cache(model.cfg, n_ctx)
+        self.cache = new_cache(model.cfg, n_ctx, max(RING_SLACK, draft_tokens))  # a KV ring takes back guesses
         self.tracer = tracer
         self.draft_tokens = draft_tokens  # prompt-lookup speculation: tokens guessed per pass (0 = off)
         self.draft_ngram = draft_ngram
@@ -89,7 +90,7 @@ class Runner:
     def prefill(self, ids: Sequence[int], all_logits: bool = False) -> Logits:
         """Bring the Cache to hold exactly `ids`, computing only positions past the common prefix."""
         check_fits(len(ids), 0, self.cache.n_ctx)
-        keep = min(common_prefix(self.cache.tokens, ids), len(ids) - 1)
+        keep = self.cache.reusable(min(common_prefix(self.cache.tokens, ids), len(ids) - 1))
         if all_logits:
             keep = 0
         self.cache.truncate(keep)
@@ -119,7 +120,7 @@ class Runner:
         self.stats = stats = GenerationStats(n_prompt=len(prompt_ids), finish_reason="length")
         rng = np.random.default_rng(sampling.seed)
         if self.tracer is not None:  # what a replay needs to repeat this call exactly
-            reused = min(common_prefix(self.cache.tokens, prompt_ids), len(prompt_ids) - 1)
+            reused = self.cache.reusable(min(common_prefix(self.cache.tokens, prompt_ids), len(prompt_ids) - 1))
             self.tracer.event("generate", prompt_ids=prompt_ids, reused=reused, max_tokens=max_tokens,
                               stop=list(stop), sampling=attrs.asdict(sampling),
                               rng={"generator": type(rng.bit_generator).__name__, "seed": sampling.seed})

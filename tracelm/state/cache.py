@@ -4,19 +4,41 @@ from __future__ import annotations
 
 import numpy as np
 
+from tracelm import TracelmError
 from tracelm.state.model_config import ModelConfig
+
+# A window ring's room past the window (mistral-style models, see Cache): a pass of up to this many new
+# positions is written and read in place, and a truncate may go back up to this many positions.
+RING_SLACK = 64
 
 
 class Cache:
     """Keys and values of every layer for up to n_ctx positions, preallocated, plus the tables that
-    depend only on position. `tokens` are the ids whose keys/values are stored, in position order."""
+    depend only on position. `tokens` are the ids whose keys/values are stored, in position order.
+
+    When every layer attends over the same window W (mistral-style sliding window), no position older than
+    W - 1 before a query is ever read again, so the KV arrays are a ring of `ring` = W - 1 + slack slots
+    instead of n_ctx positions: position p lives in slot p % ring, written twice, at index slot and slot +
+    ring of arrays 2 * ring long, so that any `ring` consecutive positions are one contiguous view in
+    position order (keys and masks as an unbounded Cache gives them, with the same numbers). A pass of T
+    rows reads positions p - W + 1.. of its first query p: up to `slack` rows read the ring in place; a
+    longer one (a prompt) reads the held positions joined with its own new ones, and the ring keeps its
+    last `ring`. `first` is the oldest position still held; `reusable(n)` says whether a truncate to n can
+    continue from there (the next pass reads n - W + 1..n - 1), and `truncate` refuses what it cannot keep.
+    Models whose layers mix windows with global attention (gemma3) keep n_ctx positions."""
 
     def __init__(self, cfg: ModelConfig, n_ctx: int, rope_cos: np.ndarray, rope_sin: np.ndarray,
-                 rope_extra: dict[float, tuple[np.ndarray, np.ndarray]] | None = None):
-        shape = (cfg.n_layer, cfg.n_head_kv, n_ctx, cfg.head_dim)
+                 rope_extra: dict[float, tuple[np.ndarray, np.ndarray]] | None = None, slack: int = RING_SLACK):
+        windows = {cfg.window(i) for i in range(cfg.n_layer)}
+        self.window = windows.pop() if len(windows) == 1 else 0  # every layer's one window; 0: none, or mixed
+        ring = self.window - 1 + max(1, slack) if self.window else 0
+        self.ring = ring if 0 < 2 * ring < n_ctx else 0  # slots of the window ring; 0: positions in place
+        shape = (cfg.n_layer, cfg.n_head_kv, 2 * self.ring if self.ring else n_ctx, cfg.head_dim)
         self.n_ctx = n_ctx
-        self.k = np.zeros(shape, np.float32)  # [layer, kv head, position, head dim]
+        self.k = np.zeros(shape, np.float32)  # [layer, kv head, position (ring: slot), head dim]
         self.v = np.zeros(shape, np.float32)
+        self.held_from = [0] * cfg.n_layer  # per layer, the oldest position whose keys/values are still held
+        self._joined: tuple | None = None  # a long pass's held + new keys/values of one layer, until read
         self.rope_cos, self.rope_sin = rope_cos, rope_sin  # [n_ctx, rope_dim], laid out for the rope mode
         # tables of other RoPE bases (gemma3's windowed layers), keyed by base
         self.rope_extra = dict(rope_extra or {})
@@ -38,20 +60,77 @@ class Cache:
         """Forget every position (the arrays stay allocated; stale rows are never read)."""
         self.tokens.clear()
         self._masks.clear()
+        self.held_from, self._joined = [0] * len(self.held_from), None
+
+    @property
+    def first(self) -> int:
+        """The oldest position every layer still holds (a pass cut short may have advanced some layers)."""
+        return max(self.held_from)
+
+    def first_visible(self, position: int) -> int:
+        """The oldest position a query at `position` reads (every layer's window; 0 without a ring)."""
+        return max(0, position - self.window + 1) if self.ring else 0
+
+    def reusable(self, n: int) -> int:
+        """How many of the first n cached positions a next pass can build on: n (at most n_past), or 0 when a
+        window ring no longer holds the positions a query at n reads (recompute from the start)."""
+        n = min(n, self.n_past)
+        return n if self.first_visible(n) >= self.first else 0
 
     def truncate(self, n: int) -> None:
-        """Keep only the first n positions (a shared prompt prefix)."""
+        """Keep only the first n positions (a shared prompt prefix, or a rollback of guessed tokens).
+        A window ring refuses a position whose window it has overwritten (see `reusable`)."""
+        if n < self.n_past and self.reusable(n) != n:
+            raise TracelmError(f"cannot go back to position {n}: the KV window ring holds positions "
+                               f"{self.first}.. only (window {self.window}, ring {self.ring} slots); "
+                               f"recompute from the start")
         del self.tokens[n:]
+        if n == 0:
+            self.reset()
 
     def write(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
         """Store k, v [T, n_head_kv, head_dim] at positions start..start+T-1 of one layer."""
         T = k.shape[0]
-        self.k[layer, :, start : start + T] = k.transpose(1, 0, 2)
-        self.v[layer, :, start : start + T] = v.transpose(1, 0, 2)
+        k, v = k.transpose(1, 0, 2), v.transpose(1, 0, 2)
+        if not self.ring:
+            self.k[layer, :, start : start + T] = k
+            self.v[layer, :, start : start + T] = v
+            return
+        lo, end = self.first_visible(start), start + T
+        self._joined = None
+        if lo < self.held_from[layer]:
+            raise RuntimeError(f"position {start} reads position {lo}, no longer held by layer {layer} "
+                               f"(oldest {self.held_from[layer]})")
+        if end - lo > self.ring:  # more than the slack: this pass reads the held positions joined with its own
+            held_k, held_v = self._ring_views(layer, lo, start)
+            self._joined = (layer, lo, end, np.concatenate((held_k, k), axis=1), np.concatenate((held_v, v), axis=1))
+            k, v, start = k[:, -self.ring :], v[:, -self.ring :], max(start, end - self.ring)
+        for buf, new in ((self.k[layer], k), (self.v[layer], v)):
+            n, s = new.shape[1], start % self.ring
+            buf[:, s : s + n] = new  # each slot s also at s + ring (s + n <= 2 * ring)
+            if s + n <= self.ring:
+                buf[:, s + self.ring : s + n + self.ring] = new
+            else:
+                buf[:, s + self.ring :] = new[:, : self.ring - s]
+                buf[:, : s + n - self.ring] = new[:, self.ring - s :]
+        self.held_from[layer] = max(self.held_from[layer], end - self.ring)
+
+    def _ring_views(self, layer: int, lo: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        s = lo % self.ring
+        return self.k[layer, :, s : s + end - lo], self.v[layer, :, s : s + end - lo]
 
     def keys_values(self, layer: int, end: int, lo: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Read-only views of positions lo..end-1 of one layer: [n_head_kv, end - lo, head_dim] each."""
-        k, v = self.k[layer, :, lo:end], self.v[layer, :, lo:end]
+        if not self.ring:
+            k, v = self.k[layer, :, lo:end], self.v[layer, :, lo:end]
+        elif self._joined is not None and self._joined[:3] == (layer, lo, end):
+            k, v = self._joined[3:]
+            self._joined = None
+        elif lo >= self.held_from[layer] and end - lo <= self.ring:
+            k, v = self._ring_views(layer, lo, end)
+        else:
+            raise RuntimeError(f"positions {lo}..{end - 1} are not all held by the KV window ring "
+                               f"(oldest {self.first}, {self.ring} slots)")
         k.flags.writeable = v.flags.writeable = False
         return k, v
 
