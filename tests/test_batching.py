@@ -310,3 +310,22 @@ def test_server_streams_concurrent_requests_with_their_lone_text_and_traces(tmp_
     assert health["counters"]["peak_batch"] >= 2, health  # some of them shared passes
     for _, rid, _ in results:  # each request's trace, recorded in a batch, replays exactly
         assert replay(traces / f"{rid}.jsonl").status == REPRODUCED
+
+
+def test_a_failed_pass_fails_its_sequences_and_the_engine_serves_on(tiny_gguf, tiny, monkeypatch) -> None:
+    import tracelm.server.queue as engine_module
+
+    real, calls = engine_module.feed_together, []
+
+    def fails_once(gens):
+        calls.append(len([g for g in gens if g.feed]))
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return real(gens)
+
+    monkeypatch.setattr(engine_module, "feed_together", fails_once)
+    engine = Engine(tiny, engine_config(tiny_gguf, max_batch=2))
+    results = run_jobs(engine, SPECS[:3])
+    assert calls[0] == 2 and [r["error"].status for r in results[:2]] == [500, 500]
+    assert results[2]["text"] == lone_text(tiny, SPECS[2])[0]
+    assert engine.counters.failed == 2 and engine.counters.served == 1

@@ -208,10 +208,11 @@ class Engine:
         for job in list(self._waiting):
             if len(self.active) >= self.max_batch:
                 return
-            if job.session_id in busy:
-                continue
+            if job.session_id is not None:
+                if job.session_id in busy:
+                    continue
+                busy.add(job.session_id)
             self._waiting.remove(job)
-            busy.add(job.session_id)
             self._start(job)
 
     def _start(self, job: Job) -> None:
