@@ -87,7 +87,7 @@ def write_tiny_gguf(path: Path, *, arch: str = "llama", qtype: gguf.GGMLQuantiza
             continue
         a = np.asarray(a, np.float32)
         if a.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_shape=a.shape, raw_dtype=qtype)
+            w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, a)
     return finish_gguf(w, path)

@@ -73,7 +73,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         source = ModelFile(cfg.model, cfg.tokenizer)
         ids = source.tokenizer.encode(cfg.prompt)
         check_fits(len(ids), cfg.max_tokens, cfg.context)
-        model = source.load()
+        model = source.load(weights=cfg.weights)
         with _tracer(cfg, model, ids, getattr(args, "trace_key_env", None)) as tracer:
             runner = Runner(model, cfg.context, tracer, **speculation(cfg))
             text = "".join(_echo(runner.generate(ids, cfg.max_tokens, cfg.sampling, cfg.stop)))
@@ -104,7 +104,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     cfg = _load_config(args)
     interactive = sys.stdin.isatty() and not args.message
     with _threads(cfg.threads):
-        model = load_model(cfg.model, tokenizer=cfg.tokenizer)
+        model = load_model(cfg.model, tokenizer=cfg.tokenizer, weights=cfg.weights)
         runner = Runner(model, cfg.context, **speculation(cfg))
         messages: list[dict[str, str]] = [{"role": "system", "content": cfg.system}] if cfg.system else []
         inputs = iter(args.message) if args.message else sys.stdin
@@ -231,7 +231,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         elif args.positions:
             report = context_scaling(args.model, _positions(args.positions))
         else:
-            report = run_bench(args.model, args.prompt_tokens, args.decode_tokens, args.context)
+            report = run_bench(args.model, args.prompt_tokens, args.decode_tokens, args.context, args.weights)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -423,6 +423,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--decode-tokens", type=int, default=128)
     sp.add_argument("--context", type=int, default=1024)
     sp.add_argument("--threads", type=int, default=0)
+    sp.add_argument("--weights", choices=("resident", "streamed"), default="resident",
+                    help="streamed: weights stay quantized in the GGUF, a block dequantized at a time; reports "
+                    "peak RSS against file + one block f32 + KV cache + 150 MB, and logits against resident")
     sp.add_argument("--json", action="store_true")
     sp.add_argument("--positions", metavar="P1,P2,...",
                     help="instead: decode ms/token at each position (32 steps each, interleaved; ratios to the "

@@ -1,4 +1,5 @@
-"""Load a model by registry name or path: config and tokenizer first, then resident f32 weights."""
+"""Load a model by registry name or path: config and tokenizer first, then the weights (resident f32, or
+streamed from a GGUF file)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tracelm.io.gguf_file import GGUFFile, load_weights, model_config
 from tracelm.io.tokenizer import Tokenizer
 from tracelm.state.model_config import ModelConfig
 from tracelm.state.records import ModelWeights
+from tracelm.state.run_config import WEIGHT_MODES
 
 
 @attrs.frozen
@@ -71,17 +73,29 @@ class ModelFile:
             raise TracelmError(f"{self.tokenizer.source or tokenizer}: tokenizer has {self.tokenizer.n_vocab} "
                                f"tokens, the model only {self.cfg.n_vocab}")
 
-    def load(self, progress: bool = True) -> LoadedModel:
-        if self.kind == "gguf":
-            weights = load_weights(self.gguf, self.cfg, progress=progress)
+    def load(self, progress: bool = True, weights: str = "resident") -> LoadedModel:
+        """The weights resident in f32, or `weights="streamed"` (a GGUF only): left quantized in the mapped
+        file and dequantized a block at a time as the graph runs (see tracelm.io.streamed)."""
+        if weights not in WEIGHT_MODES:
+            raise TracelmError(f"weights {weights!r}: expected one of {', '.join(WEIGHT_MODES)}")
+        if weights == "streamed":
+            if self.kind != "gguf":
+                raise TracelmError(f"{self.path.name}: streamed weights need a GGUF file (this is a "
+                                   f"{'Hugging Face folder' if self.kind == 'hf' else 'llama2.c checkpoint'}); "
+                                   "use weights: resident, or `tracelm export` it to a GGUF")
+            from tracelm.io.streamed import streamed_weights
+
+            weights_ = streamed_weights(self.gguf, self.cfg)
+        elif self.kind == "gguf":
+            weights_ = load_weights(self.gguf, self.cfg, progress=progress)
         elif self.kind == "llama2c":
             from tracelm.io.llama2c import load_weights as load_llama2c
 
-            weights = load_llama2c(self.llama2c)
+            weights_ = load_llama2c(self.llama2c)
         else:
-            weights = self.hf.load_weights(progress=progress)
+            weights_ = self.hf.load_weights(progress=progress)
         meta = {k: v for k, v in self.metadata.items() if not isinstance(v, list) or len(v) < 256}
-        return LoadedModel(self.path, self.cfg, weights, self.tokenizer, meta, time.perf_counter() - self.t0,
+        return LoadedModel(self.path, self.cfg, weights_, self.tokenizer, meta, time.perf_counter() - self.t0,
                            self.tokenizer_path)
 
 
@@ -99,8 +113,10 @@ def model_kind(path: Path) -> str:
     return "gguf" if magic == b"GGUF" or path.suffix == ".gguf" else "llama2c"
 
 
-def load_model(name_or_path: str, progress: bool = True, tokenizer: str | None = None) -> LoadedModel:
-    return ModelFile(name_or_path, tokenizer).load(progress)
+def load_model(name_or_path: str, progress: bool = True, tokenizer: str | None = None,
+               weights: str = "resident") -> LoadedModel:
+    """`weights`: "resident" (f32 arrays) or "streamed" (a GGUF's weights dequantized a block at a time)."""
+    return ModelFile(name_or_path, tokenizer).load(progress, weights)
 
 
 def load_tokenizer(name_or_path: str) -> Tokenizer:

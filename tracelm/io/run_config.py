@@ -66,8 +66,9 @@ def _build(cls: type, tree: dict[str, Any], prefix: str = "") -> Any:
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as e:
-        bad = next((f"{prefix}{k}" for k in kwargs if k in str(e)), prefix.rstrip(".") or "config")
-        raise TracelmError(f"config key {bad}: {e}") from None
+        message = e.args[0] if e.args and isinstance(e.args[0], str) else str(e)  # attrs' in_ adds 3 more args
+        bad = next((f"{prefix}{k}" for k in kwargs if k in message), prefix.rstrip(".") or "config")
+        raise TracelmError(f"config key {bad}: {message}") from None
 
 
 def load_run_config(path: str | Path | None, overrides: Iterable[str] = ()) -> RunConfig:

@@ -75,9 +75,12 @@ def bench_ids(tokenizer: Any, n: int) -> list[int]:
     return (ids * (n // len(ids) + 1))[:n]
 
 
-def run_bench(model_name: str, n_prompt: int = 256, n_decode: int = 128, n_ctx: int = 1024) -> dict[str, Any]:
+def run_bench(model_name: str, n_prompt: int = 256, n_decode: int = 128, n_ctx: int = 1024,
+              weights: str = "resident") -> dict[str, Any]:
+    """`weights="streamed"`: prefill is timed once (each pass dequantizes every block), and the report adds
+    the streamed mode's RSS bound and whether its logits equal resident mode's (see `streamed_report`)."""
     probe = _probe_in_child()
-    model = load_model(model_name, progress=False)
+    model = load_model(model_name, progress=False, weights=weights)
     cfg = model.cfg
     runner = Runner(model, max(n_ctx, n_prompt + n_decode))
     ids = bench_ids(model.tokenizer, n_prompt)
@@ -86,7 +89,7 @@ def run_bench(model_name: str, n_prompt: int = 256, n_decode: int = 128, n_ctx: 
         runner.cache.reset()
         runner.prefill(ids)
 
-    prefill_s = _best_seconds(prefill, 3)
+    prefill_s = _best_seconds(prefill, 3 if weights == "resident" else 1)
     token = int(np.argmax(runner.prefill(ids).values[-1]))
     t0 = time.perf_counter()
     for _ in range(n_decode):
@@ -98,7 +101,9 @@ def run_bench(model_name: str, n_prompt: int = 256, n_decode: int = 128, n_ctx: 
     sgemm_bound_tok_s = probe["sgemm_gflop_s"] * 1e9 / prefill_flops_per_token(cfg, n_prompt)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     rss_budget = weight_bytes + runner.cache.nbytes + 300 * 2**20
+    streamed = streamed_report(model, runner.cache.nbytes, peak_rss, ids[:16]) if weights == "streamed" else {}
     return {
+        "weights": weights,
         "model": str(model.path.name),
         "load_seconds": round(model.load_seconds, 3),
         "prefill_tokens": n_prompt,
@@ -106,7 +111,7 @@ def run_bench(model_name: str, n_prompt: int = 256, n_decode: int = 128, n_ctx: 
         "decode_tokens": n_decode,
         "decode_tok_s": round(n_decode / decode_s, 2),
         "peak_rss_mb": round(peak_rss / 2**20, 1),
-        "rss_budget_mb": round(rss_budget / 2**20, 1),
+        **({"rss_budget_mb": round(rss_budget / 2**20, 1)} if not streamed else streamed),
         "f32_weight_mb": round(weight_bytes / 2**20, 1),
         "kv_cache_mb": round(runner.cache.nbytes / 2**20, 1),
         **probe,
@@ -115,6 +120,60 @@ def run_bench(model_name: str, n_prompt: int = 256, n_decode: int = 128, n_ctx: 
         "prefill_sgemm_bound_tok_s": round(sgemm_bound_tok_s, 1),
         "prefill_vs_sgemm_bound": round(n_prompt / prefill_s / sgemm_bound_tok_s, 3),
     }
+
+
+STREAMED_SLACK = 150 * 2**20  # the issue's allowance over file + one block in f32 + KV cache
+
+
+def streamed_report(model: Any, kv_bytes: int, peak_rss: int, check_ids: list[int], n_check_decode: int = 4
+                    ) -> dict[str, Any]:
+    """Streamed mode against its targets: peak RSS against the bound (GGUF file size + the largest block in
+    f32 + KV cache + 150 MB), and logits against resident mode's, computed in a child process (whose memory
+    does not count in this one's peak): every position of `check_ids` in one pass, then `n_check_decode`
+    greedy steps, compared bit for bit."""
+    import tempfile
+
+    file_bytes = model.path.stat().st_size
+    layer_bytes = model.weights.layers.layer_nbytes
+    bound = file_bytes + layer_bytes + kv_bytes + STREAMED_SLACK
+    ids, streamed = logits_path(model, check_ids, n_check_decode)
+    with tempfile.TemporaryDirectory() as tmp:
+        np.save(f"{tmp}/streamed.npy", streamed)
+        code = ("import json, sys; from tracelm.pipeline.bench import compare_resident; "
+                "print(json.dumps(compare_resident(*sys.argv[1:4])))")
+        out = subprocess.run([sys.executable, "-c", code, str(model.path), json.dumps(ids), f"{tmp}/streamed.npy"],
+                             check=True, capture_output=True, text=True)
+    return {
+        "file_mb": round(file_bytes / 2**20, 1),
+        "layer_f32_mb": round(layer_bytes / 2**20, 1),
+        "rss_bound_mb": round(bound / 2**20, 1),
+        "rss_vs_bound": round(peak_rss / bound, 3),
+        **json.loads(out.stdout),
+    }
+
+
+def logits_path(model: Any, prompt_ids: list[int], n_decode: int) -> tuple[dict[str, list[int]], np.ndarray]:
+    """Logits of every prompt position (one pass) and of `n_decode` greedy steps after it: the ids fed
+    ({"prompt", "decode"}) and the logits [len(prompt) + n_decode, vocab]."""
+    runner = Runner(model, len(prompt_ids) + n_decode)
+    rows = [runner.logits(prompt_ids)]
+    fed = []
+    for _ in range(n_decode):
+        fed.append(int(np.argmax(rows[-1][-1])))
+        rows.append(np.asarray(runner.step(fed[-1]).values))
+    return {"prompt": list(prompt_ids), "decode": fed}, np.concatenate(rows)
+
+
+def compare_resident(model_path: str, ids_json: str, npy: str) -> dict[str, Any]:
+    """In a child of `streamed_report`: resident logits fed the same ids, against the saved ones."""
+    ids = json.loads(ids_json)
+    model = load_model(model_path, progress=False)
+    runner = Runner(model, len(ids["prompt"]) + len(ids["decode"]))
+    rows = [runner.logits(ids["prompt"])] + [np.asarray(runner.step(t).values) for t in ids["decode"]]
+    resident, streamed = np.concatenate(rows), np.load(npy)
+    return {"logits_equal_resident": bool(np.array_equal(resident, streamed)),
+            "logits_max_abs_diff": float(np.abs(resident - streamed).max()),
+            "logits_checked": f"{len(ids['prompt'])} prompt positions + {len(ids['decode'])} decode steps"}
 
 
 def trace_overhead(model_name: str, n_decode: int = 64, repeats: int = 3, n_prompt: int = 32) -> dict[str, Any]:

@@ -16,6 +16,8 @@ import functools
 
 import numpy as np
 
+from tracelm.state.records import RowSource
+
 GEMV_ROWS = 16  # up to this many rows: cache-blocked matrix-vector products; more: one matrix-matrix product
 # OpenBLAS runs a matrix-vector product of fewer than about 460k elements on one thread (measured: 442k
 # one, 553k both), so a block must hold at least this many; above that, smaller blocks stay in L2 (2 MiB).
@@ -39,3 +41,33 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     # [c, 1, n/c, d] @ [1, M, d, 1]: numpy loops blocks outermost, rows of x inside -> [c, M, n/c, 1]
     y = np.matmul(w.reshape(c, 1, n // c, d), x.reshape(1, M, d, 1))
     return y.reshape(c, M, n // c).transpose(1, 0, 2).reshape(M, n)
+
+
+MIN_STREAM_VALUES = 1 << 20  # linear_rows: blocks of rows hold at least this many weights (4 MB in f32)
+
+
+def linear_rows(x: np.ndarray, w: RowSource) -> np.ndarray:
+    """linear(x, w) for a weight matrix made a block of rows at a time (streamed weights), with the same
+    numbers: for 2..GEMV_ROWS rows of x every block is whole blocks of the partition `linear` cuts the
+    whole matrix into (and is cut alike again); otherwise the blocks are about `w.max_rows` rows, a
+    multiple of 64 and of at least MIN_STREAM_VALUES values, all of nearly one size -- a matrix-vector
+    product gives each row the same dot product whatever block holds it, and so does OpenBLAS's
+    matrix-matrix product while no block is small enough for its small-matrix kernel (measured at d = 576:
+    blocks of 64 rows differ at M = 9, blocks of >= 640 do not)."""
+    M = x.shape[0]
+    n, d = w.shape
+    if 1 < M <= GEMV_ROWS:
+        c = n_blocks(n, d)
+        sub = n // c
+        k = max((k for k in range(1, c + 1) if c % k == 0 and k * sub <= max(w.max_rows, sub)
+                 and n_blocks(k * sub, d) == k), default=1)
+        step = k * sub
+    else:
+        cap = max(-(-MIN_STREAM_VALUES // d // 64) * 64, w.max_rows // 64 * 64)
+        count = -(-n // cap)
+        step = n if count == 1 else -(-n // count // 64) * 64
+    out = np.empty((M, n), np.float32)
+    for lo in range(0, n, step):
+        hi = min(lo + step, n)
+        out[:, lo:hi] = linear(x, w.rows(lo, hi))
+    return out

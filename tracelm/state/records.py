@@ -6,6 +6,8 @@ stage (or the trace) already saw.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import attrs
 import numpy as np
 
@@ -76,19 +78,51 @@ class LayerWeights:
 
 
 @attrs.frozen(slots=True)
-class ModelWeights:
-    token_embd: np.ndarray = attrs.field(converter=frozen_array)  # [vocab, d]
-    layers: tuple[LayerWeights, ...]
-    output_norm: np.ndarray = attrs.field(converter=frozen_array)  # [d]
-    output: np.ndarray = attrs.field(converter=frozen_array)  # [vocab, d]; token_embd when tied
+class RowSource:
+    """A [rows, cols] f32 weight matrix that is not held in memory (streamed weights: it stays quantized in
+    the model file). `rows(lo, hi)` makes rows lo..hi-1, at most `max_rows` at a time, into a buffer the
+    next call overwrites; `take(ids)` makes the rows of `ids` as a new array, so `source[ids]` works as it
+    does on an array (the embedding lookup)."""
+
+    shape: tuple[int, int]
+    max_rows: int
+    rows: Callable[[int, int], np.ndarray]
+    take: Callable[[np.ndarray], np.ndarray]
+
+    def __getitem__(self, ids: np.ndarray) -> np.ndarray:
+        return self.take(np.asarray(ids))
 
     @property
     def nbytes(self) -> int:
-        """Bytes of distinct weight arrays (a tied head is counted once)."""
-        total = self.token_embd.nbytes + self.output_norm.nbytes + sum(lw.nbytes for lw in self.layers)
-        if not np.shares_memory(self.output, self.token_embd):
-            total += self.output.nbytes
-        return total
+        """Bytes the matrix would take in f32."""
+        return 4 * self.shape[0] * self.shape[1]
+
+
+def _matrix(a: np.ndarray | RowSource) -> np.ndarray | RowSource:
+    return a if isinstance(a, RowSource) else frozen_array(a)
+
+
+@attrs.frozen(slots=True)
+class ModelWeights:
+    """All weights. Resident: f32 arrays. Streamed: `layers` makes block i's LayerWeights when item i is
+    read (into one scratch buffer, valid until the next read) and the embedding and head are RowSources."""
+
+    token_embd: np.ndarray | RowSource = attrs.field(converter=_matrix)  # [vocab, d]
+    layers: Sequence[LayerWeights]
+    output_norm: np.ndarray = attrs.field(converter=frozen_array)  # [d]
+    output: np.ndarray | RowSource = attrs.field(converter=_matrix)  # [vocab, d]; token_embd when tied
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of distinct weight arrays in f32 (a tied head is counted once; streamed weights count as
+        if they were resident)."""
+        layers = self.layers.nbytes if hasattr(self.layers, "nbytes") else sum(lw.nbytes for lw in self.layers)
+        total = self.token_embd.nbytes + self.output_norm.nbytes + layers
+        if isinstance(self.output, RowSource):
+            tied = self.output is self.token_embd
+        else:
+            tied = isinstance(self.token_embd, np.ndarray) and np.shares_memory(self.output, self.token_embd)
+        return total if tied else total + self.output.nbytes
 
 
 _PENALTY_RANGE = [attrs.validators.ge(-2.0), attrs.validators.le(2.0)]
