@@ -112,3 +112,35 @@ def test_compare_cli_with_transformers(tiny_gguf, monkeypatch, capsys):
     assert rep["ratios"]["prefill_vs_transformers"]["value"] > 0
     assert rep["ratios"]["decode_vs_transformers"]["value"] > 0
     assert rep["engines"]["llama.cpp"]["status"] == "not installed"
+
+
+def test_crashed_child_is_retried_with_the_engines_fallback(monkeypatch):
+    """A child killed by a signal (llama.cpp's AMX buffers on some machines) is run once more with the engine's
+    fallback options, and the report says why; a second crash is a plain failure naming the signal."""
+    import subprocess
+
+    monkeypatch.setattr(bc, "missing_modules", lambda engine: [])
+    requests = []
+
+    def fake_run(cmd, input, **kw):  # noqa: A002
+        request = json.loads(input)
+        requests.append(request)
+        if request["options"].get("extra_buffers") is False and len(requests) == 2:
+            line = bc.RESULT_TAG + json.dumps(_ok("llama.cpp", 500.0, 100.0, [1]) | {"options": request["options"]})
+            return subprocess.CompletedProcess(cmd, 0, line + "\n", "")
+        return subprocess.CompletedProcess(cmd, -11, "", "llama_kv_cache: some log line\n")
+
+    monkeypatch.setattr(bc.subprocess, "run", fake_run)
+    r = bc.run_engine("llama.cpp", "m.gguf", [1, 2], n_decode=2, threads=2)
+    assert [q["options"] for q in requests] == [{}, {"extra_buffers": False}]
+    assert r["status"] == "ok" and r["options"] == {"extra_buffers": False}
+    assert "SIGSEGV" in r["note"] and "AMX" in r["note"]
+    assert "note: extra weight buffer types" in bc.format_table(bc.build_report("m", 2, 2, 2, {"llama.cpp": r}))
+
+    requests.clear()
+    r = bc.run_engine("transformers", "m.gguf", [1, 2], n_decode=2, threads=2)  # no fallback: one try
+    assert len(requests) == 1
+    assert r == {"engine": "transformers", "status": "failed", "error": "child killed by SIGSEGV"}
+    requests.append({})  # the fallback crashes too
+    r = bc.run_engine("llama.cpp", "m.gguf", [1, 2], n_decode=2, threads=2)
+    assert r["status"] == "failed" and r["error"] == "child killed by SIGSEGV" and "AMX" in r["note"]

@@ -22,6 +22,7 @@ import importlib.util
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -54,7 +55,7 @@ WARMUP_STEPS = 8
 
 
 class TracelmEngine:
-    def __init__(self, path: str, threads: int, n_ctx: int):
+    def __init__(self, path: str, threads: int, n_ctx: int, **options: Any):
         from tracelm.io.loader import load_model
         from tracelm.pipeline.runner import Runner
 
@@ -71,17 +72,32 @@ class TracelmEngine:
 
 
 class LlamaCppEngine:
-    def __init__(self, path: str, threads: int, n_ctx: int):
-        from llama_cpp import Llama
+    def __init__(self, path: str, threads: int, n_ctx: int, extra_buffers: bool = True, **options: Any):
+        """`extra_buffers=False` turns off llama.cpp's extra weight buffer types (AMX tiles, repacked
+        layouts; model parameter `use_extra_bufts`, which `Llama` does not take as an argument)."""
+        import llama_cpp
 
-        self.llm = Llama(model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
-                         logits_all=False, verbose=False)
+        self.lib = llama_cpp
+        if not extra_buffers:  # this child process only: every model it loads gets the parameter
+            defaults = llama_cpp.llama_cpp.llama_model_default_params
+
+            def without_extra_buffers() -> Any:
+                params = defaults()
+                params.use_extra_bufts = False
+                return params
+
+            llama_cpp.llama_cpp.llama_model_default_params = without_extra_buffers
+        self.llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                                   n_batch=512, logits_all=False, verbose=False)
+        self.n_vocab = self.llm.n_vocab()
 
     def reset(self) -> None:
-        self.llm.reset()  # n_tokens = 0: the next eval overwrites the KV cache from position 0
+        self.llm.reset()  # n_tokens = 0: the next eval drops the KV cache from position 0 on
 
     def _last(self) -> int:
-        return int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+        # without logits_all, eval keeps no scores: read the last position's logits from the context
+        row = self.lib.llama_get_logits_ith(self.llm.ctx, -1)
+        return int(np.argmax(np.ctypeslib.as_array(row, shape=(self.n_vocab,))))
 
     def prefill(self, ids: Sequence[int]) -> int:
         self.llm.eval(list(ids))
@@ -93,7 +109,7 @@ class LlamaCppEngine:
 
 
 class TransformersEngine:
-    def __init__(self, path: str, threads: int, n_ctx: int):
+    def __init__(self, path: str, threads: int, n_ctx: int, **options: Any):
         import torch
 
         from tracelm.pipeline.validate import TransformersReference
@@ -165,11 +181,13 @@ def child_main(engine: str, request: dict[str, Any]) -> dict[str, Any]:
         for module in IMPORTS[engine]:
             importlib.import_module(module)
         t1 = time.perf_counter()
-        model = ENGINE_CLASSES[engine](request["path"], threads, len(ids) + n_decode + 16)
+        model = ENGINE_CLASSES[engine](request["path"], threads, len(ids) + n_decode + 16,
+                                       **request.get("options", {}))
         load_s = time.perf_counter() - t1
         result = measure(model, ids, n_decode, int(request["repeats"]))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     return {"engine": engine, "status": "ok", "version": _version(engine), "threads": threads,
+            "options": request.get("options", {}),
             "load_seconds": round(load_s, 3), "import_seconds": round(t1 - t0, 3),
             **{k: result[k] for k in ("prefill_tok_s", "decode_tok_s")},
             "peak_rss_mb": round(peak / 2**20, 1), "tokens": result["tokens"]}
@@ -182,26 +200,51 @@ def missing_modules(engine: str) -> list[str]:
     return [m for m in REQUIRES[engine] if importlib.util.find_spec(m) is None]
 
 
+# An engine whose child crashed (killed by a signal) is run once more with these options, and the report says
+# why: llama.cpp's AMX weight buffers crash on some machines with AMX (SIGSEGV in ggml_backend_amx_mul_mat,
+# llama.cpp issue 20824; this one included), so it is then measured without its extra buffer types.
+RETRY_AFTER_CRASH: dict[str, tuple[dict[str, Any], str]] = {
+    "llama.cpp": ({"extra_buffers": False}, "extra weight buffer types (AMX, repacking) off: with them the "
+                  "child crashed"),
+}
+
+
 def run_engine(engine: str, path: str, ids: Sequence[int], n_decode: int, threads: int, repeats: int = 3,
-               timeout: float = 1800.0) -> dict[str, Any]:
+               timeout: float = 1800.0, options: dict[str, Any] | None = None) -> dict[str, Any]:
     """One engine measured in a child process: its result, or {"status": "not installed" | "failed", ...}."""
     missing = missing_modules(engine)
     if missing:
         return {"engine": engine, "status": "not installed",
                 "error": f"no module {', '.join(missing)} ({INSTALL.get(engine, 'pip install it')})"}
     request = {"path": str(path), "ids": [int(i) for i in ids], "n_decode": n_decode, "threads": threads,
-               "repeats": repeats}
+               "repeats": repeats, "options": options or {}}
+    result, crashed = _run_child(engine, request, timeout)
+    if crashed and options is None and engine in RETRY_AFTER_CRASH:
+        retry_options, note = RETRY_AFTER_CRASH[engine]
+        retried = run_engine(engine, path, ids, n_decode, threads, repeats, timeout, retry_options)
+        return {**retried, "note": f"{note} ({result['error']})"}
+    return result
+
+
+def _run_child(engine: str, request: dict[str, Any], timeout: float) -> tuple[dict[str, Any], bool]:
+    """The child's result line, or a failure with its one-line reason; True when a signal killed it."""
     cmd = [sys.executable, "-m", "tracelm.pipeline.bench_compare", engine]
     try:
         proc = subprocess.run(cmd, input=json.dumps(request), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"engine": engine, "status": "failed", "error": f"timed out after {timeout:.0f} s"}
+        return {"engine": engine, "status": "failed", "error": f"timed out after {timeout:.0f} s"}, False
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_TAG):
-            return json.loads(line[len(RESULT_TAG):])
+            return json.loads(line[len(RESULT_TAG):]), False
+    if proc.returncode < 0:
+        try:
+            name = signal.Signals(-proc.returncode).name
+        except ValueError:
+            name = f"signal {-proc.returncode}"
+        return {"engine": engine, "status": "failed", "error": f"child killed by {name}"}, True
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    return {"engine": engine, "status": "failed",
-            "error": lines[-1].strip() if lines else f"child exited with code {proc.returncode} and no result"}
+    error = lines[-1].strip() if lines else f"child exited with code {proc.returncode} and no result"
+    return {"engine": engine, "status": "failed", "error": error}, False
 
 
 def agreeing_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -268,6 +311,8 @@ def format_table(report: dict[str, Any]) -> str:
         same = f"{r['greedy_same_as_tracelm']}/{r['greedy_tokens']}" if "greedy_same_as_tracelm" in r else "-"
         lines.append(f"{name:14s} {r['version']:16s} {r['load_seconds']:8.2f} {r['prefill_tok_s']:14.1f} "
                      f"{r['decode_tok_s']:13.2f} {r['peak_rss_mb']:12.1f}  {same}")
+        if r.get("note"):
+            lines.append(f"{'':14s} note: {r['note']}")
     lines.append("")
     for ratio in report["ratios"].values():
         value = "n/a" if ratio["value"] is None else f"{ratio['value']:.2f}x"
