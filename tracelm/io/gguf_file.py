@@ -207,8 +207,17 @@ def dequantize(raw: np.ndarray, qtype: QType | int, shape: tuple[int, ...]) -> n
         bits = np.ascontiguousarray(raw).view(np.uint16).astype(np.uint32) << 16
         out = bits.view(np.float32)
     else:
+        data = np.asarray(raw)
+        block, type_size = GGML_QUANT_SIZES.get(qtype, (1, 1))
+        if block > 1 and data.size % type_size == 0 and data.size:
+            # gguf.quants works 16 rows per call: rows of ~GROUP_VALUES values (whole blocks; each block is
+            # dequantized on its own, so how they are grouped changes no number) make its Python overhead small
+            n_blocks, per = data.size // type_size, max(1, GROUP_VALUES // block)
+            while n_blocks % per:
+                per -= 1
+            data = np.ascontiguousarray(data).reshape(-1, per * type_size)
         try:
-            out = quants.dequantize(np.asarray(raw), qtype)
+            out = quants.dequantize(data, qtype)
         except NotImplementedError:
             raise TracelmError(f"unsupported tensor type {qtype.name}") from None
     n = int(np.prod(shape))
@@ -270,6 +279,8 @@ def model_config(gf: GGUFFile) -> ModelConfig:
     except ValueError as e:
         raise TracelmError(f"{name}: {e}") from None
 
+
+GROUP_VALUES = 4096  # values per row handed to gguf.quants (it dequantizes 16 rows per call)
 
 # Rows dequantized per call when a matrix is made a block of rows at a time: about 1 MB of f32 keeps the
 # dequantizer's temporaries small and in cache (Q6_K / Q8_0 run ~1.4x faster than in one whole-tensor call).
