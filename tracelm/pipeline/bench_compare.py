@@ -295,15 +295,24 @@ def run_compare(model_name: str, threads: int = 0, n_prompt: int = 256, n_decode
         raise TracelmError(f"bench --compare: unknown engine {unknown[0]!r} (known: {', '.join(ENGINES)})")
     threads = threads if threads > 0 else (os.cpu_count() or 1)
     ids = bench_ids(source.tokenizer, n_prompt)
+    load_before = os.getloadavg()[0]
     results = {e: run_engine(e, str(source.path), ids, n_decode, threads, repeats, timeout) for e in engines}
-    return build_report(Path(source.path).name, threads, n_prompt, n_decode, results)
+    report = build_report(Path(source.path).name, threads, n_prompt, n_decode, results)
+    # other work on the machine slows the engines unequally (they run one after another): say how busy it was
+    report["load_average_1m"] = {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2),
+                                 "cores": os.cpu_count()}
+    return report
 
 
 def format_table(report: dict[str, Any]) -> str:
     lines = [f"{report['model']}: {report['threads']} threads, {report['prompt_tokens']}-token prompt, "
-             f"{report['decode_tokens']} greedy decode tokens",
-             f"{'engine':14s} {'version':16s} {'load s':>8s} {'prefill tok/s':>14s} {'decode tok/s':>13s} "
-             f"{'peak RSS MB':>12s}  greedy = tracelm"]
+             f"{report['decode_tokens']} greedy decode tokens"]
+    load = report.get("load_average_1m")
+    if load:
+        lines.append(f"load average (1 min) {load['before']:.2f} before, {load['after']:.2f} after, on {load['cores']} "
+                     "cores (other work slows the engines unequally)")
+    lines.append(f"{'engine':14s} {'version':16s} {'load s':>8s} {'prefill tok/s':>14s} {'decode tok/s':>13s} "
+                 f"{'peak RSS MB':>12s}  greedy = tracelm")
     for name, r in report["engines"].items():
         if r["status"] != "ok":
             lines.append(f"{name:14s} {r['status']}: {r.get('error', '')}")
