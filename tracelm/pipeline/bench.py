@@ -91,10 +91,10 @@ def run_bench(model_name: str, n_prompt: int = 256, n_decode: int = 128, n_ctx: 
 
     prefill_s = _best_seconds(prefill, 3 if weights == "resident" else 1)
     token = int(np.argmax(runner.prefill(ids).values[-1]))
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     for _ in range(n_decode):
         token = int(np.argmax(runner.step(token).values[-1]))
-    decode_s = time.perf_counter() - t0
+    decode_s, decode_cpu_s = time.perf_counter() - t0, time.process_time() - c0
 
     weight_bytes = model.weights.nbytes
     roofline_tok_s = probe["bandwidth_gb_s"] * 1e9 / weight_bytes
@@ -110,6 +110,7 @@ def run_bench(model_name: str, n_prompt: int = 256, n_decode: int = 128, n_ctx: 
         "prefill_tok_s": round(n_prompt / prefill_s, 1),
         "decode_tokens": n_decode,
         "decode_tok_s": round(n_decode / decode_s, 2),
+        "decode_cpu_ms_per_token": round(1e3 * decode_cpu_s / n_decode, 1),  # all threads; steadier under load
         "peak_rss_mb": round(peak_rss / 2**20, 1),
         **({"rss_budget_mb": round(rss_budget / 2**20, 1)} if not streamed else streamed),
         "f32_weight_mb": round(weight_bytes / 2**20, 1),
