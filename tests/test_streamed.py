@@ -179,3 +179,23 @@ def test_a_streamed_trace_replays_bit_for_bit_on_resident_weights(tmp_path: Path
     report = replay(trace)
     assert report.status == REPRODUCED and report.divergence is None and report.first_bit_difference is None
     assert report.compared > 50
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_0])
+def test_own_dequantization_kernels_equal_gguf(qtype: Q) -> None:
+    """Q4_1 and Q5_0 (SmolLM2's and Qwen2.5's main types) are dequantized by tracelm's own kernels: every
+    value must be gguf.quants' own, for quantized data and for arbitrary bytes (any scale, any bits)."""
+    from tracelm.io.gguf_file import KERNEL_BLOCKS, dequantize
+
+    rng = np.random.default_rng(2)
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    w = (rng.standard_normal((KERNEL_BLOCKS // 8 + 3, 256)) * rng.uniform(0.01, 10, (KERNEL_BLOCKS // 8 + 3, 1)))
+    raw = gguf.quants.quantize(w.astype(np.float32), qtype)
+    noise = rng.integers(0, 256, (300, type_size), dtype=np.uint8)
+    noise[:, :2] = np.float16(rng.uniform(-3, 3, (300, 1))).view(np.uint8)  # finite scales (NaN != NaN)
+    if qtype == Q.Q4_1:
+        noise[:, 2:4] = np.float16(rng.uniform(-3, 3, (300, 1))).view(np.uint8)
+    for data, shape in ((raw, w.shape), (noise, (300, block))):
+        ours = dequantize(data, qtype, shape)
+        theirs = gguf.quants.dequantize(data, qtype).reshape(shape)
+        assert ours.dtype == np.float32 and np.array_equal(ours, theirs)

@@ -197,6 +197,39 @@ class GGUFFile:
             raise TracelmError(f"{self.name}: tensor {name}: {e}") from None
 
 
+def _nibbles(qs: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Packed 4-bit values [n, k] -> [n, 2k] uint8 as ggml lays them: low nibbles first, then high."""
+    k = qs.shape[1]
+    np.bitwise_and(qs, 0x0F, out=out[:, :k])
+    np.right_shift(qs, 4, out=out[:, k:])
+    return out
+
+
+def _q4_1(blocks: np.ndarray, out: np.ndarray) -> None:
+    """Q4_1 blocks [n, 20] (f16 d, f16 m, 16 bytes of nibbles) -> out [n, 32] = d * q + m."""
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    np.copyto(out, _nibbles(blocks[:, 4:], np.empty(out.shape, np.uint8)), casting="unsafe")
+    out *= d
+    out += m
+
+
+def _q5_0(blocks: np.ndarray, out: np.ndarray) -> None:
+    """Q5_0 blocks [n, 22] (f16 d, 32 high bits, 16 bytes of nibbles) -> out [n, 32] = d * (q - 16)."""
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    q = _nibbles(blocks[:, 6:], np.empty(out.shape, np.uint8))
+    q |= np.unpackbits(blocks[:, 2:6], axis=1, bitorder="little") << 4
+    np.copyto(out, q, casting="unsafe")
+    out -= 16
+    out *= d
+
+
+# Types whose gguf.quants dequantization is rewritten here with fewer temporaries (1.5-1.9x faster), with
+# exactly its arithmetic (f32 d * q (+ m), elementwise): the same numbers (tests/test_streamed.py checks).
+_KERNELS = {QType.Q4_1: _q4_1, QType.Q5_0: _q5_0}
+KERNEL_BLOCKS = 2048  # blocks per kernel call: 64k values, temporaries in cache
+
+
 def dequantize(raw: np.ndarray, qtype: QType | int, shape: tuple[int, ...]) -> np.ndarray:
     """Raw GGUF tensor bytes (or f32/f16 values) -> contiguous f32 array of `shape`."""
     try:
@@ -206,6 +239,12 @@ def dequantize(raw: np.ndarray, qtype: QType | int, shape: tuple[int, ...]) -> n
     if qtype == QType.BF16:  # bf16 is the top half of an f32
         bits = np.ascontiguousarray(raw).view(np.uint16).astype(np.uint32) << 16
         out = bits.view(np.float32)
+    elif qtype in _KERNELS and np.asarray(raw).size % GGML_QUANT_SIZES[qtype][1] == 0:
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        blocks = np.ascontiguousarray(raw).reshape(-1, type_size)
+        out = np.empty((len(blocks), block), np.float32)
+        for i in range(0, len(blocks), KERNEL_BLOCKS):
+            _KERNELS[qtype](blocks[i : i + KERNEL_BLOCKS], out[i : i + KERNEL_BLOCKS])
     else:
         data = np.asarray(raw)
         block, type_size = GGML_QUANT_SIZES.get(qtype, (1, 1))
