@@ -31,7 +31,7 @@ def _mask(start: int, T: int, window: int = 0) -> tuple[int, np.ndarray]:
     return lo, np.where(visible, 0, -np.inf).astype(np.float32)
 
 
-@pytest.mark.parametrize("start, T, window", [(0, 300, 0), (37, 200, 0), (0, 300, 24), (50, 129, 24), (5, 9, 0)])
+@pytest.mark.parametrize("start, T, window", [(0, 300, 0), (37, 200, 0), (0, 300, 24), (50, 129, 24), (5, 17, 0)])
 def test_chunked_attend_equals_one_product(monkeypatch, start, T, window) -> None:
     lo, mask = _mask(start, T, window)
     q, keys, values = _qkv(T, start + T - lo)
@@ -42,7 +42,7 @@ def test_chunked_attend_equals_one_product(monkeypatch, start, T, window) -> Non
         spans.append((q.shape[0], keys.shape[1]))
         return attend_rows(q, keys, values, mask, scale)
 
-    monkeypatch.setattr(attention, "SCORE_BYTES", 64 << 10)  # many chunks of 8+ rows
+    monkeypatch.setattr(attention, "SCORE_BYTES", 64 << 10)  # many chunks of ATTEND_ROWS+ rows
     monkeypatch.setattr(attention, "attend_rows", spy)
     got = attend(q, keys, values, mask, 0.25, start)
     assert got.x.dtype == np.float32 and got.x.shape == expect.shape and got.start == start
@@ -62,7 +62,7 @@ def test_no_mask_attends_every_key_in_chunks(monkeypatch) -> None:
                                rtol=1e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("T", [1, 2, 8])
+@pytest.mark.parametrize("T", [1, 2, 8, 16])
 def test_few_rows_are_the_one_product_bit_for_bit(T) -> None:
     """Decode and speculation passes keep their exact numbers."""
     start = 500

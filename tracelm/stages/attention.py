@@ -81,7 +81,8 @@ def rope(heads: Heads, cos: np.ndarray, sin: np.ndarray, mode: str) -> Heads:
     return Heads(qk[:, :n_head], qk[:, n_head:], heads.v, heads.start)
 
 
-ATTEND_ROWS = 8  # up to this many query rows (decode, speculation): one product over every key, as always
+ATTEND_ROWS = 16  # up to this many query rows (decode, speculation, batched decode): one product over every
+# key, as always (as `linear` keeps up to 16 rows the one-row numbers)
 SCORE_BYTES = 2 << 20  # more rows: chunks of query rows whose scores [Hkv, g * rows, keys] stay within this
 
 

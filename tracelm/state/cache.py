@@ -35,7 +35,10 @@ class Cache:
         self.ring = ring if 0 < 2 * ring < n_ctx else 0  # slots of the window ring; 0: positions in place
         shape = (cfg.n_layer, cfg.n_head_kv, 2 * self.ring if self.ring else n_ctx, cfg.head_dim)
         self.n_ctx = n_ctx
-        self.k = np.zeros(shape, np.float32)  # [layer, kv head, position (ring: slot), head dim]
+        # [layer, kv head, position (ring: slot), head dim]; keys are stored with positions last, so that
+        # attend's q k^T streams rows of positions (SmolLM2 at position 2,000: attend 12 instead of 19 ms of
+        # CPU per token; the same products, summed as BLAS does for that layout)
+        self.k = np.zeros((*shape[:2], shape[3], shape[2]), np.float32).transpose(0, 1, 3, 2)
         self.v = np.zeros(shape, np.float32)
         self.held_from = [0] * cfg.n_layer  # per layer, the oldest position whose keys/values are still held
         self._joined: tuple | None = None  # a long pass's held + new keys/values of one layer, until read
