@@ -181,21 +181,24 @@ def test_a_streamed_trace_replays_bit_for_bit_on_resident_weights(tmp_path: Path
     assert report.compared > 50
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_0])
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q6_K])
 def test_own_dequantization_kernels_equal_gguf(qtype: Q) -> None:
-    """Q4_1 and Q5_0 (SmolLM2's and Qwen2.5's main types) are dequantized by tracelm's own kernels: every
-    value must be gguf.quants' own, for quantized data and for arbitrary bytes (any scale, any bits)."""
-    from tracelm.io.gguf_file import KERNEL_BLOCKS, dequantize
+    """Q4_1, Q5_0, Q4_K and Q6_K (SmolLM2's, Qwen2.5's and Gemma 3's main types) are dequantized by tracelm's
+    own kernels: every value must be gguf.quants' own, for quantized data and for arbitrary bytes."""
+    from tracelm.io.gguf_file import KERNEL_VALUES, dequantize
 
     rng = np.random.default_rng(2)
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    w = (rng.standard_normal((KERNEL_BLOCKS // 8 + 3, 256)) * rng.uniform(0.01, 10, (KERNEL_BLOCKS // 8 + 3, 1)))
-    raw = gguf.quants.quantize(w.astype(np.float32), qtype)
-    noise = rng.integers(0, 256, (300, type_size), dtype=np.uint8)
-    noise[:, :2] = np.float16(rng.uniform(-3, 3, (300, 1))).view(np.uint8)  # finite scales (NaN != NaN)
-    if qtype == Q.Q4_1:
-        noise[:, 2:4] = np.float16(rng.uniform(-3, 3, (300, 1))).view(np.uint8)
-    for data, shape in ((raw, w.shape), (noise, (300, block))):
+    n = KERNEL_VALUES // block + 3  # blocks: more than one kernel call
+    noise = rng.integers(0, 256, (n, type_size), dtype=np.uint8)
+    scale_bytes = {Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q4_K: (0, 2), Q.Q6_K: (208,)}[qtype]
+    for at in scale_bytes:  # finite f16 scales (NaN != NaN); every other byte arbitrary
+        noise[:, at : at + 2] = np.float16(rng.uniform(-3, 3, (n, 1))).view(np.uint8)
+    cases = [(noise, (n, block))]
+    if qtype in (Q.Q4_1, Q.Q5_0):  # gguf quantizes these (not the K-quants)
+        w = rng.standard_normal((300, 256)) * rng.uniform(0.01, 10, (300, 1))
+        cases.append((gguf.quants.quantize(w.astype(np.float32), qtype), w.shape))
+    for data, shape in cases:
         ours = dequantize(data, qtype, shape)
         theirs = gguf.quants.dequantize(data, qtype).reshape(shape)
         assert ours.dtype == np.float32 and np.array_equal(ours, theirs)

@@ -224,10 +224,50 @@ def _q5_0(blocks: np.ndarray, out: np.ndarray) -> None:
     out *= d
 
 
-# Types whose gguf.quants dequantization is rewritten here with fewer temporaries (1.5-1.9x faster), with
-# exactly its arithmetic (f32 d * q (+ m), elementwise): the same numbers (tests/test_streamed.py checks).
-_KERNELS = {QType.Q4_1: _q4_1, QType.Q5_0: _q5_0}
-KERNEL_BLOCKS = 2048  # blocks per kernel call: 64k values, temporaries in cache
+def _q4_k(blocks: np.ndarray, out: np.ndarray) -> None:
+    """Q4_K super-blocks [n, 144] (f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles)
+    -> out [n, 256]: sub-block j (32 values) = (d * sc_j) * q - dmin * m_j."""
+    n = len(blocks)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    a, b, c = blocks[:, 4:8], blocks[:, 8:12], blocks[:, 12:16]
+    sc = np.concatenate([a & 63, (c & 15) | ((a >> 2) & 48)], axis=1).astype(np.float32)
+    mn = np.concatenate([b & 63, (c >> 4) | ((b >> 2) & 48)], axis=1).astype(np.float32)
+    qs = blocks[:, 16:].reshape(n, 4, 32)  # 32 bytes: sub-block 2i in the low nibbles, 2i + 1 in the high
+    q = np.empty((n, 4, 2, 32), np.uint8)
+    np.bitwise_and(qs, 15, out=q[:, :, 0])
+    np.right_shift(qs, 4, out=q[:, :, 1])
+    np.copyto(out, q.reshape(n, 256), casting="unsafe")
+    o = out.reshape(n, 8, 32)
+    o *= (d * sc)[:, :, None]
+    o -= (dmin * mn)[:, :, None]
+
+
+def _q6_k(blocks: np.ndarray, out: np.ndarray) -> None:
+    """Q6_K super-blocks [n, 210] (128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 int8 scales, f16 d)
+    -> out [n, 256]: sub-block j (16 values) = (d * sc_j) * (q - 32)."""
+    n = len(blocks)
+    ql = blocks[:, :128].reshape(n, 2, 64)
+    qh = blocks[:, 128:192].reshape(n, 2, 32)
+    sc = blocks[:, 192:208].view(np.int8).astype(np.float32)
+    d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
+    q = np.empty((n, 2, 2, 64), np.uint8)
+    np.bitwise_and(ql, 15, out=q[:, :, 0])
+    np.right_shift(ql, 4, out=q[:, :, 1])
+    q4 = q.reshape(n, 2, 4, 32)
+    for k in range(4):
+        q4[:, :, k] |= ((qh >> (2 * k)) & 3) << 4
+    np.copyto(out, q.reshape(n, 256), casting="unsafe")
+    out -= 32
+    o = out.reshape(n, 16, 16)
+    o *= (d * sc)[:, :, None]
+
+
+# Types whose gguf.quants dequantization is rewritten here with fewer temporaries (1.4-1.9x faster), with
+# exactly its arithmetic (f32 products and sums, elementwise): the same numbers (tests/test_streamed.py
+# checks value for value against gguf.quants).
+_KERNELS = {QType.Q4_1: _q4_1, QType.Q5_0: _q5_0, QType.Q4_K: _q4_k, QType.Q6_K: _q6_k}
+KERNEL_VALUES = 1 << 16  # values per kernel call: temporaries stay in cache
 
 
 def dequantize(raw: np.ndarray, qtype: QType | int, shape: tuple[int, ...]) -> np.ndarray:
@@ -243,8 +283,9 @@ def dequantize(raw: np.ndarray, qtype: QType | int, shape: tuple[int, ...]) -> n
         block, type_size = GGML_QUANT_SIZES[qtype]
         blocks = np.ascontiguousarray(raw).reshape(-1, type_size)
         out = np.empty((len(blocks), block), np.float32)
-        for i in range(0, len(blocks), KERNEL_BLOCKS):
-            _KERNELS[qtype](blocks[i : i + KERNEL_BLOCKS], out[i : i + KERNEL_BLOCKS])
+        step = max(1, KERNEL_VALUES // block)
+        for i in range(0, len(blocks), step):
+            _KERNELS[qtype](blocks[i : i + step], out[i : i + step])
     else:
         data = np.asarray(raw)
         block, type_size = GGML_QUANT_SIZES.get(qtype, (1, 1))
