@@ -148,3 +148,16 @@ def test_speculation_rolls_back_inside_the_ring(mistral) -> None:
     assert got == list(plain.generate(prompt, 120, greedy))
     assert spec.stats.tokens == plain.stats.tokens and len(spec.stats.tokens) == 120
     assert spec.stats.n_drafted > 0 and spec.cache.n_past == plain.cache.n_past > spec.cache.ring
+
+
+def test_a_long_prompt_leaves_no_mask_held(mistral) -> None:
+    """After a 600-token prompt the ring Cache holds its ring and tables only: its [600, 600] mask (1.4 MB
+    here, 16 MB for 2,048 tokens) is not kept."""
+    import tracelm.state.cache as cache_module
+
+    c = new_cache(mistral.cfg, 1024)
+    before = c.nbytes
+    forward(mistral.cfg, mistral.weights, c, _prompt(600))
+    assert c.nbytes == before
+    forward(mistral.cfg, mistral.weights, c, _prompt(5))  # small masks are kept
+    assert before < c.nbytes <= before + cache_module.MASK_KEEP_BYTES

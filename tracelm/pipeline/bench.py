@@ -300,9 +300,9 @@ def context_scaling(model_name: str, positions: tuple[int, ...] = (100, 500, 100
     ids = bench_ids(model.tokenizer, max(n_prompt, *positions))
     top = max(positions)
     runners = {p: Runner(model, (max(top, n_prompt) if p == top else p) + n_decode + 1) for p in positions}
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     runners[top].prefill(ids[:n_prompt])
-    prefill_s = time.perf_counter() - t0
+    prefill_s, prefill_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     tokens = {p: int(np.argmax(runners[p].prefill(ids[:p]).values[-1])) for p in positions}
     wall: dict[int, list[float]] = {p: [] for p in positions}
     cpu: dict[int, list[float]] = {p: [] for p in positions}
@@ -332,7 +332,8 @@ def context_scaling(model_name: str, positions: tuple[int, ...] = (100, 500, 100
     cpu_ms = {p: 1e3 * float(np.median(cpu[p])) for p in positions}
     first = positions[0]
     report: dict[str, Any] = {"model": str(model.path.name), "positions": list(positions), "decode_tokens": n_decode,
-                              "prefill_tokens": n_prompt, "prefill_tok_s": round(n_prompt / prefill_s, 1)}
+                              "prefill_tokens": n_prompt, "prefill_tok_s": round(n_prompt / prefill_s, 1),
+                              "prefill_cpu_seconds": round(prefill_cpu_s, 2)}
     for p in positions:
         report[f"decode_ms_at_{p}"] = round(ms[p], 2)
         report[f"attend_ms_at_{p}"] = round(1e3 * float(np.median(attend[p])), 2)

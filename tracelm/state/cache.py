@@ -10,6 +10,7 @@ from tracelm.state.model_config import ModelConfig
 # A window ring's room past the window (mistral-style models, see Cache): a pass of up to this many new
 # positions is written and read in place, and a truncate may go back up to this many positions.
 RING_SLACK = 64
+MASK_KEEP_BYTES = 1 << 20  # masks up to this size are kept for the next pass that asks
 
 
 class Cache:
@@ -163,7 +164,8 @@ class Cache:
             mask.flags.writeable = False
             if len(self._masks) > 8:
                 self._masks.clear()
-            self._masks[key] = mask
+            if mask.nbytes <= MASK_KEEP_BYTES:  # a prompt's mask is rebuilt when asked again, not held
+                self._masks[key] = mask
         return lo, mask
 
     def commit(self, ids) -> None:
