@@ -43,13 +43,17 @@ def _decode(m, cache, prompt: list[int], n: int) -> tuple[np.ndarray, list[int]]
 
 
 @pytest.mark.parametrize("slack", [8, 64])
-def test_ring_gives_the_unbounded_logits_bit_for_bit(mistral, slack) -> None:
+@pytest.mark.parametrize("mixed", [False, True])
+def test_ring_gives_the_unbounded_logits_bit_for_bit(mistral, slack, mixed) -> None:
     """64-token prompt (slack 8: longer than the slack, read joined with the held window; 64: in place),
-    then 48 decoded positions, the ring wrapping several times."""
-    ring, full = new_cache(mistral.cfg, N_CTX, slack), new_cache(mistral.cfg, N_CTX, UNBOUNDED)
-    assert ring.ring == WINDOW - 1 + slack and full.ring == 0
-    got, toks = _decode(mistral, ring, _prompt(64), 48)
-    expect, expect_toks = _decode(mistral, full, _prompt(64), 48)
+    then 48 decoded positions, the ring wrapping several times. Mixed: layer 1 global (gemma3-style), layer 0
+    windowed in a ring."""
+    cfg = attrs.evolve(mistral.cfg, swa_pattern=2) if mixed else mistral.cfg
+    m = attrs.evolve(mistral, cfg=cfg)
+    ring, full = new_cache(cfg, N_CTX, slack), new_cache(cfg, N_CTX, UNBOUNDED)
+    assert ring.rings == [WINDOW - 1 + slack, 0 if mixed else WINDOW - 1 + slack] and full.ring == 0
+    got, toks = _decode(m, ring, _prompt(64), 48)
+    expect, expect_toks = _decode(m, full, _prompt(64), 48)
     assert toks == expect_toks
     assert np.array_equal(got, expect)
     assert ring.n_past == full.n_past == 64 + 47 and ring.tokens == full.tokens
@@ -59,20 +63,21 @@ def test_ring_gives_the_unbounded_logits_bit_for_bit(mistral, slack) -> None:
 def test_ring_bounds_the_kv_bytes(mistral) -> None:
     cfg = mistral.cfg
     per_position = 2 * cfg.n_layer * cfg.n_head_kv * cfg.head_dim * 4  # k and v, f32
-    kv = {n: (lambda c: c.k.nbytes + c.v.nbytes)(new_cache(cfg, n)) for n in (512, 32768)}
+    kv = {n: new_cache(cfg, n).kv_nbytes for n in (512, 32768)}
     assert kv[512] == kv[32768] == 2 * (WINDOW - 1 + 64) * per_position
     full = new_cache(cfg, 32768, 32768)
-    assert full.k.nbytes + full.v.nbytes == 32768 * per_position
+    assert full.kv_nbytes == 32768 * per_position
     assert new_cache(cfg, 32768).nbytes == full.nbytes - (32768 - 2 * (WINDOW - 1 + 64)) * per_position
     # a window ring would not be smaller than n_ctx positions: positions in place
     small = new_cache(cfg, 100)
-    assert small.ring == 0 and small.k.shape[2] == 100
+    assert small.ring == 0 and small.k[0].shape[1] == 100
 
 
-def test_mixed_window_and_global_layers_keep_every_position(mistral) -> None:
+def test_mixed_window_and_global_layers_bound_only_the_windowed(mistral) -> None:
     gemma_like = attrs.evolve(mistral.cfg, swa_pattern=2)  # layer 1 global
     c = new_cache(gemma_like, 4096)
-    assert c.ring == 0 and c.k.shape[2] == 4096
+    assert c.rings == [WINDOW - 1 + 64, 0]
+    assert [k.shape[1] for k in c.k] == [v.shape[1] for v in c.v] == [2 * (WINDOW - 1 + 64), 4096]
 
 
 def _runner(m, slack: int, draft: int = 0) -> Runner:
@@ -81,7 +86,10 @@ def _runner(m, slack: int, draft: int = 0) -> Runner:
     return r
 
 
-def test_prefix_reuse_keeps_what_the_ring_holds_else_recomputes(mistral) -> None:
+@pytest.mark.parametrize("mixed", [False, True])
+def test_prefix_reuse_keeps_what_the_ring_holds_else_recomputes(mistral, mixed) -> None:
+    if mixed:  # layer 1 global: it holds everything, layer 0's ring decides
+        mistral = attrs.evolve(mistral, cfg=attrs.evolve(mistral.cfg, swa_pattern=2))
     prompt = _prompt(64, seed=1)
     ring, full = _runner(mistral, 8), _runner(mistral, UNBOUNDED)
     for r in (ring, full):
@@ -135,9 +143,12 @@ def test_a_long_pass_cut_short_is_recomputed_not_read_stale(mistral) -> None:
     assert r.stats.n_reused == 0
 
 
-def test_speculation_rolls_back_inside_the_ring(mistral) -> None:
+@pytest.mark.parametrize("mixed", [False, True])
+def test_speculation_rolls_back_inside_the_ring(mistral, mixed) -> None:
     """Prompt-lookup guesses (rolled back when the sampler disagrees) on a ring of the runner's own sizing:
     the same tokens as plain decoding with an unbounded cache."""
+    if mixed:
+        mistral = attrs.evolve(mistral, cfg=attrs.evolve(mistral.cfg, swa_pattern=2))
     pattern = _prompt(12, seed=4)
     prompt = pattern * 5 + pattern[:4]
     greedy = SamplingParams(temperature=0.0)

@@ -17,30 +17,32 @@ class Cache:
     """Keys and values of every layer for up to n_ctx positions, preallocated, plus the tables that
     depend only on position. `tokens` are the ids whose keys/values are stored, in position order.
 
-    When every layer attends over the same window W (mistral-style sliding window), no position older than
-    W - 1 before a query is ever read again, so the KV arrays are a ring of `ring` = W - 1 + slack slots
-    instead of n_ctx positions: position p lives in slot p % ring, written twice, at index slot and slot +
-    ring of arrays 2 * ring long, so that any `ring` consecutive positions are one contiguous view in
-    position order (keys and masks as an unbounded Cache gives them, with the same numbers). A pass of T
-    rows reads positions p - W + 1.. of its first query p: up to `slack` rows read the ring in place; a
-    longer one (a prompt) reads the held positions joined with its own new ones, and the ring keeps its
-    last `ring`. `first` is the oldest position still held; `reusable(n)` says whether a truncate to n can
-    continue from there (the next pass reads n - W + 1..n - 1), and `truncate` refuses what it cannot keep.
-    Models whose layers mix windows with global attention (gemma3) keep n_ctx positions."""
+    A layer that attends over a window W (mistral: every layer; gemma3: five in six) never reads a position
+    older than W - 1 before a query again, so its KV arrays are a ring of `rings[layer]` = W - 1 + slack
+    slots instead of n_ctx positions: position p lives in slot p % ring, written twice, at index slot and
+    slot + ring of arrays 2 * ring long, so that any `ring` consecutive positions are one contiguous view in
+    position order (keys and masks as an unbounded Cache gives them, with the same numbers). A pass of T rows
+    reads positions p - W + 1.. of its first query p: up to `slack` rows read the ring in place; a longer one
+    (a prompt) reads the held positions joined with its own new ones, and the ring keeps its last `ring`.
+    `held_from[layer]` is the oldest position a layer still holds; `reusable(n)` says whether a truncate to
+    n can continue from there (the next pass reads n - W + 1..n - 1 of each windowed layer), and `truncate`
+    refuses what it cannot keep. Layers without a window (and windows whose ring would not be smaller than
+    n_ctx) keep n_ctx positions (`rings[layer]` = 0)."""
 
     def __init__(self, cfg: ModelConfig, n_ctx: int, rope_cos: np.ndarray, rope_sin: np.ndarray,
                  rope_extra: dict[float, tuple[np.ndarray, np.ndarray]] | None = None, slack: int = RING_SLACK):
-        windows = {cfg.window(i) for i in range(cfg.n_layer)}
-        self.window = windows.pop() if len(windows) == 1 else 0  # every layer's one window; 0: none, or mixed
-        ring = self.window - 1 + max(1, slack) if self.window else 0
-        self.ring = ring if 0 < 2 * ring < n_ctx else 0  # slots of the window ring; 0: positions in place
-        shape = (cfg.n_layer, cfg.n_head_kv, 2 * self.ring if self.ring else n_ctx, cfg.head_dim)
         self.n_ctx = n_ctx
-        # [layer, kv head, position (ring: slot), head dim]; keys are stored with positions last, so that
+        self.windows = [cfg.window(i) for i in range(cfg.n_layer)]
+        rings = [w - 1 + max(1, slack) if w else 0 for w in self.windows]
+        self.rings = [r if 0 < 2 * r < n_ctx else 0 for r in rings]  # per layer: ring slots; 0: positions in place
+        # per layer [kv head, position (ring: slot), head dim]; keys are stored with positions last, so that
         # attend's q k^T streams rows of positions (SmolLM2 at position 2,000: attend 12 instead of 19 ms of
         # CPU per token; the same products, summed as BLAS does for that layout)
-        self.k = np.zeros((*shape[:2], shape[3], shape[2]), np.float32).transpose(0, 1, 3, 2)
-        self.v = np.zeros(shape, np.float32)
+        self.k, self.v = [], []
+        for r in self.rings:
+            n = 2 * r if r else n_ctx
+            self.k.append(np.zeros((cfg.n_head_kv, cfg.head_dim, n), np.float32).transpose(0, 2, 1))
+            self.v.append(np.zeros((cfg.n_head_kv, n, cfg.head_dim), np.float32))
         self.held_from = [0] * cfg.n_layer  # per layer, the oldest position whose keys/values are still held
         self._joined: tuple | None = None  # a long pass's held + new keys/values of one layer, until read
         self.rope_cos, self.rope_sin = rope_cos, rope_sin  # [n_ctx, rope_dim], laid out for the rope mode
@@ -56,8 +58,17 @@ class Cache:
         return len(self.tokens)
 
     @property
+    def ring(self) -> int:
+        """The ring slots of windowed layers (0: every layer keeps n_ctx positions)."""
+        return max(self.rings)
+
+    @property
+    def kv_nbytes(self) -> int:
+        return sum(a.nbytes for a in (*self.k, *self.v))
+
+    @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes + self.rope_cos.nbytes + self.rope_sin.nbytes + sum(
+        return self.kv_nbytes + self.rope_cos.nbytes + self.rope_sin.nbytes + sum(
             m.nbytes for m in self._masks.values()) + sum(t.nbytes for p in self.rope_extra.values() for t in p)
 
     def reset(self) -> None:
@@ -71,70 +82,70 @@ class Cache:
         """The oldest position every layer still holds (a pass cut short may have advanced some layers)."""
         return max(self.held_from)
 
-    def first_visible(self, position: int) -> int:
-        """The oldest position a query at `position` reads (every layer's window; 0 without a ring)."""
-        return max(0, position - self.window + 1) if self.ring else 0
+    def first_visible(self, layer: int, position: int) -> int:
+        """The oldest position a query at `position` reads in a ring layer (0 in a layer without a ring)."""
+        return max(0, position - self.windows[layer] + 1) if self.rings[layer] else 0
 
     def reusable(self, n: int) -> int:
         """How many of the first n cached positions a next pass can build on: n (at most n_past), or 0 when a
         window ring no longer holds the positions a query at n reads (recompute from the start)."""
         n = min(n, self.n_past)
-        return n if self.first_visible(n) >= self.first else 0
+        return n if all(self.first_visible(i, n) >= h for i, h in enumerate(self.held_from)) else 0
 
     def truncate(self, n: int) -> None:
         """Keep only the first n positions (a shared prompt prefix, or a rollback of guessed tokens).
         A window ring refuses a position whose window it has overwritten (see `reusable`)."""
         if n < self.n_past and self.reusable(n) != n:
             raise TracelmError(f"cannot go back to position {n}: the KV window ring holds positions "
-                               f"{self.first}.. only (window {self.window}, ring {self.ring} slots); "
-                               f"recompute from the start")
+                               f"{self.first}.. only (ring of {self.ring} slots); recompute from the start")
         del self.tokens[n:]
         if n == 0:
             self.reset()
 
     def write(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
         """Store k, v [T, n_head_kv, head_dim] at positions start..start+T-1 of one layer."""
-        T = k.shape[0]
+        T, ring = k.shape[0], self.rings[layer]
         k, v = k.transpose(1, 0, 2), v.transpose(1, 0, 2)
-        if not self.ring:
-            self.k[layer, :, start : start + T] = k
-            self.v[layer, :, start : start + T] = v
+        if not ring:
+            self.k[layer][:, start : start + T] = k
+            self.v[layer][:, start : start + T] = v
             return
-        lo, end = self.first_visible(start), start + T
+        lo, end = self.first_visible(layer, start), start + T
         self._joined = None
         if lo < self.held_from[layer]:
             raise RuntimeError(f"position {start} reads position {lo}, no longer held by layer {layer} "
                                f"(oldest {self.held_from[layer]})")
-        if end - lo > self.ring:  # more than the slack: this pass reads the held positions joined with its own
+        if end - lo > ring:  # more than the slack: this pass reads the held positions joined with its own
             held_k, held_v = self._ring_views(layer, lo, start)
             self._joined = (layer, lo, end, np.concatenate((held_k, k), axis=1), np.concatenate((held_v, v), axis=1))
-            k, v, start = k[:, -self.ring :], v[:, -self.ring :], max(start, end - self.ring)
+            k, v, start = k[:, -ring:], v[:, -ring:], max(start, end - ring)
         for buf, new in ((self.k[layer], k), (self.v[layer], v)):
-            n, s = new.shape[1], start % self.ring
+            n, s = new.shape[1], start % ring
             buf[:, s : s + n] = new  # each slot s also at s + ring (s + n <= 2 * ring)
-            if s + n <= self.ring:
-                buf[:, s + self.ring : s + n + self.ring] = new
+            if s + n <= ring:
+                buf[:, s + ring : s + n + ring] = new
             else:
-                buf[:, s + self.ring :] = new[:, : self.ring - s]
-                buf[:, : s + n - self.ring] = new[:, self.ring - s :]
-        self.held_from[layer] = max(self.held_from[layer], end - self.ring)
+                buf[:, s + ring :] = new[:, : ring - s]
+                buf[:, : s + n - ring] = new[:, ring - s :]
+        self.held_from[layer] = max(self.held_from[layer], end - ring)
 
     def _ring_views(self, layer: int, lo: int, end: int) -> tuple[np.ndarray, np.ndarray]:
-        s = lo % self.ring
-        return self.k[layer, :, s : s + end - lo], self.v[layer, :, s : s + end - lo]
+        s = lo % self.rings[layer]
+        return self.k[layer][:, s : s + end - lo], self.v[layer][:, s : s + end - lo]
 
     def keys_values(self, layer: int, end: int, lo: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Read-only views of positions lo..end-1 of one layer: [n_head_kv, end - lo, head_dim] each."""
-        if not self.ring:
-            k, v = self.k[layer, :, lo:end], self.v[layer, :, lo:end]
+        ring = self.rings[layer]
+        if not ring:
+            k, v = self.k[layer][:, lo:end], self.v[layer][:, lo:end]
         elif self._joined is not None and self._joined[:3] == (layer, lo, end):
             k, v = self._joined[3:]
             self._joined = None
-        elif lo >= self.held_from[layer] and end - lo <= self.ring:
+        elif lo >= self.held_from[layer] and end - lo <= ring:
             k, v = self._ring_views(layer, lo, end)
         else:
-            raise RuntimeError(f"positions {lo}..{end - 1} are not all held by the KV window ring "
-                               f"(oldest {self.first}, {self.ring} slots)")
+            raise RuntimeError(f"positions {lo}..{end - 1} are not all held by layer {layer}'s KV window ring "
+                               f"(oldest {self.held_from[layer]}, {ring} slots)")
         k.flags.writeable = v.flags.writeable = False
         return k, v
 
