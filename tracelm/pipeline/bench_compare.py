@@ -305,7 +305,8 @@ def run_compare(model_name: str, threads: int = 0, n_prompt: int = 256, n_decode
 
 
 def format_table(report: dict[str, Any]) -> str:
-    lines = [f"{report['model']}: {report['threads']} threads, {report['prompt_tokens']}-token prompt, "
+    threads = f"{report['threads']} thread{'s' if report['threads'] != 1 else ''}"
+    lines = [f"{report['model']}: {threads}, {report['prompt_tokens']}-token prompt, "
              f"{report['decode_tokens']} greedy decode tokens"]
     load = report.get("load_average_1m")
     if load:
