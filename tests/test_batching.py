@@ -329,3 +329,21 @@ def test_a_failed_pass_fails_its_sequences_and_the_engine_serves_on(tiny_gguf, t
     assert calls[0] == 2 and [r["error"].status for r in results[:2]] == [500, 500]
     assert results[2]["text"] == lone_text(tiny, SPECS[2])[0]
     assert engine.counters.failed == 2 and engine.counters.served == 1
+
+
+def test_bench_server_reports_each_stream_count(tiny_gguf) -> None:
+    from tracelm.server.bench import bench_server
+
+    report = bench_server(str(tiny_gguf), (1, 3), n_prompt=8, n_decode=6, repeats=1)
+    one, three = report["streams_1"], report["streams_3"]
+    assert one["vs_1_stream"] == 1.0 and one["peak_batch"] == 1 and three["peak_batch"] == 3
+    assert three["generated"] <= 18 and three["aggregate_tok_s"] > 0 and three["cpu_tok_s"] > 0
+
+
+def test_bench_server_cli_checks_streams(tiny_gguf) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "tracelm.cli", "bench", "server", "--model", str(tiny_gguf),
+                          "--streams", "1,9"], capture_output=True, text=True)
+    assert out.returncode == 2 and "--streams '1,9'" in out.stderr and "Traceback" not in out.stderr

@@ -81,6 +81,8 @@ class Counters:
     generated_tokens: int = 0
     passes: int = 0  # decode forward passes
     peak_batch: int = 0  # most sequences that shared one pass
+    step_seconds: float = 0.0  # wall time of decode steps (sampling every active sequence + their shared pass)
+    step_cpu_seconds: float = 0.0  # the worker thread's CPU time in them (BLAS helper threads not included)
 
 
 @attrs.define(eq=False)
@@ -179,7 +181,10 @@ class Engine:
             if stopping:
                 self._cancel_all()
             self._admit()
+            t0, c0 = time.perf_counter(), time.thread_time()
             self._step()
+            self.counters.step_seconds += time.perf_counter() - t0
+            self.counters.step_cpu_seconds += time.thread_time() - c0
 
     def _take(self, block: bool) -> bool:
         """Move jobs from the queue to the waiting line (waiting for one when `block`); True on the stop mark."""
