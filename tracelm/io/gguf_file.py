@@ -175,8 +175,8 @@ class GGUFFile:
         step = max(1, CHUNK_VALUES // cols)
         try:
             for r in range(lo, hi, step):
-                e = min(r + step, hi)
-                out[r - lo : e - lo] = dequantize(raw[r:e], t.qtype, (e - r, cols))
+                end = min(r + step, hi)
+                dequantize(raw[r:end], t.qtype, (end - r, cols), out[r - lo : end - lo])
         except TracelmError as e:
             raise TracelmError(f"{self.name}: tensor {name}: {e}") from None
         return out
@@ -270,22 +270,31 @@ _KERNELS = {QType.Q4_1: _q4_1, QType.Q5_0: _q5_0, QType.Q4_K: _q4_k, QType.Q6_K:
 KERNEL_VALUES = 1 << 16  # values per kernel call: temporaries stay in cache
 
 
-def dequantize(raw: np.ndarray, qtype: QType | int, shape: tuple[int, ...]) -> np.ndarray:
-    """Raw GGUF tensor bytes (or f32/f16 values) -> contiguous f32 array of `shape`."""
+def dequantize(raw: np.ndarray, qtype: QType | int, shape: tuple[int, ...], out: np.ndarray | None = None
+               ) -> np.ndarray:
+    """Raw GGUF tensor bytes (or f32/f16 values) -> contiguous f32 array of `shape` (written into `out`, a
+    contiguous f32 array of that many values, when given: the own kernels write there directly)."""
     try:
         qtype = QType(qtype)
     except ValueError:
         raise TracelmError(f"unknown tensor type {qtype}") from None
+    n = int(np.prod(shape))
     if qtype == QType.BF16:  # bf16 is the top half of an f32
         bits = np.ascontiguousarray(raw).view(np.uint16).astype(np.uint32) << 16
-        out = bits.view(np.float32)
+        values = bits.view(np.float32)
     elif qtype in _KERNELS and np.asarray(raw).size % GGML_QUANT_SIZES[qtype][1] == 0:
         block, type_size = GGML_QUANT_SIZES[qtype]
         blocks = np.ascontiguousarray(raw).reshape(-1, type_size)
-        out = np.empty((len(blocks), block), np.float32)
+        if len(blocks) * block != n:
+            raise TracelmError(f"{qtype.name} data holds {len(blocks) * block} values, shape {list(shape)} "
+                               f"needs {n}")
+        direct = out is not None and out.flags.c_contiguous and out.dtype == np.float32 and out.size == n
+        values = out.reshape(-1, block) if direct else np.empty((len(blocks), block), np.float32)
         step = max(1, KERNEL_VALUES // block)
         for i in range(0, len(blocks), step):
-            _KERNELS[qtype](blocks[i : i + step], out[i : i + step])
+            _KERNELS[qtype](blocks[i : i + step], values[i : i + step])
+        if direct:
+            return out
     else:
         data = np.asarray(raw)
         block, type_size = GGML_QUANT_SIZES.get(qtype, (1, 1))
@@ -297,13 +306,15 @@ def dequantize(raw: np.ndarray, qtype: QType | int, shape: tuple[int, ...]) -> n
                 per -= 1
             data = np.ascontiguousarray(data).reshape(-1, per * type_size)
         try:
-            out = quants.dequantize(data, qtype)
+            values = quants.dequantize(data, qtype)
         except NotImplementedError:
             raise TracelmError(f"unsupported tensor type {qtype.name}") from None
-    n = int(np.prod(shape))
-    if out.size != n:
-        raise TracelmError(f"{qtype.name} data holds {out.size} values, shape {list(shape)} needs {n}")
-    return np.ascontiguousarray(out, dtype=np.float32).reshape(shape)
+    if values.size != n:
+        raise TracelmError(f"{qtype.name} data holds {values.size} values, shape {list(shape)} needs {n}")
+    if out is not None:
+        out[...] = values.reshape(out.shape)
+        return out
+    return np.ascontiguousarray(values, dtype=np.float32).reshape(shape)
 
 
 def _get(meta: Mapping[str, Any], key: str, file: str, default: Any = None) -> Any:
