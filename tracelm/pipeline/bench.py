@@ -137,13 +137,17 @@ def streamed_report(model: Any, kv_bytes: int, peak_rss: int, check_ids: list[in
     file_bytes = model.path.stat().st_size
     layer_bytes = model.weights.layers.layer_nbytes
     bound = file_bytes + layer_bytes + kv_bytes + STREAMED_SLACK
+    from threadpoolctl import threadpool_info
+
     ids, streamed = logits_path(model, check_ids, n_check_decode)
+    # the child uses this process's BLAS thread count: OpenBLAS's sums can differ between 1 and 2 threads
+    threads = max((p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"), default=0)
     with tempfile.TemporaryDirectory() as tmp:
         np.save(f"{tmp}/streamed.npy", streamed)
         code = ("import json, sys; from tracelm.pipeline.bench import compare_resident; "
-                "print(json.dumps(compare_resident(*sys.argv[1:4])))")
-        out = subprocess.run([sys.executable, "-c", code, str(model.path), json.dumps(ids), f"{tmp}/streamed.npy"],
-                             check=True, capture_output=True, text=True)
+                "print(json.dumps(compare_resident(*sys.argv[1:5])))")
+        out = subprocess.run([sys.executable, "-c", code, str(model.path), json.dumps(ids), f"{tmp}/streamed.npy",
+                              str(threads)], check=True, capture_output=True, text=True)
     return {
         "file_mb": round(file_bytes / 2**20, 1),
         "layer_f32_mb": round(layer_bytes / 2**20, 1),
@@ -165,12 +169,16 @@ def logits_path(model: Any, prompt_ids: list[int], n_decode: int) -> tuple[dict[
     return {"prompt": list(prompt_ids), "decode": fed}, np.concatenate(rows)
 
 
-def compare_resident(model_path: str, ids_json: str, npy: str) -> dict[str, Any]:
-    """In a child of `streamed_report`: resident logits fed the same ids, against the saved ones."""
+def compare_resident(model_path: str, ids_json: str, npy: str, threads: str = "0") -> dict[str, Any]:
+    """In a child of `streamed_report`: resident logits fed the same ids (with `threads` BLAS threads, 0:
+    the default), against the saved ones."""
+    from threadpoolctl import threadpool_limits
+
     ids = json.loads(ids_json)
     model = load_model(model_path, progress=False)
     runner = Runner(model, len(ids["prompt"]) + len(ids["decode"]))
-    rows = [runner.logits(ids["prompt"])] + [np.asarray(runner.step(t).values) for t in ids["decode"]]
+    with threadpool_limits(limits=int(threads) or None):
+        rows = [runner.logits(ids["prompt"])] + [np.asarray(runner.step(t).values) for t in ids["decode"]]
     resident, streamed = np.concatenate(rows), np.load(npy)
     return {"logits_equal_resident": bool(np.array_equal(resident, streamed)),
             "logits_max_abs_diff": float(np.abs(resident - streamed).max()),
