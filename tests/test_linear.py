@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from tracelm.stages.linear import GEMV_ROWS, MIN_BLOCK_ELEMENTS, linear, n_blocks
+from tracelm.stages.linear import GEMV_ROWS, MIN_BLOCK_ELEMENTS, ROW_ALIGN, block_rows, linear
 
 
 @pytest.mark.parametrize("shape", [(3072, 576), (576, 1536), (960, 576), (100, 7)])
@@ -16,20 +16,22 @@ def test_linear_matches_plain_product(shape):
         np.testing.assert_allclose(linear(x, w), ref, rtol=1e-4, atol=1e-3)
 
 
-def test_few_rows_are_bitwise_the_one_row_product():
+@pytest.mark.parametrize("shape", [(3072, 576), (75968, 64), (1152, 896), (576, 1536)])
+def test_few_rows_are_bitwise_the_one_row_product(shape):
     """Up to GEMV_ROWS rows (speculative drafts, batched sequences) each row gets exactly the numbers
-    it gets alone: the audit trail of a token does not depend on what shared its pass."""
+    it gets alone: the audit trail of a token does not depend on what shared its pass. (75968 = 64 x 1187
+    rows, like Qwen2.5's 151936-token head: blocks of 8192 rows and a tail of 2496.)"""
     rng = np.random.default_rng(1)
-    w = rng.standard_normal((3072, 576), dtype=np.float32)
-    assert n_blocks(3072, 576) > 1  # the blocked path is the one under test
-    x = rng.standard_normal((GEMV_ROWS, 576), dtype=np.float32)
+    w = rng.standard_normal(shape, dtype=np.float32)
+    x = rng.standard_normal((GEMV_ROWS, shape[1]), dtype=np.float32)
     alone = np.stack([linear(x[i : i + 1], w)[0] for i in range(GEMV_ROWS)])
-    for m in range(2, GEMV_ROWS + 1):
-        assert np.array_equal(linear(x[:m], w), alone[:m])
+    for m in (2, 3, 5, 8, GEMV_ROWS):
+        assert np.array_equal(linear(x[:m], w), alone[:m]), m
 
 
-def test_blocks_divide_rows_and_stay_large_enough_to_thread():
-    for n, d in [(3072, 576), (49152, 576), (151936, 896), (576, 576), (7, 3)]:
-        c = n_blocks(n, d)
-        assert n % c == 0
-        assert c == 1 or (n // c) * d >= MIN_BLOCK_ELEMENTS
+def test_blocks_are_aligned_and_large_enough_to_thread():
+    for n, d, want in [(3072, 576, 1024), (49152, 576, 1024), (151936, 896, 640), (9728, 896, 1216), (576, 576, 576),
+                       (7, 3, 7)]:
+        r = block_rows(n, d)
+        assert r == want, (n, d, r)
+        assert r == n or (r % ROW_ALIGN == 0 and r * d >= MIN_BLOCK_ELEMENTS)

@@ -10,7 +10,7 @@ plain call or a Tracer's timed, logged call. Architecture variants are options o
 one sequence with its own Cache and stage-call hook. Their rows are stacked for every row-wise stage
 (embed, norms, the weight products, RoPE with each row's own table row, the head), so the weights are read
 once per pass for all of them; keys/values are written and attended per sequence, each in its own Cache.
-A row's numbers do not depend on its neighbours (`linear` is bitwise row-invariant for up to 8 rows, the
+A row's numbers do not depend on its neighbours (`linear` is bitwise row-invariant for up to GEMV_ROWS = 16 rows, the
 other stages are row-wise), so a sequence's logits in a batch equal, bitwise, its logits run alone; and a
 traced sequence's hook sees exactly the events a lone pass would give (its rows of each stacked stage).
 `forward` is the batch of one.
