@@ -75,7 +75,7 @@ class Runner:
     """A model and one Cache (one conversation). Later calls reuse the cached common prefix."""
 
     def __init__(self, model: LoadedModel, n_ctx: int, tracer: Tracer | None = None, draft_tokens: int = 0,
-                 draft_ngram: int = 3):
+                 draft_ngram: int = 8):
         self.model = model
         self.cache = new_cache(model.cfg, n_ctx, max(RING_SLACK, draft_tokens))  # a KV ring takes back guesses
         self.tracer = tracer
