@@ -51,6 +51,7 @@ PACKAGES = ("tracelm", "numpy", "numexpr", "gguf", "tokenizers", "sentencepiece"
 BATCH_ELEMENTS = 1 << 20  # output elements held (4 MiB) that force a batch: bounds the memory a prefill holds
 TIMING_SUFFIXES = ("_us", "_seconds")
 CHAIN_FIELDS = ("prev", "hash", "mac")
+F32 = np.dtype(np.float32)
 
 
 def is_timing_field(name: str) -> bool:
@@ -221,15 +222,15 @@ class Tracer:
         out = fn(*args)
         dur = time.perf_counter_ns() - t0
         arrays = output_arrays(out)
-        if len(arrays) != 1 or arrays[0].dtype != np.float32:
-            if any(a.dtype != np.float32 for a in arrays):  # a batch of its own
-                self._drain()
-                self._pending.append((stage, layer, self.n_tokens, getattr(out, "start", -1), arrays, dur))
-                self._drain()
-                return out
-            self._held += sum(a.size for a in arrays)
-        else:
+        if len(arrays) == 1 and arrays[0].dtype is F32:  # the common case, kept cheap
             self._held += arrays[0].size
+        elif all(a.dtype == F32 for a in arrays):
+            self._held += sum(a.size for a in arrays)
+        else:  # a batch of its own
+            self._drain()
+            self._pending.append((stage, layer, self.n_tokens, getattr(out, "start", -1), arrays, dur))
+            self._drain()
+            return out
         self._pending.append((stage, layer, self.n_tokens, getattr(out, "start", -1), arrays, dur))
         if self._held > BATCH_ELEMENTS:
             self._drain()
