@@ -81,3 +81,33 @@ def test_a_speculative_traced_run_replays(tiny_gguf, tmp_path) -> None:
     assert footer["draft_tokens"] > 0 and footer["decode_passes"] <= footer["n_generated"]
     replay = subprocess.run([*cli, "replay", str(trace)], capture_output=True, text=True, timeout=120)
     assert replay.returncode == 0, replay.stdout + replay.stderr
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, repeat_penalty=1.0),
+    SamplingParams(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=11),
+])
+def test_a_draft_model_gives_the_tokens_of_plain_decoding(tiny, tmp_path, params) -> None:
+    """Drafts from another model (same vocabulary, other weights) and from the model itself: the tokens
+    of plain decoding either way; the model drafting for itself has every greedy guess accepted."""
+    from tests.conftest import write_tiny_gguf
+
+    other = load_model(str(write_tiny_gguf(tmp_path / "other.gguf", seed=7)), progress=False)
+    prompt = tiny.tokenizer.encode("hello hello hello hell")
+    plain = Runner(tiny, 96)
+    text = "".join(plain.generate(prompt, 40, params))
+    for draft in (other, tiny):
+        fast = Runner(tiny, 96, draft_tokens=4, draft_model=draft)
+        assert "".join(fast.generate(prompt, 40, params)) == text
+        s = fast.stats
+        assert s.tokens == plain.stats.tokens and s.n_drafted > 0
+        assert fast.cache.tokens == (prompt + s.tokens)[: fast.cache.n_past]
+        if draft is tiny and params.temperature == 0:
+            assert s.n_accepted == s.n_drafted and s.n_passes < s.n_generated / 3
+
+
+def test_a_draft_model_needs_the_same_vocabulary(tiny, smollm2) -> None:
+    from tracelm import TracelmError
+
+    with pytest.raises(TracelmError, match="another vocabulary"):
+        Runner(tiny, 64, draft_tokens=4, draft_model=smollm2)

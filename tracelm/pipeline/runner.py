@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -10,9 +11,9 @@ import attrs
 import numpy as np
 
 from tracelm import TracelmError
-from tracelm.io.loader import LoadedModel
+from tracelm.io.loader import LoadedModel, load_model
 from tracelm.pipeline.graph import Part, forward, forward_batch, new_cache, plain_call
-from tracelm.pipeline.speculative import lookup_draft
+from tracelm.pipeline.speculative import lookup_draft, model_draft
 from tracelm.pipeline.trace import Tracer
 from tracelm.stages.sample import sample
 from tracelm.state.cache import RING_SLACK
@@ -66,22 +67,48 @@ def check_fits(n_prompt: int, max_tokens: int, n_ctx: int) -> None:
                            f"{n_ctx} positions")
 
 
-def speculation(cfg: Any) -> dict[str, int]:
-    """Runner keyword arguments for a RunConfig's `speculative` section."""
-    return {"draft_tokens": cfg.speculative.draft_tokens, "draft_ngram": cfg.speculative.ngram}
+def speculation(cfg: Any) -> dict[str, Any]:
+    """Runner keyword arguments for a RunConfig's `speculative` section (the draft model loaded once)."""
+    spec = cfg.speculative
+    draft = draft_model(spec.draft_model) if spec.draft_model and spec.draft_tokens else None
+    return {"draft_tokens": spec.draft_tokens, "draft_ngram": spec.ngram, "draft_model": draft}
+
+
+@functools.lru_cache(maxsize=2)
+def draft_model(name_or_path: str) -> LoadedModel:
+    return load_model(name_or_path, progress=False)
+
+
+def check_same_vocabulary(model: LoadedModel, draft: LoadedModel) -> None:
+    """A draft model must spell every token id as the model does: its guesses are ids of the model's vocabulary."""
+    a, b = model.tokenizer, draft.tokenizer
+    same = a.n_vocab == b.n_vocab and all(a.token_bytes(i) == b.token_bytes(i) for i in range(a.n_vocab))
+    if not same:
+        raise TracelmError(f"draft model {draft.path.name} has another vocabulary than {model.path.name} "
+                           f"({b.n_vocab} vs {a.n_vocab} tokens, or tokens spelled differently): it cannot draft")
 
 
 class Runner:
     """A model and one Cache (one conversation). Later calls reuse the cached common prefix."""
 
     def __init__(self, model: LoadedModel, n_ctx: int, tracer: Tracer | None = None, draft_tokens: int = 0,
-                 draft_ngram: int = 8):
+                 draft_ngram: int = 8, draft_model: LoadedModel | None = None):
         self.model = model
         self.cache = new_cache(model.cfg, n_ctx, max(RING_SLACK, draft_tokens))  # a KV ring takes back guesses
         self.tracer = tracer
         self.draft_tokens = draft_tokens  # prompt-lookup speculation: tokens guessed per pass (0 = off)
         self.draft_ngram = draft_ngram
+        self.draft: Runner | None = None  # a draft model's own runner (None: drafts from prompt lookup)
+        if draft_model is not None:
+            check_same_vocabulary(model, draft_model)
+            self.draft = Runner(draft_model, n_ctx)
         self.stats = GenerationStats()
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens guessed to follow `history`: by the draft model, else by prompt lookup."""
+        if self.draft is not None:
+            return model_draft(self.draft, history, k)
+        return lookup_draft(history, k, self.draft_ngram)
 
     def _forward(self, ids: Sequence[int], all_logits: bool = False) -> Logits:
         call = self.tracer.call if self.tracer is not None else plain_call
@@ -209,7 +236,7 @@ class Generation:
         elif not self.rows:
             # the last sampled token is never fed, so a pass may guess up to max_tokens - n_steps - 1 more
             k = min(draft_tokens, self.max_tokens - self.n_steps - 1)
-            self.guesses = lookup_draft(self.history, k, runner.draft_ngram)
+            self.guesses = runner.propose(self.history, k)
             self.feed = [choice.token, *self.guesses]
             stats.n_passes += 1
             stats.n_drafted += len(self.guesses)

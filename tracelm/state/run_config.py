@@ -41,6 +41,7 @@ class SpeculativeOptions:
 
     draft_tokens: int = attrs.field(default=0, validator=v.ge(0))  # 0 = off
     ngram: int = attrs.field(default=8, validator=v.ge(1))  # longest context match tried; a match of n earns 2^n
+    draft_model: str | None = None  # a smaller model with the same vocabulary guesses instead (registry name or path)
 
 
 @attrs.frozen(slots=True)
