@@ -172,23 +172,17 @@ def test_tokenize_needs_one_input(small_gguf, capsys):
     assert code == 2 and "nonexistent" in err
 
 
-def test_unknown_file_kinds_are_named(tmp_path):
-    f = tmp_path / "vocab.txt"
-    f.write_text("hello")
-    with pytest.raises(TracelmError, match="vocab.txt: not a tokenizer"):
+@pytest.mark.parametrize("name, content, message", [
+    ("vocab.txt", b"hello", "vocab.txt: not a tokenizer"),
+    ("tokenizer.bin", b"\x10\x00\x00\x00\x00\x00\x80\x3f\xff\x00\x00\x00ab", "truncated or corrupt llama2.c tokenizer"),
+    ("tokenizer.json", b"{not json", "not a valid tokenizer.json"),
+    ("x.model", b"\x00garbage", "not a readable SentencePiece model"),
+])
+def test_unknown_or_broken_tokenizer_files_are_named(tmp_path, name, content, message):
+    f = tmp_path / name
+    f.write_bytes(content)
+    with pytest.raises(TracelmError, match=message):
         load_tokenizer(str(f))
-    bad_bin = tmp_path / "tokenizer.bin"
-    bad_bin.write_bytes(b"\x10\x00\x00\x00\x00\x00\x80\x3f\xff\x00\x00\x00ab")
-    with pytest.raises(TracelmError, match="truncated or corrupt llama2.c tokenizer"):
-        load_tokenizer(str(bad_bin))
-    bad_json = tmp_path / "tokenizer.json"
-    bad_json.write_text("{not json")
-    with pytest.raises(TracelmError, match="not a valid tokenizer.json"):
-        load_tokenizer(str(bad_json))
-    bad_model = tmp_path / "x.model"
-    bad_model.write_bytes(b"\x00garbage")
-    with pytest.raises(TracelmError, match="not a readable SentencePiece model"):
-        load_tokenizer(str(bad_model))
 
 
 def test_every_tokenizer_kind_has_one_interface(small_gguf, llama_gguf):

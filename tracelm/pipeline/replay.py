@@ -219,7 +219,7 @@ def replay(path: str | Path, model: str | None = None, allow_model_change: bool 
     report = ReplayReport(REPRODUCED, notes=notes)
     comparer = _Comparer(trace, report)
     with limit_threads(cfg.threads):
-        loaded = source.load(progress=False)
+        loaded = source.load(progress=False, weights=cfg.weights)  # a small box replays in the memory it ran in
         tracer = Tracer(comparer, level)  # type: ignore[arg-type]
         tracer.seq = 1
         runner = Runner(loaded, cfg.context, tracer, **speculation(cfg))
