@@ -157,14 +157,16 @@ def streamed_report(model: Any, kv_bytes: int, peak_rss: int, check_ids: list[in
     }
 
 
-def logits_path(model: Any, prompt_ids: list[int], n_decode: int) -> tuple[dict[str, list[int]], np.ndarray]:
-    """Logits of every prompt position (one pass) and of `n_decode` greedy steps after it: the ids fed
-    ({"prompt", "decode"}) and the logits [len(prompt) + n_decode, vocab]."""
+def logits_path(model: Any, prompt_ids: list[int], n_decode: int, feed: list[int] | None = None
+                ) -> tuple[dict[str, list[int]], np.ndarray]:
+    """Logits of every prompt position (one pass) and of `n_decode` decode steps after it, each feeding the
+    greedy choice (or feed[i] when given): the ids fed ({"prompt", "decode"}) and the logits
+    [len(prompt) + n_decode, vocab]."""
     runner = Runner(model, len(prompt_ids) + n_decode)
     rows = [runner.logits(prompt_ids)]
-    fed = []
-    for _ in range(n_decode):
-        fed.append(int(np.argmax(rows[-1][-1])))
+    fed: list[int] = []
+    for i in range(n_decode):
+        fed.append(int(np.argmax(rows[-1][-1])) if feed is None else int(feed[i]))
         rows.append(np.asarray(runner.step(fed[-1]).values))
     return {"prompt": list(prompt_ids), "decode": fed}, np.concatenate(rows)
 
@@ -176,10 +178,9 @@ def compare_resident(model_path: str, ids_json: str, npy: str, threads: str = "0
 
     ids = json.loads(ids_json)
     model = load_model(model_path, progress=False)
-    runner = Runner(model, len(ids["prompt"]) + len(ids["decode"]))
     with threadpool_limits(limits=int(threads) or None):
-        rows = [runner.logits(ids["prompt"])] + [np.asarray(runner.step(t).values) for t in ids["decode"]]
-    resident, streamed = np.concatenate(rows), np.load(npy)
+        _, resident = logits_path(model, ids["prompt"], len(ids["decode"]), ids["decode"])
+    streamed = np.load(npy)
     return {"logits_equal_resident": bool(np.array_equal(resident, streamed)),
             "logits_max_abs_diff": float(np.abs(resident - streamed).max()),
             "logits_checked": f"{len(ids['prompt'])} prompt positions + {len(ids['decode'])} decode steps"}

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from tracelm import TracelmError
+from tracelm.pipeline.runner import common_prefix
 
 ENGINES = ("tracelm", "llama.cpp", "transformers")
 REQUIRES: dict[str, tuple[str, ...]] = {"tracelm": (), "llama.cpp": ("llama_cpp",),
@@ -247,15 +248,6 @@ def _run_child(engine: str, request: dict[str, Any], timeout: float) -> tuple[di
     return {"engine": engine, "status": "failed", "error": error}, False
 
 
-def agreeing_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def build_report(model: str, threads: int, n_prompt: int, n_decode: int,
                  results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The JSON report: per engine its figures (and how many greedy tokens agree with tracelm's), then the
@@ -266,7 +258,7 @@ def build_report(model: str, threads: int, n_prompt: int, n_decode: int,
         r = dict(r)
         tokens = r.pop("tokens", None)
         if tokens is not None and ours.get("tokens") is not None:
-            r["greedy_same_as_tracelm"] = agreeing_prefix(tokens, ours["tokens"])
+            r["greedy_same_as_tracelm"] = common_prefix(tokens, ours["tokens"])
             r["greedy_tokens"] = len(tokens)
         engines[name] = r
     ratios = {}
