@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from tracelm import TracelmError
+from tracelm.io.gguf_file import aligned_f32
 from tracelm.state.model_config import ModelConfig
 from tracelm.state.records import LayerWeights, ModelWeights
 
@@ -82,21 +83,26 @@ class Llama2cFile:
         return out
 
 
+# LayerWeights fields -> the checkpoint arrays stacked row after row into them
+FUSED = {"attn_norm": ("rms_att",), "wqkv": ("wq", "wk", "wv"), "wo": ("wo",), "ffn_norm": ("rms_ffn",),
+         "w_gate_up": ("w1", "w3"), "w_down": ("w2",)}
+
+
 def load_weights(lf: Llama2cFile) -> ModelWeights:
-    """The checkpoint's arrays as resident f32 ModelWeights (q/k/v and gate/up fused per block)."""
+    """The checkpoint's arrays as resident f32 ModelWeights (q/k/v and gate/up fused per block), every block
+    in one aligned arena (as the GGUF loader lays them out)."""
     a = lf.arrays()
     f32 = lambda x: np.array(x, np.float32)  # noqa: E731 - a resident copy
-    layers = tuple(
-        LayerWeights(
-            attn_norm=f32(a["rms_att"][i]),
-            wqkv=np.concatenate([a["wq"][i], a["wk"][i], a["wv"][i]]).astype(np.float32),
-            wo=f32(a["wo"][i]),
-            ffn_norm=f32(a["rms_ffn"][i]),
-            w_gate_up=np.concatenate([a["w1"][i], a["w3"][i]]).astype(np.float32),
-            w_down=f32(a["w2"][i]),
-        )
-        for i in range(lf.cfg.n_layer)
-    )
+    shapes = {f: (sum(a[n].shape[1] for n in names), *a[names[0]].shape[2:]) for f, names in FUSED.items()}
+    sizes = {f: -(-int(np.prod(shape)) // 16) * 16 for f, shape in shapes.items()}
+    arena, pos, layers = aligned_f32(lf.cfg.n_layer * sum(sizes.values())), 0, []
+    for i in range(lf.cfg.n_layer):
+        fields = {}
+        for f, names in FUSED.items():
+            out = arena[pos : pos + int(np.prod(shapes[f]))].reshape(shapes[f])
+            fields[f] = np.concatenate([a[n][i] for n in names], out=out)
+            pos += sizes[f]
+        layers.append(LayerWeights(**fields))
     embd = f32(a["token_embd"])
     output = embd if lf.shared else f32(a["wcls"])
-    return ModelWeights(token_embd=embd, layers=layers, output_norm=f32(a["rms_final"]), output=output)
+    return ModelWeights(token_embd=embd, layers=tuple(layers), output_norm=f32(a["rms_final"]), output=output)

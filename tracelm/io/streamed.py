@@ -21,7 +21,7 @@ from typing import overload
 import numpy as np
 
 from tracelm import TracelmError
-from tracelm.io.gguf_file import GGUFFile, LayerPlan, layer_plan, layer_weights, plan_values
+from tracelm.io.gguf_file import GGUFFile, LayerPlan, aligned_f32, layer_plan, layer_weights, plan_values
 from tracelm.state.model_config import ModelConfig
 from tracelm.state.records import LayerWeights, ModelWeights, RowSource
 
@@ -80,7 +80,7 @@ def streamed_weights(gf: GGUFFile, cfg: ModelConfig) -> ModelWeights:
     """The file's weights as streamed ModelWeights: every tensor's shape is checked now, no matrix is read.
     Holds one scratch buffer of the largest block's f32 size (and the small output norm)."""
     plans = [layer_plan(gf, cfg, i) for i in range(cfg.n_layer)]
-    scratch = np.empty(max(plan_values(p) for p in plans) if plans else 16, np.float32)
+    scratch = aligned_f32(max(plan_values(p) for p in plans) if plans else 16)
     shape = (cfg.n_vocab, cfg.n_embd)
     embd = row_source(gf, "token_embd.weight", shape, scratch)
     output = embd if cfg.tied_head else row_source(gf, "output.weight", shape, scratch)
