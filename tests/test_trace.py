@@ -247,7 +247,7 @@ def test_statistics_of_multi_array_and_non_finite_outputs() -> None:
     q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((3, 4, 8), (3, 2, 8), (3, 2, 8)))
     bad = rng.standard_normal((2, 16)).astype(np.float32)
     bad[1, 3] = np.nan
-    big = rng.standard_normal((trace_mod.BATCH_ELEMENTS // 1000 + 1, 1000)).astype(np.float32)  # forces a batch
+    big = rng.standard_normal((trace_mod.BATCH_ELEMENTS // 1000 + 1, 1000)).astype(np.float32)  # past the bound
     stream = io.StringIO()
     tr = Tracer(stream, "digest")
     tr.call("qkv", 0, lambda: Heads(q, k, v, 5))
@@ -268,3 +268,26 @@ def test_statistics_of_multi_array_and_non_finite_outputs() -> None:
     assert events[3]["layer"] is None and events[3]["shape"] == [[1, 16]]
     assert events[3]["maxabs"] == pytest.approx(float(np.abs(bad[0]).max()), rel=1e-6)
     assert events[4]["tok"] == 0 and tr.n_tokens == 1
+
+
+def test_outputs_held_for_rendering_stay_bounded() -> None:
+    """A long prompt's stage outputs are rendered in batches once they pass BATCH_ELEMENTS, not held to the
+    token event: at no call do the unrendered outputs hold more than twice the bound."""
+    import io
+
+    from tracelm.pipeline.trace import BATCH_ELEMENTS, Tracer
+    from tracelm.state.records import Hidden
+
+    stream = io.StringIO()
+    tr = Tracer(stream, "summary")
+    rows = BATCH_ELEMENTS // 16 // 100  # each output 1/16 of the bound
+    most_held = 0
+    for i in range(100):
+        out = np.full((rows, 100), i, np.float32)
+        tr.call("ffn", i, lambda out=out: Hidden(out, 0))
+        rendered = len(stream.getvalue().splitlines())
+        most_held = max(most_held, (i + 1 - rendered) * out.size)
+    assert 0 < most_held <= 2 * BATCH_ELEMENTS
+    tr.flush()
+    events = [json.loads(x) for x in stream.getvalue().splitlines()]
+    assert [e["layer"] for e in events] == list(range(100)) and [e["mean"] for e in events] == list(range(100))

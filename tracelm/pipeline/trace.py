@@ -14,12 +14,13 @@ The format is described in docs/trace.md (format "tracelm-trace", version 2). In
 Levels: "off" (no events), "summary" (statistics, no digests), "digest" (also a sha256-128 digest of the
 output bytes, so two runs can be compared bit for bit).
 
-The hot path (`Tracer.call`) only times the stage and keeps a reference to its output (stage outputs are
-fresh arrays, frozen by their records, so their bytes cannot change before they are read). Statistics,
-digests, JSON rendering, chaining and signing run in batches -- at each token event, at flush, or when the
-outputs held pass `BATCH_ELEMENTS` -- through one structlog call per batch: the batch's float32 outputs are
-joined into one buffer by one `np.concatenate`, and every event's statistics come from a few vectorised
-passes over it. An output that is not float32 forms a batch of its own.
+The hot path (`Tracer.call`) only times the stage and keeps a reference to its output record (stage outputs
+are fresh arrays, frozen by their records, so their bytes cannot change before they are read). Everything
+else -- finding the record's arrays, statistics, digests, JSON rendering, chaining and signing -- runs in
+batches: at each token event, at flush, or when the outputs held pass `BATCH_ELEMENTS`, through one
+structlog call per batch: the batch's float32 outputs are joined into one buffer by one `np.concatenate`,
+and every event's statistics come from a few vectorised passes over it. An output that is not float32
+forms a batch of its own.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import time
 from collections.abc import Callable
 from importlib import metadata as importlib_metadata
 from itertools import chain
+from operator import attrgetter
 from pathlib import Path
 from typing import IO, Any
 
@@ -58,22 +60,30 @@ def is_timing_field(name: str) -> bool:
     return name.endswith(TIMING_SUFFIXES)
 
 
-def output_arrays(out: Any) -> list[np.ndarray]:
+def output_arrays(out: Any) -> tuple[np.ndarray, ...]:
     """The arrays a stage returned, in field order (a record's array fields, or a bare array)."""
-    cls = type(out)
+    get = _array_getters.get(type(out))
+    if get is None:
+        get = _array_getters[type(out)] = _array_getter(type(out))
+    return get(out)
+
+
+def _array_getter(cls: type) -> Callable[[Any], tuple[np.ndarray, ...]]:
+    """For a record type, a function giving its array fields (those annotated as arrays) as a tuple."""
     if cls is np.ndarray:
-        return [out]
-    names = _array_fields.get(cls)
-    if names is None:  # the fields annotated as arrays (possibly None), per record type
-        names = _array_fields[cls] = tuple(f.name for f in attrs.fields(cls) if "ndarray" in str(f.type)) \
-            if attrs.has(cls) else ()
-    if len(names) == 1:
-        v = getattr(out, names[0])
-        return [v] if type(v) is np.ndarray else []
-    return [v for v in (getattr(out, n) for n in names) if type(v) is np.ndarray]
+        return lambda a: (a,)
+    fields = [f for f in attrs.fields(cls) if "ndarray" in str(f.type)] if attrs.has(cls) else []
+    if not fields:
+        return lambda _out: ()
+    get = attrgetter(*(f.name for f in fields))
+    if len(fields) == 1:
+        return lambda out: (v,) if type(v := get(out)) is np.ndarray else ()
+    if any("None" in str(f.type) for f in fields):  # optional arrays: keep those present
+        return lambda out: tuple(v for v in get(out) if type(v) is np.ndarray)
+    return get
 
 
-_array_fields: dict[type, tuple[str, ...]] = {}
+_array_getters: dict[type, Callable[[Any], tuple[np.ndarray, ...]]] = {}
 
 
 def digest(arrays: list[np.ndarray]) -> str:
@@ -91,30 +101,30 @@ def _flatten(arrays: list[np.ndarray]) -> np.ndarray:
     return buf if buf.dtype.kind == "f" else buf.astype(np.float64)
 
 
-def _batch_stats(buf: np.ndarray, sizes: list[int], scratch: np.ndarray | None = None
+def _batch_stats(buf: np.ndarray, sizes: list[int], overwrite: bool = False
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Mean, rms and max |x| of consecutive groups of the 1-D array `buf` (group i holds sizes[i]
     elements), in a few vectorised passes over all of them.
 
     Sums and sums of squares accumulate in the arrays' own float type (float32: numpy's pairwise
     summation keeps the relative error near 1e-6 for these sizes; float64 would double the cost), the
-    divisions and the square root in float64. Empty groups give NaN. `scratch`: a buffer like `buf`,
-    reused between batches for the temporaries (fresh large temporaries cost page faults).
+    divisions and the square root in float64; max |x| is the larger of max x and -min x. Empty groups give
+    NaN. `overwrite`: buf is a scratch copy, squared in place (no large temporary to allocate and fault in).
     """
     n = len(sizes)
     counts = np.array(sizes, dtype=np.int64)
     if not counts.any():
         return np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
-    total = int(counts.sum())
-    tmp = scratch[:total] if scratch is not None and scratch.size >= total and scratch.dtype == buf.dtype else None
     offsets = np.cumsum(counts) - counts
     if counts.all():
         mean = np.add.reduceat(buf, offsets).astype(np.float64) / counts
-        rms = np.sqrt(np.add.reduceat(np.square(buf, out=tmp), offsets).astype(np.float64) / counts)
-        return mean, rms, np.maximum.reduceat(np.abs(buf, out=tmp), offsets).astype(np.float64)
+        top, bottom = np.maximum.reduceat(buf, offsets), np.minimum.reduceat(buf, offsets)
+        maxabs = np.abs(np.maximum(top, np.negative(bottom))).astype(np.float64)
+        squares = np.square(buf, out=buf if overwrite else None)
+        return mean, np.sqrt(np.add.reduceat(squares, offsets).astype(np.float64) / counts), maxabs
     nonempty = counts > 0
     mean, rms, maxabs = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
-    mean[nonempty], rms[nonempty], maxabs[nonempty] = _batch_stats(buf, counts[nonempty].tolist(), scratch)
+    mean[nonempty], rms[nonempty], maxabs[nonempty] = _batch_stats(buf, counts[nonempty].tolist(), overwrite)
     return mean, rms, maxabs
 
 
@@ -207,11 +217,10 @@ class Tracer:
         self.counts: dict[str, int] = {}
         self.stage_ns = 0  # total duration of the stage calls
         self._digest = level == "digest"
-        # pending stage events: (stage, layer, tok, start, arrays, dur_ns); `_held`: their elements
+        # pending stage events: (stage, layer, output, dur_ns); `_check_at`: the count that checks their size
         self._pending: list[tuple[Any, ...]] = []
-        self._held = 0
+        self._check_at = 1
         self._templates: dict[tuple[Any, ...], str] = {}
-        self._scratch = np.empty(0, np.float32)  # reused by the statistics' temporaries
         self._stream = stream
         self._log = structlog.wrap_logger(structlog.WriteLogger(stream), processors=[self._render],
                                           context_class=dict)
@@ -221,20 +230,22 @@ class Tracer:
         t0 = time.perf_counter_ns()
         out = fn(*args)
         dur = time.perf_counter_ns() - t0
-        arrays = output_arrays(out)
-        if len(arrays) == 1 and arrays[0].dtype is F32:  # the common case, kept cheap
-            self._held += arrays[0].size
-        elif all(a.dtype == F32 for a in arrays):
-            self._held += sum(a.size for a in arrays)
-        else:  # a batch of its own
-            self._drain()
-            self._pending.append((stage, layer, self.n_tokens, getattr(out, "start", -1), arrays, dur))
-            self._drain()
-            return out
-        self._pending.append((stage, layer, self.n_tokens, getattr(out, "start", -1), arrays, dur))
-        if self._held > BATCH_ELEMENTS:
-            self._drain()
+        pending = self._pending
+        pending.append((stage, layer, out, dur))
+        if len(pending) >= self._check_at:
+            self._bound_held()
         return out
+
+    def _bound_held(self) -> None:
+        """Drain once the held outputs pass BATCH_ELEMENTS; otherwise check again after as many more events as
+        the average size so far says half the remaining room takes (a decode step's ~200 small events are
+        checked once; a long prompt's large ones often enough to keep near the bound)."""
+        n = len(self._pending)
+        held = sum(a.size for e in self._pending for a in output_arrays(e[2]))
+        if held > BATCH_ELEMENTS:
+            self._drain()
+        else:
+            self._check_at = n + max(1, n * (BATCH_ELEMENTS - held) // (2 * max(held, 1)))
 
     # -- events -------------------------------------------------------------------------------------
     def event(self, kind: str, **fields: Any) -> None:
@@ -252,14 +263,28 @@ class Tracer:
         self._stream.flush()
 
     def _drain(self) -> None:
-        if self._pending:
-            rows, self._pending, self._held = self._pending, [], 0
-            self._log.msg("stages", rows=rows)
+        """Render the pending stage events: float32 outputs in one batch, any other output a batch of its own."""
+        pending, self._pending, self._check_at = self._pending, [], 1
+        if not pending:
+            return
+        held = [output_arrays(e[2]) for e in pending]
+        if {a.dtype for arrays in held for a in arrays} <= {F32}:
+            self._log.msg("stages", rows=pending, held=held)
+            return
+        a = 0
+        for b, arrays in enumerate(held):
+            if any(x.dtype != F32 for x in arrays):  # the float32 run before it, then itself alone
+                if a < b:
+                    self._log.msg("stages", rows=pending[a:b], held=held[a:b])
+                self._log.msg("stages", rows=pending[b : b + 1], held=held[b : b + 1])
+                a = b + 1
+        if a < len(pending):
+            self._log.msg("stages", rows=pending[a:], held=held[a:])
 
     # -- rendering and chaining (structlog processor) -------------------------------------------------
     def _render(self, _logger: Any, _name: str, event: dict[str, Any]) -> str:
         if event.get("event") == "stages" and "rows" in event:
-            return "\n".join(self._stage_lines(event["rows"]))
+            return "\n".join(self._stage_lines(event["rows"], event["held"]))
         body = {"seq": self.seq, "event": event.pop("event"), **event, "prev": self.prev}
         return self._chain(json.dumps(body, ensure_ascii=False, separators=(",", ":"), default=_jsonable)[:-1])
 
@@ -273,46 +298,60 @@ class Tracer:
         mac = hmac.new(self.key, h.encode("ascii"), "sha256").hexdigest()
         return f'{body},"hash":"{h}","mac":"{mac}"}}'
 
-    def _stage_lines(self, rows: list[tuple[str, int | None, int, int, list[np.ndarray], int]]) -> list[str]:
-        """Render, chain and sign a batch of stage events (~200 per decoded token, so kept lean): one
-        %-format call renders every line up to its `prev` (the format is cached per sequence of stages and
-        shapes, which repeats every decode step); then each line is closed and hashed in turn."""
-        stages, layers, toks, starts, held, durs = zip(*rows, strict=True)
+    def _stage_lines(self, rows: list[tuple[str, int | None, Any, int]], held: list[tuple[np.ndarray, ...]]
+                     ) -> list[str]:
+        """Render, chain and sign a batch of stage events (~200 per decoded token, so kept lean): `rows` are
+        (stage, layer, output record, dur_ns), `held` each output's arrays. One %-format call renders every
+        line up to its `prev` (the format is cached per sequence of stages and shapes, which repeats every
+        decode step); then each line is closed and hashed in turn."""
+        stages, layers, outs, durs = zip(*rows, strict=True)
+        starts = [getattr(out, "start", -1) for out in outs]
+        toks = [self.n_tokens] * len(rows)
         arrays = [a for arrs in held for a in arrs]
-        sizes = [arrs[0].size if len(arrs) == 1 else sum(a.size for a in arrs) for arrs in held]
-        shapes = tuple((arrs[0].shape,) if len(arrs) == 1 else tuple(a.shape for a in arrs) for arrs in held)
-        # batches of several events are float32 (`call`); dtype.name is slow enough to matter here
+        counts = [len(arrs) for arrs in held]
+        flat_shapes = tuple([a.shape for a in arrays])
+        ends = np.cumsum(counts)
+        total = np.cumsum([0, *[a.size for a in arrays]])
+        lo, hi = total[ends - counts], total[ends]  # where each event's elements start and end in the batch
+        sizes = (hi - lo).tolist()
+        # batches of several events are float32 (`_drain`); dtype.name is slow enough to matter here
         dtypes = (held[0][0].dtype.name if held[0] else "float32",) if len(rows) == 1 else ("float32",) * len(rows)
+        digests: list[str] = []
         if len(rows) == 1:  # possibly not float32: statistics in float64 when not floats, digest of its arrays
             buf = _flatten(list(held[0])) if held[0] else np.empty(0, np.float32)
+            if self._digest:
+                digests.append(digest(list(held[0])))
             mean, rms, maxabs = _batch_stats(buf, sizes)
         else:  # all float32: every element, event after event, each array in C order (the bytes digested)
-            buf = np.concatenate(arrays, axis=None)
-            if self._scratch.size < buf.size:
-                self._scratch = np.empty(max(buf.size, 2 * self._scratch.size), np.float32)
-            mean, rms, maxabs = _batch_stats(buf, sizes, self._scratch)
+            try:  # a copy to square in place; joining bytes costs a quarter of np.concatenate's per-array work
+                buf = np.frombuffer(bytearray().join(arrays), np.float32)
+            except (TypeError, BufferError):  # a view that is not C-contiguous (a prompt's q, k, v)
+                buf = np.concatenate(arrays, axis=None)
+            if self._digest:  # each event's bytes are a slice of the buffer
+                view, sha256 = memoryview(buf).cast("B"), hashlib.sha256
+                digests = [sha256(view[4 * a : 4 * b]).hexdigest()[:32] for a, b in zip(lo.tolist(), hi.tolist(),
+                                                                                        strict=True)]
+            mean, rms, maxabs = _batch_stats(buf, sizes, overwrite=True)
         finite = bool(np.isfinite(mean).all() and np.isfinite(rms).all() and np.isfinite(maxabs).all())
         if finite:
             stats = (mean.tolist(), rms.tolist(), maxabs.tolist())
         else:
             stats = tuple([_num(v) for v in col.tolist()] for col in (mean, rms, maxabs))
-        # the first output's shape fixes the others' (a record's arrays share T; the rest is the model's)
-        key = (stages, layers, finite, shapes, dtypes)
+        # a decode step's lines differ from the last step's only in their numbers: their format is cached
+        key = (stages, layers, finite, flat_shapes, tuple(counts), dtypes)
         template = self._templates.get(key)
         if template is None:
             if len(self._templates) >= 256:  # prefill batches rarely repeat: keep the cache bounded
                 self._templates.clear()
+            shapes = [flat_shapes[e - c : e] for e, c in zip(ends.tolist(), counts, strict=True)]
             template = self._templates[key] = "\0".join(
                 _stage_template(st, ly, sh, dt, self._digest, finite)
                 for st, ly, sh, dt in zip(stages, layers, shapes, dtypes, strict=True))
         seq = self.seq
         self.stage_ns += sum(durs)
         cols: list[Any] = [range(seq, seq + len(rows)), toks, starts, *stats]
-        if self._digest and len(rows) == 1:
-            cols.append([digest(list(held[0]))])
-        elif self._digest:  # each event's bytes are a slice of the buffer
-            view, ends, sha256 = memoryview(buf).cast("B"), np.cumsum(sizes).tolist(), hashlib.sha256
-            cols.append([sha256(view[4 * (e - n) : 4 * e]).hexdigest()[:32] for e, n in zip(ends, sizes, strict=True)])
+        if self._digest:
+            cols.append(digests)
         cols.append([d / 1000 for d in durs])
         heads = (template % tuple(chain.from_iterable(zip(*cols, strict=True)))).split("\0")
         lines = []
