@@ -5,6 +5,8 @@ model's peak RSS): read bandwidth of a matrix-vector product over 1 GiB (the acc
 and the sgemm rate of a large square product. From them:
 - decode roofline: f32 weight bytes / bandwidth (each decoded token reads every weight once);
 - prefill bound: sgemm rate / FLOPs per prompt token (matrix products + attention scores).
+It also times one pass's weight products alone (`product_pass_seconds`), to show how much of each limit the
+numpy/OpenBLAS products themselves leave for the rest of the graph.
 """
 
 from __future__ import annotations
@@ -98,6 +100,15 @@ def run_bench(model_name: str, n_prompt: int = 256, n_decode: int = 128, n_ctx: 
 
     weight_bytes = model.weights.nbytes
     roofline_tok_s = probe["bandwidth_gb_s"] * 1e9 / weight_bytes
+    ceilings = {}
+    if weights == "resident":  # the same limits for the weight products alone, every other stage free
+        decode_products_s = product_pass_seconds(model.weights, cfg, 1, 10)
+        prefill_products_s = product_pass_seconds(model.weights, cfg, n_prompt, 3)
+        ceilings = {
+            "decode_products_tok_s": round(1 / decode_products_s, 2),
+            "decode_products_vs_roofline": round(1 / decode_products_s / roofline_tok_s, 3),
+            "prefill_products_tok_s": round(n_prompt / prefill_products_s, 1),
+        }
     sgemm_bound_tok_s = probe["sgemm_gflop_s"] * 1e9 / prefill_flops_per_token(cfg, n_prompt)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     rss_budget = weight_bytes + runner.cache.nbytes + 300 * 2**20
@@ -120,7 +131,27 @@ def run_bench(model_name: str, n_prompt: int = 256, n_decode: int = 128, n_ctx: 
         "decode_vs_roofline": round(n_decode / decode_s / roofline_tok_s, 3),
         "prefill_sgemm_bound_tok_s": round(sgemm_bound_tok_s, 1),
         "prefill_vs_sgemm_bound": round(n_prompt / prefill_s / sgemm_bound_tok_s, 3),
+        **ceilings,
+        **({"prefill_products_vs_sgemm_bound": round(ceilings["prefill_products_tok_s"] / sgemm_bound_tok_s, 3)}
+           if ceilings else {}),
     }
+
+
+def product_pass_seconds(w: Any, cfg: Any, rows: int, repeat: int) -> float:
+    """Best time of the weight products of one forward pass over `rows` positions, alone: every block's
+    four products through the stages' `linear`, in graph order, and the head for the last row. A pass
+    cannot beat it however cheap the norms, RoPE, attention and the Python between them become."""
+    from tracelm.stages.linear import linear
+
+    rng = np.random.default_rng(0)
+    x, attn, act = (rng.standard_normal((rows, n), dtype=np.float32) for n in (cfg.n_embd, cfg.q_dim, cfg.n_ff))
+
+    def one_pass() -> None:
+        for lw in w.layers:
+            linear(x, lw.wqkv), linear(attn, lw.wo), linear(x, lw.w_gate_up), linear(act, lw.w_down)
+        linear(x[-1:], w.output)
+
+    return _best_seconds(one_pass, repeat)
 
 
 STREAMED_SLACK = 150 * 2**20  # the issue's allowance over file + one block in f32 + KV cache

@@ -44,6 +44,8 @@ import attrs
 import numpy as np
 import structlog
 
+from tracelm.state.records import Hidden
+
 LEVELS = ("off", "summary", "digest")
 FORMAT = "tracelm-trace"
 TRACE_VERSION = 2
@@ -267,7 +269,7 @@ class Tracer:
         pending, self._pending, self._check_at = self._pending, [], 1
         if not pending:
             return
-        held = [output_arrays(e[2]) for e in pending]
+        held = [(e[2].x,) if type(e[2]) is Hidden else output_arrays(e[2]) for e in pending]  # most are Hidden
         if {a.dtype for arrays in held for a in arrays} <= {F32}:
             self._log.msg("stages", rows=pending, held=held)
             return
