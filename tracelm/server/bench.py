@@ -7,7 +7,8 @@ their shared forward pass; the prompts' prefills, one at a time before the batch
 Ratios are against one stream, measured in the same run; the order of N alternates between repeats and the
 best rate of each N counts. `cpu_tok_s` divides by the worker thread's CPU time instead: with one BLAS
 thread (`--threads 1`) that is what the wall time would be on an idle machine, so it says more than the wall
-rate on a busy one (with more BLAS threads it leaves out their helpers' share).
+rate on a busy one (with more BLAS threads it leaves out their helpers' share). `products_ms_per_pass`: the
+weight products of one pass over N rows alone (`product_pass_seconds`), the floor of `ms_per_pass`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 from typing import Any
 
 from tracelm.io.loader import load_model
-from tracelm.pipeline.bench import bench_ids
+from tracelm.pipeline.bench import bench_ids, product_pass_seconds
 from tracelm.server.queue import Engine, Job
 from tracelm.state.records import SamplingParams
 from tracelm.state.run_config import RunConfig, ServerOptions
@@ -89,6 +90,8 @@ def bench_server(model_name: str, streams: tuple[int, ...] = (1, 2, 4, 8), n_pro
                                   round(b["tok_s"] / one, 3), "cpu_tok_s": round(cpu, 2),
                                   f"cpu_vs_{streams[0]}_stream": round(cpu / cpu_one, 3),
                                   "ms_per_pass": round(b["ms_per_pass"], 2),
+                                  "products_ms_per_pass": round(1e3 * product_pass_seconds(
+                                      model.weights, model.cfg, n, 5), 2),
                                   "peak_batch": b["peak_batch"], "generated": int(b["generated"]),
                                   "shortest_stream": int(b["shortest"])}
     return report
