@@ -18,9 +18,9 @@ The hot path (`Tracer.call`) only times the stage and keeps a reference to its o
 are fresh arrays, frozen by their records, so their bytes cannot change before they are read). Everything
 else -- finding the record's arrays, statistics, digests, JSON rendering, chaining and signing -- runs in
 batches: at each token event, at flush, or when the outputs held pass `BATCH_ELEMENTS`, through one
-structlog call per batch: the batch's float32 outputs are joined into one buffer by one `np.concatenate`,
-and every event's statistics come from a few vectorised passes over it. An output that is not float32
-forms a batch of its own.
+structlog call per batch: the batch's float32 outputs are joined into one buffer (one bytes join), and every
+event's statistics come from a few vectorised passes over it. An output that is not float32 forms a batch of
+its own.
 """
 
 from __future__ import annotations
