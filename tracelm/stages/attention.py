@@ -125,19 +125,22 @@ def visible_keys(mask: np.ndarray) -> tuple[int, int]:
 
 def attend_rows(q: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray | None,
                 scale: float) -> np.ndarray:
-    """`attend` of T query rows over all L keys in one product: scores [Hkv, g, T, L]. Returns [T, H * hd]."""
+    """`attend` of T query rows over all L keys in one product: scores [Hkv, g, T, L], their softmax's sums
+    dividing the product with v. Returns [T, H * hd]."""
     T, H, hd = q.shape
     n_kv, L = keys.shape[0], keys.shape[1]
     g = H // n_kv
-    qg = (q * np.float32(scale)).reshape(T, n_kv, g, hd).transpose(1, 2, 0, 3).reshape(n_kv, g * T, hd)
-    scores = (qg @ keys.transpose(0, 2, 1)).reshape(n_kv, g, T, L)
+    qg = np.empty((n_kv, g, T, hd), np.float32)  # scaled q, grouped by kv head, in one copy
+    np.multiply(q.reshape(T, n_kv, g, hd).transpose(1, 2, 0, 3), np.float32(scale), out=qg)
+    scores = (qg.reshape(n_kv, g * T, hd) @ keys.transpose(0, 2, 1)).reshape(n_kv, g, T, L)
     if mask is not None:
         scores += mask
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
-    out = scores.reshape(n_kv, g * T, L) @ values  # [n_kv, g*T, hd]
-    return out.reshape(n_kv, g, T, hd).transpose(2, 0, 1, 3).reshape(T, H * hd)
+    # normalise after the product with v: divide [.., hd] sums instead of [.., L] weights
+    out = (scores.reshape(n_kv, g * T, L) @ values).reshape(n_kv, g, T, hd)
+    out /= scores.sum(axis=-1, keepdims=True)
+    return out.transpose(2, 0, 1, 3).reshape(T, H * hd)
 
 
 def out_proj(attn: Hidden, wo: np.ndarray, residual: Hidden | None) -> Hidden:
