@@ -56,10 +56,7 @@ def small_pages() -> Iterator[None]:
     written a few positions at a time in every (layer, kv head) slab, so with huge pages its first token
     would make nearly all of it resident (SmolLM2 at 1,024 positions: 42 MB at once instead of ~1 MB):
     allocate them with ordinary pages, resident as positions fill."""
-    try:
-        from numpy._core.multiarray import _set_madvise_hugepage  # numpy >= 2
-    except ImportError:  # pragma: no cover - numpy 1.x
-        from numpy.core.multiarray import _set_madvise_hugepage
+    from numpy._core.multiarray import _set_madvise_hugepage
     before = _set_madvise_hugepage(False)
     try:
         yield

@@ -6,7 +6,7 @@ from tracelm.state.records import Hidden
 
 
 def rms_normalize(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    mean_sq = np.einsum("...i,...i->...", x, x)[..., None] / x.shape[-1]
+    mean_sq = np.vecdot(x, x)[..., None] / x.shape[-1]  # a dot product per row (einsum costs more per call)
     out = x * (1.0 / np.sqrt(mean_sq + eps))
     out *= weight
     return out
