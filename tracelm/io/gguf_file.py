@@ -457,22 +457,31 @@ def aligned_f32(n: int, align: int = 4096) -> np.ndarray:
 
 
 def plan_values(plan: LayerPlan) -> int:
-    """f32 values of one block's weights (the scratch a streamed layer needs), each field padded to 16
-    values so every field starts 64-byte aligned."""
-    return sum(-(-int(np.prod(shape)) // 16) * 16 for _names, shape in plan.values())
+    """f32 values of one block's weights (the scratch a streamed layer needs), laid out by `packed`."""
+    return packed_values([shape for _names, shape in plan.values()])
+
+
+def packed_values(shapes: list[tuple[int, ...]]) -> int:
+    """f32 values of arrays of these shapes laid end to end, each padded to 16 values (64 bytes)."""
+    return sum(-(-int(np.prod(shape)) // 16) * 16 for shape in shapes)
+
+
+def packed(out: np.ndarray, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    """Views of the flat f32 `out` with these shapes, one after another, each starting 64-byte aligned (a block's
+    fields in graph order: a decode step walks its weights front to back)."""
+    views, pos = {}, 0
+    for field, shape in shapes.items():
+        views[field] = out[pos : pos + int(np.prod(shape))].reshape(shape)
+        pos += packed_values([shape])
+    return views
 
 
 def layer_weights(gf: Any, plan: LayerPlan, out: np.ndarray) -> LayerWeights:
     """Block weights in f32 as `plan` lays them out, every field written into a view of `out` (flat f32 of at
     least `plan_values(plan)`): the block's slice of the resident arena, or the streamed mode's scratch
     buffer (overwritten by the next call)."""
-    fields = {}
-    pos = 0
-    for field, (names, shape) in plan.items():
-        n = int(np.prod(shape))
-        fields[field] = _stack(gf, names, shape, out[pos : pos + n].reshape(shape))
-        pos += -(-n // 16) * 16
-    return LayerWeights(**fields)
+    views = packed(out, {field: shape for field, (_names, shape) in plan.items()})
+    return LayerWeights(**{field: _stack(gf, names, shape, views[field]) for field, (names, shape) in plan.items()})
 
 
 def load_weights(gf: GGUFFile, cfg: ModelConfig, progress: bool = True) -> ModelWeights:

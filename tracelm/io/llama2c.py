@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from tracelm import TracelmError
-from tracelm.io.gguf_file import aligned_f32
+from tracelm.io.gguf_file import aligned_f32, packed, packed_values
 from tracelm.state.model_config import ModelConfig
 from tracelm.state.records import LayerWeights, ModelWeights
 
@@ -94,15 +94,12 @@ def load_weights(lf: Llama2cFile) -> ModelWeights:
     a = lf.arrays()
     f32 = lambda x: np.array(x, np.float32)  # noqa: E731 - a resident copy
     shapes = {f: (sum(a[n].shape[1] for n in names), *a[names[0]].shape[2:]) for f, names in FUSED.items()}
-    sizes = {f: -(-int(np.prod(shape)) // 16) * 16 for f, shape in shapes.items()}
-    arena, pos, layers = aligned_f32(lf.cfg.n_layer * sum(sizes.values())), 0, []
+    block = packed_values(list(shapes.values()))
+    arena, layers = aligned_f32(lf.cfg.n_layer * block), []
     for i in range(lf.cfg.n_layer):
-        fields = {}
-        for f, names in FUSED.items():
-            out = arena[pos : pos + int(np.prod(shapes[f]))].reshape(shapes[f])
-            fields[f] = np.concatenate([a[n][i] for n in names], out=out)
-            pos += sizes[f]
-        layers.append(LayerWeights(**fields))
+        views = packed(arena[i * block : (i + 1) * block], shapes)
+        layers.append(LayerWeights(**{f: np.concatenate([a[n][i] for n in names], out=views[f])
+                                      for f, names in FUSED.items()}))
     embd = f32(a["token_embd"])
     output = embd if lf.shared else f32(a["wcls"])
     return ModelWeights(token_embd=embd, layers=tuple(layers), output_norm=f32(a["rms_final"]), output=output)
