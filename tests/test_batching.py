@@ -338,6 +338,7 @@ def test_bench_server_reports_each_stream_count(tiny_gguf) -> None:
     one, three = report["streams_1"], report["streams_3"]
     assert one["vs_1_stream"] == 1.0 and one["peak_batch"] == 1 and three["peak_batch"] == 3
     assert three["generated"] <= 18 and three["aggregate_tok_s"] > 0 and three["cpu_tok_s"] > 0
+    assert 0 < one["products_ms_per_pass"] < one["ms_per_pass"] and three["products_ms_per_pass"] > 0
 
 
 def test_bench_server_cli_checks_streams(tiny_gguf) -> None:

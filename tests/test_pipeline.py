@@ -115,6 +115,28 @@ def test_trace_events_cover_every_stage(tiny, tmp_path) -> None:
     assert sum(e["event"] == "token" for e in events) == 2
 
 
+def test_product_pass_times_every_weight_product_of_a_pass(tiny_gguf, monkeypatch) -> None:
+    """`tracelm bench`'s products-alone figure runs exactly a pass's weight products: four per block, in graph
+    order, with the pass's rows, and the head for the last row."""
+    from tracelm.io.loader import load_model
+    from tracelm.pipeline.bench import product_pass_seconds
+    from tracelm.stages import linear as linear_module
+
+    model = load_model(str(tiny_gguf), progress=False)
+    calls, real = [], linear_module.linear
+
+    def spy(x, w, rows_per_block=None):
+        calls.append((x.shape, w.shape))
+        return real(x, w, rows_per_block)
+
+    monkeypatch.setattr(linear_module, "linear", spy)
+    assert product_pass_seconds(model.weights, model.cfg, 3, 1) > 0
+    head = ((1, model.cfg.n_embd), model.weights.output.shape)
+    one_pass = [((3, w.shape[1]), w.shape) for lw in model.weights.layers
+                for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)] + [head]
+    assert calls == one_pass * 2  # a warm-up pass, then the timed one
+
+
 def test_bench_kernels_reports_every_type_and_shape(tiny_gguf) -> None:
     from tracelm.pipeline.bench import bench_kernels
 

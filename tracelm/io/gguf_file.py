@@ -507,11 +507,10 @@ def _load_all(gf: GGUFFile, cfg: ModelConfig, bar: Any) -> ModelWeights:
     # them from 4 MiB), so a decode step's walk through the weights takes few TLB misses (~9 % faster decode
     # on SmolLM2 than a separate array per matrix, where the small ones get ordinary pages)
     plans = [layer_plan(gf, cfg, i) for i in range(cfg.n_layer)]
-    arena = aligned_f32(sum(plan_values(p) for p in plans))
-    layers, pos = [], 0
-    for plan in plans:
-        layers.append(layer_weights(gf, plan, arena[pos : pos + plan_values(plan)]))
-        pos += plan_values(plan)
+    ends = np.cumsum([0, *(plan_values(p) for p in plans)]).tolist()
+    arena, layers = aligned_f32(ends[-1]), []
+    for plan, a, b in zip(plans, ends, ends[1:], strict=False):
+        layers.append(layer_weights(gf, plan, arena[a:b]))
         done(*(n for names, _shape in plan.values() for n in names))
     output_norm = _checked(gf, "output_norm.weight", (d,))
     output = embd if cfg.tied_head else _checked(gf, "output.weight", (cfg.n_vocab, d))
