@@ -49,8 +49,8 @@ def test_cache_reset_nbytes_and_masks(tiny) -> None:
     assert cache.nbytes >= 2 * c.n_layer * c.n_head_kv * 16 * c.head_dim * 4
     forward(c, tiny.weights, cache, [1, 2, 3])
     assert cache.tokens == [1, 2, 3]
-    mask = cache.causal_mask(3, 2)
-    assert mask.shape == (2, 5) and np.isneginf(mask[0, 4]) and mask[0, 3] == 0 and mask[1, 4] == 0
+    lo, mask = cache.window_mask(3, 2, 0)  # window 0: causal only
+    assert lo == 0 and mask.shape == (2, 5) and np.isneginf(mask[0, 4]) and mask[0, 3] == 0 and mask[1, 4] == 0
     cache.reset()
     assert cache.n_past == 0
 

@@ -154,10 +154,6 @@ class Cache:
         cos, sin = self.rope_extra.get(base, (self.rope_cos, self.rope_sin))
         return cos[start : start + T], sin[start : start + T]
 
-    def causal_mask(self, start: int, T: int) -> np.ndarray | None:
-        """Additive mask [T, start+T]: query t (position start+t) sees keys 0..start+t; None for T = 1."""
-        return self.window_mask(start, T, 0)[1]
-
     def window_mask(self, start: int, T: int, window: int) -> tuple[int, np.ndarray | None]:
         """For a layer that sees only the last `window` positions (query p sees keys k with p - k < window;
         window 0: every earlier position): the first key position lo it can see, and the additive mask
