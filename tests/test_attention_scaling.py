@@ -1,5 +1,6 @@
 """Attention that scales with context: prompts are attended in chunks of query rows over only the keys each
-chunk can see, with the numbers of the one-product form; up to ATTEND_ROWS rows it is that form, bit for bit."""
+chunk can see, with the numbers of the one-product form (within rounding); up to ATTEND_ROWS rows each row is
+a one-row decode step's call, bit for bit."""
 
 from __future__ import annotations
 
@@ -62,13 +63,20 @@ def test_no_mask_attends_every_key_in_chunks(monkeypatch) -> None:
                                rtol=1e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("T", [1, 2, 8, 16])
-def test_few_rows_are_the_one_product_bit_for_bit(T) -> None:
-    """Decode and speculation passes keep their exact numbers."""
+@pytest.mark.parametrize("T, window", [(2, 0), (8, 0), (16, 0), (16, 6), (5, 300)])
+def test_few_rows_are_each_the_one_row_call_bit_for_bit(T, window) -> None:
+    """A speculation pass (up to ATTEND_ROWS rows) gives each query row the numbers of a one-row decode step
+    at its position -- the same call on the same keys, so on any BLAS -- and the one-product form within rounding."""
     start = 500
-    q, keys, values = _qkv(T, start + T)
-    mask = None if T == 1 else _mask(start, T)[1]
-    assert np.array_equal(attend(q, keys, values, mask, 0.125, start).x, attend_rows(q, keys, values, mask, 0.125))
+    lo, mask = _mask(start, T, window)
+    q, keys, values = _qkv(T, start + T - lo)
+    got = attend(q, keys, values, mask, 0.125, start).x
+    for t in range(T):
+        k0, _ = _mask(start + t, 1, window)
+        alone = attend(q[t : t + 1], keys[:, k0 - lo : start + t + 1 - lo], values[:, k0 - lo : start + t + 1 - lo],
+                       None, 0.125, start + t).x
+        assert np.array_equal(got[t : t + 1], alone), t
+    np.testing.assert_allclose(got, attend_rows(q, keys, values, mask, 0.125), rtol=1e-5, atol=2e-6)
 
 
 def test_prompt_scores_stay_within_the_chunk_budget() -> None:

@@ -81,8 +81,8 @@ def rope(heads: Heads, cos: np.ndarray, sin: np.ndarray, mode: str) -> Heads:
     return Heads(qk[:, :n_head], qk[:, n_head:], heads.v, heads.start)
 
 
-ATTEND_ROWS = 16  # up to this many query rows (decode, speculation, batched decode): one product over every
-# key, as always (as `linear` keeps up to 16 rows the one-row numbers)
+ATTEND_ROWS = 16  # up to this many query rows (decode, speculation, batched decode): each row alone over the
+# keys it sees, the call a one-row decode step makes there (as `linear` keeps up to 16 rows the one-row numbers)
 SCORE_BYTES = 2 << 20  # more rows: chunks of query rows whose scores [Hkv, g * rows, keys] stay within this
 
 
@@ -94,14 +94,24 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray
     last); mask [T, L] of 0 / -inf or None (every key visible to every query). Query head h reads kv head
     h // (H/Hkv). Returns the heads concatenated: [T, H * hd].
 
-    Up to ATTEND_ROWS queries are one product over all L keys. More (a prompt) go in chunks of query rows
-    small enough that a chunk's scores fit in a core's cache, each over only the keys its mask leaves
-    visible to some row of the chunk (causal: none past its last query; a window: none before its first
-    query's window), so a 2,048-token prompt never holds [H, T, L] scores, and does about half the work.
+    Up to ATTEND_ROWS queries go one by one, each over exactly the span of keys its mask row leaves
+    visible, unmasked: the same products and sums, on the same numbers, as a one-row decode step at that
+    position, so a row's numbers do not depend on the rows beside it on any BLAS. More (a prompt) go in
+    chunks of query rows small enough that a chunk's scores fit in a core's cache, each over only the keys
+    its mask leaves visible to some row of the chunk (causal: none past its last query; a window: none
+    before its first query's window), so a 2,048-token prompt never holds [H, T, L] scores, and does about
+    half the work.
     """
     T, H, hd = q.shape
-    if T <= ATTEND_ROWS:
+    if T == 1 or mask is None and T <= ATTEND_ROWS:
         return Hidden(attend_rows(q, keys, values, mask, scale), start)
+    if T <= ATTEND_ROWS:
+        out = np.empty((T, H * hd), np.float32)
+        for t in range(T):
+            k0, k1 = visible_keys(mask[t : t + 1])
+            seen = None if mask[t, k0:k1].min() == 0 else mask[t : t + 1, k0:k1]  # a causal or window row: None
+            out[t : t + 1] = attend_rows(q[t : t + 1], keys[:, k0:k1], values[:, k0:k1], seen, scale)
+        return Hidden(out, start)
     L = keys.shape[1]
     rows = max(ATTEND_ROWS, SCORE_BYTES // (4 * H * max(L, 1)))
     out = np.empty((T, H * hd), np.float32)
