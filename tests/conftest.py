@@ -126,6 +126,14 @@ def smollm2(smollm2_path: Path):
     return load_model(str(smollm2_path), progress=False)
 
 
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2_path: Path):
+    """The default model on `compute: reference`: f32 weights, numpy's products."""
+    from tracelm.io.loader import load_model
+
+    return load_model(str(smollm2_path), progress=False, compute="reference")
+
+
 def has_reference() -> bool:
     try:
         import torch  # noqa: F401

@@ -30,9 +30,10 @@ GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0)
 SAMPLED = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7)
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_gguf):
-    return load_model(str(tiny_gguf), progress=False)
+@pytest.fixture(scope="module", params=["kernels", "reference"])
+def tiny(tiny_gguf, request):
+    """The tiny model on the kernels and on numpy's BLAS (whose row-invariance rests on the same calls)."""
+    return load_model(str(tiny_gguf), progress=False, compute=request.param)
 
 
 def lockstep(cfg, weights, prompts: list[list[int]], steps: int, n_ctx: int = 64):
@@ -89,7 +90,9 @@ def test_batched_prefill_and_decode_mixed(tiny) -> None:
 
 
 @pytest.mark.model
-def test_batched_logits_equal_lone_logits_bitwise_smollm2(smollm2) -> None:
+@pytest.mark.parametrize("loaded", ["smollm2", "smollm2_reference"])
+def test_batched_logits_equal_lone_logits_bitwise_smollm2(loaded, request) -> None:
+    smollm2 = request.getfixturevalue(loaded)
     tok = smollm2.tokenizer
     prompts = [tok.encode(p) for p in ("The capital of France is", "def add(a, b):", "Once upon a time",
                                        "1, 2, 3,")]

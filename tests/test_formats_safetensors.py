@@ -130,10 +130,12 @@ def hf_from_gguf(smollm2_path, tmp_path_factory):
 
 @pytest.mark.model
 @pytest.mark.reference
-def test_folder_from_gguf_gives_the_gguf_logits(smollm2, hf_from_gguf) -> None:
+def test_folder_from_gguf_gives_the_gguf_logits(smollm2_reference, hf_from_gguf) -> None:
+    """The folder (f32 / bf16 weights, on the kernels' float products) against the GGUF on the numpy reference."""
     from tracelm.io.loader import load_model
     from tracelm.pipeline.runner import Runner
 
+    smollm2 = smollm2_reference
     assert (hf_from_gguf["bf16"] / "model.safetensors.index.json").is_file()
     for dtype, tol in (("f32", 1e-3), ("bf16", 0.5)):
         model = load_model(str(hf_from_gguf[dtype]), progress=False)

@@ -249,6 +249,7 @@ def test_load_streaming_clients_with_back_pressure(server, client, model_id):
     h = server.wait_idle()
     assert h["counters"]["rejected"] >= len(statuses) and h["counters"]["failed"] == 0
     rss_after = server.rss_kb()
-    assert abs(rss_after - rss_before) <= 0.10 * rss_before, (rss_before, rss_after)
+    # eight sequences' KV caches and batch buffers come to a few tens of MB, whatever the weights take
+    assert abs(rss_after - rss_before) <= max(0.10 * rss_before, 64 * 1024), (rss_before, rss_after)
     assert "Traceback" not in server.log()
     print(f"\nload: 40 streams done, {len(statuses)} answered 429 first; RSS {rss_before} -> {rss_after} kB")

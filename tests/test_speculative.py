@@ -35,9 +35,10 @@ def test_a_draft_is_as_long_as_its_match_earns() -> None:
     assert lookup_draft(h + [1, 2, 3], 16, ngram=1) == [4, 5]  # matches of one token at most: 2
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_gguf):
-    return load_model(str(tiny_gguf), progress=False)
+@pytest.fixture(scope="module", params=["kernels", "reference"])
+def tiny(tiny_gguf, request):
+    """The tiny model on the kernels and on numpy's BLAS (whose row-invariance rests on the same calls)."""
+    return load_model(str(tiny_gguf), progress=False, compute=request.param)
 
 
 @pytest.mark.parametrize("params", [

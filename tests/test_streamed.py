@@ -23,14 +23,18 @@ from tracelm.state.records import RowSource
 Q = gguf.GGMLQuantizationType
 
 
-def both(path: Path) -> tuple:
-    return load_model(str(path), progress=False), load_model(str(path), progress=False, weights="streamed")
+def both(path: Path, compute: str = "reference") -> tuple:
+    """Resident and streamed loads of one file (on the numpy reference: the mode that dequantizes a block at a
+    time; on the kernels streamed is only a reading order)."""
+    return (load_model(str(path), progress=False, compute=compute),
+            load_model(str(path), progress=False, weights="streamed", compute=compute))
 
 
+@pytest.mark.parametrize("compute", ["reference", "kernels"])
 @pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0, Q.Q4_0])
 @pytest.mark.parametrize("tied", [True, False])
-def test_tiny_streamed_logits_equal_resident(tmp_path: Path, qtype: Q, tied: bool) -> None:
-    resident, streamed = both(write_tiny_gguf(tmp_path / "tiny.gguf", qtype=qtype, tied=tied, seed=3))
+def test_tiny_streamed_logits_equal_resident(tmp_path: Path, qtype: Q, tied: bool, compute: str) -> None:
+    resident, streamed = both(write_tiny_gguf(tmp_path / "tiny.gguf", qtype=qtype, tied=tied, seed=3), compute)
     prompt = resident.tokenizer.encode("hello, hello world")
     ids, a = logits_path(resident, prompt, 4)
     ids_s, b = logits_path(streamed, prompt, 4)
@@ -111,12 +115,13 @@ def test_run_with_weights_streamed_writes_the_resident_text(tmp_path: Path) -> N
         "tracelm: error: config key weights: 'weights' must be in ('resident', 'streamed') (got 'disk')"]
 
 
-def test_smollm2_streamed_logits_equal_resident(smollm2, smollm2_path: Path) -> None:
-    streamed = load_model(str(smollm2_path), progress=False, weights="streamed")
-    prompt = smollm2.tokenizer.encode("The quick brown fox jumps over the lazy dog, and then it runs far away.")
+@pytest.mark.parametrize("compute", ["reference", "kernels"])
+def test_smollm2_streamed_logits_equal_resident(smollm2_path: Path, compute: str) -> None:
+    resident, streamed = both(smollm2_path, compute)
+    prompt = resident.tokenizer.encode("The quick brown fox jumps over the lazy dog, and then it runs far away.")
     assert len(prompt) > GEMV_ROWS  # all positions at once: the matrix-matrix head
     for ids, n_decode in ((prompt, 2), (prompt[:5], 0)):  # and 2..GEMV_ROWS rows, and one row per decode step
-        fed, a = logits_path(smollm2, ids, n_decode)
+        fed, a = logits_path(resident, ids, n_decode)
         fed_s, b = logits_path(streamed, ids, n_decode)
         assert fed == fed_s
         assert np.array_equal(a, b), np.abs(a - b).max()
@@ -127,7 +132,7 @@ import json, sys
 import numpy as np
 from tracelm.io.loader import load_model
 from tracelm.pipeline.runner import Runner
-model = load_model(sys.argv[1], progress=False, weights="streamed")
+model = load_model(sys.argv[1], progress=False, weights="streamed", compute="reference")
 runner = Runner(model, int(sys.argv[2]))
 token = int(np.argmax(runner.prefill(model.tokenizer.encode("def add(a, b):\\n    return a + b\\n" * 3)).values[-1]))
 for _ in range(int(sys.argv[3])):

@@ -90,7 +90,8 @@ def test_trace_content(tiny_gguf, traced) -> None:
     assert gen["event"] == "generate" and gen["prompt_ids"] == ids and gen["rng"] == {"generator": "PCG64", "seed": 3}
     # the first stage is the embedding lookup: its digest and statistics are those of the embedding rows
     embed = events[2]
-    rows = np.ascontiguousarray(model.weights.token_embd[ids], dtype=np.float32)
+    table = load_model(str(tiny_gguf), progress=False, compute="reference").weights.token_embd  # f32, as dequantized
+    rows = np.ascontiguousarray(table[ids], dtype=np.float32)
     assert embed["stage"] == "embed" and embed["shape"] == [list(rows.shape)] and embed["tok"] == 0
     assert embed["digest"] == digest([rows])
     np.testing.assert_allclose([embed["mean"], embed["rms"], embed["maxabs"]],

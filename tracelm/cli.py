@@ -13,13 +13,21 @@ from typing import Any
 from tracelm import TracelmError
 
 
-def _threads(n: int) -> contextlib.AbstractContextManager[Any]:
-    """Limit BLAS (and numexpr) threads; 0 keeps the library default (all cores)."""
-    if n <= 0:
-        return contextlib.nullcontext()
+def _threads(n: int, compute: str = "kernels") -> contextlib.AbstractContextManager[Any]:
+    """n threads (0: all cores) for the kernels' pool, with OpenBLAS at one thread so its workers never compete
+    with the pool ("kernels"); or n for BLAS and numexpr, 0 keeping their defaults ("reference")."""
     import numexpr
     from threadpoolctl import threadpool_limits
 
+    if compute == "kernels":
+        from tracelm import kernels
+
+        n = n if n > 0 else len(os.sched_getaffinity(0))
+        kernels.set_threads(n)
+        numexpr.set_num_threads(n)
+        return threadpool_limits(limits=1, user_api="blas")
+    if n <= 0:
+        return contextlib.nullcontext()
     numexpr.set_num_threads(n)
     return threadpool_limits(limits=n)
 
@@ -69,11 +77,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     from tracelm.pipeline.trace import write_footer
 
     cfg = _load_config(args)
-    with _threads(cfg.threads):
+    with _threads(cfg.threads, cfg.compute):
         source = ModelFile(cfg.model, cfg.tokenizer)
         ids = source.tokenizer.encode(cfg.prompt)
         check_fits(len(ids), cfg.max_tokens, cfg.context)
-        model = source.load(weights=cfg.weights)
+        model = source.load(weights=cfg.weights, compute=cfg.compute)
         with _tracer(cfg, model, ids, getattr(args, "trace_key_env", None)) as tracer:
             runner = Runner(model, cfg.context, tracer, **speculation(cfg))
             text = "".join(_echo(runner.generate(ids, cfg.max_tokens, cfg.sampling, cfg.stop)))
@@ -103,8 +111,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     cfg = _load_config(args)
     interactive = sys.stdin.isatty() and not args.message
-    with _threads(cfg.threads):
-        model = load_model(cfg.model, tokenizer=cfg.tokenizer, weights=cfg.weights)
+    with _threads(cfg.threads, cfg.compute):
+        model = load_model(cfg.model, tokenizer=cfg.tokenizer, weights=cfg.weights, compute=cfg.compute)
         runner = Runner(model, cfg.context, **speculation(cfg))
         messages: list[dict[str, str]] = [{"role": "system", "content": cfg.system}] if cfg.system else []
         inputs = iter(args.message) if args.message else sys.stdin
@@ -148,9 +156,10 @@ def cmd_logits(args: argparse.Namespace) -> int:
     from tracelm.io.loader import load_model
     from tracelm.pipeline.runner import Runner
 
-    model = load_model(args.model)
-    ids = model.tokenizer.encode(args.prompt)
-    logits = Runner(model, max(len(ids), 1)).logits(ids)
+    with _threads(0, args.compute):
+        model = load_model(args.model, compute=args.compute)
+        ids = model.tokenizer.encode(args.prompt)
+        logits = Runner(model, max(len(ids), 1)).logits(ids)
     np.save(args.out, logits.astype(np.float32))
     print(f"{args.out}: logits [{logits.shape[0]}, {logits.shape[1]}] for ids {ids}", file=sys.stderr)
     return 0
@@ -194,7 +203,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from tracelm.pipeline.bench import bench_kernels, context_scaling, run_bench, trace_overhead
+    from tracelm.pipeline.bench import bench_kernel_types, bench_kernels, context_scaling, run_bench, trace_overhead
 
     if args.compare and (args.what != "model" or args.trace_overhead):
         what = "--trace-overhead" if args.trace_overhead else args.what
@@ -212,7 +221,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         report = run_compare(args.model, args.threads, args.prompt_tokens, args.decode_tokens, args.repeats)
         print(json.dumps(report, indent=2) if args.json else format_table(report))
         return 0
-    with _threads(args.threads):
+    with _threads(args.threads, args.compute):
         if args.what == "tokenizer":
             pass
         elif args.what == "speculative":
@@ -220,7 +229,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
             report = speculative_bench(args.model, args.draft_tokens, n_decode=args.decode_tokens)
         elif args.what == "kernels":
-            report = bench_kernels(args.model)
+            report = {**bench_kernel_types(), **bench_kernels(args.model, compute=args.compute)}
         elif args.what == "server":
             from tracelm.server.bench import bench_server
 
@@ -231,7 +240,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         elif args.positions:
             report = context_scaling(args.model, _positions(args.positions))
         else:
-            report = run_bench(args.model, args.prompt_tokens, args.decode_tokens, args.context, args.weights)
+            report = run_bench(args.model, args.prompt_tokens, args.decode_tokens, args.context, args.weights,
+                               args.compute)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -291,15 +301,16 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     from tracelm.pipeline.validate import DEFAULT_PROMPTS, run_validate
 
-    with _threads(args.threads):
-        return run_validate(args.model, args.reference, args.prompt or DEFAULT_PROMPTS, args.tokens, args.json)
+    with _threads(args.threads, args.compute):
+        return run_validate(args.model, args.reference, args.prompt or DEFAULT_PROMPTS, args.tokens, args.json,
+                            args.compute)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from tracelm.server import serve
 
     cfg = _load_config(args)
-    with _threads(cfg.threads):
+    with _threads(cfg.threads, cfg.compute):
         serve(cfg, args.host, args.port)
     return 0
 
@@ -308,7 +319,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from tracelm.io.export import export_gguf
     from tracelm.io.loader import load_model
 
-    model = load_model(args.model, tokenizer=args.tokenizer)
+    model = load_model(args.model, tokenizer=args.tokenizer, compute="reference")  # f32 weights to write
     out = export_gguf(model.cfg, model.weights, args.out, model.metadata, name=model.path.stem)
     print(f"{out}: GGUF {model.cfg.n_layer} layers, f32", file=sys.stderr)
     return 0
@@ -354,6 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--model", required=True)
     sp.add_argument("--prompt", required=True)
     sp.add_argument("--out", required=True)
+    sp.add_argument("--compute", choices=("kernels", "reference"), default="kernels",
+                    help="kernels: the compiled kernels on the file's blocks; reference: numpy on f32 weights")
     sp.set_defaults(fn=cmd_logits)
 
     sp = sub.add_parser("tokenize", help="print the token ids of each input as a JSON array, one per line")
@@ -377,6 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--prompt", action="append", help="a prompt (repeatable; default: three built-in prompts)")
     sp.add_argument("--tokens", type=int, default=32, help="greedy tokens to compare")
     sp.add_argument("--threads", type=int, default=0)
+    sp.add_argument("--compute", choices=("kernels", "reference"), default="reference",
+                    help="tracelm's side: the numpy reference (f32), or the kernels, which are also compared with "
+                    "the reference (argmax agreement, max |diff| of the logits)")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_validate)
 
@@ -423,6 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--decode-tokens", type=int, default=128)
     sp.add_argument("--context", type=int, default=1024)
     sp.add_argument("--threads", type=int, default=0)
+    sp.add_argument("--compute", choices=("kernels", "reference"), default="kernels",
+                    help="kernels: the compiled kernels on the file's blocks; reference: numpy on f32 weights")
     sp.add_argument("--weights", choices=("resident", "streamed"), default="resident",
                     help="streamed: weights stay quantized in the GGUF, a block dequantized at a time; reports "
                     "peak RSS against file + one block f32 + KV cache + 150 MB, and logits against resident")

@@ -13,9 +13,9 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as QType
 
-from tracelm import TracelmError
+from tracelm import TracelmError, kernels
 from tracelm.state.model_config import ModelConfig
-from tracelm.state.records import LayerWeights, ModelWeights
+from tracelm.state.records import LayerWeights, ModelWeights, QMatrix
 
 GGUF_MAGIC = b"GGUF"
 
@@ -34,6 +34,7 @@ ARCH_OPTIONS: dict[str, dict[str, Any]] = {
 
 # GGUF metadata value types -> struct format (8 string, 9 array are handled apart).
 _SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_U64 = struct.Struct("<Q")
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
           7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 
@@ -68,9 +69,25 @@ class _Cursor:
     def string(self) -> str:
         n = self.take("Q")
         self._need(n)
-        s = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8", errors="replace")
+        s = str(self.buf[self.pos : self.pos + n], "utf-8", "replace")
         self.pos += n
         return s
+
+    def strings(self, count: int) -> list[str]:
+        """`count` strings in a row (a vocabulary of 10^5 or more), as `string` reads them but in one loop."""
+        buf, pos, end, out = self.buf, self.pos, len(self.buf), []
+        for _ in range(count):
+            if pos + 8 > end:
+                break
+            (n,) = _U64.unpack_from(buf, pos)
+            if pos + 8 + n > end:
+                break
+            out.append(str(buf[pos + 8 : pos + 8 + n], "utf-8", "replace"))
+            pos += 8 + n
+        self.pos = pos
+        if len(out) < count:  # ran out: `string` says where
+            self.string()
+        return out
 
     def value(self, vtype: int) -> Any:
         if vtype in _SCALAR:
@@ -84,13 +101,18 @@ class _Cursor:
                 self._need(count * dt.itemsize)
                 arr = np.frombuffer(self.buf, dt, count, self.pos)
                 self.pos += count * dt.itemsize
-                return arr.tolist()
+                arr = arr.copy()  # stays numpy: 4 bytes a score, not a 32-byte Python float in a list
+                arr.flags.writeable = False
+                return arr
+            if etype == 8:
+                return self.strings(count)
             return [self.value(etype) for _ in range(count)]
         raise TracelmError(f"{self.name}: corrupt GGUF file (unknown metadata value type {vtype} at byte {self.pos})")
 
 
 class GGUFFile:
-    """An opened GGUF file: plain-Python metadata plus memory-mapped tensors by name.
+    """An opened GGUF file: its metadata (numeric arrays as read-only numpy arrays, the rest plain Python) plus
+    memory-mapped tensors by name.
 
     The header is parsed here rather than by gguf.GGUFReader, which takes ~2 s on a 49k-token vocabulary
     (one numpy memmap view per string); tensor types and block sizes come from the gguf package.
@@ -125,6 +147,8 @@ class GGUFFile:
             infos.append((tname, dims, cur.take("I"), cur.take("Q")))
         align = int(self.metadata.get("general.alignment", 32))
         data_start = -(-cur.pos // align) * align
+        if self._map is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED, 0, cur.pos)  # the header is read: let its pages go
         self.tensors: dict[str, TensorInfo] = {}
         for tname, dims, tcode, offset in infos:
             try:
@@ -164,6 +188,17 @@ class GGUFFile:
             raise TracelmError(f"{self.name}: tensor {name}: rows of {t.shape[-1]} values are not whole "
                                f"{t.qtype.name} blocks of {block}; its rows cannot be read apart")
         return self.raw(name).reshape(rows, t.n_bytes // rows)
+
+    def release_pages(self) -> None:
+        """Unmap the file's pages from this process's resident memory (they stay in the page cache and fault
+        back in if read again): after resident weights are copied out, the map's reads of small tensors would
+        otherwise keep tens of MB resident, as the kernel maps the cached pages around each one it touches."""
+        if self._map is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED)
+
+    def read_into(self, name: str, out: np.ndarray) -> np.ndarray:
+        t = self.info(name)
+        return bytes_into(self.path, t.offset, t.n_bytes, out, f"{self.name}: tensor {name}")
 
     def rows_f32(self, name: str, lo: int, hi: int, out: np.ndarray | None = None) -> np.ndarray:
         """Rows lo..hi-1 of a tensor in f32 ([hi - lo, cols]; a vector is one row), dequantized about
@@ -449,11 +484,16 @@ def _stack(gf: Any, names: tuple[str, ...], shape: tuple[int, ...], out: np.ndar
     return out
 
 
-def aligned_f32(n: int, align: int = 4096) -> np.ndarray:
-    """An uninitialised f32 array of n values starting on an `align`-byte boundary (numpy gives 16)."""
-    raw = np.empty(n + align // 4, np.float32)
-    skip = (-raw.ctypes.data % align) // 4
+def aligned_bytes(n: int, align: int = 4096) -> np.ndarray:
+    """An uninitialised uint8 array of n bytes starting on an `align`-byte boundary (numpy gives 16)."""
+    raw = np.empty(n + align, np.uint8)
+    skip = -raw.ctypes.data % align
     return raw[skip : skip + n]
+
+
+def aligned_f32(n: int, align: int = 4096) -> np.ndarray:
+    """An uninitialised f32 array of n values starting on an `align`-byte boundary."""
+    return aligned_bytes(4 * n, align).view(np.float32)
 
 
 def plan_values(plan: LayerPlan) -> int:
@@ -516,6 +556,82 @@ def _load_all(gf: GGUFFile, cfg: ModelConfig, bar: Any) -> ModelWeights:
     output = embd if cfg.tied_head else _checked(gf, "output.weight", (cfg.n_vocab, d))
     done("output_norm.weight", "output.weight")
     return ModelWeights(token_embd=embd, layers=tuple(layers), output_norm=output_norm, output=output)
+
+
+def kernel_weights(gf: Any, cfg: ModelConfig, streamed: bool = False, progress: bool = True) -> ModelWeights:
+    """The matrices of a GGUFFile (or an HFFolder's F32/F16/BF16 tensors) as QMatrix -- their own blocks, for
+    the compiled kernels (`compute: kernels`) -- and the vectors in f32. Resident: every matrix copied once
+    into one arena in graph order (huge pages, the file's size); streamed: views of the mapped file, paged in
+    as the graph reads them. A type the kernels lack (Q2_K, Q3_K, the IQ types...) is dequantized to f32."""
+    d = cfg.n_embd
+    plans = [layer_plan(gf, cfg, i) for i in range(cfg.n_layer)]
+    # the vectors first, read through the map, whose pages go before the matrices fill the arena
+    vectors = [{f: _stack(gf, names, shape) for f, (names, shape) in plan.items() if len(shape) == 1} for plan in plans]
+    output_norm = np.array(_checked(gf, "output_norm.weight", (d,)))
+    heads = ["token_embd.weight"] + ([] if cfg.tied_head else ["output.weight"])
+    names = [n for plan in plans for names, shape in plan.values() if len(shape) == 2 for n in names] + heads
+    parts = _kernel_parts(gf, names, streamed, progress)
+
+    def matrix(names: tuple[str, ...], shape: tuple[int, ...]) -> QMatrix:
+        return QMatrix(shape, tuple(parts[n] for n in names))
+
+    layers = tuple(LayerWeights(**vec, **{f: matrix(n, shape) for f, (n, shape) in plan.items() if len(shape) == 2})
+                   for plan, vec in zip(plans, vectors, strict=True))
+    embd = matrix(("token_embd.weight",), (cfg.n_vocab, d))
+    output = embd if cfg.tied_head else matrix(("output.weight",), (cfg.n_vocab, d))
+    return ModelWeights(token_embd=embd, layers=layers, output_norm=output_norm, output=output)
+
+
+def _kernel_parts(gf: Any, names: list[str], streamed: bool, progress: bool) -> dict[str, tuple[np.ndarray, int]]:
+    """name -> (blocks, qtype) of each matrix: views of the map (streamed), or copied by file reads into one arena
+    in the order given, each 64-byte aligned (resident; the map's pages let go before and after)."""
+    from tqdm import tqdm
+
+    resident_gguf = not streamed and isinstance(gf, GGUFFile)
+    if resident_gguf:
+        gf.release_pages()
+    arena = None if streamed else aligned_bytes(sum(-(-_kernel_bytes(gf, n) // 64) * 64 for n in names))
+    pos, parts = 0, {}
+    with tqdm(total=len(names), desc="loading weights", leave=False, disable=None if progress else True) as bar:
+        for n in names:
+            t, size = _info(gf, n), _kernel_bytes(gf, n)
+            if t.qtype not in kernels.SUPPORTED:
+                blocks, qtype = gf.tensor_f32(n).view(np.uint8).reshape(t.shape[0], -1), QType.F32
+                if arena is not None:
+                    blocks = _copied(blocks, arena[pos : pos + size])
+            elif arena is None:
+                blocks, qtype = gf.raw_rows(n), t.qtype
+            else:
+                blocks, qtype = gf.read_into(n, arena[pos : pos + size]).reshape(t.shape[0], -1), t.qtype
+            parts[n] = (blocks, qtype)
+            pos += -(-size // 64) * 64
+            bar.update()
+    if resident_gguf:
+        gf.release_pages()
+    return parts
+
+
+def bytes_into(path: str | os.PathLike, offset: int, n: int, out: np.ndarray, what: str) -> np.ndarray:
+    """n bytes of a file from `offset` copied into `out` (uint8, at least n) by file reads, not through a map: the
+    page cache then holds the file, not this process's resident memory."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        got = f.readinto(memoryview(out[:n]))
+    if got != n:
+        raise TracelmError(f"{what}: read {got} of {n} bytes")
+    return out
+
+
+def _kernel_bytes(gf: Any, name: str) -> int:
+    """Bytes a matrix takes for the kernels: its blocks, or f32 rows for a type they lack."""
+    t = _info(gf, name)
+    return t.n_bytes if t.qtype in kernels.SUPPORTED else 4 * int(np.prod(t.shape))
+
+
+def _copied(a: np.ndarray, out: np.ndarray) -> np.ndarray:
+    flat = out.reshape(-1)
+    flat[...] = a.reshape(-1)
+    return flat.reshape(a.shape)
 
 
 def _checked(gf: GGUFFile, name: str, shape: tuple[int, ...]) -> np.ndarray:

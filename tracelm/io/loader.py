@@ -1,5 +1,5 @@
-"""Load a model by registry name or path: config and tokenizer first, then the weights (resident f32, or
-streamed from a GGUF file)."""
+"""Load a model by registry name or path: config and tokenizer first, then the weights (for the kernels as
+the file's blocks, or in f32 for the numpy reference; resident, or streamed from a GGUF file)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,15 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import numpy as np
 
-from tracelm import TracelmError
+from tracelm import TracelmError, kernels
 from tracelm.io import registry
-from tracelm.io.gguf_file import GGUFFile, load_weights, model_config
+from tracelm.io.gguf_file import GGUFFile, kernel_weights, load_weights, model_config
 from tracelm.io.tokenizer import Tokenizer
 from tracelm.state.model_config import ModelConfig
-from tracelm.state.records import ModelWeights
-from tracelm.state.run_config import WEIGHT_MODES
+from tracelm.state.records import ModelWeights, QMatrix
+from tracelm.state.run_config import COMPUTE_MODES, WEIGHT_MODES
 
 
 @attrs.frozen
@@ -73,16 +74,23 @@ class ModelFile:
             raise TracelmError(f"{self.tokenizer.source or tokenizer}: tokenizer has {self.tokenizer.n_vocab} "
                                f"tokens, the model only {self.cfg.n_vocab}")
 
-    def load(self, progress: bool = True, weights: str = "resident") -> LoadedModel:
-        """The weights resident in f32, or `weights="streamed"` (a GGUF only): left quantized in the mapped
-        file and dequantized a block at a time as the graph runs (see tracelm.io.streamed)."""
+    def load(self, progress: bool = True, weights: str = "resident", compute: str = "kernels") -> LoadedModel:
+        """`compute="kernels"`: the matrices as the file's own blocks (QMatrix) for the compiled kernels -- a
+        GGUF's quantized blocks, copied into one arena (resident) or read from the mapped file (streamed);
+        f32 ones for the other formats. `compute="reference"`: every weight resident in f32, or streamed (a
+        GGUF only) from the mapped file, dequantized a block at a time as the graph runs (tracelm.io.streamed)."""
         if weights not in WEIGHT_MODES:
             raise TracelmError(f"weights {weights!r}: expected one of {', '.join(WEIGHT_MODES)}")
-        if weights == "streamed":
-            if self.kind != "gguf":
-                raise TracelmError(f"{self.path.name}: streamed weights need a GGUF file (this is a "
-                                   f"{'Hugging Face folder' if self.kind == 'hf' else 'llama2.c checkpoint'}); "
-                                   "use weights: resident, or `tracelm export` it to a GGUF")
+        if compute not in COMPUTE_MODES:
+            raise TracelmError(f"compute {compute!r}: expected one of {', '.join(COMPUTE_MODES)}")
+        if weights == "streamed" and self.kind != "gguf":
+            raise TracelmError(f"{self.path.name}: streamed weights need a GGUF file (this is a "
+                               f"{'Hugging Face folder' if self.kind == 'hf' else 'llama2.c checkpoint'}); "
+                               "use weights: resident, or `tracelm export` it to a GGUF")
+        if self.kind != "llama2c" and compute == "kernels":
+            source = self.gguf if self.kind == "gguf" else self.hf
+            weights_ = kernel_weights(source, self.cfg, streamed=weights == "streamed", progress=progress)
+        elif weights == "streamed":
             from tracelm.io.streamed import streamed_weights
 
             weights_ = streamed_weights(self.gguf, self.cfg)
@@ -94,9 +102,24 @@ class ModelFile:
             weights_ = load_llama2c(self.llama2c)
         else:
             weights_ = self.hf.load_weights(progress=progress)
-        meta = {k: v for k, v in self.metadata.items() if not isinstance(v, list) or len(v) < 256}
+        if compute == "kernels" and self.kind == "llama2c":
+            weights_ = f32_kernel_weights(weights_)
+        meta = {k: v for k, v in self.metadata.items() if not isinstance(v, list | np.ndarray) or len(v) < 256}
         return LoadedModel(self.path, self.cfg, weights_, self.tokenizer, meta, time.perf_counter() - self.t0,
                            self.tokenizer_path)
+
+
+def f32_kernel_weights(w: ModelWeights) -> ModelWeights:
+    """f32 ModelWeights with every matrix as a one-part F32 QMatrix over the same memory (the kernels' F32
+    product: the same bits at any batch and thread count)."""
+    def wrap(a: np.ndarray) -> QMatrix:
+        return QMatrix(a.shape, ((np.ascontiguousarray(a).view(np.uint8), kernels.F32),))
+
+    layers = tuple(attrs.evolve(lw, **{f: wrap(getattr(lw, f)) for f in ("wqkv", "wo", "w_gate_up", "w_down")})
+                   for lw in w.layers)
+    embd = wrap(w.token_embd)
+    output = embd if w.output is w.token_embd else wrap(w.output)
+    return attrs.evolve(w, token_embd=embd, layers=layers, output=output)
 
 
 def model_kind(path: Path) -> str:
@@ -114,9 +137,10 @@ def model_kind(path: Path) -> str:
 
 
 def load_model(name_or_path: str, progress: bool = True, tokenizer: str | None = None,
-               weights: str = "resident") -> LoadedModel:
-    """`weights`: "resident" (f32 arrays) or "streamed" (a GGUF's weights dequantized a block at a time)."""
-    return ModelFile(name_or_path, tokenizer).load(progress, weights)
+               weights: str = "resident", compute: str = "kernels") -> LoadedModel:
+    """`weights`: "resident" or "streamed" (a GGUF's weights read from the mapped file as the graph runs);
+    `compute`: "kernels" (the compiled kernels on the file's blocks) or "reference" (numpy on f32)."""
+    return ModelFile(name_or_path, tokenizer).load(progress, weights, compute)
 
 
 def load_tokenizer(name_or_path: str) -> Tokenizer:

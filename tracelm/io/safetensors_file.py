@@ -65,6 +65,14 @@ class STensor:
     offset: int  # absolute byte offset in the file
     n_bytes: int
 
+    @property
+    def qtype(self) -> int | None:
+        """The GGML type number of the same values (F32, F16, BF16), for the kernels; None for another dtype."""
+        return GGML_TYPES.get(self.dtype)
+
+
+GGML_TYPES = {"F32": 0, "F16": 1, "BF16": 30}
+
 
 def read_header(path: Path) -> dict[str, STensor]:
     try:
@@ -156,7 +164,8 @@ class HFFolder:
                 out[_TOP[name_]] = t
         return out
 
-    def tensor_f32(self, name: str) -> np.ndarray:
+    def _values(self, name: str) -> tuple[STensor, np.ndarray]:
+        """A tensor's header entry and its values as stored (F32, F16, or BF16 as uint16), memory-mapped."""
         t = self.tensors.get(name)
         if t is None:
             raise TracelmError(f"{self.name}: missing tensor {name}")
@@ -171,7 +180,21 @@ class HFFolder:
         if m is None:
             with open(t.file, "rb") as f:
                 m = self._maps[t.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        raw = np.frombuffer(m, dt, n, t.offset)
+        return t, np.frombuffer(m, dt, n, t.offset)
+
+    def raw_rows(self, name: str) -> np.ndarray:
+        """A matrix's bytes as stored, [rows, bytes per row], memory-mapped (the kernels' F32/F16/BF16 rows)."""
+        t, raw = self._values(name)
+        return raw.view(np.uint8).reshape(t.shape[0], -1)
+
+    def read_into(self, name: str, out: np.ndarray) -> np.ndarray:
+        from tracelm.io.gguf_file import bytes_into
+
+        t, _ = self._values(name)
+        return bytes_into(t.file, t.offset, t.n_bytes, out, f"{t.file.name}: tensor {t.name}")
+
+    def tensor_f32(self, name: str) -> np.ndarray:
+        t, raw = self._values(name)
         if t.dtype == "BF16":
             a = (raw.astype(np.uint32) << 16).view(np.float32)
         else:

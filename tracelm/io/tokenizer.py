@@ -19,14 +19,17 @@ tokens are always matched whole (as llama.cpp and transformers do).
 from __future__ import annotations
 
 import codecs
+import ctypes
 import json
 import re
 import struct
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from array import array
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
 from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -152,6 +155,19 @@ def _spm_bytes(piece: str, token_type: int) -> bytes:
     return piece.replace(SPACE, " ").encode("utf-8")
 
 
+def _as_list(values: Any) -> list:
+    return values.tolist() if isinstance(values, np.ndarray) else list(values)
+
+
+def _release_free_heap() -> None:
+    """Give the C heap's free pages back to the system. Building a large BPE frees ~50-100 MB of Rust temporaries
+    that glibc would otherwise keep resident (~30 MB of them for Gemma's 262k tokens). No-op without glibc."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError, TypeError):
+        pass
+
+
 def _where(source: str) -> str:
     return f"{source}: " if source else ""
 
@@ -172,33 +188,40 @@ _CHUNK_CUT = re.compile(r"(?<=\S)\n(?=\S)")
 
 
 class _HFEncoder:
-    """Two `tokenizers` tokenizers over one vocabulary: control tokens matched in text, or not.
+    """A `tokenizers` tokenizer over one vocabulary, matching control tokens in text or not.
 
     A long text is cut after newlines that stand between two non-space characters and the pieces are encoded
     in parallel (`encode_batch`), but only where no token can span such a cut: `split_safe` says the
     vocabulary has no mergeable or added token with a newline inside (always true of the byte-level
-    pre-tokenizers, which end every piece at such a newline). `tail` is the same tokenizer without the
-    SentencePiece space prefix, for the pieces after the first."""
+    pre-tokenizers, which end every piece at such a newline). `tail` is the normalizer without the
+    SentencePiece space prefix: it stands in for the tokenizer's own while the pieces after the first are
+    encoded (rather than a second copy of the whole tokenizer)."""
 
-    def __init__(self, bpe: HFTokenizer, split_safe: bool = False, tail: Callable[[], HFTokenizer] | None = None):
+    def __init__(self, bpe: HFTokenizer, split_safe: bool = False, tail: normalizers.Normalizer | None = None):
         self.bpe = bpe
         self.split_safe = split_safe
-        self._make_tail = tail
-        self._tail: HFTokenizer | None = None
-        self._lock = threading.Lock()  # encode_special_tokens is a setting of the shared tokenizer
+        self._tail = tail
+        self._lock = threading.Lock()  # encode_special_tokens and the normalizer are settings of the shared tokenizer
 
-    def _run(self, bpe: HFTokenizer, texts: list[str], parse_special: bool) -> list[list[int]]:
+    def _run(self, texts: list[str], parse_special: bool, tail: bool = False) -> list[list[int]]:
+        bpe = self.bpe
         with self._lock:
             bpe.encode_special_tokens = not parse_special  # off: control tokens' text is plain text
-            if len(texts) == 1:
-                return [bpe.encode(texts[0], add_special_tokens=False).ids]
-            return [e.ids for e in bpe.encode_batch(texts, add_special_tokens=False)]
+            if tail:
+                head, bpe.normalizer = bpe.normalizer, self._tail
+            try:
+                if len(texts) == 1:
+                    return [bpe.encode(texts[0], add_special_tokens=False).ids]
+                return [e.ids for e in bpe.encode_batch(texts, add_special_tokens=False)]
+            finally:
+                if tail:
+                    bpe.normalizer = head
 
     def __call__(self, text: str, parse_special: bool) -> list[int]:
-        # (with parse_special, a SentencePiece prefix follows every control token: the tail tokenizer, which
+        # (with parse_special, a SentencePiece prefix follows every control token: the tail normalizer, which
         # has no prefix, would miss it; so such texts are encoded whole)
-        if len(text) <= _CHUNK or not self.split_safe or (parse_special and self._make_tail is not None):
-            return self._run(self.bpe, [text], parse_special)[0]
+        if len(text) <= _CHUNK or not self.split_safe or (parse_special and self._tail is not None):
+            return self._run([text], parse_special)[0]
         cuts = [0]
         for m in _CHUNK_CUT.finditer(text):
             if m.end() - cuts[-1] >= _CHUNK:
@@ -206,20 +229,15 @@ class _HFEncoder:
         cuts.append(len(text))
         pieces = [text[a:b] for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
         if len(pieces) == 1:
-            return self._run(self.bpe, pieces, parse_special)[0]
-        ids = self._run(self.bpe, pieces[:1], parse_special)[0]
-        if self._make_tail is None:
-            rest = self._run(self.bpe, pieces[1:], parse_special)
-        else:
-            if self._tail is None:
-                self._tail = self._make_tail()
-            rest = self._run(self._tail, pieces[1:], parse_special)
+            return self._run(pieces, parse_special)[0]
+        ids = self._run(pieces[:1], parse_special)[0]
+        rest = self._run(pieces[1:], parse_special, tail=self._tail is not None)
         for r in rest:
             ids += r
         return ids
 
     def batch(self, texts: list[str], parse_special: bool) -> list[list[int]]:
-        return self._run(self.bpe, texts, parse_special) if texts else []
+        return self._run(texts, parse_special) if texts else []
 
 
 class _SentencePieceEncoder:
@@ -246,24 +264,42 @@ class _SentencePieceEncoder:
         return ids
 
 
-def _bpe_merges_from_scores(tokens: Sequence[str], scores: Sequence[float], mergeable: Sequence[bool]):
+class _Pairs(Sequence):
+    """The merges handed to `models.BPE`, made pair by pair as it reads them (it takes the length, then iterates
+    once): as a list, Gemma's 0.5M pairs of new strings took ~110 MB, just when the Rust build needs ~120 MB."""
+
+    def __init__(self, n: int, pair: Callable[[int], tuple[str, str]]):
+        self._n, self._pair = n, pair
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: int) -> tuple[str, str]:  # type: ignore[override]
+        if not 0 <= i < self._n:
+            raise IndexError(i)
+        return self._pair(i)
+
+    def __iter__(self):
+        return map(self._pair, range(self._n))
+
+
+def _bpe_merges_from_scores(tokens: Sequence[str], vocab: Mapping[str, int], order: Sequence[int],
+                            types: Sequence[int]) -> _Pairs:
     """Merges for a scored (SentencePiece-style) vocabulary: every split of a mergeable token into two
-    tokens, ranked by the token's score, highest first (ties: the lower id first)."""
-    index: dict[str, int] = {}
-    for i, t in enumerate(tokens):
-        index.setdefault(t, i)
-    get = index.get
-    merges = []
-    add = merges.append
-    for i in sorted(range(len(tokens)), key=lambda i: (-scores[i], i)):
+    tokens, ranked by the token's place in `order` (its score, highest first; ties: the lower id first).
+    `vocab` maps each text to its first id; a merge is kept as the ids of its two halves."""
+    get = vocab.get
+    left, right = array("i"), array("i")
+    for i in order:
         t = tokens[i]
-        if not mergeable[i] or len(t) < 2 or index[t] != i:
+        if types[i] not in (NORMAL, USER_DEFINED, UNUSED) or len(t) < 2 or vocab[t] != i:
             continue
         for k in range(1, len(t)):
-            left = t[:k]
-            if get(left) is not None and get(right := t[k:]) is not None:
-                add((left, right))
-    return merges
+            a = get(t[:k])
+            if a is not None and (b := get(t[k:])) is not None:
+                left.append(a)
+                right.append(b)
+    return _Pairs(len(left), lambda m: (tokens[left[m]], tokens[right[m]]))
 
 
 def _spm_hf_tokenizer(
@@ -279,14 +315,18 @@ def _spm_hf_tokenizer(
     respell = [k == USER_DEFINED and " " in t for t, k in zip(tokens, types, strict=True)]
     tokens = [t.replace(" ", SPACE) if r else t for t, r in zip(tokens, respell, strict=True)]
     types = [NORMAL if r else k for k, r in zip(types, respell, strict=True)]
+    del respell
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)
-    mergeable = [k in (NORMAL, USER_DEFINED, UNUSED) for k in types]
-    merges = _bpe_merges_from_scores(tokens, [-i for i in range(len(tokens))] if rank_by_id else scores, mergeable)
+    # highest score first, ties by id (a stable sort of the negated scores)
+    order = range(len(tokens)) if rank_by_id else np.argsort(-np.asarray(scores, np.float64), kind="stable").tolist()
+    merges = _bpe_merges_from_scores(tokens, vocab, order, types)
+    del order
     unk = tokens[unk_id] if unk_id is not None else None
     has_bytes = any(k == BYTE for k in types)
     bpe = HFTokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=has_bytes))
+    del vocab, merges
     steps = [normalizers.Prepend(SPACE)] if add_space_prefix else []
     bpe.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", SPACE)])
     _add_special(bpe, tokens, types)
@@ -295,13 +335,7 @@ def _spm_hf_tokenizer(
 
 def _spm_encoder(bpe: HFTokenizer, tokens: Sequence[str], types: Sequence[int], add_space_prefix: bool):
     safe = not any("\n" in t[:-1] for t, k in zip(tokens, types, strict=True) if k != BYTE)
-
-    def tail() -> HFTokenizer:
-        t = HFTokenizer.from_str(bpe.to_str())
-        t.normalizer = normalizers.Replace(" ", SPACE)
-        return t
-
-    return _HFEncoder(bpe, split_safe=safe, tail=tail if add_space_prefix else None)
+    return _HFEncoder(bpe, split_safe=safe, tail=normalizers.Replace(" ", SPACE) if add_space_prefix else None)
 
 
 def _add_special(bpe: HFTokenizer, tokens: Sequence[str], types: Sequence[int]) -> None:
@@ -327,7 +361,7 @@ class Tokenizer:
         *,
         pieces: Sequence[str],
         types: Sequence[int],
-        token_bytes: Sequence[bytes],
+        token_bytes: Iterable[bytes],
         encoder: Callable[[str, bool], list[int]],
         special_ids: Mapping[str, int | None],
         add_bos: bool,
@@ -346,7 +380,13 @@ class Tokenizer:
                 raise TracelmError(f"{where}{name} {i} is outside the vocabulary (size {self.n_vocab})")
         self._pieces = list(pieces)
         self._types = list(types)
-        self._bytes = list(token_bytes)
+        # every token's bytes end to end, and where each starts: two objects rather than n_vocab bytes objects
+        data, self._starts = bytearray(), array("q", [0])
+        for b in token_bytes:
+            data += b
+            self._starts.append(len(data))
+        self._bytes = bytes(data)
+        _release_free_heap()
         self._encoder = encoder
         self.kind = kind
         self.source = source
@@ -375,7 +415,8 @@ class Tokenizer:
         if model in (None, "none", "no") or not tokens:
             raise TracelmError(f"{where}the GGUF has no vocabulary (tokenizer.ggml.model {model!r}, "
                                f"{len(tokens or [])} tokens)")
-        types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+        types = meta.get("tokenizer.ggml.token_type")  # (numbers read from a GGUFFile are a numpy array)
+        types = _as_list(types) if types is not None and len(types) else [NORMAL] * len(tokens)
         if len(types) != len(tokens):
             raise TracelmError(f"{where}{len(types)} token types for {len(tokens)} tokens")
         ids = {k: meta.get(f"tokenizer.ggml.{k}") for k in (*SPECIAL_ID_KEYS, "unknown_token_id")}
@@ -383,14 +424,14 @@ class Tokenizer:
         template = template if isinstance(template, str) and template.strip() else None
         add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
         if model == "gpt2":
-            return cls._byte_level(meta, list(tokens), list(types), ids, add_eos, template, source)
+            return cls._byte_level(meta, tokens, types, ids, add_eos, template, source)
         if model == "llama":
             scores = meta.get("tokenizer.ggml.scores")
             if scores is None or len(scores) != len(tokens):
-                raise TracelmError(f"{where}tokenizer.ggml.scores has {len(scores or [])} values for "
-                                   f"{len(tokens)} tokens")
+                raise TracelmError(f"{where}tokenizer.ggml.scores has {0 if scores is None else len(scores)} "
+                                   f"values for {len(tokens)} tokens")
             return cls.from_scored_vocab(
-                list(tokens), list(scores), list(types), ids,
+                tokens, scores, types, ids,
                 add_bos=meta.get("tokenizer.ggml.add_bos_token", True),
                 add_eos=add_eos,
                 add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
@@ -416,11 +457,12 @@ class Tokenizer:
         vocab: dict[str, int] = {}
         for i, t in enumerate(tokens):
             vocab.setdefault(t, i)  # a repeated text keeps its first id, as llama.cpp does
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
+        pairs = _Pairs(len(merges), lambda m: tuple(merges[m].split(" ", 1)))
         try:
             bpe = HFTokenizer(models.BPE(vocab, pairs, ignore_merges=spec.ignore_merges))
         except Exception as e:  # tokenizers raises plain Exception for a merge whose parts are not tokens
             raise TracelmError(f"{where}cannot build the BPE vocabulary: {e}") from None
+        del vocab
         bpe.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in spec.splits]
             + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
@@ -429,7 +471,7 @@ class Tokenizer:
         add_bos = meta.get("tokenizer.ggml.add_bos_token")
         return cls(
             pieces=tokens, types=types,
-            token_bytes=[_byte_level_bytes(t, k) for t, k in zip(tokens, types, strict=True)],
+            token_bytes=map(_byte_level_bytes, tokens, types),
             encoder=_HFEncoder(bpe, split_safe=not any("\n" in t for t, k in zip(tokens, types, strict=True)
                                                        if k in (CONTROL, UNKNOWN, USER_DEFINED))),
             special_ids=ids, add_bos=spec.add_bos if add_bos is None else add_bos, add_eos=add_eos,
@@ -440,7 +482,7 @@ class Tokenizer:
     def from_scored_vocab(
         cls,
         tokens: list[str],
-        scores: list[float],
+        scores: Sequence[float] | np.ndarray,
         types: list[int],
         special_ids: Mapping[str, int | None],
         *,
@@ -458,7 +500,7 @@ class Tokenizer:
                                 rank_by_id)
         return cls(
             pieces=tokens, types=types,
-            token_bytes=[_spm_bytes(t, k) for t, k in zip(tokens, types, strict=True)],
+            token_bytes=map(_spm_bytes, tokens, types),
             encoder=_spm_encoder(bpe, tokens, types, add_space_prefix), special_ids=special_ids,
             add_bos=add_bos, add_eos=add_eos,
             strip_first_space=add_space_prefix, kind=kind, source=source, chat_template=chat_template,
@@ -654,7 +696,8 @@ class Tokenizer:
         return token_id
 
     def token_bytes(self, token_id: int) -> bytes:
-        return self._bytes[self._check(token_id)]
+        i = self._check(token_id)
+        return self._bytes[self._starts[i] : self._starts[i + 1]]
 
     def piece(self, token_id: int) -> str:
         return self._pieces[self._check(token_id)]

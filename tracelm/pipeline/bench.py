@@ -78,11 +78,13 @@ def bench_ids(tokenizer: Any, n: int) -> list[int]:
 
 
 def run_bench(model_name: str, n_prompt: int = 256, n_decode: int = 128, n_ctx: int = 1024,
-              weights: str = "resident") -> dict[str, Any]:
-    """`weights="streamed"`: prefill is timed once (each pass dequantizes every block), and the report adds
-    the streamed mode's RSS bound and whether its logits equal resident mode's (see `streamed_report`)."""
+              weights: str = "resident", compute: str = "kernels") -> dict[str, Any]:
+    """`weights="streamed"` on `compute="reference"`: prefill is timed once (each pass dequantizes every block),
+    and the report adds the streamed mode's RSS bound and whether its logits equal resident mode's (see
+    `streamed_report`). On the kernels the weights are the file's blocks: `weights_gb_s` is the rate decode
+    reads them at, against the machine's bandwidth, and the RSS budget is the file + KV cache + 150 MB."""
     probe = _probe_in_child()
-    model = load_model(model_name, progress=False, weights=weights)
+    model = load_model(model_name, progress=False, weights=weights, compute=compute)
     cfg = model.cfg
     runner = Runner(model, max(n_ctx, n_prompt + n_decode))
     ids = bench_ids(model.tokenizer, n_prompt)
@@ -91,7 +93,8 @@ def run_bench(model_name: str, n_prompt: int = 256, n_decode: int = 128, n_ctx: 
         runner.cache.reset()
         runner.prefill(ids)
 
-    prefill_s = _best_seconds(prefill, 3 if weights == "resident" else 1)
+    dequantizing = weights == "streamed" and compute == "reference"
+    prefill_s = _best_seconds(prefill, 1 if dequantizing else 3)
     token = int(np.argmax(runner.prefill(ids).values[-1]))
     c0, t0 = time.process_time(), time.perf_counter()
     for _ in range(n_decode):
@@ -102,7 +105,7 @@ def run_bench(model_name: str, n_prompt: int = 256, n_decode: int = 128, n_ctx: 
     roofline_tok_s = probe["bandwidth_gb_s"] * 1e9 / weight_bytes
     sgemm_bound_tok_s = probe["sgemm_gflop_s"] * 1e9 / prefill_flops_per_token(cfg, n_prompt)
     ceilings = {}
-    if weights == "resident":  # the same limits for the weight products alone, every other stage free
+    if not dequantizing:  # the same limits for the weight products alone, every other stage free
         decode_products_tok_s = 1 / product_pass_seconds(model.weights, cfg, 1, 10)
         prefill_products_tok_s = n_prompt / product_pass_seconds(model.weights, cfg, n_prompt, 3)
         ceilings = {
@@ -112,9 +115,13 @@ def run_bench(model_name: str, n_prompt: int = 256, n_decode: int = 128, n_ctx: 
             "prefill_products_vs_sgemm_bound": round(prefill_products_tok_s / sgemm_bound_tok_s, 3),
         }
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    rss_budget = weight_bytes + runner.cache.nbytes + 300 * 2**20
-    streamed = streamed_report(model, runner.cache.nbytes, peak_rss, ids[:16]) if weights == "streamed" else {}
+    if compute == "kernels":
+        rss_budget = model.path.stat().st_size + runner.cache.nbytes + 150 * 2**20
+    else:
+        rss_budget = weight_bytes + runner.cache.nbytes + 300 * 2**20
+    streamed = streamed_report(model, runner.cache.nbytes, peak_rss, ids[:16]) if dequantizing else {}
     return {
+        "compute": compute,
         "weights": weights,
         "model": str(model.path.name),
         "load_seconds": round(model.load_seconds, 3),
@@ -125,7 +132,8 @@ def run_bench(model_name: str, n_prompt: int = 256, n_decode: int = 128, n_ctx: 
         "decode_cpu_ms_per_token": round(1e3 * decode_cpu_s / n_decode, 1),  # all threads; steadier under load
         "peak_rss_mb": round(peak_rss / 2**20, 1),
         **({"rss_budget_mb": round(rss_budget / 2**20, 1)} if not streamed else streamed),
-        "f32_weight_mb": round(weight_bytes / 2**20, 1),
+        "weight_mb": round(weight_bytes / 2**20, 1),  # as held: f32 (reference) or the file's blocks (kernels)
+        "weights_gb_s": round(weight_bytes * n_decode / decode_s / 1e9, 2),  # read by decode, per second
         "kv_cache_mb": round(runner.cache.nbytes / 2**20, 1),
         **probe,
         "decode_roofline_tok_s": round(roofline_tok_s, 2),
@@ -275,8 +283,59 @@ def trace_overhead(model_name: str, n_decode: int = 64, repeats: int = 3, n_prom
     }
 
 
-def bench_kernels(model_name: str, rows: tuple[int, ...] = (1, 2, 4, 8, 256)) -> dict[str, Any]:
-    """The kernels under the stages, at the shapes of a real model: dequantization throughput per tensor
+# Byte offsets of the f16 scales in a block of the K-quants, which gguf cannot quantize: their test and bench
+# matrices are random bytes with finite scales there.
+K_SCALES = {12: (0, 2), 13: (0, 2), 14: (208,)}  # Q4_K: d, dmin; Q5_K: d, dmin; Q6_K: d
+
+
+def synthetic_blocks(qtype: int, shape: tuple[int, int], seed: int = 0) -> np.ndarray:
+    """A [rows, cols] matrix of GGML type `qtype` as GGUF rows (uint8 [rows, bytes per row]): gguf's
+    quantization of Gaussian weights, or for the K-quants random bytes with scales of about 1e-2."""
+    import gguf
+
+    from tracelm import kernels
+
+    rng = np.random.default_rng(seed)
+    if qtype in K_SCALES:
+        block, size = kernels.BLOCK[qtype]
+        raw = rng.integers(0, 256, (shape[0] * shape[1] // block, size), dtype=np.uint8)
+        for at in K_SCALES[qtype]:
+            raw[:, at : at + 2] = np.float16(rng.uniform(0.002, 0.02, (len(raw), 1))).view(np.uint8)
+        return raw.reshape(shape[0], -1)
+    w = rng.standard_normal(shape, dtype=np.float32) / np.sqrt(shape[1])
+    return np.ascontiguousarray(gguf.quants.quantize(w, gguf.GGMLQuantizationType(qtype))).view(np.uint8)
+
+
+def bench_kernel_types(shape: tuple[int, int] = (8192, 4096), rows: tuple[int, ...] = (1, 8, 256)) -> dict[str, Any]:
+    """Every type's product x[M, K] W^T on the kernels at M = rows, on a `shape` [N, K] matrix larger than the
+    caches, next to numpy's f32 product with the same (dequantized) matrix: ms, GB/s of the type's bytes
+    (numpy: of the f32 bytes), GFLOP/s, and numpy's time over the kernels'."""
+    import gguf
+
+    from tracelm import kernels
+
+    report: dict[str, Any] = {"shape": list(shape), "kernels_path": kernels.path(), "threads": kernels.threads()}
+    for qtype in sorted(kernels.SUPPORTED):
+        blocks = synthetic_blocks(qtype, shape)
+        w32 = kernels.dequantize(blocks, qtype)
+        for m in rows:
+            x = np.random.default_rng(1).standard_normal((m, shape[1]), dtype=np.float32)
+            out = np.empty((m, shape[0]), np.float32)
+            scratch = np.empty(kernels.scratch_bytes(m, shape[1], qtype), np.uint8)
+            ours = _best_seconds(lambda: kernels.matmul(x, blocks, qtype, out, scratch), 3)  # noqa: B023
+            theirs = _best_seconds(lambda: x @ w32.T, 3)  # noqa: B023
+            flops = 2 * m * shape[0] * shape[1]
+            report[f"{gguf.GGMLQuantizationType(qtype).name}_M{m}"] = {
+                "ms": round(ours * 1e3, 3), "gb_s": round(blocks.nbytes / ours / 1e9, 1),
+                "gflop_s": round(flops / ours / 1e9, 1), "numpy_f32_ms": round(theirs * 1e3, 3),
+                "numpy_f32_gb_s": round(w32.nbytes / theirs / 1e9, 1),
+                "numpy_f32_gflop_s": round(flops / theirs / 1e9, 1), "numpy_over_kernels": round(theirs / ours, 2)}
+    return report
+
+
+def bench_kernels(model_name: str, rows: tuple[int, ...] = (1, 2, 4, 8, 256), compute: str = "kernels"
+                  ) -> dict[str, Any]:
+    """The products under the stages, at the shapes of a real model: dequantization throughput per tensor
     type in the file, and the weight products x[M, in] @ W[out, in]^T for M = rows, swept over every
     layer, as ms per sweep, GB/s of weights read and GFLOP/s. One kind's sweep (e.g. 30 layers of gate/up,
     212 MB for SmolLM2) can stay in a large last-level cache between repetitions: compare rows M against
@@ -295,7 +354,8 @@ def bench_kernels(model_name: str, rows: tuple[int, ...] = (1, 2, 4, 8, 256)) ->
             seconds = _best_seconds(lambda raw=raw: [dequantize(*r) for r in raw], 2)
             out_bytes = sum(4 * int(np.prod(r[2])) for r in raw)
             report[f"dequant_{name}_gb_s"] = round(out_bytes / seconds / 1e9, 2)
-    weights = source.load(progress=False).weights
+    weights = source.load(progress=False, compute=compute).weights
+    report["compute"] = compute
     kinds = {"qkv": "wqkv", "attn_output": "wo", "ffn_gate_up": "w_gate_up", "ffn_down": "w_down"}
     for kind, field in kinds.items():
         mats = [getattr(lw, field) for lw in weights.layers]
@@ -308,16 +368,17 @@ def bench_kernels(model_name: str, rows: tuple[int, ...] = (1, 2, 4, 8, 256)) ->
     return report
 
 
-def _product_rates(x: np.ndarray, mats: list[np.ndarray]) -> dict[str, float]:
-    """x @ w.T over `mats` through the stages' `linear` (ms, GB/s of weights, GFLOP/s), and for a few rows
-    also as one plain matrix-matrix product (`sgemm_ms`), the call `linear` avoids there."""
+def _product_rates(x: np.ndarray, mats: list[Any]) -> dict[str, float]:
+    """x @ w.T over `mats` (f32 arrays or QMatrix) through the stages' `linear` (ms, GB/s of weights as held,
+    GFLOP/s), and for a few rows of f32 also as one plain matrix-matrix product (`sgemm_ms`), the call `linear`
+    avoids there."""
     from tracelm.stages.linear import GEMV_ROWS, linear
 
     seconds = _best_seconds(lambda: [linear(x, w) for w in mats], 3)
-    flops = sum(2 * x.shape[0] * w.size for w in mats)
+    flops = sum(2 * x.shape[0] * w.shape[0] * w.shape[1] for w in mats)
     rates = {"ms": round(seconds * 1e3, 4), "gb_s": round(sum(w.nbytes for w in mats) / seconds / 1e9, 1),
              "gflop_s": round(flops / seconds / 1e9, 1)}
-    if 1 < x.shape[0] <= GEMV_ROWS:
+    if 1 < x.shape[0] <= GEMV_ROWS and isinstance(mats[0], np.ndarray):
         rates["sgemm_ms"] = round(_best_seconds(lambda: [x @ w.T for w in mats], 3) * 1e3, 4)
     return rates
 

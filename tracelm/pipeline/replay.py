@@ -181,10 +181,11 @@ class _Comparer:
 
 def replay(path: str | Path, model: str | None = None, allow_model_change: bool = False,
            key: bytes | None = None,
-           limit_threads: Callable[[int], AbstractContextManager[Any]] = lambda _n: nullcontext()) -> ReplayReport:
+           limit_threads: Callable[[int, str], AbstractContextManager[Any]] = lambda _n, _c: nullcontext()
+           ) -> ReplayReport:
     """Re-run the trace at `path` and compare event by event. TracelmError when it cannot be replayed.
 
-    `limit_threads(n)` applies the recorded BLAS thread count (the CLI passes its own)."""
+    `limit_threads(n, compute)` applies the recorded thread count (the CLI passes its own)."""
     from tracelm.io.loader import ModelFile
     from tracelm.io.registry import path_sha256
     from tracelm.io.run_config import record_from_dict, run_config_from_dict
@@ -196,7 +197,10 @@ def replay(path: str | Path, model: str | None = None, allow_model_change: bool 
     if not verdict.intact:
         raise TracelmError(f"{trace.path}: cannot replay a trace that is not intact ({verdict.message})")
     h = trace.header
-    cfg = run_config_from_dict(h.get("config"), f"{trace.path}: header config")
+    recorded = h.get("config")
+    if isinstance(recorded, dict) and "compute" not in recorded:  # recorded before the kernels: numpy's products
+        recorded = {**recorded, "compute": "reference"}
+    cfg = run_config_from_dict(recorded, f"{trace.path}: header config")
     level = h.get("level")
     if level not in ("summary", "digest"):
         raise TracelmError(f"{trace.path}: header level {level!r} is not summary or digest")
@@ -218,8 +222,8 @@ def replay(path: str | Path, model: str | None = None, allow_model_change: bool 
         raise TracelmError(f"{trace.path}: the trace has no generate event: nothing to replay")
     report = ReplayReport(REPRODUCED, notes=notes)
     comparer = _Comparer(trace, report)
-    with limit_threads(cfg.threads):
-        loaded = source.load(progress=False, weights=cfg.weights)  # a small box replays in the memory it ran in
+    with limit_threads(cfg.threads, cfg.compute):
+        loaded = source.load(progress=False, weights=cfg.weights, compute=cfg.compute)  # as recorded
         tracer = Tracer(comparer, level)  # type: ignore[arg-type]
         tracer.seq = 1
         runner = Runner(loaded, cfg.context, tracer, **speculation(cfg))

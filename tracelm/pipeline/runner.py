@@ -70,13 +70,13 @@ def check_fits(n_prompt: int, max_tokens: int, n_ctx: int) -> None:
 def speculation(cfg: Any) -> dict[str, Any]:
     """Runner keyword arguments for a RunConfig's `speculative` section (the draft model loaded once)."""
     spec = cfg.speculative
-    draft = draft_model(spec.draft_model) if spec.draft_model and spec.draft_tokens else None
+    draft = draft_model(spec.draft_model, cfg.compute) if spec.draft_model and spec.draft_tokens else None
     return {"draft_tokens": spec.draft_tokens, "draft_ngram": spec.ngram, "draft_model": draft}
 
 
 @functools.lru_cache(maxsize=2)
-def draft_model(name_or_path: str) -> LoadedModel:
-    return load_model(name_or_path, progress=False)
+def draft_model(name_or_path: str, compute: str = "kernels") -> LoadedModel:
+    return load_model(name_or_path, progress=False, compute=compute)
 
 
 def check_same_vocabulary(model: LoadedModel, draft: LoadedModel) -> None:

@@ -167,6 +167,14 @@ def blas_facts() -> list[dict[str, Any]]:
     return [{k: info.get(k) for k in keep} for info in threadpool_info()]
 
 
+def kernel_facts() -> dict[str, Any]:
+    """tracelm's compiled kernels: the path this CPU runs (avx2 or portable) and the pool's threads. Neither
+    changes a bit of the products; recorded so a reader sees what ran."""
+    from tracelm import kernels
+
+    return {"path": kernels.path(), "threads": kernels.threads()}
+
+
 def tokenizer_sha256(model_path: Any) -> str:
     """For a GGUF, sha256 of its `tokenizer.*` metadata (vocabulary, types, merges, special ids, template) as
     canonical JSON: the same for two files that tokenize alike, whatever their weights. For any other
@@ -423,6 +431,7 @@ def write_header(tracer: Tracer, run_config: Any, model: Any, prompt_ids: list[i
         packages=package_versions(),
         platform=platform_facts(),
         blas=blas_facts(),
+        kernels=kernel_facts(),
         rng={"generator": "PCG64", "seeding": "numpy.random.default_rng(seed)", "seed": run_config.sampling.seed,
              "draws_per_token": 1},
         seed=run_config.sampling.seed,

@@ -26,6 +26,7 @@ from tracelm.pipeline.graph import forward, new_cache
 from tracelm.state.records import Hidden
 
 COSINE_MIN = 0.9999  # every layer, every position
+KERNELS_ARGMAX_MIN = 0.98  # --compute kernels: positions whose argmax is the numpy reference's, at least
 DEFAULT_PROMPTS = (
     "The capital of France is",
     "def fibonacci(n):\n    if n < 2:\n        return n\n",
@@ -50,6 +51,10 @@ class PromptReport:
     argmax_match: bool  # logits argmax identical at every position
     greedy_ours: tuple[int, ...]
     greedy_ref: tuple[int, ...]  # the reference's argmax at each generated position
+    # --compute kernels: the kernels' logits against tracelm's numpy reference (`compute: reference`) on the
+    # same positions: the share of positions with the same argmax, and max |diff|
+    kernels_argmax: float | None = None
+    kernels_max_abs: float | None = None
 
     @property
     def greedy_match(self) -> bool:
@@ -61,7 +66,8 @@ class PromptReport:
 
     @property
     def ok(self) -> bool:
-        return all(r.ok for r in self.rows) and self.argmax_match and self.greedy_match
+        kernels_ok = self.kernels_argmax is None or self.kernels_argmax >= KERNELS_ARGMAX_MIN
+        return all(r.ok for r in self.rows) and self.argmax_match and self.greedy_match and kernels_ok
 
 
 def compare(name: str, ours: np.ndarray, ref: np.ndarray, cos_min: float = COSINE_MIN) -> Row:
@@ -134,7 +140,9 @@ class TransformersReference:
         return [h[0].float().numpy() for h in out.hidden_states], out.logits[0].float().numpy()
 
 
-def validate_prompt(model: Any, ref: Any, prompt: str, ids: Sequence[int], n_tokens: int = 32) -> PromptReport:
+def validate_prompt(model: Any, ref: Any, prompt: str, ids: Sequence[int], n_tokens: int = 32,
+                    numpy_model: Any = None) -> PromptReport:
+    """`numpy_model`: the same model on `compute: reference`, which `model` (on the kernels) is compared with."""
     ids = [int(i) for i in ids]
     if not ids:
         raise TracelmError(f"validate: prompt {prompt!r} encodes to no tokens")
@@ -148,6 +156,11 @@ def validate_prompt(model: Any, ref: Any, prompt: str, ids: Sequence[int], n_tok
     names = ["embed", *(f"layer {i}" for i in range(L - 1)), f"layer {L - 1} + output_norm"]
     rows = [compare(n, a, b) for n, a, b in zip(names, ours, theirs, strict=True)]
     rows.append(compare("logits", our_logits, ref_logits))
+    kernels = {}
+    if numpy_model is not None:
+        _, numpy_logits = tracelm_states(numpy_model, seq)
+        kernels = {"kernels_argmax": float(np.mean(our_logits.argmax(-1) == numpy_logits.argmax(-1))),
+                   "kernels_max_abs": float(np.abs(our_logits - numpy_logits).max())}
     return PromptReport(
         prompt=prompt,
         n_prompt=len(ids),
@@ -155,6 +168,7 @@ def validate_prompt(model: Any, ref: Any, prompt: str, ids: Sequence[int], n_tok
         argmax_match=bool((our_logits.argmax(-1) == ref_logits.argmax(-1)).all()),
         greedy_ours=tuple(gen),
         greedy_ref=tuple(int(t) for t in ref_logits[len(ids) - 1 :].argmax(-1)),
+        **kernels,
     )
 
 
@@ -168,6 +182,9 @@ def format_report(rep: PromptReport) -> str:
                   len(rep.greedy_ours))
     lines.append(f"  {len(rep.greedy_ours)} greedy tokens identical: "
                  f"{'yes' if rep.greedy_match else f'NO (first difference at token {n_same})'}")
+    if rep.kernels_argmax is not None:
+        lines.append(f"  kernels vs numpy reference: argmax equal at {rep.kernels_argmax:.1%} of positions "
+                     f"(>= {KERNELS_ARGMAX_MIN:.0%} needed), logits max |diff| {rep.kernels_max_abs:.3e}")
     if rep.first_divergent:
         lines.append(f"  first divergent: {rep.first_divergent}")
     lines.append(f"  {'OK' if rep.ok else 'FAIL'}")
@@ -178,12 +195,14 @@ def report_json(rep: PromptReport) -> dict[str, Any]:
     return {"prompt": rep.prompt, "n_prompt": rep.n_prompt, "ok": rep.ok,
             "rows": [attrs.asdict(r) for r in rep.rows], "argmax_match": rep.argmax_match,
             "greedy_match": rep.greedy_match, "greedy_ours": list(rep.greedy_ours),
-            "greedy_ref": list(rep.greedy_ref), "first_divergent": rep.first_divergent}
+            "greedy_ref": list(rep.greedy_ref), "first_divergent": rep.first_divergent,
+            "kernels_argmax": rep.kernels_argmax, "kernels_max_abs": rep.kernels_max_abs}
 
 
 def run_validate(model_name: str, reference: str, prompts: Sequence[str], n_tokens: int = 32,
-                 as_json: bool = False, out: Any = None) -> int:
-    """`tracelm validate`: 0 when every prompt is within tolerance, 1 when not."""
+                 as_json: bool = False, compute: str = "reference", out: Any = None) -> int:
+    """`tracelm validate`: 0 when every prompt is within tolerance, 1 when not. `compute="kernels"` validates
+    the kernels and also compares their logits with tracelm's numpy reference."""
     import json
     import sys
 
@@ -194,15 +213,17 @@ def run_validate(model_name: str, reference: str, prompts: Sequence[str], n_toke
         raise TracelmError(f"validate: unknown reference {reference!r} (supported: transformers)")
     source = ModelFile(model_name)
     ids = [source.tokenizer.encode(p) for p in prompts]
-    model = source.load(progress=False)
+    model = source.load(progress=False, compute=compute)
+    numpy_model = source.load(progress=False, compute="reference") if compute == "kernels" else None
     ref = TransformersReference(source.path)
-    reports = [validate_prompt(model, ref, p, i, n_tokens) for p, i in zip(prompts, ids, strict=True)]
+    reports = [validate_prompt(model, ref, p, i, n_tokens, numpy_model) for p, i in zip(prompts, ids, strict=True)]
     ok = all(r.ok for r in reports)
     if as_json:
-        out.write(json.dumps({"model": str(source.path), "reference": reference, "ok": ok,
+        out.write(json.dumps({"model": str(source.path), "reference": reference, "compute": compute, "ok": ok,
                               "cosine_min": COSINE_MIN, "prompts": [report_json(r) for r in reports]}, indent=2) + "\n")
     else:
-        out.write(f"{source.path.name} vs {reference}: {model.cfg.n_layer} layers, tolerance cosine >= {COSINE_MIN}\n")
+        out.write(f"{source.path.name} ({compute}) vs {reference}: {model.cfg.n_layer} layers, tolerance cosine >= "
+                  f"{COSINE_MIN}\n")
         for r in reports:
             out.write(format_report(r) + "\n")
         out.write(("all within tolerance" if ok else "NOT within tolerance") + "\n")

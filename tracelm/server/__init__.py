@@ -53,7 +53,7 @@ def serve(cfg: Any, host: str | None = None, port: int | None = None) -> None:
     api_key = os.environ.get(cfg.server.api_key_env) or None
     sock = _listen(host, port)
     try:
-        model = load_model(cfg.model, tokenizer=cfg.tokenizer, weights=cfg.weights)
+        model = load_model(cfg.model, tokenizer=cfg.tokenizer, weights=cfg.weights, compute=cfg.compute)
         server = Server(model, cfg, api_key)
         bound = sock.getsockname()[1]
         url_host = f"[{host}]" if ":" in host else host

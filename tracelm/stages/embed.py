@@ -2,12 +2,18 @@
 
 import numpy as np
 
-from tracelm.state.records import Hidden
+from tracelm import kernels
+from tracelm.state.records import Hidden, QMatrix, RowSource
 
 
-def embed(table: np.ndarray, ids: np.ndarray, start: int, scale: float = 1.0) -> Hidden:
-    """x[t] = table[ids[t]] * scale for the T positions start..start+T-1 (scale: gemma's sqrt(d))."""
-    x = table[ids]
+def embed(table: np.ndarray | RowSource | QMatrix, ids: np.ndarray, start: int, scale: float = 1.0) -> Hidden:
+    """x[t] = table[ids[t]] * scale for the T positions start..start+T-1 (scale: gemma's sqrt(d)); a QMatrix's
+    rows are dequantized (only those of the ids)."""
+    if isinstance(table, QMatrix):
+        (blocks, qtype), = table.parts
+        x = kernels.dequantize(blocks[np.asarray(ids, np.int64)], qtype)
+    else:
+        x = table[ids]
     if scale != 1.0:
         x *= np.float32(scale)
     return Hidden(x, start)

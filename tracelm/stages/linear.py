@@ -1,4 +1,8 @@
-"""The weight product y = x W^T of every stage (W is [out, in], as stored), on numpy's BLAS.
+"""The weight product y = x W^T of every stage (W is [out, in], as stored).
+
+W as the model file's blocks (a QMatrix, `compute: kernels`) goes to tracelm's compiled kernels, which
+compute on the blocks themselves and give each output the same bits whatever the rows beside it, the
+thread count or the CPU's path (tracelm/kernels). W in f32 (`compute: reference`) goes to numpy's BLAS:
 
 A BLAS chooses its kernel, and so the order of each dot product's sum, by CPU and by the shape of the call
 (OpenBLAS: per core type, per block of rows, small-matrix kernels...). No bitwise promise may rest on
@@ -22,7 +26,8 @@ import functools
 
 import numpy as np
 
-from tracelm.state.records import RowSource
+from tracelm import kernels
+from tracelm.state.records import QMatrix, RowSource
 
 GEMV_ROWS = 16  # up to this many rows: a matrix-vector product per row and block; more: matrix-matrix products
 # OpenBLAS runs a matrix-vector product of fewer than about 460k elements on one thread (measured: 442k
@@ -42,9 +47,23 @@ def block_rows(n_out: int, n_in: int) -> int:
     return dividing[0] if dividing else least
 
 
-def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """x [M, in] @ w[out, in]^T -> [M, out], one call per block of `block_rows(out, in)` rows of w."""
+def linear(x: np.ndarray, w: np.ndarray | QMatrix) -> np.ndarray:
+    """x [M, in] @ w[out, in]^T -> [M, out]: the kernels on a QMatrix's blocks, one call per part; on f32, one
+    BLAS call per block of `block_rows(out, in)` rows of w."""
+    if isinstance(w, QMatrix):
+        return _kernel_product(np.ascontiguousarray(x, np.float32), w)
     return _blocks(x, w, block_rows(*w.shape))
+
+
+def _kernel_product(x: np.ndarray, w: QMatrix) -> np.ndarray:
+    """x @ W^T by the kernels, part after part into its columns of the output."""
+    y = np.empty((x.shape[0], w.shape[0]), np.float32)
+    lo = 0
+    for blocks, qtype in w.parts:
+        hi = lo + blocks.shape[0]
+        kernels.matmul(x, blocks, qtype, out=y[:, lo:hi])
+        lo = hi
+    return y
 
 
 def _blocks(x: np.ndarray, w: np.ndarray, r: int) -> np.ndarray:

@@ -24,6 +24,38 @@ def _ro(a: np.ndarray | None) -> np.ndarray | None:
     return None if a is None else frozen_array(a)
 
 
+@attrs.frozen(slots=True, eq=False)
+class QMatrix:
+    """A [rows, cols] weight matrix as the model file stores it, for the compiled kernels (`compute: kernels`).
+
+    `parts` stack row after row, each (blocks, qtype): `blocks` a read-only uint8 [rows, bytes per row] of
+    GGUF blocks of GGML type `qtype` (F32, F16 and BF16 are blocks of one value). A fused q/k/v or gate/up
+    keeps one part per tensor, since their types may differ (Q4_K_M files hold some v and down projections
+    in Q6_K)."""
+
+    shape: tuple[int, int]
+    parts: tuple[tuple[np.ndarray, int], ...] = attrs.field(
+        converter=lambda parts: tuple((frozen_array(b), int(t)) for b, t in parts))
+
+    def __attrs_post_init__(self) -> None:
+        rows = sum(b.shape[0] for b, _t in self.parts)
+        if rows != self.shape[0] or any(b.dtype != np.uint8 or b.ndim != 2 for b, _t in self.parts):
+            raise ValueError(f"QMatrix parts: {rows} uint8 rows given for shape {list(self.shape)}")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the blocks (what the matrix holds in memory)."""
+        return sum(b.nbytes for b, _t in self.parts)
+
+    @property
+    def qtypes(self) -> tuple[int, ...]:
+        return tuple(t for _b, t in self.parts)
+
+
+def _matrix(a: np.ndarray | RowSource | QMatrix) -> np.ndarray | RowSource | QMatrix:
+    return a if isinstance(a, RowSource | QMatrix) else frozen_array(a)
+
+
 @attrs.frozen(slots=True)
 class Hidden:
     """Activations of T consecutive positions starting at `start`: x is [T, width]."""
@@ -52,18 +84,19 @@ class Logits:
 
 @attrs.frozen(slots=True)
 class LayerWeights:
-    """One transformer block in f32, [out, in] row-major as GGUF stores them.
+    """One transformer block: matrices [out, in] row-major as GGUF stores them, in f32 (`compute: reference`)
+    or as the file's blocks (QMatrix, `compute: kernels`); vectors in f32.
 
     q, k and v are fused into one matrix (rows: q, then k, then v) and gate/up into another
     (rows: gate, then up), so a decode step reads each block's weights in four matrix products.
     """
 
     attn_norm: np.ndarray = attrs.field(converter=frozen_array)
-    wqkv: np.ndarray = attrs.field(converter=frozen_array)
-    wo: np.ndarray = attrs.field(converter=frozen_array)
+    wqkv: np.ndarray | QMatrix = attrs.field(converter=_matrix)
+    wo: np.ndarray | QMatrix = attrs.field(converter=_matrix)
     ffn_norm: np.ndarray = attrs.field(converter=frozen_array)
-    w_gate_up: np.ndarray = attrs.field(converter=frozen_array)
-    w_down: np.ndarray = attrs.field(converter=frozen_array)
+    w_gate_up: np.ndarray | QMatrix = attrs.field(converter=_matrix)
+    w_down: np.ndarray | QMatrix = attrs.field(converter=_matrix)
     bqkv: np.ndarray | None = attrs.field(default=None, converter=_ro)
     q_norm: np.ndarray | None = attrs.field(default=None, converter=_ro)  # [head_dim], shared by the heads
     k_norm: np.ndarray | None = attrs.field(default=None, converter=_ro)
@@ -98,27 +131,23 @@ class RowSource:
         return 4 * self.shape[0] * self.shape[1]
 
 
-def _matrix(a: np.ndarray | RowSource) -> np.ndarray | RowSource:
-    return a if isinstance(a, RowSource) else frozen_array(a)
-
-
 @attrs.frozen(slots=True)
 class ModelWeights:
     """All weights. Resident: f32 arrays. Streamed: `layers` makes block i's LayerWeights when item i is
     read (into one scratch buffer, valid until the next read) and the embedding and head are RowSources."""
 
-    token_embd: np.ndarray | RowSource = attrs.field(converter=_matrix)  # [vocab, d]
+    token_embd: np.ndarray | RowSource | QMatrix = attrs.field(converter=_matrix)  # [vocab, d]
     layers: Sequence[LayerWeights]
     output_norm: np.ndarray = attrs.field(converter=frozen_array)  # [d]
-    output: np.ndarray | RowSource = attrs.field(converter=_matrix)  # [vocab, d]; token_embd when tied
+    output: np.ndarray | RowSource | QMatrix = attrs.field(converter=_matrix)  # [vocab, d]; token_embd when tied
 
     @property
     def nbytes(self) -> int:
-        """Bytes of distinct weight arrays in f32 (a tied head is counted once; streamed weights count as
-        if they were resident)."""
+        """Bytes of distinct weight arrays (f32 arrays, or the blocks of QMatrix ones; a tied head is counted
+        once; streamed weights count as if they were resident)."""
         layers = self.layers.nbytes if hasattr(self.layers, "nbytes") else sum(lw.nbytes for lw in self.layers)
         total = self.token_embd.nbytes + self.output_norm.nbytes + layers
-        if isinstance(self.output, RowSource):
+        if not isinstance(self.output, np.ndarray):
             tied = self.output is self.token_embd
         else:
             tied = isinstance(self.token_embd, np.ndarray) and np.shares_memory(self.output, self.token_embd)

@@ -8,6 +8,7 @@ from attrs import validators as v
 from tracelm.state.records import SamplingParams
 
 WEIGHT_MODES = ("resident", "streamed")
+COMPUTE_MODES = ("kernels", "reference")
 
 
 @attrs.frozen(slots=True)
@@ -51,8 +52,11 @@ class RunConfig:
     # resident: every weight in f32 in memory; streamed (a GGUF only): weights stay quantized in the mapped file,
     # each block dequantized into one reused buffer as it runs (little RAM, slower, the same logits)
     weights: str = attrs.field(default="resident", validator=v.in_(WEIGHT_MODES))
+    # kernels: the weight products on the quantized blocks in tracelm's compiled kernels (bit-exact at any batch
+    # and thread count); reference: every weight dequantized to f32 and multiplied by numpy (the readable math)
+    compute: str = attrs.field(default="kernels", validator=v.in_(COMPUTE_MODES))
     context: int = attrs.field(default=2048, validator=v.gt(0))  # positions the Cache holds
-    threads: int = attrs.field(default=0, validator=v.ge(0))  # BLAS threads; 0 = all cores
+    threads: int = attrs.field(default=0, validator=v.ge(0))  # kernel (and BLAS) threads; 0 = all cores
     max_tokens: int = attrs.field(default=128, validator=v.ge(0))
     stop: tuple[str, ...] = attrs.field(default=(), converter=tuple)  # stop strings
     system: str | None = None  # chat: system prompt (None: the template's default)

@@ -1,0 +1,386 @@
+"""The compiled kernels (tracelm.kernels): y = x W^T on GGUF blocks, against gguf's dequantization and float64.
+
+Three kinds of check:
+- exactness of the pieces: the split activation quantization (hi = int8 blocks of x, lo = int8 blocks of the
+  residual x - d*q) equals its numpy statement byte for byte, on every path; dequantize equals gguf.quants bit
+  for bit; the product of the *quantized* activations (hi + lo) with the weights equals float64 up to f32
+  rounding only, and against the unquantized x the error is the residual's rounding, ~1e-4 relative or less;
+- the promise: out[i, j] depends on (x row i, w row j) alone -- same bits for any batch, thread count, path,
+  and whether out is contiguous or a column slice of a wider array;
+- bad input is refused with a ValueError naming the argument.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf import quants
+
+from tracelm import kernels
+
+QUANT32 = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
+KQUANT = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
+FLOAT = [Q.F32, Q.F16, Q.BF16]
+ALL = FLOAT + QUANT32 + KQUANT
+PATHS = kernels.paths()
+EPS = 2.0**-23  # f32 unit roundoff, generously (2^-24 would do)
+XBLOCK32 = np.dtype([("d", "<f4"), ("sum", "<i4"), ("q", "i1", 32)])
+XBLOCK256 = np.dtype([("d", "<f4"), ("bsum", "<i2", 16), ("q", "i1", 256)])
+
+
+@pytest.fixture(autouse=True)
+def _restore():
+    path, threads = kernels.path(), kernels.threads()
+    yield
+    kernels.use_path(path)
+    kernels.set_threads(threads)
+
+
+def weights(qt: Q, N: int, K: int, seed: int = 0) -> np.ndarray:
+    """GGUF rows [N, row_bytes]: gguf's own quantization where it has one; random bytes with finite f16 scales
+    for the K-quants (gguf cannot quantize them)."""
+    rng = np.random.default_rng(seed)
+    if qt in KQUANT:
+        bs, tb = gguf.GGML_QUANT_SIZES[qt]
+        w = rng.integers(0, 256, size=(N, K // bs * tb), dtype=np.uint8)
+        blk = w.reshape(N, K // bs, tb)
+        half = lambda s: (rng.standard_normal((N, K // bs)) * s).astype(np.float16).view(np.uint8).reshape(N, -1, 2)
+        if qt == Q.Q6_K:
+            blk[:, :, 208:210] = half(0.01)
+        else:
+            blk[:, :, 0:2], blk[:, :, 2:4] = half(0.01), half(0.01)
+        return w
+    wf = rng.standard_normal((N, K)).astype(np.float32)
+    if qt == Q.F32:
+        return wf.view(np.uint8)
+    return np.ascontiguousarray(quants.quantize(wf, qt)).view(np.uint8)
+
+
+def dequant(w: np.ndarray, qt: Q) -> np.ndarray:
+    return w.view(np.float32) if qt == Q.F32 else quants.dequantize(w, qt)
+
+
+def offset_part(w: np.ndarray, qt: Q) -> np.ndarray:
+    """The weights' additive part (the min of Q4_1/Q5_1, -dmin*min of Q4_K/Q5_K; 0 otherwise): gguf's
+    dequantization with the scale d zeroed."""
+    if qt not in (Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K):
+        return np.zeros(1, np.float32)
+    w0 = w.copy()
+    tb = gguf.GGML_QUANT_SIZES[qt][1]
+    w0.reshape(w.shape[0], -1, tb)[:, :, 0:2] = 0
+    return quants.dequantize(w0, qt)
+
+
+def xblocks(scratch: np.ndarray, qt: Q, M: int) -> np.ndarray:
+    """The scratch of quantize_rows/matmul as blocks [M, 2, blocks per row]: [:, 0] the hi half, [:, 1] the lo."""
+    return scratch.view(XBLOCK256 if qt in KQUANT else XBLOCK32).reshape(M, 2, -1)
+
+
+def quantized_x(x: np.ndarray, qt: Q) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """kernels.quantize_rows -> per value, float64 [M, K]: the hi half d_h*q_h and the lo half d_l*q_l as the
+    kernel sees them, and their steps d_h, d_l."""
+    M, K = x.shape
+    scratch = np.empty(kernels.scratch_bytes(M, K, qt), np.uint8)
+    kernels.quantize_rows(x, qt, scratch)
+    blocks = xblocks(scratch, qt, M)
+    bs = blocks["q"].shape[-1]
+    halves = []
+    for h in (0, 1):
+        d = np.repeat(blocks["d"][:, h].astype(np.float64), bs, axis=1)
+        halves += [blocks["q"][:, h].reshape(M, K).astype(np.float64) * d, d]
+    xh, dh, xl, dl = halves
+    return xh, xl, dh, dl
+
+
+def quantize_reference(x: np.ndarray, bs: int):
+    """One int8 quantizer, stated in numpy: per block d = amax/127 (f32), q = rint(x * (1/d)) half to even;
+    a non-finite block: d = NaN, q = 0; amax below 2^-100: d = 0, q = 0."""
+    b = x.reshape(x.shape[0], -1, bs)
+    amax = np.abs(b).max(axis=-1, keepdims=True)
+    finite = np.isfinite(b).all(axis=-1, keepdims=True)
+    live = finite & (amax >= np.float32(2.0**-100))
+    d = np.where(live, amax / np.float32(127), np.where(finite, np.float32(0), np.float32(np.nan))).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inv = np.where(live, np.float32(1) / d, np.float32(0)).astype(np.float32)
+        q = np.where(live, np.rint(b * inv), 0).astype(np.int8)
+    return d[..., 0], q
+
+
+def split_reference(x: np.ndarray, bs: int):
+    """The split, stated in numpy: hi = quant(x); r = x - d_h*q_h (f32 multiply, then subtract); lo = quant(r)."""
+    dh, qh = quantize_reference(x, bs)
+    with np.errstate(invalid="ignore"):
+        r = (x.reshape(qh.shape) - dh[..., None] * qh.astype(np.float32)).astype(np.float32).reshape(x.shape)
+    dl, ql = quantize_reference(r, bs)
+    return (dh, qh), (dl, ql)
+
+
+def shapes(qt: Q) -> list[tuple[int, int, int]]:
+    """(M, N, K): N odd and not a multiple of 4/8/16; K from 256 to 2048 (F32: not a multiple of 32)."""
+    if qt == Q.F32:
+        return [(5, 37, 515), (3, 21, 1000)]
+    return [(5, 37, 256), (3, 21, 2048)] if qt in KQUANT else [(5, 37, 288), (3, 21, 2048)]
+
+
+# ---------------------------------------------------------------------------------------------------- pieces
+
+
+@pytest.mark.parametrize("qt", QUANT32 + KQUANT, ids=lambda q: q.name)
+def test_quantize_rows_is_the_stated_split(qt):
+    """Both halves, byte for byte as split_reference states them, and the same bytes on every path."""
+    bs = 256 if qt in KQUANT else 32
+    rng = np.random.default_rng(1)
+    M = 6
+    x = (rng.standard_normal((M, 2 * bs)) * rng.choice([1e-3, 1.0, 300.0], size=(M, 1))).astype(np.float32)
+    x[0, :bs] = 0.0  # a zero block: both halves d = 0
+    x[1, :bs] = np.float32(2.0**-110)  # below 2^-100: all zeros, d = 0; r = x, so lo too
+    x[2, :bs] = [127.0, 2.5, -3.5, 0.5, 1.5, -0.5] + [0.0] * (bs - 6)  # d = 1: ties go to even; r = +-0.5
+    x[3, bs + 1] = np.inf  # a non-finite block: d = NaN, q = 0 in both halves
+    x[4, :bs] = rng.integers(-127, 128, bs)  # with an amax of 127 hi is exact: r = 0, lo is zeros (d = 0)
+    x[4, 0] = 127.0
+    x[5] = rng.standard_normal(2 * bs) * np.float32(2.0**-95)  # hi live, the residual's amax below 2^-100: lo zeros
+    (dh, qh), (dl, ql) = split_reference(x, bs)
+    seen = []
+    for path in PATHS:
+        kernels.use_path(path)
+        scratch = np.empty(kernels.scratch_bytes(M, 2 * bs, qt), np.uint8)
+        kernels.quantize_rows(x, qt, scratch)
+        got = xblocks(scratch, qt, M)
+        for h, (d, q) in enumerate([(dh, qh), (dl, ql)]):
+            np.testing.assert_array_equal(got["d"][:, h].view(np.uint32), d.view(np.uint32), err_msg=f"{path} half {h}")
+            np.testing.assert_array_equal(got["q"][:, h], q, err_msg=f"{path} half {h}")
+            if qt in KQUANT:
+                np.testing.assert_array_equal(got["bsum"][:, h], q.reshape(M, 2, 16, 16).astype(np.int32).sum(-1))
+            else:
+                np.testing.assert_array_equal(got["sum"][:, h], q.astype(np.int32).sum(-1))
+        assert list(got["q"][2, 0, 0, :6]) == [127, 2, -4, 0, 2, 0]
+        assert list(got["q"][2, 1, 0, :6]) == [0, 127, 127, 127, -127, -127]  # r = 0, .5, .5, .5, -.5, -.5
+        assert (got["d"][4, 1, 0] == 0) and not got["q"][4, 1, 0].any()
+        assert (got["d"][5, 0] > 0).all() and (got["d"][5, 1] == 0).all() and not got["q"][5, 1].any()
+        assert np.isnan(got["d"][3, :, 1]).all() and not got["q"][3, :, 1].any()
+        seen.append(scratch)
+    for other in seen[1:]:
+        np.testing.assert_array_equal(other, seen[0])
+
+
+@pytest.mark.parametrize("qt", ALL, ids=lambda q: q.name)
+def test_dequantize_is_gguf_bit_for_bit(qt):
+    w = weights(qt, 7, 512)
+    for path in PATHS:
+        kernels.use_path(path)
+        got = kernels.dequantize(w, qt)
+        assert got.shape == (7, 512)
+        np.testing.assert_array_equal(got.view(np.uint32), dequant(w, qt).view(np.uint32))
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("qt", ALL, ids=lambda q: q.name)
+def test_matmul_against_float64(qt, path):
+    """Three bounds per output, w^ = gguf's dequantization of the weights, x^ = x^h + x^l the two int8 halves.
+
+    1. Given the quantized halves (read back through quantize_rows), the kernel's only error is f32 rounding:
+       each block's update rounds ~4 times, each half's running sum over nb blocks (F32/F16/BF16: the 32 lanes
+       of K/32 terms, then 5 tree levels) adds at most nb roundings of partial sums, and acc_hi + acc_lo one
+       more, so |out - x^ . w^| <= (nb + 7) eps S, S = sum (|x^h_i| + |x^l_i|) (|w^_i| + |offset_i|) (offset:
+       the weights' additive part, whose product the kernel forms separately).
+    2. Against the unquantized x: x - x^ = (r - x^l) + (r_exact - r). The lo rounding errors r_i - x^l_i are
+       bounded by d^l_i/2 and, for random x, independent with mean 0; Hoeffding gives P(|sum w^_i e_i| > t) <=
+       2 exp(-2 t^2 / sum (w^_i d^l_i)^2), so t = 3.8 ||w^ d^l||_2 is exceeded with probability < 1e-12 per
+       output. The residual r = x - d^h q^h is computed in f32: |r_exact - r| <= 2^-24 |d^h q^h| per value, a
+       deterministic term. With one int8 pass the step was d^h = amax/127; the lo step is d^l <= d^h/254, so
+       this bound is ~250 times tighter than it was.
+    3. In plain numbers: |out - x . w^| <= 3e-4 sqrt(sum_i (x_i w^_i)^2) for every output, 1e-6 for the
+       F32/F16/BF16 weights (f32 rounding only). For Gaussian x, |e_i| <= amax/(4 * 127^2) ~ 1.6e-5 amax with
+       amax ~ 3 sigma over a block, so the error is ~1e-4 of the norm scale at worst and ~2e-5 typically.
+    """
+    kernels.use_path(path)
+    for M, N, K in shapes(qt):
+        w = weights(qt, N, K, seed=K)
+        x = np.random.default_rng(K + 1).standard_normal((M, K)).astype(np.float32)
+        out = kernels.matmul(x, w, qt)
+        assert out.shape == (M, N) and out.dtype == np.float32
+        wd = dequant(w, qt).astype(np.float64)
+        off = np.abs(offset_part(w, qt)).astype(np.float64)
+        x64 = x.astype(np.float64)
+        if qt in FLOAT:
+            xh, xl, dl, nb = x64, np.zeros_like(x64), np.zeros_like(x64), -(-K // 32) + 5
+        else:
+            xh, xl, dh, dl = quantized_x(x, qt)
+            nb = K // (256 if qt in KQUANT else 32)
+        S = (np.abs(xh) + np.abs(xl)) @ (np.abs(wd) + off).T
+        rounding = (nb + 7) * EPS * S + 1e-30
+        np.testing.assert_array_less(np.abs(out - (xh + xl) @ wd.T), rounding)
+        hoeffding = 3.8 * np.sqrt(dl**2 @ (wd**2).T)
+        residual = 2.0**-24 * np.abs(xh) @ np.abs(wd).T
+        err = np.abs(out - x64 @ wd.T)
+        np.testing.assert_array_less(err, hoeffding + residual + rounding)
+        scale = np.sqrt(x64**2 @ (wd**2).T)
+        np.testing.assert_array_less(err, (1e-6 if qt in FLOAT else 3e-4) * scale)
+
+
+@pytest.mark.parametrize("qt", [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.F16], ids=lambda q: q.name)
+def test_special_activations(qt):
+    K = 256
+    w = weights(qt, 9, K)
+    x = np.zeros((3, K), np.float32)
+    x[1, 3] = np.inf
+    x[2] = np.float32(2.0**-110)
+    outs = []
+    for path in PATHS:
+        kernels.use_path(path)
+        out = kernels.matmul(x, w, qt)
+        assert (out[0] == 0).all()
+        assert (~np.isfinite(out[1])).all() if qt in FLOAT else np.isnan(out[1]).all()  # a non-finite block: d NaN
+        if qt not in FLOAT:
+            assert (out[2] == 0).all()  # a block below 2^-100 quantizes to zeros
+        outs.append(out)
+    np.testing.assert_array_equal(outs[0], outs[-1])
+
+
+# ---------------------------------------------------------------------------------------------------- the promise
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return a.view(np.uint32)
+
+
+@pytest.mark.parametrize("qt", ALL, ids=lambda q: q.name)
+def test_same_bits_for_any_batch_thread_count_and_path(qt):
+    """out[i] of a row alone = the same row in passes of 2..16, 33 and 256 rows, on 1 or 2 threads, on either
+    path (the direct few-row and the tiled many-row kernels included)."""
+    K = 1000 if qt == Q.F32 else 512
+    N = 75
+    w = weights(qt, N, K)
+    x = np.random.default_rng(2).standard_normal((256, K)).astype(np.float32)
+    ref = None
+    for path in PATHS:
+        kernels.use_path(path)
+        for threads in (1, 2):
+            kernels.set_threads(threads)
+            full = kernels.matmul(x, w, qt)
+            if ref is None:
+                ref = full
+                alone = np.stack([kernels.matmul(x[i], w, qt) for i in (0, 1, 100, 255)])
+                np.testing.assert_array_equal(bits(alone), bits(ref[[0, 1, 100, 255]]))
+            np.testing.assert_array_equal(bits(full), bits(ref), err_msg=f"{path} threads={threads}")
+            for b in (2, 3, 4, 5, 7, 8, 16, 33):
+                lo = 37 % (256 - b)
+                np.testing.assert_array_equal(bits(kernels.matmul(x[lo:lo + b], w, qt)), bits(ref[lo:lo + b]),
+                                              err_msg=f"{path} threads={threads} pass of {b}")
+
+
+@pytest.mark.parametrize("qt", ALL, ids=lambda q: q.name)
+def test_out_with_a_row_stride(qt):
+    """out may be a column slice of a wider array (the engine writes fused parts of different types side by side):
+    the same bits as a contiguous out, on the few-row, many-row and float kernels, and nothing outside it
+    written."""
+    K, N = (300 if qt == Q.F32 else 256), 21
+    w = weights(qt, N, K)
+    x = np.random.default_rng(4).standard_normal((70, K)).astype(np.float32)
+    for path in PATHS:
+        kernels.use_path(path)
+        for M in (1, 2, 3, 5, 70):
+            ref = kernels.matmul(x[:M], w, qt)
+            wide = np.full((M, N + 13), 7.0, np.float32)
+            got = kernels.matmul(x[:M], w, qt, out=wide[:, 5 : 5 + N])
+            assert got.base is wide
+            np.testing.assert_array_equal(bits(wide[:, 5 : 5 + N]), bits(ref), err_msg=f"{path} M={M}")
+            assert (wide[:, :5] == 7.0).all() and (wide[:, 5 + N :] == 7.0).all()
+
+
+def test_env_var_forces_portable_path():
+    """TRACELM_KERNELS=portable at import: the portable path, the same bits as in this process."""
+    code = ("import numpy as np, sys; from tracelm import kernels; assert kernels.path() == 'portable'; "
+            "x = np.load(sys.argv[1]); w = np.load(sys.argv[2]); "
+            "sys.stdout.write(kernels.matmul(x, w, 12).view(np.uint32).tobytes().hex())")
+    w = weights(Q.Q4_K, 13, 512)
+    x = np.random.default_rng(3).standard_normal((6, 512)).astype(np.float32)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        np.save(f"{tmp}/x.npy", x)
+        np.save(f"{tmp}/w.npy", w)
+        env = dict(os.environ, TRACELM_KERNELS="portable")
+        res = subprocess.run([sys.executable, "-c", code, f"{tmp}/x.npy", f"{tmp}/w.npy"], env=env,
+                             capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    here = kernels.matmul(x, w, Q.Q4_K)
+    assert res.stdout == bits(here).tobytes().hex()
+
+
+def test_threads_and_paths_api():
+    assert kernels.SUPPORTED == {0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30}
+    assert kernels.path() in ("avx2", "portable") and "portable" in PATHS
+    kernels.set_threads(2)
+    assert kernels.threads() == 2
+    kernels.set_threads(1)
+    assert kernels.threads() == 1
+    with pytest.raises(ValueError, match="n must be"):
+        kernels.set_threads(0)
+    with pytest.raises(ValueError, match="not available"):
+        kernels.use_path("neon")
+    assert kernels.scratch_bytes(3, 64, Q.Q4_0) == 3 * 2 * 2 * 40  # rows x halves x blocks x bytes
+    assert kernels.scratch_bytes(2, 512, Q.Q6_K) == 2 * 2 * 2 * 292
+    assert kernels.scratch_bytes(5, 100, Q.F16) == 0
+    assert kernels.row_bytes(512, Q.Q4_K) == 288
+
+
+def test_default_threads_are_the_cpus_we_may_use():
+    """At import: as many threads as CPUs in the process's affinity mask (here narrowed to one CPU, then all)."""
+    code = "import os; from tracelm import kernels; print(kernels.threads(), len(os.sched_getaffinity(0)))"
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no sched_setaffinity here")
+    cpus = sorted(os.sched_getaffinity(0))
+    one = f"import os; os.sched_setaffinity(0, {{{cpus[0]}}}); " + code
+    for prog in (code, one):
+        res = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        n, affinity = res.stdout.split()
+        assert n == affinity
+    assert kernels.default_threads() == len(cpus)
+
+
+# ---------------------------------------------------------------------------------------------------- bad input
+
+
+def test_bad_input_names_the_argument():
+    w = weights(Q.Q4_0, 8, 64)
+    x = np.ones((2, 64), np.float32)
+    out = np.empty((2, 8), np.float32)
+    scratch = np.empty(kernels.scratch_bytes(2, 64, Q.Q4_0), np.uint8)
+    mm = kernels._core.matmul
+    cases = [
+        (lambda: mm(x.astype(np.float64), w, 2, out, scratch), "x must be float32"),
+        (lambda: mm(x, w.view(np.int8), 2, out, scratch), "w must be uint8"),
+        (lambda: mm(x, w[:, :30], 2, out, scratch), "C-contiguous"),
+        (lambda: mm(x, np.ascontiguousarray(w[:, :30]), 2, out, scratch), "not a whole number of qtype 2 blocks"),
+        (lambda: mm(x[:, :32].copy(), w, 2, out, scratch), "x has 32 values per row"),
+        (lambda: mm(x, w, 2, out[:, :5].copy(), scratch), r"out must have shape \[2, 8\]"),
+        (lambda: mm(x, w, 2, out.astype(np.float64), scratch), "out must be float32"),
+        (lambda: mm(x, w, 2, out, scratch[:10]), "scratch must be"),
+        (lambda: mm(x, w, 2, out, None), "scratch must be"),
+        (lambda: mm(x[:, ::2], w, 2, out, scratch), "x .* must be C-contiguous"),
+        (lambda: mm(x[0], w, 2, out, scratch), "x must be 2-D"),
+        (lambda: mm(x, w, 4, out, scratch), "qtype 4 is not supported"),
+        (lambda: mm(x, w, 2, out.copy().view(np.uint32).view(np.float32)[:, :8].T, scratch), "out"),
+        (lambda: mm(x, w, 2, np.empty((2, 16), np.float32)[:, ::2], scratch), "out .* unit column stride"),
+        (lambda: mm(x, w, 2, np.empty((2, 8), np.float32)[::-1], scratch), "out .* rows at least a row apart"),
+        (lambda: mm(x, w, 2, np.lib.stride_tricks.as_strided(np.empty(12, np.float32), (2, 8), (16, 4)), scratch),
+         "out .* rows at least a row apart"),
+        (lambda: kernels.dequantize(w, Q.Q4_0, np.empty((8, 63), np.float32)), r"out must have shape \[8, 64\]"),
+        (lambda: kernels.quantize_rows(x[:, :48].copy(), Q.Q4_0, scratch), "not a multiple of 32"),
+        (lambda: kernels.scratch_bytes(2, 100, Q.Q4_0), "multiple of 32"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+    ro = out.copy()
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="out must be a writable"):
+        mm(x, w, 2, ro, scratch)

@@ -1,0 +1,940 @@
+/* The AVX2 path: chosen at run time (CPUID), compiled per function with target("avx2,f16c") -- no "fma", so
+ * the compiler cannot fuse a multiply and an add even if asked to contract.
+ *
+ * Quantized weights: eight weight rows at a time, one per float lane. The integer dot products of a block
+ * (exact: maddubs, then int16/int32 sums; the weight offsets -8/-16/-32 folded out as offset * sum(q)) land in
+ * one 8-lane vector, row r in lane r, and the float update of kernels.h (COMBINE_*) runs on the 8 lanes with v8_*
+ * ops, once for the hi half of x and once for the lo half, into acc_hi and acc_lo; out = acc_hi + acc_lo. Two
+ * kinds of kernel, the same integers and float operations:
+ *   - direct (up to direct_rows(t) x rows, decode): blocks unpacked on the fly and met by both halves of the x
+ *     row before the next block, the next group prefetched. Q4_0..Q5_1 "vertical" (below): the 8 rows' block
+ *     transposed so that lane r holds row r's quads, each x quad broadcast -- no sums across lanes; Q8_0 and
+ *     the K-quants row by row (one maddubs per row-block), summed across rows by hadd trees;
+ *   - tiled (more x rows, prefill): a chunk of blocks of the 8 rows unpacked once into a vertical buffer, then
+ *     met by every quantized row of the task's tile (2 per x row: hi, lo), 4 at a time.
+ * F32/F16/BF16 weights: the 32 lanes as 4 vectors; one weight row against 1-2 x rows, or a 2 x 4 tile that
+ * runs the 4 lane vectors one after the other (each lane is its own chain, so the order is the same).
+ */
+#include "kernels.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+
+#define AVX2 __attribute__((target("avx2,f16c")))
+#define INL static inline __attribute__((always_inline, target("avx2,f16c")))
+
+int avx2_compiled(void) { return 1; }
+
+/* keep a vector in a register, opaque to the compiler: a loaded vector is then not folded into each of its uses
+ * as a load again, and a chain of integer adds is not reassociated into a tree that computes every product
+ * first and spills them */
+#define REG(v) __asm__("" : "+x"(v))
+
+#define v8_add(a, b) _mm256_add_ps(a, b)
+#define v8_sub(a, b) _mm256_sub_ps(a, b)
+#define v8_mul(a, b) _mm256_mul_ps(a, b)
+#define v8_cvt(i) _mm256_cvtepi32_ps(i)
+
+/* up to this many x rows per task: unpack on the fly; more: unpack once into a buffer (measured, 1 thread, both
+ * halves: the vertical 4/5-bit kernels win from 2 rows on; the row-by-row Q8_0 and K-quant ones hold out longer) */
+INL int direct_rows(int t) { return t == T_Q8_0 || t == T_Q4_K || t == T_Q5_K ? 3 : t == T_Q6_K ? 2 : 1; }
+#define TILE_MIN 4      /* F32/F16/BF16: from this many x rows on, the 2 x 4 tile */
+#define PREFETCH 2048   /* tiled kernel: bytes ahead in each row's stream */
+
+/* ---- helpers ---- */
+INL __m256i ld256(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+INL __m128i ld128(const void *p) { return _mm_loadu_si128((const __m128i *)p); }
+INL __m256i join(__m128i lo, __m128i hi) { return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1); }
+
+/* 8 vectors of 8 int32 -> one vector, lane r = sum of s[r] */
+INL __m256i hsum8(__m256i s0, __m256i s1, __m256i s2, __m256i s3, __m256i s4, __m256i s5, __m256i s6,
+                  __m256i s7) {
+    __m256i a = _mm256_hadd_epi32(s0, s1), b = _mm256_hadd_epi32(s2, s3);
+    __m256i c = _mm256_hadd_epi32(s4, s5), d = _mm256_hadd_epi32(s6, s7);
+    __m256i f = _mm256_hadd_epi32(a, b), g = _mm256_hadd_epi32(c, d);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(f, g, 0x20), _mm256_permute2x128_si256(f, g, 0x31));
+}
+
+/* maddubs outputs of 8 rows (16 int16 each, 8-bit weights: each at most 2*128*127 = 32512, so none can be added
+ * to another in int16) -> lane r = row r's sum */
+INL __m256i rowsums8(__m256i p0, __m256i p1, __m256i p2, __m256i p3, __m256i p4, __m256i p5, __m256i p6, __m256i p7) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    return hsum8(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones), _mm256_madd_epi16(p2, ones),
+                 _mm256_madd_epi16(p3, ones), _mm256_madd_epi16(p4, ones), _mm256_madd_epi16(p5, ones),
+                 _mm256_madd_epi16(p6, ones), _mm256_madd_epi16(p7, ones));
+}
+
+INL int weight_bits(int t) { return t == T_Q4_0 || t == T_Q4_1 ? 4 : t == T_Q5_0 || t == T_Q5_1 ? 5 : 8; }
+
+/* ======================================================================================================
+ * activations
+ * ==================================================================================================== */
+/* one block of n (32 or 256) values: the same bytes as the portable quantize_block */
+INL void quantize_block(const float *x, int n, float *d_out, int8_t *q) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 amax = _mm256_setzero_ps();
+    __m256i big = _mm256_setzero_si256();
+    for (int i = 0; i < n; i += 8) {
+        __m256 a = _mm256_and_ps(_mm256_loadu_ps(x + i), absmask);
+        big = _mm256_or_si256(big, _mm256_cmpgt_epi32(_mm256_castps_si256(a), _mm256_set1_epi32(0x7f7fffff)));
+        amax = _mm256_max_ps(amax, a);
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    float am = _mm_cvtss_f32(m4);
+    int finite = _mm256_testz_si256(big, big);
+    if (!finite || am < TINY_AMAX) {
+        *d_out = finite ? 0.0f : __builtin_nanf("");
+        memset(q, 0, (size_t)n);
+        return;
+    }
+    float d = am / 127.0f, id = 1.0f / d;
+    const __m256 vid = _mm256_set1_ps(id);
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int i = 0; i < n; i += 32) {
+        __m256i r[4];
+        for (int k = 0; k < 4; k++) {
+            __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * k), vid);
+            v = _mm256_round_ps(v, _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);   /* = nearbyintf */
+            r[k] = _mm256_cvtps_epi32(v);
+        }
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+        _mm256_storeu_si256((__m256i *)(q + i), _mm256_permutevar8x32_epi32(p, perm));
+    }
+    *d_out = d;
+}
+
+INL int32_t sum_q32(const int8_t *q) {   /* sum of 32 int8 */
+    __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), ld256(q)), _mm256_set1_epi16(1));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    t = _mm_add_epi32(t, _mm_unpackhi_epi64(t, t));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 1));
+    return _mm_cvtsi128_si32(t);
+}
+
+/* one block of n values -> hi (dh, qh) and lo (dl, ql): the lo half is the same quantizer on r = x - dh*qh */
+INL void quantize_split(const float *x, int n, float *dh, int8_t *qh, float *dl, int8_t *ql) {
+    float r[256];
+    quantize_block(x, n, dh, qh);
+    const __m256 d = _mm256_set1_ps(*dh);
+    for (int i = 0; i < n; i += 8) {
+        __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qh + i))));
+        _mm256_storeu_ps(r + i, _mm256_sub_ps(_mm256_loadu_ps(x + i), _mm256_mul_ps(d, q)));
+    }
+    quantize_block(r, n, dl, ql);
+}
+
+INL void bsums16(const int8_t *q, int16_t *bsum) {   /* sums per 16: maddubs(1, q) pairs, madd(1) quads, halves */
+    for (int g = 0; g < 8; g++) {
+        __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), ld256(q + 32 * g)),
+                                      _mm256_set1_epi16(1));
+        __m128i lo = _mm256_castsi256_si128(s), hi = _mm256_extracti128_si256(s, 1);
+        lo = _mm_add_epi32(lo, _mm_unpackhi_epi64(lo, lo));
+        hi = _mm_add_epi32(hi, _mm_unpackhi_epi64(hi, hi));
+        bsum[2 * g] = (int16_t)_mm_cvtsi128_si32(_mm_add_epi32(lo, _mm_shuffle_epi32(lo, 1)));
+        bsum[2 * g + 1] = (int16_t)_mm_cvtsi128_si32(_mm_add_epi32(hi, _mm_shuffle_epi32(hi, 1)));
+    }
+}
+
+AVX2 static void quantize_row(int qtype, const float *x, int64_t K, void *xq) {
+    if (type_block(qtype) == 32) {
+        xblock32 *h = (xblock32 *)xq, *l = h + K / 32;   /* hi row, then lo row */
+        for (int64_t i = 0; i < K / 32; i++) {
+            quantize_split(x + 32 * i, 32, &h[i].d, h[i].q, &l[i].d, l[i].q);
+            h[i].sum = sum_q32(h[i].q);
+            l[i].sum = sum_q32(l[i].q);
+        }
+    } else {
+        xblock256 *h = (xblock256 *)xq, *l = h + K / 256;
+        for (int64_t i = 0; i < K / 256; i++) {
+            quantize_split(x + 256 * i, 256, &h[i].d, h[i].q, &l[i].d, l[i].q);
+            bsums16(h[i].q, h[i].bsum);
+            bsums16(l[i].q, l[i].bsum);
+        }
+    }
+}
+
+/* the f16 at the start of each of 8 blocks (rows[r] + o), and the f16 after it (plain loads: a gather is slow) */
+INL uint32_t ld32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+INL void scales8(const uint8_t *const *rows, int64_t o, __m256 *d, __m256 *m) {
+    __m256i g = _mm256_setr_epi32((int)ld32(rows[0] + o), (int)ld32(rows[1] + o), (int)ld32(rows[2] + o),
+                                  (int)ld32(rows[3] + o), (int)ld32(rows[4] + o), (int)ld32(rows[5] + o),
+                                  (int)ld32(rows[6] + o), (int)ld32(rows[7] + o));
+    g = _mm256_shuffle_epi8(g, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8,
+                                                9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+    g = _mm256_permute4x64_epi64(g, 0xd8);   /* d0..d7 | m0..m7 */
+    *d = _mm256_cvtph_ps(_mm256_castsi256_si128(g));
+    *m = _mm256_cvtph_ps(_mm256_extracti128_si256(g, 1));
+}
+
+/* ======================================================================================================
+ * 32-value types, "vertical": the 8 weight rows of a group side by side, row r in 32-bit lane r. Quad c of a
+ * block (elements 4c..4c+3) of the 8 rows is one vector V_c; the x block's quad c, broadcast to every lane,
+ * meets it in one maddubs; int16 adds over the quads and one madd leave lane r = row r's isum -- no horizontal
+ * sums. Exact: a maddubs lane is at most 2*15*127 = 3810 (4-bit weights) or 2*31*127 = 7874 (5-bit), so 8 or 4
+ * of them fit an int16 (6-bit K-quant weights: 2*63*127 = 16002, 2 fit; 8-bit: one, widened at once by madd).
+ * Many x rows: a chunk of KC blocks unpacked into a buffer once, then met by every quantized row of the task's
+ * tile, 4 at a time.
+ * ==================================================================================================== */
+#define KC 32
+typedef struct {
+    __m256i v[KC][8];   /* quad c of block kb, row r in lane r: 0..15 / 0..31 (offset folded out), or |w| (Q8_0) */
+    __m256i s[KC][8];   /* Q8_0: w, for its signs */
+    float d[KC][GROUP], m[KC][GROUP];
+} ubuf32;
+
+INL int32_t ld32s(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
+#define BQ(q, c) _mm256_set1_epi32(ld32s((q) + 4 * (c)))   /* x quad c in every lane */
+
+/* the 16 bytes at rows[r] + o, r = 0..7 -> T0..T3: lane r of Tc = bytes 4c..4c+3 of row r */
+INL void transpose8x4(const uint8_t *const *rows, int64_t o, __m256i *T0, __m256i *T1, __m256i *T2, __m256i *T3) {
+    __m256i a = join(ld128(rows[0] + o), ld128(rows[4] + o)), b = join(ld128(rows[1] + o), ld128(rows[5] + o));
+    __m256i c = join(ld128(rows[2] + o), ld128(rows[6] + o)), d = join(ld128(rows[3] + o), ld128(rows[7] + o));
+    __m256i ab0 = _mm256_unpacklo_epi32(a, b), ab1 = _mm256_unpackhi_epi32(a, b);
+    __m256i cd0 = _mm256_unpacklo_epi32(c, d), cd1 = _mm256_unpackhi_epi32(c, d);
+    *T0 = _mm256_unpacklo_epi64(ab0, cd0);
+    *T1 = _mm256_unpackhi_epi64(ab0, cd0);
+    *T2 = _mm256_unpacklo_epi64(ab1, cd1);
+    *T3 = _mm256_unpackhi_epi64(ab1, cd1);
+}
+
+/* fifth bits of quads 2k and 2k + 1: byte b of lane r = 16 if bit 8k + b (even) / 8k + 4 + b (odd) of qh (lane r
+ * of QH). Byte k of each lane to all four of its bytes, then one bit per byte: the odd quad's bits are 16..128, so
+ * min(v, 16); the even quad's 1..8, so (v + 15) & 16. */
+INL void fifth_pair(__m256i QH, int k, __m256i *even, __m256i *odd) {
+    const __m256i rep = _mm256_setr_epi8(k, k, k, k, 4 + k, 4 + k, 4 + k, 4 + k, 8 + k, 8 + k, 8 + k, 8 + k, 12 + k,
+                                         12 + k, 12 + k, 12 + k, k, k, k, k, 4 + k, 4 + k, 4 + k, 4 + k, 8 + k, 8 + k,
+                                         8 + k, 8 + k, 12 + k, 12 + k, 12 + k, 12 + k);
+    const __m256i v = _mm256_shuffle_epi8(QH, rep), b16 = _mm256_set1_epi8(16);
+    const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi32(0x08040201));
+    *even = _mm256_and_si256(_mm256_add_epi8(lo, _mm256_set1_epi8(15)), b16);
+    *odd = _mm256_min_epu8(_mm256_and_si256(v, _mm256_set1_epi32((int)0x80402010)), b16);
+}
+
+/* the 8 rows' 4/5-bit block at offset o -> V0..V7 (quad c: elements 4c..4c+3; low nibbles of the 16 bytes are
+ * elements 0..15, high nibbles 16..31) */
+#define WQUADS(t, rows, o)                                                                                     \
+    __m256i V0, V1, V2, V3, V4, V5, V6, V7;                                                                    \
+    {                                                                                                          \
+        const int qo_ = t == T_Q4_0 ? 2 : t == T_Q4_1 ? 4 : t == T_Q5_0 ? 6 : 8;                               \
+        const __m256i f_ = _mm256_set1_epi8(15);                                                               \
+        transpose8x4(rows, (o) + qo_, &V0, &V1, &V2, &V3);                                                     \
+        V4 = _mm256_and_si256(_mm256_srli_epi16(V0, 4), f_); V0 = _mm256_and_si256(V0, f_);                    \
+        V5 = _mm256_and_si256(_mm256_srli_epi16(V1, 4), f_); V1 = _mm256_and_si256(V1, f_);                    \
+        V6 = _mm256_and_si256(_mm256_srli_epi16(V2, 4), f_); V2 = _mm256_and_si256(V2, f_);                    \
+        V7 = _mm256_and_si256(_mm256_srli_epi16(V3, 4), f_); V3 = _mm256_and_si256(V3, f_);                    \
+        if (t == T_Q5_0 || t == T_Q5_1) {                                                                      \
+            const int ho_ = (o) + (t == T_Q5_0 ? 2 : 4);                                                       \
+            const __m256i QH = _mm256_setr_epi32(ld32s(rows[0] + ho_), ld32s(rows[1] + ho_), ld32s(rows[2] + ho_), \
+                                                 ld32s(rows[3] + ho_), ld32s(rows[4] + ho_), ld32s(rows[5] + ho_), \
+                                                 ld32s(rows[6] + ho_), ld32s(rows[7] + ho_));                  \
+            __m256i e_, o_;                                                                                    \
+            fifth_pair(QH, 0, &e_, &o_); V0 = _mm256_or_si256(V0, e_); V1 = _mm256_or_si256(V1, o_);           \
+            fifth_pair(QH, 1, &e_, &o_); V2 = _mm256_or_si256(V2, e_); V3 = _mm256_or_si256(V3, o_);           \
+            fifth_pair(QH, 2, &e_, &o_); V4 = _mm256_or_si256(V4, e_); V5 = _mm256_or_si256(V5, o_);           \
+            fifth_pair(QH, 3, &e_, &o_); V6 = _mm256_or_si256(V6, e_); V7 = _mm256_or_si256(V7, o_);           \
+        }                                                                                                      \
+    }
+
+INL void unpack32(int t, const uint8_t *const *rows, int64_t b0, int nkb, ubuf32 *u) {
+    const int tb = type_bytes(t);
+    for (int kb = 0; kb < nkb; kb++) {
+        const int64_t o = (b0 + kb) * tb;
+        for (int r = 0; r < GROUP; r++) _mm_prefetch((const char *)rows[r] + o + PREFETCH, _MM_HINT_T0);
+        if (t == T_Q8_0) {
+            __m256i W0, W1, W2, W3, W4, W5, W6, W7;
+            transpose8x4(rows, o + 2, &W0, &W1, &W2, &W3);
+            transpose8x4(rows, o + 18, &W4, &W5, &W6, &W7);
+#define ST(c) u->s[kb][c] = W##c; u->v[kb][c] = _mm256_abs_epi8(W##c);
+            ST(0) ST(1) ST(2) ST(3) ST(4) ST(5) ST(6) ST(7)
+#undef ST
+        } else {
+            WQUADS(t, rows, o)
+            u->v[kb][0] = V0; u->v[kb][1] = V1; u->v[kb][2] = V2; u->v[kb][3] = V3;
+            u->v[kb][4] = V4; u->v[kb][5] = V5; u->v[kb][6] = V6; u->v[kb][7] = V7;
+        }
+        __m256 d, m;
+        scales8(rows, o, &d, &m);
+        _mm256_storeu_ps(u->d[kb], d);
+        _mm256_storeu_ps(u->m[kb], m);
+    }
+}
+
+/* x half-rows x0..x(nx-1) (nx = 2 or 4) against a chunk: their accumulators a0.., block after block */
+INL void dot32_chunk(int t, const ubuf32 *u, int nkb, int nx, const xblock32 *x0, const xblock32 *x1,
+                     const xblock32 *x2, const xblock32 *x3, __m256 *a0, __m256 *a1, __m256 *a2, __m256 *a3) {
+    const int off = t == T_Q4_0 ? 8 : t == T_Q5_0 ? 16 : 0, bits = weight_bits(t);
+    const __m256i ones = _mm256_set1_epi16(1), z = _mm256_setzero_si256();
+    __m256 f0 = *a0, f1 = *a1, f2 = nx > 2 ? *a2 : _mm256_setzero_ps(), f3 = nx > 2 ? *a3 : _mm256_setzero_ps();
+    for (int kb = 0; kb < nkb; kb++, x0++, x1++, x2++, x3++) {
+        __m256i i0 = z, i1 = z, i2 = z, i3 = z;
+        if (bits == 8) {
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; c++) {
+                const __m256i w = u->v[kb][c], sg = u->s[kb][c];
+#define P(k) i##k = _mm256_add_epi32(i##k, _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_sign_epi8(BQ(x##k->q, c), sg)), \
+                                                              ones)); REG(i##k);
+                P(0) P(1) if (nx > 2) { P(2) P(3) }
+#undef P
+            }
+        } else {
+            /* 4-bit: all 8 quads in int16 lanes; 5-bit: quads 0..3 and 4..7 apart */
+            __m256i h0 = z, h1 = z, h2 = z, h3 = z;
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; c++) {
+                const __m256i w = u->v[kb][c];
+#define P(k) if (bits == 5 && c >= 4) { h##k = _mm256_add_epi16(h##k, _mm256_maddubs_epi16(w, BQ(x##k->q, c))); REG(h##k); } \
+             else { i##k = _mm256_add_epi16(i##k, _mm256_maddubs_epi16(w, BQ(x##k->q, c))); REG(i##k); }
+                P(0) P(1) if (nx > 2) { P(2) P(3) }
+#undef P
+            }
+#define R(k) i##k = bits == 4 ? _mm256_madd_epi16(i##k, ones) \
+                              : _mm256_add_epi32(_mm256_madd_epi16(i##k, ones), _mm256_madd_epi16(h##k, ones));
+            R(0) R(1) if (nx > 2) { R(2) R(3) }
+#undef R
+        }
+        const __m256 d = _mm256_loadu_ps(u->d[kb]), m = _mm256_loadu_ps(u->m[kb]);
+#define C(k)                                                                                             \
+        {                                                                                                \
+            if (off) i##k = _mm256_sub_epi32(i##k, _mm256_set1_epi32(off * x##k->sum));                  \
+            const __m256 dx = _mm256_set1_ps(x##k->d);                                                   \
+            if (t == T_Q4_1 || t == T_Q5_1) COMBINE_DM(v8, f##k, d, m, dx, i##k, _mm256_set1_epi32(x##k->sum)); \
+            else COMBINE_D(v8, f##k, d, dx, i##k);                                                       \
+        }
+        C(0) C(1) if (nx > 2) { C(2) C(3) }
+#undef C
+    }
+    *a0 = f0; *a1 = f1;
+    if (nx > 2) { *a2 = f2; *a3 = f3; }
+}
+
+/* few x rows, 4/5-bit weights: each block of the 8 rows unpacked on the fly, met by the x row's hi and lo
+ * halves quad by quad as it is made (few live vectors); returns acc_hi + acc_lo */
+INL __m256 dot32v_direct(int t, const uint8_t *const *rows, const xblock32 *xh, const xblock32 *xl, int64_t nb,
+                         int64_t pf) {
+    const int tb = type_bytes(t), off = t == T_Q4_0 ? 8 : t == T_Q5_0 ? 16 : 0, five = weight_bits(t) == 5;
+    const int qo = t == T_Q4_0 ? 2 : t == T_Q4_1 ? 4 : t == T_Q5_0 ? 6 : 8, ho = t == T_Q5_0 ? 2 : 4;
+    const __m256i f = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), z = _mm256_setzero_si256();
+    __m256 acc_hi = _mm256_setzero_ps(), acc_lo = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, xh++, xl++) {
+        const int64_t o = b * tb;
+        for (int64_t c = 0; c < GROUP * tb; c += 64) _mm_prefetch((const char *)rows[0] + pf + GROUP * o + c, _MM_HINT_T0);
+        __m256i T0, T1, T2, T3, QH = z;
+        transpose8x4(rows, o + qo, &T0, &T1, &T2, &T3);
+        if (five)
+            QH = _mm256_setr_epi32(ld32s(rows[0] + o + ho), ld32s(rows[1] + o + ho), ld32s(rows[2] + o + ho),
+                                   ld32s(rows[3] + o + ho), ld32s(rows[4] + o + ho), ld32s(rows[5] + o + ho),
+                                   ld32s(rows[6] + o + ho), ld32s(rows[7] + o + ho));
+        /* int16 sums: 4-bit, all 8 quads in ha / la; 5-bit, quads 0 1 4 5 there, 2 3 6 7 in hb / lb */
+        __m256i ha = z, la = z, hb = z, lb = z;
+#define QUAD(V, c, H, L)                                                                     \
+        H = _mm256_add_epi16(H, _mm256_maddubs_epi16(V, BQ(xh->q, c))); REG(H);              \
+        L = _mm256_add_epi16(L, _mm256_maddubs_epi16(V, BQ(xl->q, c))); REG(L);
+#define PAIR(Ta, Tb, c, H, L)   /* quads c, c + 1 (low nibbles) and c + 4, c + 5 (high) */    \
+        {                                                                                    \
+            __m256i v0 = _mm256_and_si256(Ta, f), v1 = _mm256_and_si256(Tb, f);              \
+            __m256i v4 = _mm256_and_si256(_mm256_srli_epi16(Ta, 4), f), v5 = _mm256_and_si256(_mm256_srli_epi16(Tb, 4), f); \
+            if (five) {                                                                      \
+                __m256i e, d;                                                                \
+                fifth_pair(QH, (c) / 2, &e, &d); v0 = _mm256_or_si256(v0, e); v1 = _mm256_or_si256(v1, d); \
+                fifth_pair(QH, (c) / 2 + 2, &e, &d); v4 = _mm256_or_si256(v4, e); v5 = _mm256_or_si256(v5, d); \
+            }                                                                                \
+            QUAD(v0, c, H, L) QUAD(v1, c + 1, H, L) QUAD(v4, c + 4, H, L) QUAD(v5, c + 5, H, L) \
+        }
+        PAIR(T0, T1, 0, ha, la)
+        if (five) { PAIR(T2, T3, 2, hb, lb) } else { PAIR(T2, T3, 2, ha, la) }
+#undef PAIR
+#undef QUAD
+        __m256i ih, il;
+        if (five) {
+            ih = _mm256_add_epi32(_mm256_madd_epi16(ha, ones), _mm256_madd_epi16(hb, ones));
+            il = _mm256_add_epi32(_mm256_madd_epi16(la, ones), _mm256_madd_epi16(lb, ones));
+        } else {
+            ih = _mm256_madd_epi16(ha, ones);
+            il = _mm256_madd_epi16(la, ones);
+        }
+        if (off) {
+            ih = _mm256_sub_epi32(ih, _mm256_set1_epi32(off * xh->sum));
+            il = _mm256_sub_epi32(il, _mm256_set1_epi32(off * xl->sum));
+        }
+        __m256 d, m, dxh = _mm256_set1_ps(xh->d), dxl = _mm256_set1_ps(xl->d);
+        scales8(rows, o, &d, &m);
+        if (t == T_Q4_1 || t == T_Q5_1) {
+            COMBINE_DM(v8, acc_hi, d, m, dxh, ih, _mm256_set1_epi32(xh->sum));
+            COMBINE_DM(v8, acc_lo, d, m, dxl, il, _mm256_set1_epi32(xl->sum));
+        } else {
+            COMBINE_D(v8, acc_hi, d, dxh, ih);
+            COMBINE_D(v8, acc_lo, d, dxl, il);
+        }
+    }
+    return _mm256_add_ps(acc_hi, acc_lo);
+}
+
+/* ---- few x rows, Q8_0: row by row (the vertical layout would cost a full transpose and one madd per quad for
+ * 2 x halves), one maddubs per row-block and x half, summed across rows by rowsums8 ---- */
+INL __m256i dot_direct(__m256i w, __m256i xv) { return _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w)); }
+
+/* one x row's hi and lo halves against 8 weight rows, each block's weights loaded once for both:
+ * returns acc_hi + acc_lo */
+INL __m256 q8_direct(const uint8_t *const *rows, const xblock32 *xh, const xblock32 *xl, int64_t nb, int64_t pf) {
+    const int tb = type_bytes(T_Q8_0);
+    __m256 acc_hi = _mm256_setzero_ps(), acc_lo = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, xh++, xl++) {
+        const int64_t o = b * tb;
+        const __m256i xvh = ld256(xh->q), xvl = ld256(xl->q);
+        /* the next group's 8 rows are one contiguous stretch: prefetch it front to back, 8 blocks' worth of
+         * bytes per step, as fast as this group is read */
+        for (int64_t c = 0; c < GROUP * tb; c += 64) _mm_prefetch((const char *)rows[0] + pf + GROUP * o + c, _MM_HINT_T0);
+#define ROW(r) const __m256i w##r = ld256(rows[r] + o + 2);
+        ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7)
+#undef ROW
+#define D(x) rowsums8(dot_direct(w0, x), dot_direct(w1, x), dot_direct(w2, x), dot_direct(w3, x), \
+                      dot_direct(w4, x), dot_direct(w5, x), dot_direct(w6, x), dot_direct(w7, x))
+        __m256i isum_h = D(xvh), isum_l = D(xvl);
+#undef D
+        __m256 d, m, dxh = _mm256_set1_ps(xh->d), dxl = _mm256_set1_ps(xl->d);
+        scales8(rows, o, &d, &m);
+        COMBINE_D(v8, acc_hi, d, dxh, isum_h);
+        COMBINE_D(v8, acc_lo, d, dxl, isum_l);
+    }
+    return _mm256_add_ps(acc_hi, acc_lo);
+}
+
+/* ======================================================================================================
+ * K-quants, many x rows: KS super-blocks of the 8 rows unpacked once, vertically as for the 32-value types
+ * (quad e/4 of the 256 values, row r in lane r), with per-sub-block scale vectors; then every x row of the tile,
+ * up to 4 at a time. A sub-block's quads go through maddubs and int16 adds (4-bit: 8 fit; 5-bit: 4; 6-bit: 2),
+ * then one madd with the scale vector (lane r: row r's scale in both int16) adds it to the int32 A.
+ * ==================================================================================================== */
+#define KS 4
+typedef struct {
+    __m256i v[KS][64];    /* quad e/4 of each super-block: 0..15 / 0..31 / 0..63 */
+    __m256i sc[KS][16];   /* Q4_K/Q5_K: sub-block j's scale (j < 8); Q6_K: sub-block i's; int16, twice per lane */
+    __m256i corr[KS][8];  /* Q4_K/Q5_K: (mn_2k, mn_2k+1), k < 4; Q6_K: (sc_2k, sc_2k+1), k < 8: int16 pairs */
+    float d[KS][GROUP], dmin[KS][GROUP];
+} ubufk;
+
+/* the n dwords at rows[r] + o (n a multiple of 4) -> T[0..n): lane r of T[p] = dword p of row r */
+INL void transpose8xn(const uint8_t *const *rows, int64_t o, int n, __m256i *T) {
+    for (int p = 0; p < n; p += 4) transpose8x4(rows, o + 4 * p, &T[p], &T[p + 1], &T[p + 2], &T[p + 3]);
+}
+
+INL void unpackk(int t, const uint8_t *const *rows, int64_t b0, int nks, ubufk *u) {
+    const int tb = type_bytes(t);
+    const __m256i f = _mm256_set1_epi8(15), b4 = _mm256_set1_epi8(0x10), b45 = _mm256_set1_epi8(0x30);
+    for (int kb = 0; kb < nks; kb++) {
+        const int64_t o = (b0 + kb) * tb;
+        for (int r = 0; r < GROUP; r++)
+            for (int c = 0; c < tb; c += 64) _mm_prefetch((const char *)rows[r] + o + PREFETCH + c, _MM_HINT_T0);
+        __m256i *v = u->v[kb];
+        int32_t sc32[16][GROUP], cr32[8][GROUP];   /* scale pairs per row, gathered into vectors below */
+        if (t == T_Q6_K) {
+            __m256i L[32], H[16];
+            transpose8xn(rows, o, 32, L);
+            transpose8xn(rows, o + 128, 16, H);
+            for (int h = 0; h < 2; h++)
+                for (int p = 0; p < 8; p++) {
+                    __m256i l0 = L[16 * h + p], l1 = L[16 * h + 8 + p], hb = H[8 * h + p];
+                    v[32 * h + p] = _mm256_or_si256(_mm256_and_si256(l0, f), _mm256_and_si256(_mm256_slli_epi16(hb, 4), b45));
+                    v[32 * h + 8 + p] = _mm256_or_si256(_mm256_and_si256(l1, f), _mm256_and_si256(_mm256_slli_epi16(hb, 2), b45));
+                    v[32 * h + 16 + p] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), f), _mm256_and_si256(hb, b45));
+                    v[32 * h + 24 + p] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), f),
+                                                         _mm256_and_si256(_mm256_srli_epi16(hb, 2), b45));
+                }
+            for (int r = 0; r < GROUP; r++) {
+                const int8_t *sc = (const int8_t *)(rows[r] + o + 192);
+                for (int i = 0; i < 16; i++) sc32[i][r] = (int32_t)((uint32_t)(uint16_t)sc[i] * 0x10001u);
+                for (int k = 0; k < 8; k++)
+                    cr32[k][r] = (int32_t)((uint32_t)(uint16_t)sc[2 * k] | (uint32_t)(uint16_t)sc[2 * k + 1] << 16);
+                u->d[kb][r] = half_to_float(rd16(rows[r] + o + 208));
+                u->dmin[kb][r] = 0.0f;
+            }
+            for (int i = 0; i < 16; i++) u->sc[kb][i] = _mm256_loadu_si256((const __m256i *)sc32[i]);
+            for (int k = 0; k < 8; k++) u->corr[kb][k] = _mm256_loadu_si256((const __m256i *)cr32[k]);
+        } else {
+            __m256i Q[32];
+            transpose8xn(rows, o + (t == T_Q4_K ? 16 : 48), 32, Q);
+            for (int c = 0; c < 4; c++)
+                for (int p = 0; p < 8; p++) {
+                    v[16 * c + p] = _mm256_and_si256(Q[8 * c + p], f);
+                    v[16 * c + 8 + p] = _mm256_and_si256(_mm256_srli_epi16(Q[8 * c + p], 4), f);
+                }
+            if (t == T_Q5_K) {   /* fifth bit of element 64c + l: bit 2c of qh[l]; of 64c + 32 + l: bit 2c + 1 */
+                __m256i H[8];
+                transpose8xn(rows, o + 16, 8, H);
+                for (int c = 0; c < 4; c++)
+                    for (int p = 0; p < 8; p++) {
+                        __m256i lo = 2 * c <= 4 ? _mm256_slli_epi16(H[p], 4 - 2 * c) : _mm256_srli_epi16(H[p], 2 * c - 4);
+                        __m256i hi = 2 * c + 1 <= 4 ? _mm256_slli_epi16(H[p], 3 - 2 * c) : _mm256_srli_epi16(H[p], 2 * c - 3);
+                        v[16 * c + p] = _mm256_or_si256(v[16 * c + p], _mm256_and_si256(lo, b4));
+                        v[16 * c + 8 + p] = _mm256_or_si256(v[16 * c + 8 + p], _mm256_and_si256(hi, b4));
+                    }
+            }
+            for (int r = 0; r < GROUP; r++) {
+                uint8_t sc[8], mn[8];
+                kscales(rows[r] + o + 4, sc, mn);
+                for (int j = 0; j < 8; j++) sc32[j][r] = (int32_t)(sc[j] * 0x10001u);
+                for (int k = 0; k < 4; k++) cr32[k][r] = (int32_t)(mn[2 * k] | (uint32_t)mn[2 * k + 1] << 16);
+            }
+            for (int j = 0; j < 8; j++) u->sc[kb][j] = _mm256_loadu_si256((const __m256i *)sc32[j]);
+            for (int k = 0; k < 4; k++) u->corr[kb][k] = _mm256_loadu_si256((const __m256i *)cr32[k]);
+            __m256 d, dmin;
+            scales8(rows, o, &d, &dmin);
+            _mm256_storeu_ps(u->d[kb], d);
+            _mm256_storeu_ps(u->dmin[kb], dmin);
+        }
+    }
+}
+
+/* x half-rows x0..x(nx-1) (nx = 2 or 4) against a chunk of super-blocks */
+INL void dotk_chunk(int t, const ubufk *u, int nks, int nx, const xblock256 *x0, const xblock256 *x1,
+                    const xblock256 *x2, const xblock256 *x3, __m256 *a0, __m256 *a1, __m256 *a2, __m256 *a3) {
+    const __m256i z = _mm256_setzero_si256();
+    __m256 f0 = *a0, f1 = *a1, f2 = nx > 2 ? *a2 : _mm256_setzero_ps(), f3 = nx > 2 ? *a3 : _mm256_setzero_ps();
+    for (int kb = 0; kb < nks; kb++, x0++, x1++, x2++, x3++) {
+        const __m256i *v = u->v[kb];
+        __m256i A0 = z, A1 = z, A2 = z, A3 = z;
+        if (t == T_Q6_K) {
+#pragma GCC unroll 2
+            for (int i = 0; i < 16; i++) {   /* sub-block i: quads 4i..4i+3, two int16 sums of 2 */
+                const __m256i sc = u->sc[kb][i], w0 = v[4 * i], w1 = v[4 * i + 1], w2 = v[4 * i + 2], w3 = v[4 * i + 3];
+#define P(k)                                                                                                   \
+                {                                                                                              \
+                    const int8_t *q = x##k->q + 16 * i;                                                        \
+                    __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(w0, BQ(q, 0)), _mm256_maddubs_epi16(w1, BQ(q, 1))); \
+                    __m256i s2 = _mm256_add_epi16(_mm256_maddubs_epi16(w2, BQ(q, 2)), _mm256_maddubs_epi16(w3, BQ(q, 3))); \
+                    A##k = _mm256_add_epi32(A##k, _mm256_add_epi32(_mm256_madd_epi16(s, sc), _mm256_madd_epi16(s2, sc))); REG(A##k); \
+                }
+                P(0) P(1) if (nx > 2) { P(2) P(3) }
+#undef P
+            }
+            /* (u - 32): A -= 32 sum_i sc_i bsum_i, the bsum pairs broadcast */
+#define C(k)                                                                                                   \
+            {                                                                                                  \
+                __m256i c = z;                                                                                 \
+                _Pragma("GCC unroll 8") for (int p = 0; p < 8; p++) {                                          \
+                    c = _mm256_add_epi32(c, _mm256_madd_epi16(u->corr[kb][p], BQ((const int8_t *)x##k->bsum, p))); \
+                    REG(c);                                                                                    \
+                }                                                                                              \
+                A##k = _mm256_sub_epi32(A##k, _mm256_slli_epi32(c, 5));                                        \
+                COMBINE_D(v8, f##k, d, _mm256_set1_ps(x##k->d), A##k);                                         \
+            }
+            const __m256 d = _mm256_loadu_ps(u->d[kb]);
+            C(0) C(1) if (nx > 2) { C(2) C(3) }
+#undef C
+        } else {
+#pragma GCC unroll 1
+            for (int j = 0; j < 8; j++) {   /* sub-block j: quads 8j..8j+7 */
+                const __m256i sc = u->sc[kb][j];
+                __m256i s0 = z, s1 = z, s2 = z, s3 = z, h0 = z, h1 = z, h2 = z, h3 = z;
+#pragma GCC unroll 8
+                for (int q = 0; q < 8; q++) {
+                    const __m256i w = v[8 * j + q];
+#define P(k) if (t == T_Q5_K && q >= 4) { h##k = _mm256_add_epi16(h##k, _mm256_maddubs_epi16(w, BQ(x##k->q + 32 * j, q))); REG(h##k); } \
+             else { s##k = _mm256_add_epi16(s##k, _mm256_maddubs_epi16(w, BQ(x##k->q + 32 * j, q))); REG(s##k); }
+                    P(0) P(1) if (nx > 2) { P(2) P(3) }
+#undef P
+                }
+#define M(k) A##k = _mm256_add_epi32(A##k, t == T_Q5_K ? _mm256_add_epi32(_mm256_madd_epi16(s##k, sc), _mm256_madd_epi16(h##k, sc)) \
+                                                       : _mm256_madd_epi16(s##k, sc));
+                M(0) M(1) if (nx > 2) { M(2) M(3) }
+#undef M
+            }
+            const __m256 d = _mm256_loadu_ps(u->d[kb]), dmin = _mm256_loadu_ps(u->dmin[kb]);
+            /* B = sum_j mn_j bsum32_j: the bsum32 pairs broadcast */
+#define C(k)                                                                                                   \
+            {                                                                                                  \
+                const __m256i bs = ld256(x##k->bsum);                                                          \
+                const __m128i b32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1)); \
+                __m256i B = _mm256_madd_epi16(u->corr[kb][0], _mm256_broadcastd_epi32(b32));                   \
+                B = _mm256_add_epi32(B, _mm256_madd_epi16(u->corr[kb][1], _mm256_broadcastd_epi32(_mm_srli_si128(b32, 4)))); \
+                B = _mm256_add_epi32(B, _mm256_madd_epi16(u->corr[kb][2], _mm256_broadcastd_epi32(_mm_srli_si128(b32, 8)))); \
+                B = _mm256_add_epi32(B, _mm256_madd_epi16(u->corr[kb][3], _mm256_broadcastd_epi32(_mm_srli_si128(b32, 12)))); \
+                COMBINE_K(v8, f##k, d, dmin, _mm256_set1_ps(x##k->d), A##k, B);                                \
+            }
+            C(0) C(1) if (nx > 2) { C(2) C(3) }
+#undef C
+        }
+    }
+    *a0 = f0; *a1 = f1;
+    if (nx > 2) { *a2 = f2; *a3 = f3; }
+}
+
+/* ---- few x rows: unpack on the fly ---- */
+INL __m256i word_bcast(__m256i v, int lo, int hi) {   /* int16 word `lo` to the low half, `hi` to the high half */
+    return _mm256_shuffle_epi8(v, _mm256_setr_epi8(2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1, 2 * lo,
+                                                   2 * lo + 1, 2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1, 2 * lo,
+                                                   2 * lo + 1, 2 * lo, 2 * lo + 1, 2 * hi, 2 * hi + 1, 2 * hi,
+                                                   2 * hi + 1, 2 * hi, 2 * hi + 1, 2 * hi, 2 * hi + 1, 2 * hi,
+                                                   2 * hi + 1, 2 * hi, 2 * hi + 1, 2 * hi, 2 * hi + 1, 2 * hi,
+                                                   2 * hi + 1));
+}
+
+/* Q4_K / Q5_K super-block of one row against an x row's hi and lo halves, the weights unpacked once:
+ * A = sum sc_j * (q . x)_j (8 int32 partials each); B = sum mn_j * bsum32_j, 4 partials each: hi's in the low
+ * 128 bits, lo's in the high (b2 = bsum32 of hi | of lo) */
+INL void k45_direct(int t, const uint8_t *blk, const xblock256 *xh, const xblock256 *xl, __m256i b2, __m256i *Ah,
+                    __m256i *Al, __m256i *B) {
+    uint32_t u0 = ld32(blk + 4), u1 = ld32(blk + 8), u2 = ld32(blk + 12);   /* kscales, 4 bytes at a time */
+    uint32_t a = u0 & 0x3f3f3f3fu, b = u1 & 0x3f3f3f3fu;
+    uint32_t c = (u2 & 0x0f0f0f0fu) | ((u0 >> 2) & 0x30303030u);
+    uint32_t e = ((u2 >> 4) & 0x0f0f0f0fu) | ((u1 >> 2) & 0x30303030u);
+    __m256i sm = _mm256_cvtepu8_epi16(_mm_setr_epi32((int)a, (int)c, (int)b, (int)e));   /* sc0..7 | mn0..7 */
+    __m256i sc = _mm256_permute2x128_si256(sm, sm, 0x00), mn = _mm256_permute2x128_si256(sm, sm, 0x11);
+    *B = _mm256_madd_epi16(mn, b2);
+    const __m256i f = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+    const uint8_t *qs = blk + (t == T_Q4_K ? 16 : 48);
+    __m256i hb = t == T_Q5_K ? ld256(blk + 16) : _mm256_setzero_si256();
+    __m256i acch = _mm256_setzero_si256(), accl = _mm256_setzero_si256();
+#define CHUNK(c)                                                                                                   \
+    {                                                                                                              \
+        __m256i v = ld256(qs + 32 * c), lo = _mm256_and_si256(v, f), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), f); \
+        if (t == T_Q5_K) {                                                                                         \
+            lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c), one), 4));  \
+            hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c + 1), one), 4)); \
+        }                                                                                                          \
+        const __m256i s0 = word_bcast(sc, 2 * c, 2 * c), s1 = word_bcast(sc, 2 * c + 1, 2 * c + 1);               \
+        acch = _mm256_add_epi32(acch, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, ld256(xh->q + 64 * c)), s0));    \
+        accl = _mm256_add_epi32(accl, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, ld256(xl->q + 64 * c)), s0));    \
+        acch = _mm256_add_epi32(acch, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, ld256(xh->q + 64 * c + 32)), s1)); \
+        accl = _mm256_add_epi32(accl, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, ld256(xl->q + 64 * c + 32)), s1)); \
+    }
+    CHUNK(0) CHUNK(1) CHUNK(2) CHUNK(3)
+#undef CHUNK
+    *Ah = acch;
+    *Al = accl;
+}
+
+/* Q6_K super-block of one row against an x row's hi and lo halves: A = sum sc_i * ((q - 32) . x)_i as 8 int32
+ * partials each */
+INL void k6_direct(const uint8_t *blk, const xblock256 *xh, const xblock256 *xl, __m256i bs16h, __m256i bs16l,
+                   __m256i *Ah, __m256i *Al) {
+    __m256i sc16 = _mm256_cvtepi8_epi16(ld128(blk + 192));
+    __m256i acch = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs16h), 5));
+    __m256i accl = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs16l), 5));
+    __m256i s_lo = _mm256_permute2x128_si256(sc16, sc16, 0x00), s_hi = _mm256_permute2x128_si256(sc16, sc16, 0x11);
+    const __m256i f = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3);
+#define GRP(G, L, SHIFT_L, SHIFT_H, S)                                                                            \
+    {                                                                                                             \
+        __m256i q = _mm256_and_si256(SHIFT_L ? _mm256_srli_epi16(L, 4) : L, f);                                   \
+        q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, SHIFT_H), three), 4));    \
+        const __m256i s = word_bcast(S, (2 * (G)) % 8, (2 * (G) + 1) % 8);                                        \
+        acch = _mm256_add_epi32(acch, _mm256_madd_epi16(_mm256_maddubs_epi16(q, ld256(xh->q + 32 * (G))), s));    \
+        accl = _mm256_add_epi32(accl, _mm256_madd_epi16(_mm256_maddubs_epi16(q, ld256(xl->q + 32 * (G))), s));    \
+    }
+    {
+        __m256i l0 = ld256(blk), l1 = ld256(blk + 32), hb = ld256(blk + 128);
+        GRP(0, l0, 0, 0, s_lo) GRP(1, l1, 0, 2, s_lo) GRP(2, l0, 1, 4, s_lo) GRP(3, l1, 1, 6, s_lo)
+    }
+    {
+        __m256i l0 = ld256(blk + 64), l1 = ld256(blk + 96), hb = ld256(blk + 160);
+        GRP(4, l0, 0, 0, s_hi) GRP(5, l1, 0, 2, s_hi) GRP(6, l0, 1, 4, s_hi) GRP(7, l1, 1, 6, s_hi)
+    }
+#undef GRP
+    *Ah = acch;
+    *Al = accl;
+}
+
+/* 8 vectors of 2 x 4 int32 -> the 8 rows' sums of the low 128 bits (*h) and of the high 128 bits (*l) */
+INL void hsum8_halves(__m256i s0, __m256i s1, __m256i s2, __m256i s3, __m256i s4, __m256i s5, __m256i s6,
+                      __m256i s7, __m256i *h, __m256i *l) {
+    __m256i a = _mm256_hadd_epi32(s0, s1), b = _mm256_hadd_epi32(s2, s3);
+    __m256i c = _mm256_hadd_epi32(s4, s5), d = _mm256_hadd_epi32(s6, s7);
+    __m256i f = _mm256_hadd_epi32(a, b), g = _mm256_hadd_epi32(c, d);
+    *h = _mm256_permute2x128_si256(f, g, 0x20);
+    *l = _mm256_permute2x128_si256(f, g, 0x31);
+}
+
+INL __m256 halves8(const uint8_t *const *rows, int64_t o) {   /* the f16 at rows[r] + o, r = 0..7 */
+    __m128i h = _mm_setr_epi16((short)rd16(rows[0] + o), (short)rd16(rows[1] + o), (short)rd16(rows[2] + o),
+                               (short)rd16(rows[3] + o), (short)rd16(rows[4] + o), (short)rd16(rows[5] + o),
+                               (short)rd16(rows[6] + o), (short)rd16(rows[7] + o));
+    return _mm256_cvtph_ps(h);
+}
+
+/* one x row's hi and lo halves against 8 weight rows: returns acc_hi + acc_lo */
+INL __m256 dotk_direct(int t, const uint8_t *const *rows, const xblock256 *xh, const xblock256 *xl, int64_t nb,
+                       int64_t pf) {
+    const int tb = type_bytes(t);
+    __m256 acc_hi = _mm256_setzero_ps(), acc_lo = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, xh++, xl++) {
+        const int64_t o = b * tb;
+        const __m256i bsh = ld256(xh->bsum), bsl = ld256(xl->bsum);
+        __m256 dxh = _mm256_set1_ps(xh->d), dxl = _mm256_set1_ps(xl->d);
+        for (int64_t c = 0; c < GROUP * tb; c += 64) _mm_prefetch((const char *)rows[0] + pf + GROUP * o + c, _MM_HINT_T0);
+        __m256i H0, H1, H2, H3, H4, H5, H6, H7, L0, L1, L2, L3, L4, L5, L6, L7;
+        if (t == T_Q6_K) {
+#define K6(r) k6_direct(rows[r] + o, xh, xl, bsh, bsl, &H##r, &L##r);
+            K6(0) K6(1) K6(2) K6(3) K6(4) K6(5) K6(6) K6(7)
+#undef K6
+            __m256i ah = hsum8(H0, H1, H2, H3, H4, H5, H6, H7), al = hsum8(L0, L1, L2, L3, L4, L5, L6, L7);
+            __m256 d = halves8(rows, o + 208);
+            COMBINE_D(v8, acc_hi, d, dxh, ah);
+            COMBINE_D(v8, acc_lo, d, dxl, al);
+        } else {
+            __m128i b32h = _mm_hadd_epi16(_mm256_castsi256_si128(bsh), _mm256_extracti128_si256(bsh, 1));
+            __m128i b32l = _mm_hadd_epi16(_mm256_castsi256_si128(bsl), _mm256_extracti128_si256(bsl, 1));
+            const __m256i b2 = join(b32h, b32l);
+            __m256i B0, B1, B2, B3, B4, B5, B6, B7;
+#define K45(r) k45_direct(t, rows[r] + o, xh, xl, b2, &H##r, &L##r, &B##r);
+            K45(0) K45(1) K45(2) K45(3) K45(4) K45(5) K45(6) K45(7)
+#undef K45
+            __m256i ah = hsum8(H0, H1, H2, H3, H4, H5, H6, H7), al = hsum8(L0, L1, L2, L3, L4, L5, L6, L7), bh, bl;
+            hsum8_halves(B0, B1, B2, B3, B4, B5, B6, B7, &bh, &bl);
+            __m256 d, dmin;
+            scales8(rows, o, &d, &dmin);
+            COMBINE_K(v8, acc_hi, d, dmin, dxh, ah, bh);
+            COMBINE_K(v8, acc_lo, d, dmin, dxl, al, bl);
+        }
+    }
+    return _mm256_add_ps(acc_hi, acc_lo);
+}
+
+/* ======================================================================================================
+ * F32 / F16 / BF16: 32 lanes in 4 vectors, one weight row against two x rows at a time
+ * ==================================================================================================== */
+INL __m256 wload8(int t, const uint8_t *p) {
+    if (t == T_F32) return _mm256_loadu_ps((const float *)p);
+    if (t == T_F16) return _mm256_cvtph_ps(ld128(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(ld128(p)), 16));
+}
+
+INL float reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {   /* = reduce32 */
+    __m256 u = _mm256_add_ps(_mm256_add_ps(a0, a2), _mm256_add_ps(a1, a3));
+    __m128 v = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+    __m128 w = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    return _mm_cvtss_f32(_mm_add_ss(w, _mm_shuffle_ps(w, w, 1)));
+}
+
+/* the zero-padded tail of a row as 32 floats */
+INL void tail32(int t, const uint8_t *w, const float *x, int64_t k, int64_t K, float *wt, float *xt) {
+    for (int l = 0; l < 32; l++) {
+        wt[l] = 0.0f;
+        xt[l] = 0.0f;
+    }
+    int es = t == T_F32 ? 4 : 2;
+    for (int l = 0; k + l < K; l++) {
+        const uint8_t *p = w + (k + l) * es;
+        if (t == T_F32) memcpy(&wt[l], p, 4);
+        else if (t == T_F16) wt[l] = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(rd16(p))));
+        else wt[l] = bf16_to_float(rd16(p));
+        xt[l] = x[k + l];
+    }
+}
+
+/* 32 lanes in 4 vectors, acc = acc + w * x (mul, then add), for x0 and, if two, x1 (named variables: GCC
+ * keeps small arrays of vectors in memory at -O2) */
+#define STEPF(W0, W1, W2, W3, X0, X1)                                                                         \
+    do {                                                                                                      \
+        a0 = _mm256_add_ps(a0, _mm256_mul_ps(W0, _mm256_loadu_ps((X0))));                                    \
+        a1 = _mm256_add_ps(a1, _mm256_mul_ps(W1, _mm256_loadu_ps((X0) + 8)));                                \
+        a2 = _mm256_add_ps(a2, _mm256_mul_ps(W2, _mm256_loadu_ps((X0) + 16)));                               \
+        a3 = _mm256_add_ps(a3, _mm256_mul_ps(W3, _mm256_loadu_ps((X0) + 24)));                               \
+        if (two) {                                                                                            \
+            b0 = _mm256_add_ps(b0, _mm256_mul_ps(W0, _mm256_loadu_ps((X1))));                                \
+            b1 = _mm256_add_ps(b1, _mm256_mul_ps(W1, _mm256_loadu_ps((X1) + 8)));                            \
+            b2 = _mm256_add_ps(b2, _mm256_mul_ps(W2, _mm256_loadu_ps((X1) + 16)));                           \
+            b3 = _mm256_add_ps(b3, _mm256_mul_ps(W3, _mm256_loadu_ps((X1) + 24)));                           \
+        }                                                                                                     \
+    } while (0)
+
+INL void dotf_rows(int t, const uint8_t *w, const float *x0, const float *x1, int two, int64_t K, float *r0,
+                   float *r1) {
+    const int es = t == T_F32 ? 4 : 2;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        const uint8_t *p = w + k * es;
+        _mm_prefetch((const char *)p + 1024, _MM_HINT_T0);
+        __m256 w0 = wload8(t, p), w1 = wload8(t, p + 8 * es), w2 = wload8(t, p + 16 * es), w3 = wload8(t, p + 24 * es);
+        STEPF(w0, w1, w2, w3, x0 + k, (two ? x1 : x0) + k);
+    }
+    if (k < K) {
+        float wt[32], xt0[32], xt1[32];
+        tail32(t, w, x0, k, K, wt, xt0);
+        if (two) tail32(t, w, x1, k, K, wt, xt1);
+        __m256 w0 = _mm256_loadu_ps(wt), w1 = _mm256_loadu_ps(wt + 8), w2 = _mm256_loadu_ps(wt + 16),
+               w3 = _mm256_loadu_ps(wt + 24);
+        STEPF(w0, w1, w2, w3, xt0, xt1);
+    }
+    *r0 = reduce4(a0, a1, a2, a3);
+    if (two) *r1 = reduce4(b0, b1, b2, b3);
+}
+
+
+/* Many x rows: 2 weight rows x 4 x rows. Each lane vector (lanes 8i..8i+7, i = 0..3) of an output is its own
+ * chain, so they are run one after the other: 8 accumulators, every lane's sequence unchanged. The zero-padded
+ * tail is the same 32 floats as in dotf_rows. */
+INL void dotf_tile(int t, const uint8_t *w0, const uint8_t *w1, const float *x0, const float *x1, const float *x2,
+                   const float *x3, int64_t K, float *res /* [2][4] */) {
+    const int es = t == T_F32 ? 4 : 2;
+    const int64_t kf = K / 32 * 32;
+    float wt[2][32], xt[4][32];
+    if (kf < K) {
+        tail32(t, w0, x0, kf, K, wt[0], xt[0]);
+        tail32(t, w1, x1, kf, K, wt[1], xt[1]);
+        tail32(t, w0, x2, kf, K, wt[0], xt[2]);
+        tail32(t, w0, x3, kf, K, wt[0], xt[3]);
+    }
+    __m256 part[8][4];
+    for (int i = 0; i < 4; i++) {
+        __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c03 = c00, c10 = c00, c11 = c00, c12 = c00, c13 = c00;
+#define TILE_STEP(W0, W1, X0, X1, X2, X3)                                                                  \
+        {                                                                                                  \
+            __m256 a = (W0), b = (W1), v;                                                                  \
+            v = _mm256_loadu_ps(X0); REG(v); c00 = _mm256_add_ps(c00, _mm256_mul_ps(a, v)); c10 = _mm256_add_ps(c10, _mm256_mul_ps(b, v)); \
+            v = _mm256_loadu_ps(X1); REG(v); c01 = _mm256_add_ps(c01, _mm256_mul_ps(a, v)); c11 = _mm256_add_ps(c11, _mm256_mul_ps(b, v)); \
+            v = _mm256_loadu_ps(X2); REG(v); c02 = _mm256_add_ps(c02, _mm256_mul_ps(a, v)); c12 = _mm256_add_ps(c12, _mm256_mul_ps(b, v)); \
+            v = _mm256_loadu_ps(X3); REG(v); c03 = _mm256_add_ps(c03, _mm256_mul_ps(a, v)); c13 = _mm256_add_ps(c13, _mm256_mul_ps(b, v)); \
+        }
+        for (int64_t k = 8 * i; k < kf; k += 32)
+            TILE_STEP(wload8(t, w0 + k * es), wload8(t, w1 + k * es), x0 + k, x1 + k, x2 + k, x3 + k)
+        if (kf < K)
+            TILE_STEP(_mm256_loadu_ps(wt[0] + 8 * i), _mm256_loadu_ps(wt[1] + 8 * i), xt[0] + 8 * i, xt[1] + 8 * i,
+                      xt[2] + 8 * i, xt[3] + 8 * i)
+#undef TILE_STEP
+        part[0][i] = c00; part[1][i] = c01; part[2][i] = c02; part[3][i] = c03;
+        part[4][i] = c10; part[5][i] = c11; part[6][i] = c12; part[7][i] = c13;
+    }
+    for (int o = 0; o < 8; o++) res[o] = reduce4(part[o][0], part[o][1], part[o][2], part[o][3]);
+}
+
+INL void dotf_task(int t, const mm_job *j, int64_t n0, int64_t nr, int64_t m0, int64_t m1) {
+    if (m1 - m0 < TILE_MIN) {   /* few x rows: one weight row at a time, the 4 lane vectors together */
+        for (int64_t r = 0; r < nr; r++) {
+            const uint8_t *w = j->w + (n0 + r) * j->row_bytes;
+            int64_t m = m0;
+            for (; m + 2 <= m1; m += 2)
+                dotf_rows(t, w, j->x + m * j->K, j->x + (m + 1) * j->K, 1, j->K, &j->out[m * j->ldo + n0 + r],
+                          &j->out[(m + 1) * j->ldo + n0 + r]);
+            if (m < m1) dotf_rows(t, w, j->x + m * j->K, NULL, 0, j->K, &j->out[m * j->ldo + n0 + r], NULL);
+        }
+        return;
+    }
+    for (int64_t r = 0; r < nr; r += 2) {
+        const uint8_t *w0 = j->w + (n0 + r) * j->row_bytes, *w1 = r + 1 < nr ? w0 + j->row_bytes : w0;
+        for (int64_t m = m0; m < m1; m += 4) {   /* edge tiles repeat a row; only real outputs are stored */
+            const float *x[4];
+            for (int i = 0; i < 4; i++) x[i] = j->x + (m + i < m1 ? m + i : m1 - 1) * j->K;
+            float res[8];
+            dotf_tile(t, w0, w1, x[0], x[1], x[2], x[3], j->K, res);
+            for (int i = 0; i < 4 && m + i < m1; i++) {
+                j->out[(m + i) * j->ldo + n0 + r] = res[i];
+                if (r + 1 < nr) j->out[(m + i) * j->ldo + n0 + r + 1] = res[4 + i];
+            }
+        }
+    }
+}
+
+/* ======================================================================================================
+ * the task: weight rows 8*group.. against x rows m0..m1
+ * ==================================================================================================== */
+AVX2 static void mm_task(const mm_job *j, int64_t group, int64_t m0, int64_t m1) {
+    const int t = j->qtype;
+    const int64_t n0 = group * GROUP, nr = j->N - n0 < GROUP ? j->N - n0 : GROUP;
+    if (is_float_type(t)) {
+        switch (t) {   /* constant t: the compiler specialises each */
+        case T_F32: dotf_task(T_F32, j, n0, nr, m0, m1); break;
+        case T_F16: dotf_task(T_F16, j, n0, nr, m0, m1); break;
+        default: dotf_task(T_BF16, j, n0, nr, m0, m1); break;
+        }
+        return;
+    }
+    const uint8_t *rows[GROUP];
+    for (int r = 0; r < GROUP; r++) rows[r] = j->w + (n0 + (r < nr ? r : nr - 1)) * j->row_bytes;  /* pad: repeat */
+    const int64_t mt = m1 - m0, xrb = j->xq_row_bytes;
+    const char *xq = (const char *)j->xq + 2 * m0 * xrb;   /* quantized row 2i: x row m0 + i's hi, 2i + 1: its lo */
+    __m256 out[MTILE];
+    if (mt <= direct_rows(t)) {   /* both halves in one pass over the weights, per x row */
+        const int64_t pf = GROUP * j->row_bytes;   /* prefetch: the next group */
+        for (int64_t i = 0; i < mt; i++) {
+            const char *h = xq + 2 * i * xrb, *l = h + xrb;
+            if (type_block(t) == 32) {
+                const int64_t nb = j->K / 32;
+                const xblock32 *xh = (const xblock32 *)h, *xl = (const xblock32 *)l;
+                switch (t) {
+                case T_Q4_0: out[i] = dot32v_direct(T_Q4_0, rows, xh, xl, nb, pf); break;
+                case T_Q4_1: out[i] = dot32v_direct(T_Q4_1, rows, xh, xl, nb, pf); break;
+                case T_Q5_0: out[i] = dot32v_direct(T_Q5_0, rows, xh, xl, nb, pf); break;
+                case T_Q5_1: out[i] = dot32v_direct(T_Q5_1, rows, xh, xl, nb, pf); break;
+                default: out[i] = q8_direct(rows, xh, xl, nb, pf); break;
+                }
+            } else {
+                const int64_t nb = j->K / 256;
+                const xblock256 *xh = (const xblock256 *)h, *xl = (const xblock256 *)l;
+                switch (t) {
+                case T_Q4_K: out[i] = dotk_direct(T_Q4_K, rows, xh, xl, nb, pf); break;
+                case T_Q5_K: out[i] = dotk_direct(T_Q5_K, rows, xh, xl, nb, pf); break;
+                default: out[i] = dotk_direct(T_Q6_K, rows, xh, xl, nb, pf); break;
+                }
+            }
+        }
+    } else {   /* the 2 mt quantized rows as rows of a tile: acc[2i] = acc_hi, acc[2i + 1] = acc_lo of x row i */
+        __m256 acc[2 * MTILE + 2];   /* + 2: the unused pointers of a last pass of 2 */
+        const int64_t mq = 2 * mt;
+        for (int64_t i = 0; i < mq; i++) acc[i] = _mm256_setzero_ps();
+        if (type_block(t) == 32) {
+            ubuf32 u;
+            const int64_t nb = j->K / 32;
+            for (int64_t b0 = 0; b0 < nb; b0 += KC) {
+                int nkb = nb - b0 < KC ? (int)(nb - b0) : KC;
+                unpack32(t, rows, b0, nkb, &u);
+                for (int64_t i = 0; i < mq; i += 4) {   /* mq is even: 4 half-rows at a time, then 2 */
+                    const int nx = mq - i >= 4 ? 4 : 2;
+                    const xblock32 *x0 = (const xblock32 *)(xq + i * xrb) + b0;
+                    const xblock32 *x1 = (const xblock32 *)(xq + (i + 1) * xrb) + b0;
+                    const xblock32 *x2 = nx > 2 ? (const xblock32 *)(xq + (i + 2) * xrb) + b0 : x0;
+                    const xblock32 *x3 = nx > 2 ? (const xblock32 *)(xq + (i + 3) * xrb) + b0 : x1;
+#define CH(T, NX) dot32_chunk(T, &u, nkb, NX, x0, x1, x2, x3, &acc[i], &acc[i + 1], &acc[i + 2], &acc[i + 3])
+#define CASE(T) if (nx == 4) CH(T, 4); else CH(T, 2); break;
+                    switch (t) {   /* constant t per call: the compiler specialises each */
+                    case T_Q4_0: CASE(T_Q4_0)
+                    case T_Q4_1: CASE(T_Q4_1)
+                    case T_Q5_0: CASE(T_Q5_0)
+                    case T_Q5_1: CASE(T_Q5_1)
+                    default: CASE(T_Q8_0)
+                    }
+#undef CASE
+#undef CH
+                }
+            }
+        } else {
+            ubufk u;
+            const int64_t nb = j->K / 256;
+            for (int64_t b0 = 0; b0 < nb; b0 += KS) {
+                int nks = nb - b0 < KS ? (int)(nb - b0) : KS;
+                unpackk(t, rows, b0, nks, &u);
+                for (int64_t i = 0; i < mq; i += 4) {   /* mq is even: 4 half-rows at a time, then 2 */
+                    const int nx = mq - i >= 4 ? 4 : 2;
+                    const xblock256 *x0 = (const xblock256 *)(xq + i * xrb) + b0;
+                    const xblock256 *x1 = (const xblock256 *)(xq + (i + 1) * xrb) + b0;
+                    const xblock256 *x2 = nx > 2 ? (const xblock256 *)(xq + (i + 2) * xrb) + b0 : x0;
+                    const xblock256 *x3 = nx > 2 ? (const xblock256 *)(xq + (i + 3) * xrb) + b0 : x1;
+#define CH(T, NX) dotk_chunk(T, &u, nks, NX, x0, x1, x2, x3, &acc[i], &acc[i + 1], &acc[i + 2], &acc[i + 3])
+#define CASE(T) if (nx == 4) CH(T, 4); else CH(T, 2); break;
+                    switch (t) {
+                    case T_Q4_K: CASE(T_Q4_K)
+                    case T_Q5_K: CASE(T_Q5_K)
+                    default: CASE(T_Q6_K)
+                    }
+#undef CASE
+#undef CH
+                }
+            }
+        }
+        for (int64_t i = 0; i < mt; i++) out[i] = _mm256_add_ps(acc[2 * i], acc[2 * i + 1]);
+    }
+    for (int64_t i = 0; i < mt; i++) {
+        float o[GROUP];
+        _mm256_storeu_ps(o, out[i]);
+        memcpy(&j->out[(m0 + i) * j->ldo + n0], o, (size_t)nr * sizeof(float));
+    }
+}
+
+const kernel_path avx2_path = {"avx2", quantize_row, mm_task};
+
+#else
+int avx2_compiled(void) { return 0; }
+const kernel_path avx2_path = {"portable", 0, 0};
+#endif

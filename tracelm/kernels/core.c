@@ -1,0 +1,564 @@
+/* tracelm.kernels._core: the Python face of the kernels, argument checks, and one persistent thread pool.
+ *
+ * Pool: workers wait for a job generation number (odd = a job is open). They spin briefly on it, then
+ * sleep on a condition variable. A job is a range of task indices taken in chunks from an atomic counter;
+ * the calling thread works too. Results never depend on which thread ran a task.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <time.h>
+
+#include "kernels.h"
+
+/* ======================================================================================================
+ * thread pool
+ * ==================================================================================================== */
+typedef void (*task_fn)(void *ctx, int64_t t0, int64_t t1);
+
+#define MAX_THREADS 256
+static pthread_mutex_t run_mx = PTHREAD_MUTEX_INITIALIZER;    /* one job at a time (else run serially) */
+static pthread_mutex_t sleep_mx = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t sleep_cv = PTHREAD_COND_INITIALIZER;   /* idle workers sleep here */
+static pthread_cond_t done_cv = PTHREAD_COND_INITIALIZER;    /* the caller waits here for a slow worker */
+static atomic_uint gen;                 /* odd while a job is open */
+static atomic_int busy, sleepers, caller_sleeps, stop_flag;
+static atomic_llong next_task, done_tasks;
+static struct { task_fn fn; void *ctx; int64_t ntasks, chunk; } job;
+static pthread_t workers[MAX_THREADS];
+static int n_workers;
+static double spin_seconds = 200e-6;   /* TRACELM_SPIN_US */
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void run_tasks(void) {
+    int64_t n = job.ntasks, c = job.chunk;
+    for (;;) {
+        int64_t t = atomic_fetch_add(&next_task, c);
+        if (t >= n) break;
+        int64_t e = t + c < n ? t + c : n;
+        job.fn(job.ctx, t, e);
+        if (atomic_fetch_add(&done_tasks, e - t) + (e - t) == n && atomic_load(&caller_sleeps)) {
+            pthread_mutex_lock(&sleep_mx);   /* the last task: wake the caller if it gave up spinning */
+            pthread_cond_broadcast(&done_cv);
+            pthread_mutex_unlock(&sleep_mx);
+        }
+    }
+}
+
+/* wait until gen differs from `seen` (or stop): spin, then sleep */
+static unsigned wait_change(unsigned seen) {
+    unsigned g;
+    double t0 = 0;
+    for (int i = 0;; i++) {
+        g = atomic_load(&gen);
+        if (g != seen || atomic_load(&stop_flag)) return g;
+        if ((i & 255) == 255) {
+            double t = now();
+            if (t0 == 0) t0 = t;
+            else if (t - t0 > spin_seconds) break;
+        }
+        cpu_relax();
+    }
+    pthread_mutex_lock(&sleep_mx);
+    atomic_fetch_add(&sleepers, 1);
+    while ((g = atomic_load(&gen)) == seen && !atomic_load(&stop_flag)) pthread_cond_wait(&sleep_cv, &sleep_mx);
+    atomic_fetch_sub(&sleepers, 1);
+    pthread_mutex_unlock(&sleep_mx);
+    return g;
+}
+
+static void *worker_main(void *arg) {
+    (void)arg;
+    unsigned seen = atomic_load(&gen);
+    for (;;) {
+        unsigned g = wait_change(seen);
+        if (atomic_load(&stop_flag)) break;
+        seen = g;
+        if (!(g & 1)) continue;
+        atomic_fetch_add(&busy, 1);
+        if (atomic_load(&gen) == g) run_tasks();   /* else the job closed before we registered */
+        atomic_fetch_sub(&busy, 1);
+    }
+    return NULL;
+}
+
+static void wake_all(void) {
+    pthread_mutex_lock(&sleep_mx);
+    pthread_cond_broadcast(&sleep_cv);
+    pthread_mutex_unlock(&sleep_mx);
+}
+
+/* the caller: wait until all n tasks are done -- spin a little, then sleep (a worker holding a task may have
+ * been descheduled; sleeping frees this core for it) */
+static void wait_done(int64_t n) {
+    double t0 = 0;
+    for (int i = 0; atomic_load(&done_tasks) < n; i++) {
+        if ((i & 255) == 255) {
+            double t = now();
+            if (t0 == 0) t0 = t;
+            else if (t - t0 > 50e-6) break;
+        }
+        cpu_relax();
+    }
+    if (atomic_load(&done_tasks) >= n) return;
+    pthread_mutex_lock(&sleep_mx);
+    atomic_store(&caller_sleeps, 1);
+    while (atomic_load(&done_tasks) < n) pthread_cond_wait(&done_cv, &sleep_mx);
+    atomic_store(&caller_sleeps, 0);
+    pthread_mutex_unlock(&sleep_mx);
+}
+
+/* the caller: wait until no worker is inside the job any more (they leave as soon as the tasks run out) */
+static void wait_idle(void) {
+    for (long i = 0; atomic_load(&busy) != 0; i++) {
+        if (i > 2000) sched_yield();
+        else cpu_relax();
+    }
+}
+
+/* Run fn over tasks [0, ntasks) on the pool (serially on this thread if the pool is busy or empty). */
+static void pool_run(task_fn fn, void *ctx, int64_t ntasks, int64_t chunk) {
+    if (ntasks <= 0) return;
+    if (chunk < 1) chunk = 1;
+    if (n_workers == 0 || ntasks <= chunk || pthread_mutex_trylock(&run_mx) != 0) {
+        fn(ctx, 0, ntasks);
+        return;
+    }
+    job.fn = fn; job.ctx = ctx; job.ntasks = ntasks; job.chunk = chunk;
+    atomic_store(&next_task, 0);
+    atomic_store(&done_tasks, 0);
+    unsigned g = atomic_load(&gen) + 1;          /* odd: open */
+    atomic_store(&gen, g);
+    if (atomic_load(&sleepers) > 0) wake_all();
+    run_tasks();
+    wait_done(ntasks);
+    atomic_store(&gen, g + 1);                   /* closed: late workers back off */
+    wait_idle();                                 /* nobody still reads `job` */
+    pthread_mutex_unlock(&run_mx);
+}
+
+static void pool_stop(void) {
+    pthread_mutex_lock(&run_mx);
+    if (n_workers) {
+        atomic_store(&stop_flag, 1);
+        wake_all();
+        for (int i = 0; i < n_workers; i++) pthread_join(workers[i], NULL);
+        n_workers = 0;
+        atomic_store(&stop_flag, 0);
+    }
+    pthread_mutex_unlock(&run_mx);
+}
+
+static int pool_start(int n) {   /* n threads in all, the caller included */
+    pool_stop();
+    pthread_mutex_lock(&run_mx);
+    int err = 0;
+    for (int i = 0; i < n - 1; i++) {
+        if (pthread_create(&workers[i], NULL, worker_main, NULL) != 0) { err = 1; break; }
+        n_workers++;
+    }
+    pthread_mutex_unlock(&run_mx);
+    return err;
+}
+
+static void atfork_child(void) {   /* the workers did not come along */
+    n_workers = 0;
+    atomic_store(&busy, 0);
+    atomic_store(&sleepers, 0);
+    pthread_mutex_init(&run_mx, NULL);
+    pthread_mutex_init(&sleep_mx, NULL);
+    pthread_cond_init(&sleep_cv, NULL);
+    pthread_cond_init(&done_cv, NULL);
+    atomic_store(&caller_sleeps, 0);
+}
+
+/* ======================================================================================================
+ * paths
+ * ==================================================================================================== */
+static const kernel_path *path = &portable_path;
+
+static int cpu_has_avx2(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (!avx2_compiled()) return 0;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+#else
+    return 0;
+#endif
+}
+
+/* ======================================================================================================
+ * jobs
+ * ==================================================================================================== */
+typedef struct { const kernel_path *p; int qtype; const float *x; int64_t K; char *xq; int64_t xrb; } quant_job;
+
+static void quant_tasks(void *ctx, int64_t t0, int64_t t1) {   /* x row m -> quantized rows 2m (hi), 2m + 1 (lo) */
+    quant_job *q = (quant_job *)ctx;
+    for (int64_t m = t0; m < t1; m++) q->p->quantize_row(q->qtype, q->x + m * q->K, q->K, q->xq + 2 * m * q->xrb);
+}
+
+typedef struct { const kernel_path *p; mm_job j; int64_t n_mtiles; } mm_ctx;
+
+static void mm_tasks(void *ctx, int64_t t0, int64_t t1) {
+    mm_ctx *c = (mm_ctx *)ctx;
+    for (int64_t t = t0; t < t1; t++) {   /* tile-major: tasks next to each other share x rows */
+        int64_t tile = t / c->j.n_groups, group = t % c->j.n_groups;
+        int64_t m0 = tile * c->j.mtile, m1 = m0 + c->j.mtile < c->j.M ? m0 + c->j.mtile : c->j.M;
+        c->p->mm_task(&c->j, group, m0, m1);
+    }
+}
+
+typedef struct { int qtype; const uint8_t *w; int64_t rb, K; float *out; } dq_ctx;
+
+static void dq_tasks(void *ctx, int64_t t0, int64_t t1) {
+    dq_ctx *c = (dq_ctx *)ctx;
+    dequantize_rows(c->qtype, c->w, c->rb, c->K, c->out, t0, t1);
+}
+
+static int64_t chunk_for(int64_t ntasks) {
+    int64_t c = ntasks / (8 * (int64_t)(n_workers + 1));
+    return c < 1 ? 1 : c;
+}
+
+/* ======================================================================================================
+ * argument checks
+ * ==================================================================================================== */
+typedef struct { Py_buffer v; int held; } buf;
+
+static void release(buf *b) { if (b->held) PyBuffer_Release(&b->v); b->held = 0; }
+
+static const char *fmt_name(const Py_buffer *v) { return v->format ? v->format : "B"; }
+
+static int fmt_is(const Py_buffer *v, char c) {
+    const char *f = fmt_name(v);
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    return f[0] == c && f[1] == 0;
+}
+
+static void shape_str(const Py_buffer *v, char *s, size_t n) {
+    size_t o = (size_t)snprintf(s, n, "[");
+    for (int i = 0; i < v->ndim && o < n; i++)
+        o += (size_t)snprintf(s + o, n - o, i ? ", %zd" : "%zd", v->shape[i]);
+    if (o < n) snprintf(s + o, n - o, "]");
+}
+
+/* get a 2-D buffer of item type `fmt` ('f' float32, 'B' uint8): C-contiguous, or (row_stride) with unit column
+ * stride and rows at a positive stride of at least a row apart (*ld: the row stride in items) */
+static int get2d_ld(PyObject *o, const char *fn, const char *name, char fmt, int writable, int row_stride, buf *b,
+                    int64_t *ld) {
+    int flags = PyBUF_STRIDES | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(o, &b->v, flags) != 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s: %s must be a%s numpy array (buffer), got %s", fn, name,
+                     writable ? " writable" : "", Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    b->held = 1;
+    char shp[96];
+    shape_str(&b->v, shp, sizeof shp);
+    const char *dt = fmt == 'f' ? "float32" : "uint8";
+    if (!fmt_is(&b->v, fmt) || b->v.itemsize != (fmt == 'f' ? 4 : 1)) {
+        PyErr_Format(PyExc_ValueError, "%s: %s must be %s, got format '%s' (itemsize %zd), shape %s", fn, name, dt,
+                     fmt_name(&b->v), b->v.itemsize, shp);
+        return -1;
+    }
+    if (b->v.ndim != 2) {
+        PyErr_Format(PyExc_ValueError, "%s: %s must be 2-D, got shape %s", fn, name, shp);
+        return -1;
+    }
+    if (ld) *ld = b->v.shape[1];
+    if (PyBuffer_IsContiguous(&b->v, 'C')) return 0;
+    if (row_stride) {
+        Py_ssize_t R = b->v.shape[0], C = b->v.shape[1], is = b->v.itemsize;
+        Py_ssize_t s0 = b->v.strides ? b->v.strides[0] : C * is, s1 = b->v.strides ? b->v.strides[1] : is;
+        if ((C <= 1 || s1 == is) && (R <= 1 || (s0 > 0 && s0 % is == 0 && s0 / is >= C))) {
+            if (ld) *ld = R <= 1 ? C : s0 / is;
+            return 0;
+        }
+        PyErr_Format(PyExc_ValueError, "%s: %s (shape %s, strides [%zd, %zd] bytes) must have unit column stride and "
+                     "rows at least a row apart (e.g. a column slice of a wider C-contiguous array)", fn, name, shp,
+                     s0, s1);
+        return -1;
+    }
+    PyErr_Format(PyExc_ValueError, "%s: %s (shape %s) must be C-contiguous", fn, name, shp);
+    return -1;
+}
+
+static int get2d(PyObject *o, const char *fn, const char *name, char fmt, int writable, buf *b) {
+    return get2d_ld(o, fn, name, fmt, writable, 0, b, NULL);
+}
+
+static int check_qtype(const char *fn, int qtype) {
+    if (type_block(qtype) == 0) {
+        PyErr_Format(PyExc_ValueError, "%s: qtype %d is not supported (F32=0 F16=1 Q4_0=2 Q4_1=3 Q5_0=6 Q5_1=7 "
+                     "Q8_0=8 Q4_K=12 Q5_K=13 Q6_K=14 BF16=30)", fn, qtype);
+        return -1;
+    }
+    return 0;
+}
+
+/* K from row_bytes */
+static int values_per_row(const char *fn, int qtype, Py_ssize_t row_bytes, int64_t *K) {
+    int bs = type_block(qtype), tb = type_bytes(qtype);
+    if (row_bytes % tb != 0) {
+        PyErr_Format(PyExc_ValueError, "%s: w rows hold %zd bytes, not a whole number of qtype %d blocks "
+                     "(%d bytes per %d values)", fn, row_bytes, qtype, tb, bs);
+        return -1;
+    }
+    *K = (int64_t)(row_bytes / tb) * bs;
+    return 0;
+}
+
+static int get_scratch(PyObject *o, const char *fn, int64_t need, buf *b) {
+    if (PyObject_GetBuffer(o, &b->v, PyBUF_WRITABLE | PyBUF_STRIDES) != 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s: scratch must be a writable buffer of at least %lld bytes, got %s", fn,
+                     (long long)need, Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    b->held = 1;
+    if (!PyBuffer_IsContiguous(&b->v, 'C') || b->v.len < need || ((uintptr_t)b->v.buf & 3)) {
+        PyErr_Format(PyExc_ValueError, "%s: scratch must be contiguous, 4-byte aligned and hold at least %lld "
+                     "bytes (scratch_bytes(M, K, qtype)), got %zd bytes", fn, (long long)need, b->v.len);
+        return -1;
+    }
+    return 0;
+}
+
+/* ======================================================================================================
+ * Python functions
+ * ==================================================================================================== */
+static PyObject *py_matmul(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *xo, *wo, *oo, *so = Py_None;
+    int qtype;
+    if (!PyArg_ParseTuple(args, "OOiO|O:matmul", &xo, &wo, &qtype, &oo, &so)) return NULL;
+    buf x = {0}, w = {0}, out = {0}, sc = {0};
+    PyObject *ret = NULL;
+    int64_t ldo = 0;
+    if (check_qtype("matmul", qtype)) goto done;
+    if (get2d(xo, "matmul", "x", 'f', 0, &x) || get2d(wo, "matmul", "w", 'B', 0, &w) ||
+        get2d_ld(oo, "matmul", "out", 'f', 1, 1, &out, &ldo))
+        goto done;
+    int64_t M = x.v.shape[0], Kx = x.v.shape[1], N = w.v.shape[0], K;
+    if (values_per_row("matmul", qtype, w.v.shape[1], &K)) goto done;
+    if (K != Kx) {
+        PyErr_Format(PyExc_ValueError, "matmul: x has %lld values per row, w rows (%zd bytes of qtype %d) hold %lld",
+                     (long long)Kx, w.v.shape[1], qtype, (long long)K);
+        goto done;
+    }
+    if (out.v.shape[0] != M || out.v.shape[1] != N) {
+        PyErr_Format(PyExc_ValueError, "matmul: out must have shape [%lld, %lld] (M, N), got [%zd, %zd]",
+                     (long long)M, (long long)N, out.v.shape[0], out.v.shape[1]);
+        goto done;
+    }
+    int64_t xrb = xq_row_bytes(qtype, K);
+    if (xrb && get_scratch(so, "matmul", 2 * M * xrb, &sc)) goto done;
+    if (M > 0 && N > 0) {
+        mm_ctx c;
+        c.p = path;
+        c.j.qtype = qtype; c.j.M = M; c.j.N = N; c.j.K = K;
+        c.j.x = (const float *)x.v.buf; c.j.w = (const uint8_t *)w.v.buf; c.j.row_bytes = w.v.shape[1];
+        c.j.out = (float *)out.v.buf; c.j.ldo = ldo; c.j.xq = xrb ? sc.v.buf : NULL; c.j.xq_row_bytes = xrb;
+        c.j.n_groups = (N + GROUP - 1) / GROUP;
+        c.j.mtile = M < MTILE ? M : MTILE;
+        c.n_mtiles = (M + c.j.mtile - 1) / c.j.mtile;
+        Py_BEGIN_ALLOW_THREADS
+        if (xrb) {
+            quant_job q = {path, qtype, c.j.x, K, (char *)sc.v.buf, xrb};
+            if (M * K < (1 << 15)) quant_tasks(&q, 0, M);
+            else pool_run(quant_tasks, &q, M, chunk_for(M));
+        }
+        int64_t ntasks = c.n_mtiles * c.j.n_groups;
+        pool_run(mm_tasks, &c, ntasks, chunk_for(ntasks));
+        Py_END_ALLOW_THREADS
+    }
+    Py_INCREF(oo);
+    ret = oo;
+done:
+    release(&x); release(&w); release(&out); release(&sc);
+    return ret;
+}
+
+static PyObject *py_quantize_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *xo, *so;
+    int qtype;
+    if (!PyArg_ParseTuple(args, "OiO:quantize_rows", &xo, &qtype, &so)) return NULL;
+    buf x = {0}, sc = {0};
+    PyObject *ret = NULL;
+    if (check_qtype("quantize_rows", qtype)) goto done;
+    if (is_float_type(qtype)) {
+        PyErr_Format(PyExc_ValueError, "quantize_rows: qtype %d takes float activations, nothing to quantize", qtype);
+        goto done;
+    }
+    if (get2d(xo, "quantize_rows", "x", 'f', 0, &x)) goto done;
+    int64_t M = x.v.shape[0], K = x.v.shape[1];
+    if (K % type_block(qtype)) {
+        PyErr_Format(PyExc_ValueError, "quantize_rows: x rows hold %lld values, not a multiple of %d", (long long)K,
+                     type_block(qtype));
+        goto done;
+    }
+    int64_t xrb = xq_row_bytes(qtype, K);
+    if (get_scratch(so, "quantize_rows", 2 * M * xrb, &sc)) goto done;
+    Py_BEGIN_ALLOW_THREADS
+    quant_job q = {path, qtype, (const float *)x.v.buf, K, (char *)sc.v.buf, xrb};
+    pool_run(quant_tasks, &q, M, chunk_for(M));
+    Py_END_ALLOW_THREADS
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    release(&x); release(&sc);
+    return ret;
+}
+
+static PyObject *py_dequantize(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *wo, *oo;
+    int qtype;
+    if (!PyArg_ParseTuple(args, "OiO:dequantize", &wo, &qtype, &oo)) return NULL;
+    buf w = {0}, out = {0};
+    PyObject *ret = NULL;
+    int64_t K;
+    if (check_qtype("dequantize", qtype) || get2d(wo, "dequantize", "w", 'B', 0, &w) ||
+        get2d(oo, "dequantize", "out", 'f', 1, &out) || values_per_row("dequantize", qtype, w.v.shape[1], &K))
+        goto done;
+    if (out.v.shape[0] != w.v.shape[0] || out.v.shape[1] != K) {
+        PyErr_Format(PyExc_ValueError, "dequantize: out must have shape [%zd, %lld], got [%zd, %zd]", w.v.shape[0],
+                     (long long)K, out.v.shape[0], out.v.shape[1]);
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    dq_ctx c = {qtype, (const uint8_t *)w.v.buf, w.v.shape[1], K, (float *)out.v.buf};
+    int64_t R = w.v.shape[0];
+    if (R * K < (1 << 16)) dq_tasks(&c, 0, R);
+    else pool_run(dq_tasks, &c, R, chunk_for(R));
+    Py_END_ALLOW_THREADS
+    Py_INCREF(oo);
+    ret = oo;
+done:
+    release(&w); release(&out);
+    return ret;
+}
+
+static PyObject *py_scratch_bytes(PyObject *self, PyObject *args) {
+    (void)self;
+    long long M, K;
+    int qtype;
+    if (!PyArg_ParseTuple(args, "LLi:scratch_bytes", &M, &K, &qtype)) return NULL;
+    if (check_qtype("scratch_bytes", qtype)) return NULL;
+    if (M < 0 || K < 0 || K % type_block(qtype)) {
+        PyErr_Format(PyExc_ValueError, "scratch_bytes: need M >= 0 and K a multiple of %d, got M=%lld K=%lld",
+                     type_block(qtype), M, K);
+        return NULL;
+    }
+    return PyLong_FromLongLong(2 * M * (long long)xq_row_bytes(qtype, K));   /* hi and lo of each row */
+}
+
+static PyObject *py_set_threads(PyObject *self, PyObject *args) {
+    (void)self;
+    int n;
+    if (!PyArg_ParseTuple(args, "i:set_threads", &n)) return NULL;
+    if (n < 1 || n > MAX_THREADS) {
+        PyErr_Format(PyExc_ValueError, "set_threads: n must be 1..%d, got %d", MAX_THREADS, n);
+        return NULL;
+    }
+    if (n == n_workers + 1) Py_RETURN_NONE;
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    err = pool_start(n);
+    Py_END_ALLOW_THREADS
+    if (err) {
+        PyErr_Format(PyExc_RuntimeError, "set_threads: could only start %d of %d threads", n_workers + 1, n);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_threads(PyObject *self, PyObject *noargs) {
+    (void)self; (void)noargs;
+    return PyLong_FromLong(n_workers + 1);
+}
+
+static PyObject *py_path(PyObject *self, PyObject *noargs) {
+    (void)self; (void)noargs;
+    return PyUnicode_FromString(path->name);
+}
+
+static PyObject *py_use_path(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s:use_path", &name)) return NULL;
+    if (strcmp(name, "portable") == 0) path = &portable_path;
+    else if (strcmp(name, "avx2") == 0 && cpu_has_avx2()) path = &avx2_path;
+    else {
+        PyErr_Format(PyExc_ValueError, "use_path: '%s' is not available here (portable%s)", name,
+                     cpu_has_avx2() ? ", avx2" : "");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_paths(PyObject *self, PyObject *noargs) {
+    (void)self; (void)noargs;
+    return cpu_has_avx2() ? Py_BuildValue("(ss)", "avx2", "portable") : Py_BuildValue("(s)", "portable");
+}
+
+static PyObject *py_shutdown(PyObject *self, PyObject *noargs) {
+    (void)self; (void)noargs;
+    Py_BEGIN_ALLOW_THREADS
+    pool_stop();
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"matmul", py_matmul, METH_VARARGS, "matmul(x, w, qtype, out, scratch=None): out = x w^T on GGUF blocks"},
+    {"quantize_rows", py_quantize_rows, METH_VARARGS,
+     "quantize_rows(x, qtype, scratch): x rows -> int8 blocks, a hi and a lo row of blocks for each"},
+    {"dequantize", py_dequantize, METH_VARARGS, "dequantize(w, qtype, out): GGUF block rows -> f32 rows"},
+    {"scratch_bytes", py_scratch_bytes, METH_VARARGS,
+     "scratch_bytes(M, K, qtype): bytes of quantized x (both halves)"},
+    {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n): n threads in all (the caller included)"},
+    {"threads", py_threads, METH_NOARGS, "threads(): threads in all"},
+    {"path", py_path, METH_NOARGS, "path(): 'avx2' or 'portable'"},
+    {"use_path", py_use_path, METH_VARARGS, "use_path(name): switch path"},
+    {"paths", py_paths, METH_NOARGS, "paths(): the paths this CPU can run"},
+    {"shutdown", py_shutdown, METH_NOARGS, "shutdown(): stop the worker threads"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_core", "tracelm compiled kernels", -1, methods,
+                                    NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__core(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    const char *env = getenv("TRACELM_KERNELS");
+    path = (env && strcmp(env, "portable") == 0) || !cpu_has_avx2() ? &portable_path : &avx2_path;
+    const char *spin = getenv("TRACELM_SPIN_US");
+    if (spin && *spin) spin_seconds = atof(spin) * 1e-6;
+    static int forked_hook = 0;
+    if (!forked_hook) { pthread_atfork(NULL, NULL, atfork_child); forked_hook = 1; }
+    PyObject *sup = Py_BuildValue("(iiiiiiiiiii)", T_F32, T_F16, T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1, T_Q8_0, T_Q4_K,
+                                  T_Q5_K, T_Q6_K, T_BF16);
+    if (!sup || PyModule_AddObject(m, "SUPPORTED", sup) < 0) { Py_XDECREF(sup); Py_DECREF(m); return NULL; }
+    return m;
+}

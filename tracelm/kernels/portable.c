@@ -1,0 +1,288 @@
+/* The portable path: plain C, one output at a time. It is the readable statement of the fixed order (see
+ * kernels.h); the AVX2 path computes the same integers and runs the same float operations per lane. */
+#include <math.h>
+
+#include "kernels.h"
+
+/* ---- activations: d = amax/127, q = nearbyintf(x/d) per block of n values ---- */
+static void quantize_block(const float *x, int n, float *d_out, int8_t *q) {
+    float amax = 0.0f;
+    int finite = 1;
+    for (int i = 0; i < n; i++) {
+        uint32_t a = bits_from_f32(x[i]) & 0x7fffffffu;
+        if (a >= 0x7f800000u) finite = 0;
+        float fa = f32_from_bits(a);
+        if (fa > amax) amax = fa;
+    }
+    if (!finite || amax < TINY_AMAX) {
+        *d_out = finite ? 0.0f : NAN;
+        memset(q, 0, (size_t)n);
+        return;
+    }
+    float d = amax / 127.0f, id = 1.0f / d;
+    for (int i = 0; i < n; i++) {
+        float v = nearbyintf(x[i] * id);
+        int iv = (int)v;
+        q[i] = (int8_t)(iv > 127 ? 127 : iv < -127 ? -127 : iv);
+    }
+    *d_out = d;
+}
+
+/* one block of n values -> its hi block (d, q) and its lo block (the same quantizer on r = x - d*q) */
+static void quantize_split(const float *x, int n, float *dh, int8_t *qh, float *dl, int8_t *ql) {
+    float r[256];
+    quantize_block(x, n, dh, qh);
+    for (int i = 0; i < n; i++) r[i] = x[i] - *dh * (float)qh[i];
+    quantize_block(r, n, dl, ql);
+}
+
+static void quantize_row(int qtype, const float *x, int64_t K, void *xq) {
+    if (type_block(qtype) == 32) {
+        xblock32 *h = (xblock32 *)xq, *l = h + K / 32;   /* hi row, then lo row */
+        for (int64_t i = 0; i < K / 32; i++) {
+            quantize_split(x + 32 * i, 32, &h[i].d, h[i].q, &l[i].d, l[i].q);
+            int32_t sh = 0, sl = 0;
+            for (int j = 0; j < 32; j++) { sh += h[i].q[j]; sl += l[i].q[j]; }
+            h[i].sum = sh;
+            l[i].sum = sl;
+        }
+    } else {
+        xblock256 *h = (xblock256 *)xq, *l = h + K / 256;
+        for (int64_t i = 0; i < K / 256; i++) {
+            quantize_split(x + 256 * i, 256, &h[i].d, h[i].q, &l[i].d, l[i].q);
+            for (int g = 0; g < 16; g++) {
+                int sh = 0, sl = 0;
+                for (int j = 0; j < 16; j++) { sh += h[i].q[16 * g + j]; sl += l[i].q[16 * g + j]; }
+                h[i].bsum[g] = (int16_t)sh;
+                l[i].bsum[g] = (int16_t)sl;
+            }
+        }
+    }
+}
+
+/* ---- weight values as integers, element e of a block (the GGUF layouts) ---- */
+static inline int q4(const uint8_t *qs, int e) { return e < 16 ? qs[e] & 15 : qs[e - 16] >> 4; }
+static inline int q5(const uint8_t *qs, uint32_t qh, int e) { return q4(qs, e) | (int)(((qh >> e) & 1) << 4); }
+
+/* one weight row (nb blocks) . one quantized x row. Element j of a block is in the low nibble of qs[j], element
+ * j + 16 in the high one; the loops pair them so they stay simple for the compiler. */
+static float dot_q32(int t, const uint8_t *w, const xblock32 *x, int64_t nb) {
+    float acc = 0.0f;
+    const int tb = type_bytes(t);
+    for (int64_t b = 0; b < nb; b++, x++) {
+        const uint8_t *blk = w + tb * b;
+        const int8_t *q = x->q;
+        int32_t isum = 0;
+        float d = half_to_float(rd16(blk));
+        switch (t) {
+        case T_Q4_0:
+            for (int j = 0; j < 16; j++) isum += ((blk[2 + j] & 15) - 8) * q[j] + ((blk[2 + j] >> 4) - 8) * q[j + 16];
+            COMBINE_D(f1, acc, d, x->d, isum);
+            break;
+        case T_Q4_1: {
+            for (int j = 0; j < 16; j++) isum += (blk[4 + j] & 15) * q[j] + (blk[4 + j] >> 4) * q[j + 16];
+            float m = half_to_float(rd16(blk + 2));
+            COMBINE_DM(f1, acc, d, m, x->d, isum, x->sum);
+            break;
+        }
+        case T_Q5_0: {
+            uint32_t qh = rd32(blk + 2);
+            for (int j = 0; j < 16; j++)
+                isum += (((blk[6 + j] & 15) | (int)((qh >> j) & 1) << 4) - 16) * q[j] +
+                        (((blk[6 + j] >> 4) | (int)((qh >> (j + 16)) & 1) << 4) - 16) * q[j + 16];
+            COMBINE_D(f1, acc, d, x->d, isum);
+            break;
+        }
+        case T_Q5_1: {
+            uint32_t qh = rd32(blk + 4);
+            for (int j = 0; j < 16; j++)
+                isum += ((blk[8 + j] & 15) | (int)((qh >> j) & 1) << 4) * q[j] +
+                        ((blk[8 + j] >> 4) | (int)((qh >> (j + 16)) & 1) << 4) * q[j + 16];
+            float m = half_to_float(rd16(blk + 2));
+            COMBINE_DM(f1, acc, d, m, x->d, isum, x->sum);
+            break;
+        }
+        case T_Q8_0:
+            for (int j = 0; j < 32; j++) isum += (int8_t)blk[2 + j] * q[j];
+            COMBINE_D(f1, acc, d, x->d, isum);
+            break;
+        }
+    }
+    return acc;
+}
+
+/* K-quants: element e (0..255) of a super-block */
+static inline int q4k(const uint8_t *qs, int e) {
+    int c = e / 64, l = e % 32;
+    return (e % 64) < 32 ? qs[32 * c + l] & 15 : qs[32 * c + l] >> 4;
+}
+static inline int q6k(const uint8_t *ql, const uint8_t *qh, int e) {
+    int h = e / 128, p = e % 128, l = p % 32, s = p / 32;
+    int lo = (ql[64 * h + p % 64] >> (4 * (p / 64))) & 15;
+    int hi = (qh[32 * h + l] >> (2 * s)) & 3;
+    return lo | (hi << 4);
+}
+
+/* K-quants, following the byte layout: Q4_K/Q5_K qs[32c + l] holds elements 64c + l (low nibble, sub-block 2c)
+ * and 64c + 32 + l (high, 2c + 1), bit 2c / 2c + 1 of qh[l] their fifth bit; Q6_K, per half h of 128, ql[64h + l]
+ * and ql[64h + 32 + l] hold the low 4 bits of elements l, l + 32 (low nibbles), l + 64, l + 96 (high), qh[32h + l]
+ * their top 2 bits (bits 0-1, 2-3, 4-5, 6-7). */
+static float dot_qk(int t, const uint8_t *w, const xblock256 *x, int64_t nb) {
+    float acc = 0.0f;
+    const int tb = type_bytes(t);
+    for (int64_t b = 0; b < nb; b++, x++) {
+        const uint8_t *blk = w + tb * b;
+        const int8_t *q = x->q;
+        if (t == T_Q6_K) {
+            const uint8_t *ql = blk, *qh = blk + 128;
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            int32_t s16[16] = {0}, A = 0;
+            for (int h = 0; h < 2; h++)
+                for (int l = 0; l < 32; l++) {
+                    int e = 128 * h + l, i = 8 * h + l / 16, hb = qh[32 * h + l];
+                    s16[i] += ((ql[64 * h + l] & 15) | (hb & 3) << 4) * q[e];
+                    s16[i + 2] += ((ql[64 * h + 32 + l] & 15) | ((hb >> 2) & 3) << 4) * q[e + 32];
+                    s16[i + 4] += ((ql[64 * h + l] >> 4) | ((hb >> 4) & 3) << 4) * q[e + 64];
+                    s16[i + 6] += ((ql[64 * h + 32 + l] >> 4) | ((hb >> 6) & 3) << 4) * q[e + 96];
+                }
+            for (int i = 0; i < 16; i++) A += sc[i] * (s16[i] - 32 * x->bsum[i]);   /* (q - 32) . x */
+            float d = half_to_float(rd16(blk + 208));
+            COMBINE_D(f1, acc, d, x->d, A);
+        } else {
+            const uint8_t *qh = blk + 16, *qs = blk + (t == T_Q4_K ? 16 : 48);
+            uint8_t sc[8], mn[8];
+            kscales(blk + 4, sc, mn);
+            int32_t A = 0, B = 0;
+            for (int c = 0; c < 4; c++) {
+                int32_t lo = 0, hi = 0;
+                for (int l = 0; l < 32; l++) {
+                    int ql = qs[32 * c + l] & 15, qhi = qs[32 * c + l] >> 4;
+                    if (t == T_Q5_K) {
+                        ql |= ((qh[l] >> (2 * c)) & 1) << 4;
+                        qhi |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+                    }
+                    lo += ql * q[64 * c + l];
+                    hi += qhi * q[64 * c + 32 + l];
+                }
+                A += sc[2 * c] * lo + sc[2 * c + 1] * hi;
+            }
+            for (int j = 0; j < 8; j++) B += mn[j] * (x->bsum[2 * j] + x->bsum[2 * j + 1]);
+            float d = half_to_float(rd16(blk)), dmin = half_to_float(rd16(blk + 2));
+            COMBINE_K(f1, acc, d, dmin, x->d, A, B);
+        }
+    }
+    return acc;
+}
+
+/* F32 / F16 / BF16 weights: 32 lanes, zero padding, reduce32 */
+static inline float wval(int t, const uint8_t *w, int64_t k) {
+    if (t == T_F32) { float f; memcpy(&f, w + 4 * k, 4); return f; }
+    uint16_t h = rd16(w + 2 * k);
+    return t == T_F16 ? half_to_float(h) : bf16_to_float(h);
+}
+
+static float dot_f(int t, const uint8_t *w, const float *x, int64_t K) {
+    float acc[32] = {0};
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32)
+        for (int l = 0; l < 32; l++) acc[l] = acc[l] + wval(t, w, k + l) * x[k + l];
+    if (k < K) {
+        float wt[32] = {0}, xt[32] = {0};
+        for (int l = 0; k + l < K; l++) { wt[l] = wval(t, w, k + l); xt[l] = x[k + l]; }
+        for (int l = 0; l < 32; l++) acc[l] = acc[l] + wt[l] * xt[l];
+    }
+    return reduce32(acc);
+}
+
+/* out = acc_hi + acc_lo: the two halves' sums, each from 0 (kernels.h) */
+static void mm_task(const mm_job *j, int64_t group, int64_t m0, int64_t m1) {
+    int t = j->qtype;
+    int64_t n1 = (group + 1) * GROUP < j->N ? (group + 1) * GROUP : j->N;
+    for (int64_t n = group * GROUP; n < n1; n++) {
+        const uint8_t *w = j->w + n * j->row_bytes;
+        for (int64_t m = m0; m < m1; m++) {
+            float r;
+            if (is_float_type(t)) {
+                r = dot_f(t, w, j->x + m * j->K, j->K);
+            } else {   /* x row m: quantized rows 2m (hi) and 2m + 1 (lo) */
+                const char *xh = (const char *)j->xq + 2 * m * j->xq_row_bytes, *xl = xh + j->xq_row_bytes;
+                float acc_hi, acc_lo;
+                if (type_block(t) == 32) {
+                    acc_hi = dot_q32(t, w, (const xblock32 *)xh, j->K / 32);
+                    acc_lo = dot_q32(t, w, (const xblock32 *)xl, j->K / 32);
+                } else {
+                    acc_hi = dot_qk(t, w, (const xblock256 *)xh, j->K / 256);
+                    acc_lo = dot_qk(t, w, (const xblock256 *)xl, j->K / 256);
+                }
+                r = acc_hi + acc_lo;
+            }
+            j->out[m * j->ldo + n] = r;
+        }
+    }
+}
+
+const kernel_path portable_path = {"portable", quantize_row, mm_task};
+
+/* ---- dequantization, the same float operations as gguf.quants ---- */
+void dequantize_rows(int t, const uint8_t *w, int64_t row_bytes, int64_t K, float *out, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + r * row_bytes;
+        float *y = out + r * K;
+        if (is_float_type(t)) {
+            for (int64_t k = 0; k < K; k++) y[k] = wval(t, row, k);
+            continue;
+        }
+        int bs = type_block(t), tb = type_bytes(t);
+        for (int64_t b = 0; b < K / bs; b++, y += bs) {
+            const uint8_t *blk = row + b * tb;
+            switch (t) {
+            case T_Q4_0: {
+                float d = half_to_float(rd16(blk));
+                for (int e = 0; e < 32; e++) y[e] = d * (float)(q4(blk + 2, e) - 8);
+                break;
+            }
+            case T_Q4_1: {
+                float d = half_to_float(rd16(blk)), m = half_to_float(rd16(blk + 2));
+                for (int e = 0; e < 32; e++) y[e] = d * (float)q4(blk + 4, e) + m;
+                break;
+            }
+            case T_Q5_0: {
+                float d = half_to_float(rd16(blk));
+                uint32_t qh = rd32(blk + 2);
+                for (int e = 0; e < 32; e++) y[e] = d * (float)(q5(blk + 6, qh, e) - 16);
+                break;
+            }
+            case T_Q5_1: {
+                float d = half_to_float(rd16(blk)), m = half_to_float(rd16(blk + 2));
+                uint32_t qh = rd32(blk + 4);
+                for (int e = 0; e < 32; e++) y[e] = d * (float)q5(blk + 8, qh, e) + m;
+                break;
+            }
+            case T_Q8_0: {
+                float d = half_to_float(rd16(blk));
+                for (int e = 0; e < 32; e++) y[e] = (float)(int8_t)blk[2 + e] * d;
+                break;
+            }
+            case T_Q4_K: case T_Q5_K: {
+                const uint8_t *qh = blk + 16, *qs = blk + (t == T_Q4_K ? 16 : 48);
+                uint8_t sc[8], mn[8];
+                kscales(blk + 4, sc, mn);
+                float d = half_to_float(rd16(blk)), dmin = half_to_float(rd16(blk + 2));
+                for (int e = 0; e < 256; e++) {
+                    int j = e / 32, q = q4k(qs, e);
+                    if (t == T_Q5_K) q |= ((qh[e % 32] >> j) & 1) << 4;
+                    float ds = d * (float)sc[j], dm = dmin * (float)mn[j];
+                    y[e] = ds * (float)q - dm;
+                }
+                break;
+            }
+            case T_Q6_K: {
+                float d = half_to_float(rd16(blk + 208));
+                const int8_t *sc = (const int8_t *)(blk + 192);
+                for (int e = 0; e < 256; e++) y[e] = (d * (float)sc[e / 16]) * (float)(q6k(blk, blk + 128, e) - 32);
+                break;
+            }
+            }
+        }
+    }
+}
