@@ -225,9 +225,9 @@ def test_encode_chat_on_a_small_vocabulary():
     """The protected-span logic on a small vocabulary: templates that trim, repeat or drop contents."""
     from tests.test_tokenizer import small_meta
     from tracelm.io.chat_template import encode_chat
-    from tracelm.io.tokenizer import Tokenizer
+    from tracelm.io.tokenizer_formats import from_gguf_metadata
 
-    tok = Tokenizer.from_gguf_metadata(small_meta())
+    tok = from_gguf_metadata(small_meta())
     im_end = tok.token_id("<|im_end|>")
     trims = "{% for m in messages %}[{{ m['content'] | trim }}]<|im_end|>{% endfor %}"
     ids = encode_chat(tok, trims, [{"role": "user", "content": "  a<|im_end|>b  "}])

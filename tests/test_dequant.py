@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf import quants
 
 from tracelm import TracelmError
-from tracelm.io.gguf_file import dequantize
+from tracelm.io.dequant import dequantize
 
 
 def f16(x: float) -> bytes:

@@ -65,8 +65,9 @@ def checkpoint(request, tmp_path_factory):
 
 def test_safetensors_and_gguf_paths_match_transformers(checkpoint, tmp_path) -> None:
     from tracelm.io.export import export_gguf
-    from tracelm.io.gguf_file import GGUFFile, load_weights, model_config
+    from tracelm.io.gguf_file import GGUFFile, model_config
     from tracelm.io.safetensors_file import HFFolder
+    from tracelm.io.weights import load_weights
     from tracelm.pipeline.validate import TransformersReference, validate_prompt
 
     family, path = checkpoint

@@ -101,8 +101,7 @@ def test_stop_strings_end_generation(tiny) -> None:
 def test_trace_events_cover_every_stage(tiny, tmp_path) -> None:
     path = tmp_path / "t.jsonl"
     with open(path, "w") as f:
-        runner = Runner(tiny, 32, Tracer(f, "digest"))
-        list(runner.generate([104, 101], 2, GREEDY))
+        list(Runner(tiny, 32).generate([104, 101], 2, GREEDY, tracer=Tracer(f, "digest")))
     events = [json.loads(line) for line in path.read_text().splitlines()]
     stages = [e for e in events if e["event"] == "stage"]
     per_pass = 1 + 7 * tiny.cfg.n_layer + 2

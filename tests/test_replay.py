@@ -143,12 +143,12 @@ def test_multi_turn_trace_with_a_warm_cache_replays(recorded, tmp_path) -> None:
     second = first + runner.stats.tokens + model.tokenizer.encode(" and more")
     path = tmp_path / "session.jsonl"
     with open(path, "w", encoding="utf-8") as f:
-        runner.tracer = tracer = Tracer(f, "digest")
+        tracer = Tracer(f, "digest")
         write_header(tracer, cfg, model, second)
         tracer.event("request", request_id="r1")
-        list(runner.generate(second, 4, params))
+        list(runner.generate(second, 4, params, tracer=tracer))
         third = second + runner.stats.tokens + model.tokenizer.encode("!")
-        list(runner.generate(third, 3, SamplingParams(temperature=0.0)))
+        list(runner.generate(third, 3, SamplingParams(temperature=0.0), tracer=tracer))
         write_footer(tracer, runner.stats)
     events = [json.loads(x) for x in path.read_text().splitlines()]
     gens = [e for e in events if e["event"] == "generate"]

@@ -55,7 +55,7 @@ def reference(smollm2, ids: list[int], max_tokens: int, stop=()) -> tuple[str, i
 
 
 def chat_ids(smollm2, messages) -> list[int]:
-    from tracelm.cli import chat_prompt
+    from tracelm.session import chat_prompt
 
     return chat_prompt(smollm2, messages)
 

@@ -188,7 +188,7 @@ def test_a_streamed_trace_replays_bit_for_bit_on_resident_weights(tmp_path: Path
 def test_own_dequantization_kernels_equal_gguf(qtype: Q) -> None:
     """Q4_1, Q5_0, Q4_K and Q6_K (SmolLM2's, Qwen2.5's and Gemma 3's main types) are dequantized by tracelm's
     own kernels: every value must be gguf.quants' own, for quantized data and for arbitrary bytes."""
-    from tracelm.io.gguf_file import KERNEL_VALUES, dequantize
+    from tracelm.io.dequant import KERNEL_VALUES, dequantize
 
     rng = np.random.default_rng(2)
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]

@@ -9,7 +9,8 @@ import pytest
 
 from tracelm import TracelmError
 from tracelm.io.gguf_file import GGUFFile
-from tracelm.io.tokenizer import PRE_TOKENIZERS, Tokenizer, _byte_alphabet
+from tracelm.io.tokenizer import Tokenizer
+from tracelm.io.tokenizer_formats import PRE_TOKENIZERS, _byte_alphabet, from_gguf_metadata, from_scored_vocab
 
 FIXTURES = Path(__file__).parents[2] / "shared" / "fixtures"
 
@@ -39,9 +40,7 @@ def small_meta(pre: str = "gpt-2", extra: tuple[str, ...] = (), merges: tuple[st
 
 @pytest.fixture(scope="module")
 def small():
-    return Tokenizer.from_gguf_metadata(
-        small_meta(extra=("ab", "abc", "Ġab"), merges=("a b", "ab c", "Ġ ab"))
-    )
+    return from_gguf_metadata(small_meta(extra=("ab", "abc", "Ġab"), merges=("a b", "ab c", "Ġ ab")))
 
 
 def ids_of(tok: Tokenizer, *pieces: str) -> list[int]:
@@ -56,7 +55,7 @@ def test_encode_applies_merges_within_pieces(small):
 
 def test_every_known_pre_tokenizer_builds():
     for pre in PRE_TOKENIZERS:
-        tok = Tokenizer.from_gguf_metadata(small_meta(pre))
+        tok = from_gguf_metadata(small_meta(pre))
         assert tok.decode(tok.encode("It's 2024!\n  ok", add_bos=False)) == "It's 2024!\n  ok"
 
 
@@ -70,29 +69,29 @@ def test_every_known_pre_tokenizer_builds():
     ],
 )
 def test_pre_tokenizer_table_splits_digits_as_named(pre, pieces):
-    tok = Tokenizer.from_gguf_metadata(small_meta(pre, extra=("12", "1212"), merges=("1 2", "12 12")))
+    tok = from_gguf_metadata(small_meta(pre, extra=("12", "1212"), merges=("1 2", "12 12")))
     assert tok.encode(" 1212", add_bos=False) == ids_of(tok, *pieces)
 
 
 def test_llama3_takes_whole_vocabulary_pieces_without_merges():
-    llama3 = Tokenizer.from_gguf_metadata(small_meta("llama-bpe", extra=("xyz",)))
+    llama3 = from_gguf_metadata(small_meta("llama-bpe", extra=("xyz",)))
     assert llama3.encode("xyz", add_bos=False) == ids_of(llama3, "xyz")
-    plain = Tokenizer.from_gguf_metadata(small_meta("gpt-2", extra=("xyz",)))
+    plain = from_gguf_metadata(small_meta("gpt-2", extra=("xyz",)))
     assert plain.encode("xyz") == ids_of(plain, "x", "y", "z")
 
 
 def test_unknown_pre_tokenizer_is_named():
     with pytest.raises(TracelmError, match="'wizard-7'"):
-        Tokenizer.from_gguf_metadata(small_meta("wizard-7"), source="m.gguf")
+        from_gguf_metadata(small_meta("wizard-7"), source="m.gguf")
 
 
 def test_unsupported_or_incomplete_vocabulary_is_named():
     with pytest.raises(TracelmError, match="'bert' is not supported"):
-        Tokenizer.from_gguf_metadata({**small_meta(), "tokenizer.ggml.model": "bert"}, source="m.gguf")
+        from_gguf_metadata({**small_meta(), "tokenizer.ggml.model": "bert"}, source="m.gguf")
     with pytest.raises(TracelmError, match="tokenizer.ggml.scores"):  # a `llama` vocabulary needs its scores
-        Tokenizer.from_gguf_metadata({**small_meta(), "tokenizer.ggml.model": "llama"})
+        from_gguf_metadata({**small_meta(), "tokenizer.ggml.model": "llama"})
     with pytest.raises(TracelmError, match="no vocabulary"):
-        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "none"}, source="m.gguf")
+        from_gguf_metadata({"tokenizer.ggml.model": "none"}, source="m.gguf")
 
 
 def test_parse_special(small):
@@ -120,7 +119,7 @@ def test_special_ids_and_bos(small):
     assert small.eog_ids == {im_end, eot}
     assert small.add_bos is False and small.encode("a")[0] != eot
     assert small.encode("a", add_bos=True) == [eot, ord("a")]
-    with_bos = Tokenizer.from_gguf_metadata(small_meta(**{"tokenizer.ggml.add_bos_token": True}))
+    with_bos = from_gguf_metadata(small_meta(**{"tokenizer.ggml.add_bos_token": True}))
     assert with_bos.add_bos and with_bos.encode("a") == [with_bos.bos_id, ord("a")]
     assert with_bos.encode("a", add_bos=False) == [ord("a")]
 
@@ -184,7 +183,7 @@ def test_gpt2_vocab_vectors():
         meta = GGUFFile(path).metadata
     except TracelmError as e:
         pytest.skip(f"the shared fixture cannot be read: {e}")
-    tok = Tokenizer.from_gguf_metadata(meta, path.name)
+    tok = from_gguf_metadata(meta, path.name)
     vectors = read_vectors(path.name)
     assert len(vectors) > 40
     wrong = [(x, tok.encode(x), want) for x, want in vectors if tok.encode(x) != want]
@@ -197,7 +196,7 @@ def test_gpt2_vocab_vectors():
 
 @pytest.fixture(scope="module")
 def smol(smollm2_path) -> Tokenizer:
-    return Tokenizer.from_gguf_metadata(GGUFFile(smollm2_path).metadata, smollm2_path.name)
+    return from_gguf_metadata(GGUFFile(smollm2_path).metadata, smollm2_path.name)
 
 
 @pytest.mark.model
@@ -269,8 +268,8 @@ def toy_spm(rng: random.Random, add_space_prefix: bool = True):
     pieces += singles + sorted(multi)
     types += [NORMAL] * (len(singles) + len(multi))
     scores = [0.0] * 259 + [-1000.0 - rng.random() for _ in singles] + [-rng.random() * 100 for _ in multi]
-    tok = Tokenizer.from_scored_vocab(pieces, scores, types, {"unknown_token_id": 0, "bos_token_id": 1,
-                                                                "eos_token_id": 2}, add_space_prefix=add_space_prefix)
+    tok = from_scored_vocab(pieces, scores, types, {"unknown_token_id": 0, "bos_token_id": 1,
+                                                    "eos_token_id": 2}, add_space_prefix=add_space_prefix)
     return tok, pieces, scores
 
 
@@ -290,7 +289,7 @@ def test_scored_bpe_without_byte_tokens_uses_unk():
     from tracelm.io.tokenizer import CONTROL, NORMAL, UNKNOWN
 
     pieces, types = ["<unk>", "<s>", "</s>", "\u2581", "a", "\u2581a"], [UNKNOWN, CONTROL, CONTROL] + [NORMAL] * 3
-    tok = Tokenizer.from_scored_vocab(pieces, [0, 0, 0, -3, -2, -1], types,
-                                      {"unknown_token_id": 0, "bos_token_id": 1, "eos_token_id": 2})
+    tok = from_scored_vocab(pieces, [0, 0, 0, -3, -2, -1], types,
+                            {"unknown_token_id": 0, "bos_token_id": 1, "eos_token_id": 2})
     assert tok.encode("a a", add_bos=False) == [5, 5]
     assert tok.encode("aéa", add_bos=False) == [5, 0, 4]  # one <unk> for the unknown character

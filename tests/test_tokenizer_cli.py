@@ -21,6 +21,7 @@ from tracelm import TracelmError
 from tracelm.cli import main
 from tracelm.io.loader import load_tokenizer
 from tracelm.io.tokenizer import Tokenizer
+from tracelm.io.tokenizer_formats import from_gguf_metadata
 from tracelm.io.tokenizer_tools import parse_ids, split_inputs
 
 VOCAB = SP_MODEL.parents[1] / "vocab"
@@ -229,7 +230,7 @@ def test_long_texts_encode_as_one(llama_gguf, small_gguf):
 
     line = "x\n\n  Hello <s>world</s>!\n\t1234\nend.\n\n=== head\n"
     text = line * 40
-    newlines = Tokenizer.from_gguf_metadata(small_meta(extra=("\u010a\u010a",), merges=("\u010a \u010a",)))
+    newlines = from_gguf_metadata(small_meta(extra=("\u010a\u010a",), merges=("\u010a \u010a",)))
     for tok in (load_tokenizer(str(llama_gguf)), load_tokenizer(str(small_gguf)), newlines):
         parts = {}
         sizes = [*range(8, 90, 3), 10**9]

@@ -1,7 +1,19 @@
-"""tracelm: auditable LLM inference on the CPU as an explicit graph of pure numpy stages."""
+"""tracelm: auditable LLM inference on the CPU as an explicit graph of pure stages.
 
-__version__ = "0.1.0"
+    from tracelm import Session
+    print(Session("smollm2-135m-instruct").chat("Hi"))
+"""
+
+from tracelm.state.errors import TracelmError
+from tracelm.version import __version__
+
+__all__ = ["Session", "TracelmError", "__version__"]
 
 
-class TracelmError(Exception):
-    """An error caused by the user's input (file, config, prompt): reported as one line, exit 2."""
+def __getattr__(name: str):
+    """`tracelm.Session`, imported when first asked for (importing tracelm alone loads no model code)."""
+    if name == "Session":
+        from tracelm.session import Session
+
+        return Session
+    raise AttributeError(f"module 'tracelm' has no attribute {name!r}")

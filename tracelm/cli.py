@@ -3,37 +3,23 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
 from collections.abc import Iterator
 from typing import Any
 
-from tracelm import TracelmError
+from tracelm.state.errors import TracelmError
 
 
-def _threads(n: int, compute: str = "kernels") -> contextlib.AbstractContextManager[Any]:
-    """n threads (0: all cores) for the kernels' pool, with OpenBLAS at one thread so its workers never compete
-    with the pool ("kernels"); or n for BLAS and numexpr, 0 keeping their defaults ("reference")."""
-    import numexpr
-    from threadpoolctl import threadpool_limits
+def _threads(n: int, compute: str = "kernels") -> Any:
+    from tracelm.session import ThreadLimits
 
-    if compute == "kernels":
-        from tracelm import kernels
-
-        n = n if n > 0 else len(os.sched_getaffinity(0))
-        kernels.set_threads(n)
-        numexpr.set_num_threads(n)
-        return threadpool_limits(limits=1, user_api="blas")
-    if n <= 0:
-        return contextlib.nullcontext()
-    numexpr.set_num_threads(n)
-    return threadpool_limits(limits=n)
+    return ThreadLimits(n, compute)
 
 
 def _load_config(args: argparse.Namespace) -> Any:
-    from tracelm.io.run_config import load_run_config
+    from tracelm.session import run_config
 
     overrides = list(args.set or [])
     for flag, key in (("prompt", "prompt"), ("max_tokens", "max_tokens"), ("temperature", "sampling.temperature"),
@@ -43,52 +29,20 @@ def _load_config(args: argparse.Namespace) -> Any:
             overrides.append(f"{key}={json.dumps(value)}")
     if getattr(args, "trace", None):
         overrides.append(f"trace.file={json.dumps(args.trace)}")
-    cfg = load_run_config(args.config, overrides)
-    if cfg.trace.file and cfg.trace.level == "off":  # --trace FILE alone means the digest level
-        cfg = load_run_config(args.config, [*overrides, "trace.level=digest"])
-    return cfg
-
-
-@contextlib.contextmanager
-def _tracer(cfg: Any, model: Any, prompt_ids: list[int], key_env: str | None = None) -> Iterator[Any]:
-    if cfg.trace.level == "off" or not cfg.trace.file:
-        yield None
-        return
-    from tracelm.pipeline.trace import Tracer, trace_key, write_header
-
-    key = trace_key(key_env) if key_env else None
-
-    try:
-        stream = open(cfg.trace.file, "w", encoding="utf-8")  # noqa: SIM115
-    except OSError as e:
-        raise TracelmError(f"{cfg.trace.file}: cannot write trace: {e.strerror}") from None
-    with stream:
-        tracer = Tracer(stream, cfg.trace.level, key=key)
-        write_header(tracer, cfg, model, prompt_ids)
-        try:
-            yield tracer
-        finally:  # an interrupted run still leaves every event up to the interruption (and no footer)
-            tracer.flush()
+    return run_config(None, args.config, overrides)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from tracelm.io.loader import ModelFile
-    from tracelm.pipeline.runner import Runner, check_fits, speculation
-    from tracelm.pipeline.trace import write_footer
+    from tracelm.session import Session
 
-    cfg = _load_config(args)
-    with _threads(cfg.threads, cfg.compute):
-        source = ModelFile(cfg.model, cfg.tokenizer)
-        ids = source.tokenizer.encode(cfg.prompt)
-        check_fits(len(ids), cfg.max_tokens, cfg.context)
-        model = source.load(weights=cfg.weights, compute=cfg.compute)
-        with _tracer(cfg, model, ids, getattr(args, "trace_key_env", None)) as tracer:
-            runner = Runner(model, cfg.context, tracer, **speculation(cfg))
-            text = "".join(_echo(runner.generate(ids, cfg.max_tokens, cfg.sampling, cfg.stop)))
-            if tracer is not None:
-                write_footer(tracer, runner.stats, text)
+    with Session(config=_load_config(args)) as session:
+        cfg = session.cfg
+        ids = session.encode(cfg.prompt)
+        session.check(len(ids))  # before the weights load
+        for _ in _echo(session.stream(cfg.prompt, trace_key_env=getattr(args, "trace_key_env", None))):
+            pass
+        s = session.stats
     sys.stdout.write("\n")
-    s = runner.stats
     rate = s.n_generated / s.decode_seconds if s.decode_seconds else 0.0
     spec = (f", {s.n_generated / max(s.n_passes, 1):.2f} tokens per pass, {s.n_accepted}/{s.n_drafted} drafted "
             "accepted" if s.n_drafted else "")
@@ -97,24 +51,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def chat_prompt(model: Any, messages: list[dict[str, str]]) -> list[int]:
-    """The conversation's token ids, rendered with the model's chat template (or the built-in one for its
-    vocabulary); control tokens spelled in the messages stay plain text."""
-    from tracelm.io.chat_template import encode_chat
-
-    return encode_chat(model.tokenizer, model.chat_template, messages, add_generation_prompt=True)
-
-
 def cmd_chat(args: argparse.Namespace) -> int:
-    from tracelm.io.loader import load_model
-    from tracelm.pipeline.runner import Runner, speculation
+    from tracelm.session import Session
 
-    cfg = _load_config(args)
     interactive = sys.stdin.isatty() and not args.message
-    with _threads(cfg.threads, cfg.compute):
-        model = load_model(cfg.model, tokenizer=cfg.tokenizer, weights=cfg.weights, compute=cfg.compute)
-        runner = Runner(model, cfg.context, **speculation(cfg))
-        messages: list[dict[str, str]] = [{"role": "system", "content": cfg.system}] if cfg.system else []
+    with Session(config=_load_config(args)) as session:
         inputs = iter(args.message) if args.message else sys.stdin
         while True:
             if interactive:
@@ -125,18 +66,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
             line = line.rstrip("\n")
             if not line.strip():
                 continue
-            messages.append({"role": "user", "content": line})
-            ids = chat_prompt(model, messages)
-            room = cfg.context - len(ids)
-            if room <= 0:
-                raise TracelmError(f"the conversation ({len(ids)} tokens) no longer fits the context of "
-                                   f"{cfg.context}; raise 'context' or start over")
-            turn = runner.generate(ids, min(cfg.max_tokens, room), cfg.sampling, cfg.stop)
-            reply = "".join(_echo(turn))
+            for _ in _echo(session.chat_stream(line)):
+                pass
             sys.stdout.write("\n")
             sys.stdout.flush()
-            messages.append({"role": "assistant", "content": reply.strip()})
-            s = runner.stats
+            s = session.stats
             print(f"[reused {s.n_reused} of {s.n_prompt} prompt tokens, {s.n_generated} generated]",
                   file=sys.stderr)
     return 0
@@ -330,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def run_options(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("config", help="YAML run config (see configs/)")
+        sp.add_argument("config", nargs="?", help="YAML run config (see configs/; default: the built-in defaults)")
         sp.add_argument("--max-tokens", type=int)
         sp.add_argument("--temperature", type=float)
         sp.add_argument("--seed", type=int)
@@ -351,7 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_chat)
 
     sp = sub.add_parser("serve", help="an OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, streaming")
-    sp.add_argument("config", help="YAML run config (see configs/); its server: section sets the limits")
+    sp.add_argument("config", nargs="?", help="YAML run config (see configs/; default: the built-in defaults); its "
+                    "server: section sets the limits")
     sp.add_argument("--max-tokens", type=int, help="default max_tokens of a request that gives none")
     sp.add_argument("--temperature", type=float, help="default temperature of a request that gives none")
     sp.add_argument("--context", type=int, help="positions of each KV cache (prompt + completion)")

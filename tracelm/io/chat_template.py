@@ -20,7 +20,7 @@ from jinja2.exceptions import SecurityError
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from tracelm import TracelmError
+from tracelm.state.errors import TracelmError
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"

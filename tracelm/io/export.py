@@ -1,6 +1,6 @@
 """Write a loaded model (any format tracelm reads) as an f32 GGUF file with gguf.GGUFWriter.
 
-The GGUF architecture is the model's own when llama.cpp knows it (llama, qwen2, qwen3, phi3, gemma3) and
+The GGUF architecture is the model's own when it is one of the families (tracelm.io.families) and
 `llama` otherwise (a llama2.c checkpoint). Hugging Face llama/mistral weights rotate halves (NEOX) where
 GGUF llama rotates adjacent pairs, so their q and k rows are permuted on the way. The written file is
 read back and its ModelConfig must equal the model's: an option the target architecture cannot express
@@ -17,8 +17,9 @@ import attrs
 import gguf
 import numpy as np
 
-from tracelm import TracelmError
-from tracelm.io.gguf_file import ARCH_OPTIONS, GGUFFile, model_config
+from tracelm.io.families import BY_ARCH
+from tracelm.io.gguf_file import GGUFFile, model_config
+from tracelm.state.errors import TracelmError
 from tracelm.state.model_config import ModelConfig
 from tracelm.state.records import ModelWeights
 
@@ -55,9 +56,9 @@ def _tokenizer_kv(w: gguf.GGUFWriter, meta: dict[str, Any]) -> None:
 def export_gguf(cfg: ModelConfig, weights: ModelWeights, out: str | os.PathLike,
                 metadata: dict[str, Any] | None = None, name: str = "") -> Path:
     out = Path(out)
-    arch = cfg.arch if cfg.arch in ARCH_OPTIONS else "llama"
-    target_mode = ARCH_OPTIONS[arch]["rope_mode"]
-    permute = cfg.rope_mode != target_mode
+    arch = cfg.arch if cfg.arch in BY_ARCH else "llama"
+    implied = BY_ARCH[arch].gguf_options(cfg.n_embd)
+    permute = cfg.rope_mode != implied["rope_mode"]
     if permute and (cfg.rope_mode, cfg.rope_dim) != ("neox", cfg.head_dim):
         raise TracelmError(f"export: cannot express {cfg.rope_mode} RoPE over {cfg.rope_dim} of {cfg.head_dim} dims "
                            f"as GGUF {arch}")
@@ -80,9 +81,9 @@ def export_gguf(cfg: ModelConfig, weights: ModelWeights, out: str | os.PathLike,
     w.add_layer_norm_rms_eps(cfg.rms_eps)
     if cfg.sliding_window:
         w.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
-    if cfg.swa_pattern != ARCH_OPTIONS[arch].get("swa_pattern", 0):
+    if cfg.swa_pattern != implied.get("swa_pattern", 0):
         w.add_uint32(f"{arch}.attention.sliding_window_pattern", cfg.swa_pattern)
-    if cfg.rope_base_swa != ARCH_OPTIONS[arch].get("rope_base_swa", 0.0):
+    if cfg.rope_base_swa != implied.get("rope_base_swa", 0.0):
         w.add_float32(f"{arch}.rope.freq_base_swa", cfg.rope_base_swa)
     if cfg.attn_scale:
         w.add_float32(f"{arch}.attention.scale", cfg.attn_scale)
@@ -105,7 +106,7 @@ def export_gguf(cfg: ModelConfig, weights: ModelWeights, out: str | os.PathLike,
             if bias is not None:
                 bias = (neox_to_adjacent(bias[0], cfg.n_head), neox_to_adjacent(bias[1], cfg.n_head_kv), bias[2])
         tensors = {"attn_norm.weight": lw.attn_norm}
-        if arch == "phi3":  # llama.cpp's phi3 reads q/k/v and gate/up fused
+        if BY_ARCH[arch].gguf_fused:  # llama.cpp reads this family's q/k/v and gate/up fused
             tensors |= {"attn_qkv.weight": lw.wqkv, "ffn_up.weight": lw.w_gate_up}
             if bias is not None:
                 tensors["attn_qkv.bias"] = lw.bqkv

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tracelm import TracelmError
-from tracelm.io.gguf_file import aligned_f32, packed, packed_values
+from tracelm.io.weights import aligned_f32, packed, packed_values
+from tracelm.state.errors import TracelmError
 from tracelm.state.model_config import ModelConfig
 from tracelm.state.records import LayerWeights, ModelWeights
 

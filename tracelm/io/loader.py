@@ -10,10 +10,13 @@ from typing import Any
 import attrs
 import numpy as np
 
-from tracelm import TracelmError, kernels
+import tracelm.kernels as kernels
 from tracelm.io import registry
-from tracelm.io.gguf_file import GGUFFile, kernel_weights, load_weights, model_config
+from tracelm.io.gguf_file import GGUFFile, model_config
 from tracelm.io.tokenizer import Tokenizer
+from tracelm.io.tokenizer_formats import from_gguf_metadata, from_hf_json, from_llama2c, from_sentencepiece
+from tracelm.io.weights import kernel_weights, load_weights
+from tracelm.state.errors import TracelmError
 from tracelm.state.model_config import ModelConfig
 from tracelm.state.records import ModelWeights, QMatrix
 from tracelm.state.run_config import COMPUTE_MODES, WEIGHT_MODES
@@ -64,7 +67,7 @@ class ModelFile:
         if tokenizer is not None:
             self.tokenizer = load_tokenizer(tokenizer)
         elif self.kind == "gguf":
-            self.tokenizer = Tokenizer.from_gguf_metadata(self.gguf.metadata, source=self.gguf.name)
+            self.tokenizer = from_gguf_metadata(self.gguf.metadata, source=self.gguf.name)
         elif self.kind == "hf":
             self.tokenizer = load_tokenizer(str(self.path))
         else:
@@ -161,12 +164,12 @@ def load_tokenizer(name_or_path: str) -> Tokenizer:
         raise TracelmError(f"{p}: cannot read: {e.strerror}") from None
     if magic == b"GGUF" or p.suffix == ".gguf":
         gf = GGUFFile(p)
-        return Tokenizer.from_gguf_metadata(gf.metadata, source=gf.name)
+        return from_gguf_metadata(gf.metadata, source=gf.name)
     if p.suffix == ".json":
-        return Tokenizer.from_hf_json(p)
+        return from_hf_json(p)
     if p.suffix == ".model":
-        return Tokenizer.from_sentencepiece(p)
+        return from_sentencepiece(p)
     if p.suffix == ".bin":
-        return Tokenizer.from_llama2c(p)
+        return from_llama2c(p)
     raise TracelmError(f"{p.name}: not a tokenizer tracelm knows (a GGUF, a SentencePiece .model, a "
                        "tokenizer.json or a llama2.c tokenizer.bin)")

@@ -26,7 +26,7 @@ from pathlib import Path
 import attrs
 from tqdm import tqdm
 
-from tracelm import TracelmError
+from tracelm.state.errors import TracelmError
 
 _CHUNK = 1 << 20  # bytes per read when streaming or hashing
 

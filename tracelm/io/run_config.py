@@ -11,7 +11,7 @@ from typing import Any
 import attrs
 import yaml
 
-from tracelm import TracelmError
+from tracelm.state.errors import TracelmError
 from tracelm.state.run_config import RunConfig
 
 _SCALARS = (int, float, str, bool)

@@ -1,13 +1,14 @@
 """Hugging Face model folders: config.json -> ModelConfig, safetensors (one file or sharded with
 model.safetensors.index.json) memory-mapped, tensors renamed onto the canonical GGUF names.
 
-An `HFFolder` offers what `gguf_file.load_weights` reads from a GGUF (`name`, `tensors` with shapes and
+An `HFFolder` offers what `weights.load_weights` reads from a GGUF (`name`, `tensors` with shapes and
 sizes, `tensor_f32`), so both formats share one weight builder. The safetensors header (8-byte length,
 then JSON: name -> dtype, shape, byte offsets) is read here because numpy has no bfloat16 for the
 `safetensors` package to hand back; BF16 is widened to f32 by a 16-bit shift, F16 by numpy.
 
 Conventions undone on the way: Gemma stores RMSNorm weights as w with the scale 1 + w (GGUF stores
-1 + w); Hugging Face rotates halves (NEOX RoPE) for every family, so rope_mode is "neox".
+1 + w: the family's norm offset); Hugging Face rotates halves (NEOX RoPE) for every family, so rope_mode is
+"neox". The family facts (model_types, options, tensor names) come from tracelm.io.families.
 """
 
 from __future__ import annotations
@@ -15,46 +16,17 @@ from __future__ import annotations
 import json
 import math
 import mmap
-import re
 from pathlib import Path
 from typing import Any
 
 import attrs
 import numpy as np
 
-from tracelm import TracelmError
+from tracelm.io.families import BY_ARCH, BY_HF_MODEL_TYPE, HF_WRAPPER_TYPES, gguf_name
+from tracelm.state.errors import TracelmError
 from tracelm.state.model_config import ModelConfig
 
 DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
-
-# Hugging Face model_type -> (GGUF architecture, options)
-FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama": ("llama", {}),
-    "mistral": ("llama", {}),
-    "qwen2": ("qwen2", {"qkv_bias": True}),
-    "qwen3": ("qwen3", {"qk_norm": True}),
-    "phi3": ("phi3", {}),
-    "gemma3_text": ("gemma3", {"qk_norm": True, "post_norms": True, "ffn_act": "gelu_tanh"}),
-}
-
-_LAYER = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.qkv_proj.weight": "attn_qkv.weight", "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.gate_up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
-}  # fmt: skip
-_LAYER_POST_NORMS = {  # gemma: four norms per block
-    "post_attention_layernorm.weight": "post_attention_norm.weight",
-    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
-    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
-}
-_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight"}
-
 
 @attrs.frozen
 class STensor:
@@ -117,7 +89,7 @@ class HFFolder:
         for f in files:
             by_hf |= read_header(f)
         self.cfg = config_from_hf(self.config, by_hf, self.path / "config.json")
-        self.gemma_norms = self.cfg.arch == "gemma3"
+        self.norm_offset = BY_ARCH[self.cfg.arch].hf_norm_offset
         self.tensors = self._rename(by_hf)
         self.metadata = {"general.architecture": self.cfg.arch, "general.name": self.name}
         self._maps: dict[Path, mmap.mmap] = {}
@@ -132,7 +104,7 @@ class HFFolder:
             raise TracelmError(f"{p}: not valid JSON ({e.msg} at line {e.lineno})") from None
         if not isinstance(cfg, dict):
             raise TracelmError(f"{p}: not a JSON object")
-        return cfg.get("text_config", cfg) if cfg.get("model_type") == "gemma3" else cfg
+        return cfg.get("text_config", cfg) if cfg.get("model_type") in HF_WRAPPER_TYPES else cfg
 
     def _weight_files(self) -> list[Path]:
         single, index = self.path / "model.safetensors", self.path / "model.safetensors.index.json"
@@ -151,17 +123,10 @@ class HFFolder:
         raise TracelmError(f"{self.path}: no model.safetensors or model.safetensors.index.json")
 
     def _rename(self, by_hf: dict[str, STensor]) -> dict[str, STensor]:
-        layer_map = dict(_LAYER)
-        post = {"post_attention_layernorm.weight": "ffn_norm.weight"}
-        layer_map |= _LAYER_POST_NORMS if self.cfg.post_norms else post
-        out = {}
+        family, out = BY_ARCH[self.cfg.arch], {}
         for name, t in by_hf.items():
-            name_ = name.removeprefix("language_model.").replace("model.language_model.", "model.")
-            m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name_)
-            if m and m.group(2) in layer_map:
-                out[f"blk.{m.group(1)}.{layer_map[m.group(2)]}"] = t
-            elif name_ in _TOP:
-                out[_TOP[name_]] = t
+            if (canonical := gguf_name(name, family)) is not None:
+                out[canonical] = t
         return out
 
     def _values(self, name: str) -> tuple[STensor, np.ndarray]:
@@ -200,12 +165,12 @@ class HFFolder:
         else:
             a = raw.astype(np.float32)
         a = a.reshape(t.shape)
-        if self.gemma_norms and name.endswith("norm.weight"):
-            a = a + np.float32(1.0)
+        if self.norm_offset and name.endswith("norm.weight"):
+            a = a + np.float32(self.norm_offset)
         return a
 
     def load_weights(self, progress: bool = True):
-        from tracelm.io.gguf_file import load_weights
+        from tracelm.io.weights import load_weights
 
         return load_weights(self, self.cfg, progress=progress)  # type: ignore[arg-type]
 
@@ -230,12 +195,11 @@ def config_from_hf(c: dict[str, Any], tensors: dict[str, STensor], where: Path) 
         return c[key]
 
     model_type = need("model_type")
-    if model_type not in FAMILIES:
+    if model_type not in BY_HF_MODEL_TYPE:
         raise TracelmError(f"{where}: model_type {model_type!r} is not one tracelm builds "
-                           f"(supported: {', '.join(FAMILIES)})")
-    arch, opts = FAMILIES[model_type]
-    opts = dict(opts)
+                           f"(supported: {', '.join(BY_HF_MODEL_TYPE)})")
     d, n_head = int(need("hidden_size")), int(need("num_attention_heads"))
+    arch, opts = BY_HF_MODEL_TYPE[model_type].arch, BY_HF_MODEL_TYPE[model_type].hf_options(d)
     head_dim = int(c.get("head_dim") or d // n_head)
     rope_dim = int(head_dim * float(c.get("partial_rotary_factor", 1.0)))
     rp = c.get("rope_parameters") or {}
@@ -261,7 +225,6 @@ def config_from_hf(c: dict[str, Any], tensors: dict[str, STensor], where: Path) 
                 raise TracelmError(f"{where}: layer_types is not a repeating window pattern")
             opts["swa_pattern"] = pattern
     if arch == "gemma3":
-        opts["embd_scale"] = float(np.float32(d**0.5))
         opts["attn_scale"] = float(c.get("query_pre_attn_scalar", head_dim)) ** -0.5
         if c.get("final_logit_softcapping") or c.get("attn_logit_softcapping"):
             raise TracelmError(f"{where}: logit soft-capping is not supported")

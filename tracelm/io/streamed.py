@@ -20,8 +20,9 @@ from typing import overload
 
 import numpy as np
 
-from tracelm import TracelmError
-from tracelm.io.gguf_file import GGUFFile, LayerPlan, aligned_f32, layer_plan, layer_weights, plan_values
+from tracelm.io.gguf_file import GGUFFile
+from tracelm.io.weights import LayerPlan, aligned_f32, layer_plan, layer_weights, plan_values
+from tracelm.state.errors import TracelmError
 from tracelm.state.model_config import ModelConfig
 from tracelm.state.records import LayerWeights, ModelWeights, RowSource
 

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tracelm import TracelmError
+from tracelm.state.errors import TracelmError
 
 
 def read_text_file(path: str | Path) -> str:

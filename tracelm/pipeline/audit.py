@@ -12,8 +12,8 @@ from typing import Any
 
 import attrs
 
-from tracelm import TracelmError
 from tracelm.pipeline.trace import FORMAT, GENESIS, TRACE_VERSION
+from tracelm.state.errors import TracelmError
 
 _LINE = re.compile(rb'^(\{.*),"hash":"([0-9a-f]{64})"(?:,"mac":"([0-9a-f]{64})")?\}$', re.DOTALL)
 

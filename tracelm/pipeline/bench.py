@@ -246,15 +246,15 @@ def trace_overhead(model_name: str, n_decode: int = 64, repeats: int = 3, n_prom
     with open(os.devnull, "w", encoding="utf-8") as sink:
         for _ in range(repeats):
             tracers = {lv: Tracer(sink, lv) if lv != "off" else None for lv in levels}
-            runners = {lv: Runner(model, n_prompt + n_decode + 1, tracers[lv]) for lv in levels}
-            tokens = {lv: int(np.argmax(runners[lv].prefill(ids).values[-1])) for lv in levels}
+            runners = {lv: Runner(model, n_prompt + n_decode + 1) for lv in levels}
+            tokens = {lv: int(np.argmax(runners[lv].prefill(ids, tracer=tracers[lv]).values[-1])) for lv in levels}
             for i in range(n_decode):
                 for lv in levels[i % 3:] + levels[: i % 3]:
                     runner, tracer, token = runners[lv], tracers[lv], tokens[lv]
                     c0, t0 = time.process_time(), time.perf_counter()
                     if tracer is not None:  # drains the previous pass's stage events, as generate does
                         tracer.event("token", id=token, piece=model.tokenizer.piece(token), prob=0.0)
-                    tokens[lv] = int(np.argmax(runner.step(token).values[-1]))
+                    tokens[lv] = int(np.argmax(runner.step(token, tracer).values[-1]))
                     steps[lv].append(time.perf_counter() - t0)
                     cpu[lv].append(time.process_time() - c0)
             for tracer in tracers.values():
@@ -293,7 +293,7 @@ def synthetic_blocks(qtype: int, shape: tuple[int, int], seed: int = 0) -> np.nd
     quantization of Gaussian weights, or for the K-quants random bytes with scales of about 1e-2."""
     import gguf
 
-    from tracelm import kernels
+    import tracelm.kernels as kernels
 
     rng = np.random.default_rng(seed)
     if qtype in K_SCALES:
@@ -312,7 +312,7 @@ def bench_kernel_types(shape: tuple[int, int] = (8192, 4096), rows: tuple[int, .
     (numpy: of the f32 bytes), GFLOP/s, and numpy's time over the kernels'."""
     import gguf
 
-    from tracelm import kernels
+    import tracelm.kernels as kernels
 
     report: dict[str, Any] = {"shape": list(shape), "kernels_path": kernels.path(), "threads": kernels.threads()}
     for qtype in sorted(kernels.SUPPORTED):
@@ -340,7 +340,8 @@ def bench_kernels(model_name: str, rows: tuple[int, ...] = (1, 2, 4, 8, 256), co
     layer, as ms per sweep, GB/s of weights read and GFLOP/s. One kind's sweep (e.g. 30 layers of gate/up,
     212 MB for SmolLM2) can stay in a large last-level cache between repetitions: compare rows M against
     each other (the cost of M > 1 against a matrix-vector product), and take DRAM rates from `tracelm bench`."""
-    from tracelm.io.gguf_file import GGUFFile, dequantize
+    from tracelm.io.dequant import dequantize
+    from tracelm.io.gguf_file import GGUFFile
     from tracelm.io.loader import ModelFile
 
     source = ModelFile(model_name)

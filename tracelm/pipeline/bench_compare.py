@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from tracelm import TracelmError
 from tracelm.pipeline.runner import common_prefix
+from tracelm.state.errors import TracelmError
 
 ENGINES = ("tracelm", "llama.cpp", "transformers")
 REQUIRES: dict[str, tuple[str, ...]] = {"tracelm": (), "llama.cpp": ("llama_cpp",),
@@ -174,10 +174,10 @@ def _version(engine: str) -> str:
 
 def child_main(engine: str, request: dict[str, Any]) -> dict[str, Any]:
     """Load `engine` on the request's GGUF and measure it; runs in the child process."""
-    from tracelm.cli import _threads
+    from tracelm.session import ThreadLimits
 
     threads, ids, n_decode = int(request["threads"]), [int(i) for i in request["ids"]], int(request["n_decode"])
-    with _threads(threads):
+    with ThreadLimits(threads):
         t0 = time.perf_counter()
         for module in IMPORTS[engine]:
             importlib.import_module(module)

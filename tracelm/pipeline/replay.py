@@ -24,9 +24,9 @@ from typing import Any
 
 import attrs
 
-from tracelm import TracelmError
 from tracelm.pipeline.audit import Trace, read_trace, verify
 from tracelm.pipeline.trace import CHAIN_FIELDS, Tracer, is_timing_field
+from tracelm.state.errors import TracelmError
 
 STATS_RTOL = 1e-3
 STATS_ATOL = 1e-6
@@ -226,7 +226,7 @@ def replay(path: str | Path, model: str | None = None, allow_model_change: bool 
         loaded = source.load(progress=False, weights=cfg.weights, compute=cfg.compute)  # as recorded
         tracer = Tracer(comparer, level)  # type: ignore[arg-type]
         tracer.seq = 1
-        runner = Runner(loaded, cfg.context, tracer, **speculation(cfg))
+        runner = Runner(loaded, cfg.context, **speculation(cfg))
         try:
             for line, call in calls:
                 sampling = record_from_dict(SamplingParams, call.get("sampling"), f"line {line + 1}: sampling.")
@@ -240,12 +240,10 @@ def replay(path: str | Path, model: str | None = None, allow_model_change: bool 
                 if min(common_prefix(runner.cache.tokens, ids), len(ids) - 1) < reused:
                     # the recorded run found these prompt tokens already in its Cache (e.g. a server session
                     # that began before the trace): compute them untraced first, so the traced passes match
-                    runner.tracer = None
                     runner.prefill(ids[:reused])
-                    runner.tracer = tracer
                     notes.append(f"line {line + 1}: computed the {reused} prompt tokens the recorded run had "
                                  f"cached, untraced (their chunking may round differently)")
-                for _ in runner.generate(ids, max_tokens, sampling, stop):
+                for _ in runner.generate(ids, max_tokens, sampling, stop, tracer=tracer):
                     pass
                 tracer.flush()
         except _Diverged:

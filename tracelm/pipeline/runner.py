@@ -10,13 +10,13 @@ from typing import Any
 import attrs
 import numpy as np
 
-from tracelm import TracelmError
 from tracelm.io.loader import LoadedModel, load_model
 from tracelm.pipeline.graph import Part, forward, forward_batch, new_cache, plain_call
 from tracelm.pipeline.speculative import lookup_draft, model_draft
 from tracelm.pipeline.trace import Tracer
 from tracelm.stages.sample import sample
 from tracelm.state.cache import RING_SLACK
+from tracelm.state.errors import TracelmError
 from tracelm.state.records import Choice, Logits, SamplingParams
 
 
@@ -91,11 +91,10 @@ def check_same_vocabulary(model: LoadedModel, draft: LoadedModel) -> None:
 class Runner:
     """A model and one Cache (one conversation). Later calls reuse the cached common prefix."""
 
-    def __init__(self, model: LoadedModel, n_ctx: int, tracer: Tracer | None = None, draft_tokens: int = 0,
-                 draft_ngram: int = 8, draft_model: LoadedModel | None = None):
+    def __init__(self, model: LoadedModel, n_ctx: int, draft_tokens: int = 0, draft_ngram: int = 8,
+                 draft_model: LoadedModel | None = None):
         self.model = model
         self.cache = new_cache(model.cfg, n_ctx, max(RING_SLACK, draft_tokens))  # a KV ring takes back guesses
-        self.tracer = tracer
         self.draft_tokens = draft_tokens  # prompt-lookup speculation: tokens guessed per pass (0 = off)
         self.draft_ngram = draft_ngram
         self.draft: Runner | None = None  # a draft model's own runner (None: drafts from prompt lookup)
@@ -110,61 +109,66 @@ class Runner:
             return model_draft(self.draft, history, k)
         return lookup_draft(history, k, self.draft_ngram)
 
-    def _forward(self, ids: Sequence[int], all_logits: bool = False) -> Logits:
-        call = self.tracer.call if self.tracer is not None else plain_call
+    def _forward(self, ids: Sequence[int], all_logits: bool = False, tracer: Tracer | None = None) -> Logits:
+        call = tracer.call if tracer is not None else plain_call
         return forward(self.model.cfg, self.model.weights, self.cache, ids, all_logits, call)
 
-    def prefill(self, ids: Sequence[int], all_logits: bool = False) -> Logits:
-        """Bring the Cache to hold exactly `ids`, computing only positions past the common prefix."""
+    def prefill(self, ids: Sequence[int], all_logits: bool = False, tracer: Tracer | None = None) -> Logits:
+        """Bring the Cache to hold exactly `ids`, computing only positions past the common prefix (each stage
+        call traced by `tracer` when given)."""
         check_fits(len(ids), 0, self.cache.n_ctx)
         keep = self.cache.reusable(min(common_prefix(self.cache.tokens, ids), len(ids) - 1))
         if all_logits:
             keep = 0
         self.cache.truncate(keep)
         self.stats.n_reused = keep
-        return self._forward(ids[keep:], all_logits)
+        return self._forward(ids[keep:], all_logits, tracer)
 
-    def step(self, token: int) -> Logits:
+    def step(self, token: int, tracer: Tracer | None = None) -> Logits:
         """Decode one position: feed `token` (the last sampled), return the next logits."""
         if self.cache.n_past >= self.cache.n_ctx:
             raise TracelmError(f"the context of {self.cache.n_ctx} positions is full")
-        return self._forward([token])
+        return self._forward([token], tracer=tracer)
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """f32 logits of every position of `ids`: [T, vocab]."""
         return np.asarray(self.prefill(ids, all_logits=True).values)
 
-    def part(self, ids: Sequence[int]) -> Part:
-        """This runner's share of a batched pass: its Cache, the ids to feed, its tracer's hook."""
-        return Part(self.cache, ids, self.tracer.call if self.tracer is not None else plain_call)
+    def part(self, ids: Sequence[int], tracer: Tracer | None = None) -> Part:
+        """This runner's share of a batched pass: its Cache, the ids to feed, the tracer's hook."""
+        return Part(self.cache, ids, tracer.call if tracer is not None else plain_call)
 
     def start(self, prompt_ids: Sequence[int], max_tokens: int, sampling: SamplingParams,
               stop: Sequence[str] = (), *, cancel: Callable[[], bool] | None = None,
-              on_token: Callable[[Choice, np.ndarray], None] | None = None) -> Generation:
+              on_token: Callable[[Choice, np.ndarray], None] | None = None,
+              tracer: Tracer | None = None) -> Generation:
         """Prefill the prompt and return the Generation that decodes from it (see `generate`)."""
         prompt_ids = [int(i) for i in prompt_ids]
         check_fits(len(prompt_ids), max_tokens, self.cache.n_ctx)
         self.stats = stats = GenerationStats(n_prompt=len(prompt_ids), finish_reason="length")
         rng = np.random.default_rng(sampling.seed)
-        if self.tracer is not None:  # what a replay needs to repeat this call exactly
+        if tracer is not None:  # what a replay needs to repeat this call exactly
             reused = self.cache.reusable(min(common_prefix(self.cache.tokens, prompt_ids), len(prompt_ids) - 1))
-            self.tracer.event("generate", prompt_ids=prompt_ids, reused=reused, max_tokens=max_tokens,
+            tracer.event("generate", prompt_ids=prompt_ids, reused=reused, max_tokens=max_tokens,
                               stop=list(stop), sampling=attrs.asdict(sampling),
                               rng={"generator": type(rng.bit_generator).__name__, "seed": sampling.seed})
         t0 = time.perf_counter()
-        logits = self.prefill(prompt_ids)
+        logits = self.prefill(prompt_ids, tracer=tracer)
         stats.prefill_seconds = time.perf_counter() - t0
-        return Generation(self, prompt_ids, logits.values[-1], max_tokens, sampling, rng, stop, cancel, on_token)
+        return Generation(self, prompt_ids, logits.values[-1], max_tokens, sampling, rng, stop, cancel, on_token,
+                          tracer)
 
     def generate(self, prompt_ids: Sequence[int], max_tokens: int, sampling: SamplingParams,
                  stop: Sequence[str] = (), *, cancel: Callable[[], bool] | None = None,
-                 on_token: Callable[[Choice, np.ndarray], None] | None = None) -> Iterator[str]:
+                 on_token: Callable[[Choice, np.ndarray], None] | None = None,
+                 tracer: Tracer | None = None) -> Iterator[str]:
         """Yield text as it is decoded (never half a UTF-8 character); statistics land in self.stats.
 
         `cancel()` is asked before each token is sampled: True ends generation there (finish_reason
         "cancelled"). `on_token(choice, logits)` sees each sampled token with the logits [vocab] it came from.
+        `tracer`, when given, records this call: its generate event, every stage call and every token.
         """
-        gen = self.start(prompt_ids, max_tokens, sampling, stop, cancel=cancel, on_token=on_token)
+        gen = self.start(prompt_ids, max_tokens, sampling, stop, cancel=cancel, on_token=on_token, tracer=tracer)
         while not gen.done:
             text = gen.step(self.draft_tokens)
             if text:
@@ -188,9 +192,9 @@ class Generation:
     def __init__(self, runner: Runner, prompt_ids: list[int], row: np.ndarray, max_tokens: int,
                  sampling: SamplingParams, rng: np.random.Generator, stop: Sequence[str] = (),
                  cancel: Callable[[], bool] | None = None,
-                 on_token: Callable[[Choice, np.ndarray], None] | None = None):
+                 on_token: Callable[[Choice, np.ndarray], None] | None = None, tracer: Tracer | None = None):
         self.runner, self.max_tokens, self.sampling, self.rng, self.stop = runner, max_tokens, sampling, rng, stop
-        self.cancel, self.on_token = cancel, on_token
+        self.cancel, self.on_token, self.tracer = cancel, on_token, tracer
         self.stats = runner.stats
         self.history = list(prompt_ids)
         self.decoder = runner.model.tokenizer.stream_decoder()
@@ -219,8 +223,8 @@ class Generation:
                 self.rows, self.guesses = [], []
         if self.on_token is not None:
             self.on_token(choice, row)
-        if runner.tracer is not None:
-            runner.tracer.event("token", draw=self.n_steps, id=choice.token, piece=tok.piece(choice.token),
+        if self.tracer is not None:
+            self.tracer.event("token", draw=self.n_steps, id=choice.token, piece=tok.piece(choice.token),
                                 text=tok.token_bytes(choice.token).decode("utf-8", "replace"), prob=choice.prob)
         if choice.token in tok.eog_ids:
             return self._end("stop")
@@ -270,7 +274,7 @@ def feed_together(gens: Sequence[Generation]) -> None:
     if not waiting:
         return
     model = waiting[0].runner.model
-    parts = [g.runner.part(g.feed) for g in waiting]
+    parts = [g.runner.part(g.feed, g.tracer) for g in waiting]
     for g, logits in zip(waiting, forward_batch(model.cfg, model.weights, parts, any(len(g.feed) > 1 for g in waiting)),
                          strict=True):
         g.take(logits)

@@ -170,7 +170,7 @@ def blas_facts() -> list[dict[str, Any]]:
 def kernel_facts() -> dict[str, Any]:
     """tracelm's compiled kernels: the path this CPU runs (avx2 or portable) and the pool's threads. Neither
     changes a bit of the products; recorded so a reader sees what ran."""
-    from tracelm import kernels
+    import tracelm.kernels as kernels
 
     return {"path": kernels.path(), "threads": kernels.threads()}
 
@@ -203,7 +203,7 @@ def _tokenizer_sha256(path: str, _size: int, _mtime_ns: int) -> str:
 
 def trace_key(env_name: str) -> bytes:
     """The HMAC key held in environment variable `env_name` (UTF-8 bytes)."""
-    from tracelm import TracelmError
+    from tracelm.state.errors import TracelmError
 
     value = os.environ.get(env_name)
     if not value:
@@ -409,9 +409,9 @@ def _jsonable(x: Any) -> Any:
 
 def write_header(tracer: Tracer, run_config: Any, model: Any, prompt_ids: list[int]) -> None:
     """The opening event: everything needed to know what the run was and to repeat it."""
-    from tracelm import __version__
     from tracelm.io.registry import path_sha256
     from tracelm.io.run_config import config_as_dict
+    from tracelm.version import __version__
 
     tok = model.tokenizer
     tracer.event(

@@ -21,8 +21,8 @@ from typing import Any
 import attrs
 import numpy as np
 
-from tracelm import TracelmError
 from tracelm.pipeline.graph import forward, new_cache
+from tracelm.state.errors import TracelmError
 from tracelm.state.records import Hidden
 
 COSINE_MIN = 0.9999  # every layer, every position

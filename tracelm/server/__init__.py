@@ -18,7 +18,7 @@ import socket
 import sys
 from typing import Any
 
-from tracelm import TracelmError
+from tracelm.state.errors import TracelmError
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -30,11 +30,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from tracelm import TracelmError, __version__
 from tracelm.io.loader import LoadedModel
 from tracelm.server.params import ApiError, GenerationRequest, bad, parse_json, parse_request
 from tracelm.server.queue import Engine, Job, QueueFull
+from tracelm.state.errors import TracelmError
 from tracelm.state.run_config import RunConfig
+from tracelm.version import __version__
 
 log = logging.getLogger("tracelm.server")
 FINGERPRINT = f"tracelm-{__version__}"
@@ -149,7 +150,7 @@ class Server:
         """Prompt token ids and text (worker-free: runs in a thread of the pool)."""
         tok = self.model.tokenizer
         if req.kind == "chat":
-            from tracelm.cli import chat_prompt
+            from tracelm.session import chat_prompt
 
             messages = list(req.messages or [])
             if self.cfg.system and not any(m["role"] == "system" for m in messages):

@@ -30,12 +30,12 @@ from typing import Any
 import attrs
 import numpy as np
 
-from tracelm import TracelmError
 from tracelm.io.loader import LoadedModel
 from tracelm.pipeline.runner import Generation, Runner, feed_together, speculation
 from tracelm.server.params import ApiError
 from tracelm.server.sessions import SessionStore
-from tracelm.stages.sample import top_logprobs
+from tracelm.session import top_logprobs
+from tracelm.state.errors import TracelmError
 from tracelm.state.records import Choice, SamplingParams
 from tracelm.state.run_config import RunConfig, TraceOptions
 
@@ -234,9 +234,9 @@ class Engine:
         try:
             a.runner = self._runner_for(job)
             job.post("start")
-            a.tracer = self._open_trace(job, a.runner, a.closing)
+            a.tracer = self._open_trace(job, a.closing)
             a.gen = a.runner.start(job.prompt_ids, job.max_tokens, job.sampling, job.stop, cancel=a.cancelled,
-                                   on_token=a.logprob if job.logprobs is not None else None)
+                                   on_token=a.logprob if job.logprobs is not None else None, tracer=a.tracer)
         except Exception as e:  # noqa: BLE001 -- mapped to the job's error answer
             return self._fail(a, e)
         self.active.append(a)
@@ -333,9 +333,9 @@ class Engine:
         runner.cache.reset()  # a request without a session sees nothing of the one before
         return runner
 
-    def _open_trace(self, job: Job, runner: Runner, closing: contextlib.ExitStack) -> Any:
-        """The request's own trace file when server.trace_dir is set; the runner writes into it until `closing`
-        closes."""
+    def _open_trace(self, job: Job, closing: contextlib.ExitStack) -> Any:
+        """The request's own trace file when server.trace_dir is set (a Tracer its generation writes into),
+        open until `closing` closes."""
         if self.trace_dir is None:
             return None
         from tracelm.pipeline.trace import Tracer, write_header
@@ -347,6 +347,4 @@ class Engine:
         tracer = Tracer(stream, self.trace_level)
         write_header(tracer, cfg, self.model, job.prompt_ids)
         tracer.event("request", request_id=job.request_id, session_id=job.session_id)
-        runner.tracer = tracer
-        closing.callback(setattr, runner, "tracer", None)
         return tracer

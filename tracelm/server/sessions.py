@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
-from tracelm import TracelmError
 from tracelm.pipeline.runner import Runner
+from tracelm.state.errors import TracelmError
 
 
 class SessionStore:

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from tracelm import kernels
+import tracelm.kernels as kernels
 from tracelm.state.records import Hidden, QMatrix, RowSource
 
 

@@ -26,7 +26,7 @@ import functools
 
 import numpy as np
 
-from tracelm import kernels
+import tracelm.kernels as kernels
 from tracelm.state.records import QMatrix, RowSource
 
 GEMV_ROWS = 16  # up to this many rows: a matrix-vector product per row and block; more: matrix-matrix products

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tracelm import TracelmError
+from tracelm.state.errors import TracelmError
 from tracelm.state.model_config import ModelConfig
 
 # A window ring's room past the window (mistral-style models, see Cache): a pass of up to this many new
@@ -36,8 +36,7 @@ class Cache:
         rings = [w - 1 + max(1, slack) if w else 0 for w in self.windows]
         self.rings = [r if 0 < 2 * r < n_ctx else 0 for r in rings]  # per layer: ring slots; 0: positions in place
         # per layer [kv head, position (ring: slot), head dim]; keys are stored with positions last, so that
-        # attend's q k^T streams rows of positions (SmolLM2 at position 2,000: attend 12 instead of 19 ms of
-        # CPU per token; the same products, summed as BLAS does for that layout)
+        # attend's q k^T streams rows of positions (the same products, summed as BLAS does for that layout)
         self.k, self.v = [], []
         for r in self.rings:
             n = 2 * r if r else n_ctx
