@@ -111,7 +111,7 @@ def test_long_prompt_logits_equal_stepwise_decode(tiny_gguf) -> None:
 
 
 def test_context_scaling_bench_reports_each_position(tiny_gguf) -> None:
-    from tracelm.pipeline.bench import context_scaling
+    from tracelm.tools.bench import context_scaling
 
     r = context_scaling(str(tiny_gguf), (10, 60), n_decode=3, n_prompt=100)
     assert r["positions"] == [10, 60] and r["prefill_tokens"] == 100 and r["prefill_tok_s"] > 0

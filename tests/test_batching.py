@@ -277,7 +277,7 @@ def test_max_batch_is_checked() -> None:
 
 def test_server_streams_concurrent_requests_with_their_lone_text_and_traces(tmp_path, tiny_gguf, tiny) -> None:
     from tests.test_server_helpers import ServerProcess
-    from tracelm.pipeline.replay import REPRODUCED, replay
+    from tracelm.audit.replay import REPRODUCED, replay
 
     traces = tmp_path / "traces"
     config = {"model": str(tiny_gguf), "context": 128, "max_tokens": 16, "threads": 1,
@@ -335,7 +335,7 @@ def test_a_failed_pass_fails_its_sequences_and_the_engine_serves_on(tiny_gguf, t
 
 
 def test_bench_server_reports_each_stream_count(tiny_gguf) -> None:
-    from tracelm.server.bench import bench_server
+    from tracelm.tools.bench_server import bench_server
 
     report = bench_server(str(tiny_gguf), (1, 3), n_prompt=8, n_decode=6, repeats=1)
     one, three = report["streams_1"], report["streams_3"]

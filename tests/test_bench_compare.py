@@ -10,7 +10,7 @@ import pytest
 from tests.conftest import has_reference
 from tracelm import TracelmError
 from tracelm.cli import main
-from tracelm.pipeline import bench_compare as bc
+from tracelm.tools import bench_compare as bc
 
 
 def _ok(engine: str, prefill: float, decode: float, tokens: list[int]) -> dict:
@@ -55,8 +55,8 @@ def test_report_with_absent_and_failed_engines():
 
 def test_tracelm_child_on_tiny_gguf(tiny_gguf):
     from tracelm.io.loader import load_model
-    from tracelm.pipeline.bench import bench_ids
-    from tracelm.pipeline.validate import greedy
+    from tracelm.tools.bench import bench_ids
+    from tracelm.tools.validate import greedy
 
     model = load_model(str(tiny_gguf), progress=False)
     ids = bench_ids(model.tokenizer, 24)

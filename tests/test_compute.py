@@ -18,9 +18,9 @@ from tests.conftest import write_tiny_gguf
 from tracelm import kernels
 from tracelm.io.gguf_file import GGUFFile
 from tracelm.io.loader import load_model
-from tracelm.pipeline.bench import logits_path
-from tracelm.pipeline.validate import DEFAULT_PROMPTS, KERNELS_ARGMAX_MIN, greedy
 from tracelm.state.records import QMatrix
+from tracelm.tools.bench import logits_path
+from tracelm.tools.validate import DEFAULT_PROMPTS, KERNELS_ARGMAX_MIN, greedy
 
 Q = gguf.GGMLQuantizationType
 
@@ -84,7 +84,7 @@ import json, sys
 import numpy as np
 from tracelm import kernels
 from tracelm.io.loader import load_model
-from tracelm.pipeline.bench import logits_path
+from tracelm.tools.bench import logits_path
 kernels.set_threads(int(sys.argv[2]))
 kernels.use_path(sys.argv[3])
 model = load_model(sys.argv[1], progress=False)
@@ -110,7 +110,7 @@ RSS_CHILD = """
 import json, sys
 import numpy as np
 from tracelm.io.loader import load_model
-from tracelm.pipeline.bench import bench_ids
+from tracelm.tools.bench import bench_ids
 from tracelm.pipeline.runner import Runner
 model = load_model(sys.argv[1], progress=False)
 n_prompt, n_decode = int(sys.argv[2]), int(sys.argv[3])

@@ -22,7 +22,7 @@ def tracelm(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
 def _validate(path, *extra_prompts: str) -> dict:
     if not has_reference():
         pytest.skip("transformers + torch not installed (pip install -e '.[reference]')")
-    from tracelm.pipeline.validate import DEFAULT_PROMPTS
+    from tracelm.tools.validate import DEFAULT_PROMPTS
 
     prompts = [a for p in (*DEFAULT_PROMPTS, *extra_prompts) for a in ("--prompt", p)]
     proc = tracelm("validate", "--model", str(path), "--reference", "transformers", "--json", *prompts)

@@ -68,7 +68,7 @@ def test_safetensors_and_gguf_paths_match_transformers(checkpoint, tmp_path) -> 
     from tracelm.io.gguf_file import GGUFFile, model_config
     from tracelm.io.safetensors_file import HFFolder
     from tracelm.io.weights import load_weights
-    from tracelm.pipeline.validate import TransformersReference, validate_prompt
+    from tracelm.tools.validate import TransformersReference, validate_prompt
 
     family, path = checkpoint
     hf = HFFolder(path)

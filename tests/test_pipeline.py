@@ -118,8 +118,8 @@ def test_product_pass_times_every_weight_product_of_a_pass(tiny_gguf, monkeypatc
     """`tracelm bench`'s products-alone figure runs exactly a pass's weight products: four per block, in graph
     order, with the pass's rows, and the head for the last row."""
     from tracelm.io.loader import load_model
-    from tracelm.pipeline.bench import product_pass_seconds
     from tracelm.stages import linear as linear_module
+    from tracelm.tools.bench import product_pass_seconds
 
     model = load_model(str(tiny_gguf), progress=False)
     calls, real = [], linear_module.linear
@@ -137,7 +137,7 @@ def test_product_pass_times_every_weight_product_of_a_pass(tiny_gguf, monkeypatc
 
 
 def test_bench_kernels_reports_every_type_and_shape(tiny_gguf) -> None:
-    from tracelm.pipeline.bench import bench_kernels
+    from tracelm.tools.bench import bench_kernels
 
     report = bench_kernels(str(tiny_gguf), rows=(1, 4))
     assert report["dequant_F32_gb_s"] > 0

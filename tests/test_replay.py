@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from tests.test_trace import rechain, record
+from tracelm.audit.replay import DIVERGED, REPRODUCED, replay
 from tracelm.cli import main
-from tracelm.pipeline.replay import DIVERGED, REPRODUCED, replay
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,7 @@ def test_replay_refuses_a_damaged_trace(recorded, tmp_path, capsys) -> None:
 
 
 def test_bench_trace_overhead_reports_all_levels(tiny_gguf) -> None:
-    from tracelm.pipeline.bench import trace_overhead
+    from tracelm.tools.bench import trace_overhead
 
     report = trace_overhead(str(tiny_gguf), n_decode=3, repeats=1, n_prompt=4)
     for level in ("off", "summary", "digest"):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tracelm import Session, TracelmError, kernels
-from tracelm.pipeline.replay import REPRODUCED, replay
+from tracelm.audit.replay import REPRODUCED, replay
 from tracelm.pipeline.runner import Runner
 from tracelm.state.records import SamplingParams
 

@@ -16,9 +16,9 @@ import pytest
 from tests.conftest import write_tiny_gguf
 from tracelm import TracelmError
 from tracelm.io.loader import load_model
-from tracelm.pipeline.bench import STREAMED_SLACK, logits_path
 from tracelm.stages.linear import GEMV_ROWS, block_rows, linear, linear_rows
 from tracelm.state.records import RowSource
+from tracelm.tools.bench import STREAMED_SLACK, logits_path
 
 Q = gguf.GGMLQuantizationType
 
@@ -173,7 +173,7 @@ def test_a_streamed_trace_replays_bit_for_bit_on_resident_weights(tmp_path: Path
     """A digest trace of a streamed run (sampled) is reproduced stage by stage by `replay`, which loads the
     weights resident: the audit trail does not depend on the weight mode."""
     from tests.test_trace import record
-    from tracelm.pipeline.replay import REPRODUCED, replay
+    from tracelm.audit.replay import REPRODUCED, replay
 
     model = write_tiny_gguf(tmp_path / "tiny.gguf", qtype=Q.Q8_0, seed=7)
     trace = tmp_path / "run.jsonl"

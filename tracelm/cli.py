@@ -137,7 +137,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from tracelm.pipeline.bench import bench_kernel_types, bench_kernels, context_scaling, run_bench, trace_overhead
+    from tracelm.tools.bench import bench_kernel_types, bench_kernels, context_scaling, run_bench, trace_overhead
 
     if args.compare and (args.what != "model" or args.trace_overhead):
         what = "--trace-overhead" if args.trace_overhead else args.what
@@ -150,7 +150,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         text = read_text_file(args.input_file) if args.input_file else english_prose()
         report = {"text": args.input_file or PROSE_NOTE, **bench_tokenizer(tok, text)}
     if args.compare:  # each engine in its own child process, which sets its own threads
-        from tracelm.pipeline.bench_compare import format_table, run_compare
+        from tracelm.tools.bench_compare import format_table, run_compare
 
         report = run_compare(args.model, args.threads, args.prompt_tokens, args.decode_tokens, args.repeats)
         print(json.dumps(report, indent=2) if args.json else format_table(report))
@@ -159,13 +159,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.what == "tokenizer":
             pass
         elif args.what == "speculative":
-            from tracelm.pipeline.bench_speculative import speculative_bench
+            from tracelm.tools.bench_speculative import speculative_bench
 
             report = speculative_bench(args.model, args.draft_tokens, n_decode=args.decode_tokens)
         elif args.what == "kernels":
             report = {**bench_kernel_types(), **bench_kernels(args.model, compute=args.compute)}
         elif args.what == "server":
-            from tracelm.server.bench import bench_server
+            from tracelm.tools.bench_server import bench_server
 
             report = bench_server(args.model, _streams(args.streams), n_decode=args.decode_tokens,
                                   repeats=args.repeats)
@@ -207,7 +207,7 @@ def _streams(text: str) -> tuple[int, ...]:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    from tracelm.pipeline.audit import read_trace, summary, verify
+    from tracelm.audit.verify import read_trace, summary, verify
     from tracelm.pipeline.trace import trace_key
 
     trace = read_trace(args.trace)
@@ -223,7 +223,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from tracelm.pipeline.replay import replay
+    from tracelm.audit.replay import replay
     from tracelm.pipeline.trace import trace_key
 
     key = trace_key(args.key_env) if args.key_env else None
@@ -233,7 +233,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from tracelm.pipeline.validate import DEFAULT_PROMPTS, run_validate
+    from tracelm.tools.validate import DEFAULT_PROMPTS, run_validate
 
     with _threads(args.threads, args.compute):
         return run_validate(args.model, args.reference, args.prompt or DEFAULT_PROMPTS, args.tokens, args.json,

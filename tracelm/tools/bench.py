@@ -58,7 +58,7 @@ def machine_probe() -> dict[str, float]:
 
 
 def _probe_in_child() -> dict[str, float]:
-    code = "import json; from tracelm.pipeline.bench import machine_probe; print(json.dumps(machine_probe()))"
+    code = "import json; from tracelm.tools.bench import machine_probe; print(json.dumps(machine_probe()))"
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     return json.loads(out.stdout)
 
@@ -182,7 +182,7 @@ def streamed_report(model: Any, kv_bytes: int, peak_rss: int, check_ids: list[in
     threads = max((p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"), default=0)
     with tempfile.TemporaryDirectory() as tmp:
         np.save(f"{tmp}/streamed.npy", streamed)
-        code = ("import json, sys; from tracelm.pipeline.bench import compare_resident; "
+        code = ("import json, sys; from tracelm.tools.bench import compare_resident; "
                 "print(json.dumps(compare_resident(*sys.argv[1:5])))")
         out = subprocess.run([sys.executable, "-c", code, str(model.path), json.dumps(ids), f"{tmp}/streamed.npy",
                               str(threads)], check=True, capture_output=True, text=True)

@@ -19,10 +19,10 @@ import time
 from typing import Any
 
 from tracelm.io.loader import load_model
-from tracelm.pipeline.bench import bench_ids, product_pass_seconds
 from tracelm.server.queue import Engine, Job
 from tracelm.state.records import SamplingParams
 from tracelm.state.run_config import RunConfig, ServerOptions
+from tracelm.tools.bench import bench_ids, product_pass_seconds
 
 GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0)
 

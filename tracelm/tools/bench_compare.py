@@ -1,6 +1,6 @@
 """`tracelm bench --compare`: tracelm, llama-cpp-python and Hugging Face transformers on the same GGUF file.
 
-Every engine runs in its own child process (`python -m tracelm.pipeline.bench_compare ENGINE`, the request
+Every engine runs in its own child process (`python -m tracelm.tools.bench_compare ENGINE`, the request
 as JSON on stdin), so its peak RSS (the child's own ru_maxrss) and its thread setting are its own. All get
 the same prompt ids (`bench_ids`, 256 tokens by default) and the same thread count:
 - tracelm: OpenBLAS and numexpr limited through threadpoolctl (as `tracelm --threads`);
@@ -40,7 +40,7 @@ REQUIRES: dict[str, tuple[str, ...]] = {"tracelm": (), "llama.cpp": ("llama_cpp"
                                         "transformers": ("transformers", "torch")}
 DISTRIBUTIONS = {"tracelm": ("tracelm",), "llama.cpp": ("llama_cpp_python",), "transformers": ("transformers", "torch")}
 IMPORTS = {"tracelm": ("tracelm.io.loader", "tracelm.pipeline.runner"), "llama.cpp": ("llama_cpp",),
-           "transformers": ("torch", "transformers", "transformers.modeling_utils", "tracelm.pipeline.validate")}
+           "transformers": ("torch", "transformers", "transformers.modeling_utils", "tracelm.tools.validate")}
 INSTALL = {"llama.cpp": "pip install 'tracelm[compare]'", "transformers": "pip install 'tracelm[reference]'"}
 # (key, what, tracelm's figure / the other engine's, the issue's target)
 RATIOS = (
@@ -113,7 +113,7 @@ class TransformersEngine:
     def __init__(self, path: str, threads: int, n_ctx: int, **options: Any):
         import torch
 
-        from tracelm.pipeline.validate import TransformersReference
+        from tracelm.tools.validate import TransformersReference
 
         torch.set_num_threads(threads)
         self.torch = torch
@@ -143,7 +143,7 @@ ENGINE_CLASSES = {"tracelm": TracelmEngine, "llama.cpp": LlamaCppEngine, "transf
 def measure(engine: Any, ids: Sequence[int], n_decode: int, repeats: int) -> dict[str, Any]:
     """Prefill tok/s (best of `repeats` into an empty cache, after one untimed) and decode tok/s (one timed
     run of `n_decode` greedy steps after a warm-up), with the greedy tokens: the first from the prefill."""
-    from tracelm.pipeline.bench import _best_seconds
+    from tracelm.tools.bench import _best_seconds
 
     def prefill() -> int:
         engine.reset()
@@ -229,7 +229,7 @@ def run_engine(engine: str, path: str, ids: Sequence[int], n_decode: int, thread
 
 def _run_child(engine: str, request: dict[str, Any], timeout: float) -> tuple[dict[str, Any], bool]:
     """The child's result line, or a failure with its one-line reason; True when a signal killed it."""
-    cmd = [sys.executable, "-m", "tracelm.pipeline.bench_compare", engine]
+    cmd = [sys.executable, "-m", "tracelm.tools.bench_compare", engine]
     try:
         proc = subprocess.run(cmd, input=json.dumps(request), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -275,7 +275,7 @@ def run_compare(model_name: str, threads: int = 0, n_prompt: int = 256, n_decode
                 engines: Sequence[str] = ENGINES, timeout: float = 1800.0) -> dict[str, Any]:
     """`tracelm bench --compare`: every engine (each when installed) on the same GGUF, ids and threads."""
     from tracelm.io.loader import ModelFile
-    from tracelm.pipeline.bench import bench_ids
+    from tracelm.tools.bench import bench_ids
 
     source = ModelFile(model_name)
     if source.kind != "gguf":
@@ -323,7 +323,7 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # the child: python -m tracelm.pipeline.bench_compare ENGINE < request.json
+if __name__ == "__main__":  # the child: python -m tracelm.tools.bench_compare ENGINE < request.json
     try:
         _result = child_main(sys.argv[1], json.loads(sys.stdin.read()))
     except Exception as e:  # one line for the parent's report, not a traceback

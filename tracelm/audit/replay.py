@@ -24,7 +24,7 @@ from typing import Any
 
 import attrs
 
-from tracelm.pipeline.audit import Trace, read_trace, verify
+from tracelm.audit.verify import Trace, read_trace, verify
 from tracelm.pipeline.trace import CHAIN_FIELDS, Tracer, is_timing_field
 from tracelm.state.errors import TracelmError
 

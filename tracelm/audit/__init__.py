@@ -1,0 +1,1 @@
+"""Audit of recorded runs: verifying a trace file and replaying it stage by stage."""

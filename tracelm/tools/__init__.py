@@ -1,0 +1,1 @@
+"""Tools above the engine: the benches, the comparison with llama.cpp and transformers, validation."""
