@@ -13,6 +13,8 @@ from tracelm.state.errors import TracelmError
 
 
 def _threads(n: int, compute: str = "kernels") -> Any:
+    """session.ThreadLimits, imported only by the commands that run a model (`tracelm tokenize` and --help stay
+    light)."""
     from tracelm.session import ThreadLimits
 
     return ThreadLimits(n, compute)
