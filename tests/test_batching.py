@@ -23,6 +23,7 @@ from tracelm.pipeline.graph import Part, forward, forward_batch, new_cache
 from tracelm.pipeline.runner import Runner
 from tracelm.pipeline.trace import Tracer, is_timing_field
 from tracelm.server.queue import Engine, Job, QueueFull
+from tracelm.session import Session
 from tracelm.state.records import SamplingParams
 from tracelm.state.run_config import RunConfig, ServerOptions
 
@@ -188,7 +189,7 @@ SPECS = [
 
 
 def test_concurrent_requests_get_their_lone_text(tiny_gguf, tiny) -> None:
-    engine = Engine(tiny, engine_config(tiny_gguf))
+    engine = Engine(Session(tiny, engine_config(tiny_gguf)))
     results = run_jobs(engine, SPECS)
     for spec, got in zip(SPECS, results, strict=True):
         want, tokens = lone_text(tiny, spec)
@@ -205,7 +206,7 @@ def test_stop_strings_and_joining_later(tiny_gguf, tiny) -> None:
     text, _ = lone_text(tiny, SPECS[0])
     stop = text[5:8]
     specs = [{**SPECS[0], "stop": [stop]}, *SPECS[1:]]
-    engine = Engine(tiny, engine_config(tiny_gguf, max_batch=2))
+    engine = Engine(Session(tiny, engine_config(tiny_gguf, max_batch=2)))
     results = run_jobs(engine, specs)
     for spec, got in zip(specs, results, strict=True):
         assert got["text"] == lone_text(tiny, spec)[0]
@@ -228,7 +229,7 @@ class HangsUpAfter(threading.Event):
 def test_a_request_cancelled_mid_batch_leaves_the_others_running(tiny_gguf, tiny) -> None:
     specs = [{**s, "max_tokens": 60} for s in SPECS[:3]]
     specs[1]["gone"] = HangsUpAfter(6)  # asked once before it starts, then before every token
-    engine = Engine(tiny, engine_config(tiny_gguf))
+    engine = Engine(Session(tiny, engine_config(tiny_gguf)))
     results = run_jobs(engine, specs)
     assert results[1]["done"]["finish_reason"] == "cancelled" and results[1]["done"]["completion_tokens"] == 5
     for i in (0, 2):
@@ -242,7 +243,7 @@ def test_sessions_in_a_batch_keep_their_own_cache(tiny_gguf, tiny) -> None:
     a1 = [104, 101, 108, 108, 111, 32]
     specs = [{"ids": a1, "session": "A", "max_tokens": 6}, {"ids": [119, 111], "session": "B"},
              {"ids": a1 + [97, 98], "session": "A", "max_tokens": 6}, {"ids": [5, 6, 7]}]
-    engine = Engine(tiny, engine_config(tiny_gguf))
+    engine = Engine(Session(tiny, engine_config(tiny_gguf)))
     results = run_jobs(engine, specs)
     for spec, got in zip(specs, results, strict=True):
         assert got["text"] == lone_text(tiny, spec)[0]
@@ -250,7 +251,7 @@ def test_sessions_in_a_batch_keep_their_own_cache(tiny_gguf, tiny) -> None:
 
 
 def test_queue_full_still_refuses(tiny_gguf, tiny) -> None:
-    engine = Engine(tiny, engine_config(tiny_gguf, queue_size=2))
+    engine = Engine(Session(tiny, engine_config(tiny_gguf, queue_size=2)))
     loop = asyncio.new_event_loop()
     try:
         jobs = [Job(request_id=f"r{i}", prompt_ids=[1, 2], prompt_text="", max_tokens=4, sampling=GREEDY, stop=(),
@@ -316,9 +317,7 @@ def test_server_streams_concurrent_requests_with_their_lone_text_and_traces(tmp_
 
 
 def test_a_failed_pass_fails_its_sequences_and_the_engine_serves_on(tiny_gguf, tiny, monkeypatch) -> None:
-    import tracelm.server.queue as engine_module
-
-    real, calls = engine_module.feed_together, []
+    real, calls = Session.feed, []
 
     def fails_once(gens):
         calls.append(len([g for g in gens if g.feed]))
@@ -326,8 +325,8 @@ def test_a_failed_pass_fails_its_sequences_and_the_engine_serves_on(tiny_gguf, t
             raise RuntimeError("boom")
         return real(gens)
 
-    monkeypatch.setattr(engine_module, "feed_together", fails_once)
-    engine = Engine(tiny, engine_config(tiny_gguf, max_batch=2))
+    monkeypatch.setattr(Session, "feed", staticmethod(fails_once))
+    engine = Engine(Session(tiny, engine_config(tiny_gguf, max_batch=2)))
     results = run_jobs(engine, SPECS[:3])
     assert calls[0] == 2 and [r["error"].status for r in results[:2]] == [500, 500]
     assert results[2]["text"] == lone_text(tiny, SPECS[2])[0]

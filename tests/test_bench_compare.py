@@ -119,20 +119,18 @@ def test_compare_cli_with_transformers(tiny_gguf, monkeypatch, capsys):
 def test_crashed_child_is_retried_with_the_engines_fallback(monkeypatch):
     """A child killed by a signal (llama.cpp's AMX buffers on some machines) is run once more with the engine's
     fallback options, and the report says why; a second crash is a plain failure naming the signal."""
-    import subprocess
+    from tracelm.tools.child import ChildKilled
 
     monkeypatch.setattr(bc, "missing_modules", lambda engine: [])
     requests = []
 
-    def fake_run(cmd, input, **kw):  # noqa: A002
-        request = json.loads(input)
+    def fake_run_child(fn, engine, request, timeout=None):
         requests.append(request)
         if request["options"].get("extra_buffers") is False and len(requests) == 2:
-            line = bc.RESULT_TAG + json.dumps(_ok("llama.cpp", 500.0, 100.0, [1]) | {"options": request["options"]})
-            return subprocess.CompletedProcess(cmd, 0, line + "\n", "")
-        return subprocess.CompletedProcess(cmd, -11, "", "llama_kv_cache: some log line\n")
+            return _ok("llama.cpp", 500.0, 100.0, [1]) | {"options": request["options"]}
+        raise ChildKilled("SIGSEGV")
 
-    monkeypatch.setattr(bc.subprocess, "run", fake_run)
+    monkeypatch.setattr(bc, "run_child", fake_run_child)
     r = bc.run_engine("llama.cpp", "m.gguf", [1, 2], n_decode=2, threads=2)
     assert [q["options"] for q in requests] == [{}, {"extra_buffers": False}]
     assert r["status"] == "ok" and r["options"] == {"extra_buffers": False}
@@ -146,3 +144,20 @@ def test_crashed_child_is_retried_with_the_engines_fallback(monkeypatch):
     requests.append({})  # the fallback crashes too
     r = bc.run_engine("llama.cpp", "m.gguf", [1, 2], n_decode=2, threads=2)
     assert r["status"] == "failed" and r["error"] == "child killed by SIGSEGV" and "AMX" in r["note"]
+
+
+def test_children_are_started_by_function():
+    """tools.child runs a function in a fresh interpreter: its value back, its exception as one line, a
+    signal and a time limit as clear errors."""
+    import os
+    import time
+
+    from tracelm.tools.child import ChildKilled, run_child
+
+    assert run_child(sum, [1, 2, 3]) == 6
+    with pytest.raises(TracelmError, match="ValueError: invalid literal"):
+        run_child(int, "x")
+    with pytest.raises(ChildKilled, match="SIGABRT"):
+        run_child(os.abort)
+    with pytest.raises(TracelmError, match="timed out after 1 s"):
+        run_child(time.sleep, 30, timeout=1.0)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
+import numpy as np
 import pytest
 
 from tracelm import Session, TracelmError, kernels
@@ -80,3 +82,27 @@ def test_the_readme_lines_run_outside_the_source_tree(smollm2_path: Path, tmp_pa
             'print(s.chat("What is the capital of France?", temperature=0, max_tokens=12))')
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0 and "Paris" in out.stdout, out.stderr
+
+
+def test_packaged_configs_are_found_by_name(tiny_gguf: Path, tmp_path: Path) -> None:
+    """`tracelm run smollm2` reads the packaged configs/smollm2.yaml from any directory; an unknown name says
+    which configs are packaged."""
+    from tracelm.session import run_config
+
+    cfg = run_config(None, "smollm2", ["max_tokens=3"])
+    assert cfg.model == "smollm2-135m-instruct" and cfg.max_tokens == 3
+    with pytest.raises(TracelmError, match=r"no-such-config: no such config file.*packaged: gemma3, qwen2.5-coder"):
+        run_config(None, "no-such-config")
+    run = subprocess.run([sys.executable, "-m", "tracelm.cli", "run", "smollm2", "--model", str(tiny_gguf),
+                          "--prompt", "hello", "--max-tokens", "2"], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
+    assert run.returncode == 0 and "2 generated" in run.stderr, run.stderr
+
+
+def test_a_loaded_model_is_shared_and_logits_take_a_fresh_cache(session: Session) -> None:
+    other = Session(session.model, attrs.evolve(session.cfg, max_tokens=2))
+    assert other.model is session.model and other.limits is None  # the caller's thread settings stand
+    ids = session.encode("hello world")
+    want = Runner(session.model, len(ids)).logits(ids)
+    np.testing.assert_array_equal(other.logits("hello world"), want)
+    assert other.generate(ids, temperature=0.0) == session.generate(ids, temperature=0.0, max_tokens=2)

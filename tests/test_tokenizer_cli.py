@@ -22,7 +22,7 @@ from tracelm.cli import main
 from tracelm.io.loader import load_tokenizer
 from tracelm.io.tokenizer import Tokenizer
 from tracelm.io.tokenizer_formats import from_gguf_metadata
-from tracelm.io.tokenizer_tools import parse_ids, split_inputs
+from tracelm.tools.tokenize import parse_ids, split_inputs
 
 VOCAB = SP_MODEL.parents[1] / "vocab"
 LLAMA_SPM = VOCAB / "ggml-vocab-llama-spm.gguf"

@@ -89,52 +89,40 @@ def _echo(pieces: Iterator[str]) -> Iterator[str]:
 def cmd_logits(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from tracelm.io.loader import load_model
-    from tracelm.pipeline.runner import Runner
+    from tracelm.session import Session
 
-    with _threads(0, args.compute):
-        model = load_model(args.model, compute=args.compute)
-        ids = model.tokenizer.encode(args.prompt)
-        logits = Runner(model, max(len(ids), 1)).logits(ids)
+    with Session(args.model, settings=[f"compute={args.compute}"]) as session:
+        ids = session.encode(args.prompt)
+        logits = session.logits(ids)
     np.save(args.out, logits.astype(np.float32))
     print(f"{args.out}: logits [{logits.shape[0]}, {logits.shape[1]}] for ids {ids}", file=sys.stderr)
     return 0
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
-    from tracelm.io.loader import load_tokenizer
-    from tracelm.io.tokenizer_tools import parse_ids, read_text_file, split_inputs
+    from tracelm.tools.tokenize import read_text_file, split_inputs, tokenize_lines
 
     if (args.text is None) == (args.input_file is None):
         raise TracelmError("tokenize: give exactly one of --text or --input-file")
-    tok = load_tokenizer(args.model)
     if args.text is not None:
         inputs = [args.text]
     else:  # --decode reads one list of ids per line; --separator then separates the texts it prints
         inputs = split_inputs(read_text_file(args.input_file), None if args.decode else args.separator)
-    out = sys.stdout
-    for text in inputs:
-        if args.decode:
-            out.write(tok.decode(parse_ids(text), skip_special=args.skip_special) + "\n")
-            if args.separator is not None:
-                out.write(args.separator + "\n")
-        else:
-            ids = tok.encode(text, add_bos=args.add_special and None, add_eos=args.add_special and None,
-                             parse_special=args.parse_special)
-            out.write(json.dumps(ids) + "\n")
+    for line in tokenize_lines(args.model, inputs, args.decode, args.separator, args.add_special,
+                               args.parse_special, args.skip_special):
+        sys.stdout.write(line + "\n")
     return 0
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from tracelm.io import registry
+    from tracelm.tools import model_files
 
     if args.action == "list":
-        for name, cached, path in registry.list_models():
-            print(f"{name:32s} {'cached' if cached else 'not cached':11s} {path}")
+        print("\n".join(model_files.model_lines()))
     elif args.action == "pull":
-        print(registry.pull(args.name))
+        print(model_files.pull(args.name))
     else:
-        print(registry.model_path(args.name))
+        print(model_files.model_path(args.name))
     return 0
 
 
@@ -145,39 +133,37 @@ def cmd_bench(args: argparse.Namespace) -> int:
         what = "--trace-overhead" if args.trace_overhead else args.what
         raise TracelmError(f"bench {what}: --compare applies to the model bench only")
     if args.what == "tokenizer":
-        from tracelm.io.loader import load_tokenizer
-        from tracelm.io.tokenizer_tools import PROSE_NOTE, bench_tokenizer, english_prose, read_text_file
+        from tracelm.tools.tokenize import tokenizer_report
 
-        tok = load_tokenizer(args.model)
-        text = read_text_file(args.input_file) if args.input_file else english_prose()
-        report = {"text": args.input_file or PROSE_NOTE, **bench_tokenizer(tok, text)}
+        report = tokenizer_report(args.model, args.input_file)
     if args.compare:  # each engine in its own child process, which sets its own threads
         from tracelm.tools.bench_compare import format_table, run_compare
 
         report = run_compare(args.model, args.threads, args.prompt_tokens, args.decode_tokens, args.repeats)
         print(json.dumps(report, indent=2) if args.json else format_table(report))
         return 0
+    engine = {"compute": args.compute, "threads": args.threads}  # the Session each model bench opens
     with _threads(args.threads, args.compute):
         if args.what == "tokenizer":
             pass
         elif args.what == "speculative":
             from tracelm.tools.bench_speculative import speculative_bench
 
-            report = speculative_bench(args.model, args.draft_tokens, n_decode=args.decode_tokens)
+            report = speculative_bench(args.model, args.draft_tokens, n_decode=args.decode_tokens, **engine)
         elif args.what == "kernels":
             report = {**bench_kernel_types(), **bench_kernels(args.model, compute=args.compute)}
         elif args.what == "server":
             from tracelm.tools.bench_server import bench_server
 
             report = bench_server(args.model, _streams(args.streams), n_decode=args.decode_tokens,
-                                  repeats=args.repeats)
+                                  repeats=args.repeats, **engine)
         elif args.trace_overhead:
-            report = trace_overhead(args.model, args.decode_tokens, args.repeats)
+            report = trace_overhead(args.model, args.decode_tokens, args.repeats, **engine)
         elif args.positions:
-            report = context_scaling(args.model, _positions(args.positions))
+            report = context_scaling(args.model, _positions(args.positions), **engine)
         else:
             report = run_bench(args.model, args.prompt_tokens, args.decode_tokens, args.context, args.weights,
-                               args.compute)
+                               **engine)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -210,7 +196,7 @@ def _streams(text: str) -> tuple[int, ...]:
 
 def cmd_trace(args: argparse.Namespace) -> int:
     from tracelm.audit.verify import read_trace, summary, verify
-    from tracelm.pipeline.trace import trace_key
+    from tracelm.session import trace_key
 
     trace = read_trace(args.trace)
     if args.action == "show":
@@ -226,10 +212,10 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     from tracelm.audit.replay import replay
-    from tracelm.pipeline.trace import trace_key
+    from tracelm.session import trace_key
 
     key = trace_key(args.key_env) if args.key_env else None
-    report = replay(args.trace, args.model, args.allow_model_change, key, limit_threads=_threads)
+    report = replay(args.trace, args.model, args.allow_model_change, key)
     print(report.describe())
     return report.status
 
@@ -245,59 +231,65 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from tracelm.server import serve
 
-    cfg = _load_config(args)
-    with _threads(cfg.threads, cfg.compute):
-        serve(cfg, args.host, args.port)
+    serve(_load_config(args), args.host, args.port)  # the server's Session sets the config's thread limits
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from tracelm.io.export import export_gguf
-    from tracelm.io.loader import load_model
+    from tracelm.tools.model_files import export
 
-    model = load_model(args.model, tokenizer=args.tokenizer, compute="reference")  # f32 weights to write
-    out = export_gguf(model.cfg, model.weights, args.out, model.metadata, name=model.path.stem)
-    print(f"{out}: GGUF {model.cfg.n_layer} layers, f32", file=sys.stderr)
+    print(export(args.model, args.out, args.tokenizer), file=sys.stderr)
     return 0
+
+
+CONFIG_HELP = ("YAML run config: a file, or a packaged config's name (smollm2, gemma3, qwen2.5-coder); default: "
+               "the built-in defaults")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tracelm", description="Auditable LLM inference on the CPU.")
     sub = p.add_subparsers(dest="command", required=True)
+    for add in (_add_run_commands, _add_file_commands, _add_audit_commands, _add_bench_command):
+        add(sub)
+    return p
 
-    def run_options(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("config", nargs="?", help="YAML run config (see configs/; default: the built-in defaults)")
-        sp.add_argument("--max-tokens", type=int)
-        sp.add_argument("--temperature", type=float)
-        sp.add_argument("--seed", type=int)
-        sp.add_argument("--context", type=int)
-        sp.add_argument("--model", help="registry name or GGUF path (overrides the config)")
-        sp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key")
 
+def _run_options(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("config", nargs="?", help=CONFIG_HELP)
+    sp.add_argument("--max-tokens", type=int)
+    sp.add_argument("--temperature", type=float)
+    sp.add_argument("--seed", type=int)
+    sp.add_argument("--context", type=int)
+    sp.add_argument("--model", help="registry name or model path (overrides the config)")
+    sp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key")
+
+
+def _add_run_commands(sub: Any) -> None:
     sp = sub.add_parser("run", help="generate text from a prompt, streaming to stdout")
-    run_options(sp)
+    _run_options(sp)
     sp.add_argument("--prompt")
     sp.add_argument("--trace", metavar="FILE", help="write a JSON-lines trace (level digest by default)")
     sp.add_argument("--trace-key-env", metavar="NAME", help="sign the trace with HMAC-SHA256, key from env var NAME")
     sp.set_defaults(fn=cmd_run)
 
     sp = sub.add_parser("chat", help="multi-turn chat with the model's chat template (lines on stdin)")
-    run_options(sp)
+    _run_options(sp)
     sp.add_argument("--message", action="append", help="a user turn (repeatable) instead of stdin")
     sp.set_defaults(fn=cmd_chat)
 
     sp = sub.add_parser("serve", help="an OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, streaming")
-    sp.add_argument("config", nargs="?", help="YAML run config (see configs/; default: the built-in defaults); its "
-                    "server: section sets the limits")
+    sp.add_argument("config", nargs="?", help=CONFIG_HELP + "; its server: section sets the limits")
     sp.add_argument("--max-tokens", type=int, help="default max_tokens of a request that gives none")
     sp.add_argument("--temperature", type=float, help="default temperature of a request that gives none")
     sp.add_argument("--context", type=int, help="positions of each KV cache (prompt + completion)")
-    sp.add_argument("--model", help="registry name or GGUF path (overrides the config)")
+    sp.add_argument("--model", help="registry name or model path (overrides the config)")
     sp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key")
     sp.add_argument("--host", help="address to listen on (default: server.host of the config, 127.0.0.1)")
     sp.add_argument("--port", type=int, help="port (default: server.port of the config, 8080; 0 = any free port)")
     sp.set_defaults(fn=cmd_serve)
 
+
+def _add_file_commands(sub: Any) -> None:
     sp = sub.add_parser("logits", help="save f32 logits of every prompt position as .npy [T, vocab]")
     sp.add_argument("--model", required=True)
     sp.add_argument("--prompt", required=True)
@@ -320,6 +312,19 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--skip-special", action="store_true", help="--decode: leave control tokens out")
     sp.set_defaults(fn=cmd_tokenize)
 
+    sp = sub.add_parser("export", help="write a model (GGUF, Hugging Face folder, llama2.c .bin) as an f32 GGUF")
+    sp.add_argument("--model", required=True, help="registry name or model path")
+    sp.add_argument("--tokenizer", help="tokenizer file (a llama2.c .bin model needs one)")
+    sp.add_argument("--out", required=True, help="the GGUF file to write")
+    sp.set_defaults(fn=cmd_export)
+
+    sp = sub.add_parser("models", help="the model registry: list | pull NAME | path NAME")
+    sp.add_argument("action", choices=("list", "pull", "path"))
+    sp.add_argument("name", nargs="?", default="smollm2-135m-instruct")
+    sp.set_defaults(fn=cmd_models)
+
+
+def _add_audit_commands(sub: Any) -> None:
     sp = sub.add_parser("validate", help="compare every layer, the logits and greedy tokens with a reference "
                         "implementation on the same weights (exit 0: within tolerance, 1: not)")
     sp.add_argument("--model", required=True, help="registry name or model path")
@@ -332,17 +337,6 @@ def build_parser() -> argparse.ArgumentParser:
                     "the reference (argmax agreement, max |diff| of the logits)")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_validate)
-
-    sp = sub.add_parser("export", help="write a model (GGUF, Hugging Face folder, llama2.c .bin) as an f32 GGUF")
-    sp.add_argument("--model", required=True, help="registry name or model path")
-    sp.add_argument("--tokenizer", help="tokenizer file (a llama2.c .bin model needs one)")
-    sp.add_argument("--out", required=True, help="the GGUF file to write")
-    sp.set_defaults(fn=cmd_export)
-
-    sp = sub.add_parser("models", help="the model registry: list | pull NAME | path NAME")
-    sp.add_argument("action", choices=("list", "pull", "path"))
-    sp.add_argument("name", nargs="?", default="smollm2-135m-instruct")
-    sp.set_defaults(fn=cmd_models)
 
     sp = sub.add_parser("trace", help="check a trace's hash chain (verify) or summarise it (show), without the model")
     sp.add_argument("action", choices=("verify", "show"))
@@ -358,6 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--key-env", metavar="NAME", help="check the trace's HMAC first, key from env var NAME")
     sp.set_defaults(fn=cmd_replay)
 
+
+def _add_bench_command(sub: Any) -> None:
     sp = sub.add_parser("bench", help="load time, prefill and decode rates, peak RSS, against the machine's limits "
                         "(`bench tokenizer`: encode/decode throughput; `bench server`: N streams decoded together; "
                         "`bench speculative`: prompt-lookup decoding "
@@ -393,7 +389,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="instead: tracelm, llama-cpp-python and transformers (each when installed) on the same GGUF, "
                     "prompt ids and threads, each in its own process; prints their rates, peak RSS and ratios")
     sp.set_defaults(fn=cmd_bench)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

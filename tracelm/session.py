@@ -27,9 +27,13 @@ import attrs
 from tracelm.io.chat_template import encode_chat
 from tracelm.io.loader import LoadedModel, ModelFile
 from tracelm.io.run_config import load_run_config
-from tracelm.pipeline.runner import GenerationStats, Runner, check_fits, speculation
+from tracelm.pipeline.runner import Generation, GenerationStats, Runner, check_fits, feed_together, speculation
 from tracelm.pipeline.trace import Tracer, trace_key, write_footer, write_header
-from tracelm.stages.sample import top_logprobs  # noqa: F401 -- the server's logprobs, through the front door
+from tracelm.stages.sample import top_logprobs
+
+# what the server, replay and the tools use of the engine, through the front door
+__all__ = ["Generation", "GenerationStats", "Runner", "Session", "ThreadLimits", "Tracer", "chat_prompt",
+           "run_config", "top_logprobs", "trace_key", "write_footer"]
 from tracelm.state.errors import TracelmError
 from tracelm.state.run_config import RunConfig, TraceOptions
 
@@ -98,17 +102,24 @@ class Session:
     history, and traces. The weights load on first use, so a prompt can be checked against the context
     (`encode`, `check`) before the expensive part."""
 
-    def __init__(self, model: str | None = None, config: str | os.PathLike | RunConfig | None = None, *,
-                 settings: Iterable[str] = (), progress: bool = False):
-        """`model`: a registry name or a path (a GGUF, a Hugging Face folder, a llama2.c .bin); `config`: a
-        YAML file or a RunConfig; `settings`: overrides as `--set` takes them ("sampling.top_k=20")."""
-        self.cfg = run_config(model, config, settings)
-        self.limits = ThreadLimits(self.cfg.threads, self.cfg.compute)
-        self.source = ModelFile(self.cfg.model, self.cfg.tokenizer)
-        self.tokenizer = self.source.tokenizer
+    def __init__(self, model: str | LoadedModel | None = None, config: str | os.PathLike | RunConfig | None = None,
+                 *, settings: Iterable[str] = (), progress: bool = False):
+        """`model`: a registry name or a path (a GGUF, a Hugging Face folder, a llama2.c .bin), or a model
+        already loaded (shared by sessions; the caller's thread settings then stand); `config`: a YAML file,
+        the name of a packaged config (`smollm2`) or a RunConfig; `settings`: overrides as `--set` takes them
+        ("sampling.top_k=20")."""
         self.progress = progress
         self._model: LoadedModel | None = None
         self._runner: Runner | None = None
+        if isinstance(model, LoadedModel):
+            self.cfg = run_config(None if config is not None else str(model.path), config, settings)
+            self._model, self.path, self.tokenizer = model, model.path, model.tokenizer
+            self.limits: ThreadLimits | None = None
+        else:
+            self.cfg = run_config(model, config, settings)
+            self.limits = ThreadLimits(self.cfg.threads, self.cfg.compute)
+            self.source = ModelFile(self.cfg.model, self.cfg.tokenizer)
+            self.path, self.tokenizer = self.source.path, self.source.tokenizer
         self.messages: list[dict[str, str]] = self._new_conversation()
 
     @property
@@ -119,9 +130,20 @@ class Session:
 
     @property
     def runner(self) -> Runner:
+        """The conversation's Runner (its Cache), made on first use."""
         if self._runner is None:
-            self._runner = Runner(self.model, self.cfg.context, **speculation(self.cfg))
+            self._runner = self.new_runner()
         return self._runner
+
+    def new_runner(self, context: int | None = None) -> Runner:
+        """Another Runner on this session's model (its own Cache of `context` positions, the config's by
+        default, and the config's speculation): one per sequence when several are decoded together."""
+        return Runner(self.model, context or self.cfg.context, **speculation(self.cfg))
+
+    @staticmethod
+    def feed(generations: Sequence[Generation]) -> None:
+        """One forward pass computing what each of `generations` (of runners of this session) waits for."""
+        feed_together(generations)
 
     @property
     def stats(self) -> GenerationStats:
@@ -136,12 +158,13 @@ class Session:
         check_fits(n_prompt, self.cfg.max_tokens if max_tokens is None else max_tokens, self.cfg.context)
 
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int | None = None, stop: Sequence[str] | None = None,
-               trace: str | os.PathLike | None = None, trace_key_env: str | None = None,
+               trace: str | os.PathLike | Tracer | None = None, trace_key_env: str | None = None,
                **sampling: Any) -> Iterator[str]:
         """Text as it is decoded from `prompt` (text, or token ids as they are). Keyword arguments override
         the config: max_tokens, stop, any SamplingParams field (temperature, top_k, top_p, min_p, seed...),
         and `trace`, a file that gets this call's trace (the config's trace.file when not given), signed
-        with the key in the environment variable `trace_key_env`."""
+        with the key in the environment variable `trace_key_env`; or an open Tracer that records the call's
+        events only (replay's comparer)."""
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
         max_tokens = self.cfg.max_tokens if max_tokens is None else max_tokens
         self.check(len(ids), max_tokens)
@@ -152,7 +175,10 @@ class Session:
         stop = self.cfg.stop if stop is None else tuple(stop)
         text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
         cfg = attrs.evolve(self.cfg, prompt=text, max_tokens=max_tokens, stop=stop, sampling=params)
-        with self._tracer(cfg, ids, trace, trace_key_env) as tracer:
+        if isinstance(trace, Tracer):
+            yield from self.runner.generate(ids, max_tokens, params, stop, tracer=trace)
+            return
+        with self.open_trace(ids, trace, trace_key_env, cfg) as tracer:
             out = []
             for piece in self.runner.generate(ids, max_tokens, params, stop, tracer=tracer):
                 out.append(piece)
@@ -163,6 +189,13 @@ class Session:
     def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> str:
         """The whole text `stream` yields."""
         return "".join(self.stream(prompt, **kwargs))
+
+    def logits(self, prompt: str | Sequence[int]) -> Any:
+        """f32 logits [T, vocab] of every position of `prompt` (text, or token ids), computed in one pass on a
+        fresh Cache of exactly T positions (the conversation's is left as it is)."""
+        ids = self.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
+        check_fits(len(ids), 0, max(len(ids), 1))
+        return Runner(self.model, len(ids)).logits(ids)
 
     def chat_stream(self, message: str, **kwargs: Any) -> Iterator[str]:
         """The reply to `message` as the next user turn of this session's conversation, rendered with the
@@ -175,7 +208,8 @@ class Session:
             self.messages.pop()
             raise TracelmError(f"the conversation ({len(ids)} tokens) no longer fits the context of "
                                f"{self.cfg.context}; raise 'context' or start over")
-        kwargs["max_tokens"] = min(kwargs.get("max_tokens") or self.cfg.max_tokens, room)
+        asked = kwargs.get("max_tokens")
+        kwargs["max_tokens"] = min(self.cfg.max_tokens if asked is None else asked, room)
         reply = []
         for piece in self.stream(ids, **kwargs):
             reply.append(piece)
@@ -192,7 +226,9 @@ class Session:
 
     def close(self) -> None:
         """Put back the thread limits the session set."""
-        self.limits.restore()
+        if self.limits is not None:
+            self.limits.restore()
+            self.limits = None
 
     def __enter__(self) -> Session:
         return self
@@ -204,10 +240,13 @@ class Session:
         return [{"role": "system", "content": self.cfg.system}] if self.cfg.system else []
 
     @contextlib.contextmanager
-    def _tracer(self, cfg: RunConfig, ids: list[int], path: str | os.PathLike | None,
-                key_env: str | None) -> Iterator[Tracer | None]:
-        """A Tracer writing `path` (or the config's trace file): the header now, the events as they come; an
-        interrupted call still leaves every event up to the interruption (and no footer)."""
+    def open_trace(self, ids: list[int], path: str | os.PathLike | None = None, key_env: str | None = None,
+                   cfg: RunConfig | None = None) -> Iterator[Tracer | None]:
+        """A Tracer writing `path` (or the config's trace file; None when neither asks for a trace): the header
+        of a call on prompt `ids` configured as `cfg` (the session's config by default) now, the events as they
+        come, open until the block ends. An interrupted call leaves every event up to the interruption; the
+        footer is the caller's (`write_footer`)."""
+        cfg = self.cfg if cfg is None else cfg
         if path is not None:
             level = cfg.trace.level if cfg.trace.level != "off" else "digest"
             cfg = attrs.evolve(cfg, trace=TraceOptions(level=level, file=str(path)))

@@ -17,16 +17,20 @@ replay does not produce (e.g. a server's `request` annotation) are skipped.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import attrs
 
 from tracelm.audit.verify import Trace, read_trace, verify
+from tracelm.io.registry import path_sha256
+from tracelm.io.run_config import record_from_dict, run_config_from_dict
+from tracelm.pipeline.runner import common_prefix
 from tracelm.pipeline.trace import CHAIN_FIELDS, Tracer, is_timing_field
+from tracelm.session import Session
 from tracelm.state.errors import TracelmError
+from tracelm.state.records import SamplingParams
+from tracelm.state.run_config import RunConfig, TraceOptions
 
 STATS_RTOL = 1e-3
 STATS_ATOL = 1e-6
@@ -180,22 +184,42 @@ class _Comparer:
 
 
 def replay(path: str | Path, model: str | None = None, allow_model_change: bool = False,
-           key: bytes | None = None,
-           limit_threads: Callable[[int, str], AbstractContextManager[Any]] = lambda _n, _c: nullcontext()
-           ) -> ReplayReport:
+           key: bytes | None = None) -> ReplayReport:
     """Re-run the trace at `path` and compare event by event. TracelmError when it cannot be replayed.
 
-    `limit_threads(n, compute)` applies the recorded thread count (the CLI passes its own)."""
-    from tracelm.io.loader import ModelFile
-    from tracelm.io.registry import path_sha256
-    from tracelm.io.run_config import record_from_dict, run_config_from_dict
-    from tracelm.pipeline.runner import Runner, common_prefix, speculation
-    from tracelm.state.records import SamplingParams
-
+    The run is opened as recorded: a Session on the header's config (its compute, weights, context,
+    speculation and thread count), against `model` when given instead of the recorded file."""
     trace = read_trace(path)
     verdict = verify(trace, key)
     if not verdict.intact:
         raise TracelmError(f"{trace.path}: cannot replay a trace that is not intact ({verdict.message})")
+    cfg, level = _recorded_config(trace)
+    if model is None:
+        recorded_file = trace.header.get("model_file")
+        model = recorded_file if isinstance(recorded_file, str) and Path(recorded_file).exists() else cfg.model
+    calls = [(i, e) for i, e in enumerate(trace.events) if e is not None and e.get("event") == "generate"]
+    if not calls:
+        raise TracelmError(f"{trace.path}: the trace has no generate event: nothing to replay")
+    with Session(model, cfg) as session:
+        report = ReplayReport(REPRODUCED, notes=_model_notes(trace, session.path, allow_model_change))
+        comparer = _Comparer(trace, report)
+        tracer = Tracer(comparer, level)  # type: ignore[arg-type]
+        tracer.seq = 1
+        try:
+            for line, call in calls:
+                _replay_call(session, trace, line, call, tracer, report.notes)
+        except _Diverged:
+            return report
+    rest = trace.events[comparer.i]
+    if rest is not None and rest.get("event") != "footer":
+        report.divergence = comparer._diff(rest, None, "the recorded run has more events than the replay")
+        report.status = DIVERGED
+    return report
+
+
+def _recorded_config(trace: Trace) -> tuple[RunConfig, str]:
+    """The header's run config (numpy's products for traces recorded before the kernels; no trace file of its
+    own) and its trace level."""
     h = trace.header
     recorded = h.get("config")
     if isinstance(recorded, dict) and "compute" not in recorded:  # recorded before the kernels: numpy's products
@@ -204,52 +228,39 @@ def replay(path: str | Path, model: str | None = None, allow_model_change: bool 
     level = h.get("level")
     if level not in ("summary", "digest"):
         raise TracelmError(f"{trace.path}: header level {level!r} is not summary or digest")
-    notes = []
-    if model is None:
-        recorded_file = h.get("model_file")
-        model = recorded_file if isinstance(recorded_file, str) and Path(recorded_file).exists() else cfg.model
-    source = ModelFile(model, cfg.tokenizer)
-    sha = path_sha256(source.path)
-    if sha != h.get("model_sha256"):
-        msg = (f"the model's sha256 differs: the trace was recorded with {h.get('model_sha256')} "
-               f"({h.get('model_file')}), {source.path} has {sha}")
-        if not allow_model_change:
-            raise TracelmError(f"cannot replay: {msg}; pass --allow-model-change to replay against it anyway "
-                               f"and find where the runs part")
-        notes.append(f"warning: {msg}; replaying anyway")
-    calls = [(i, e) for i, e in enumerate(trace.events) if e is not None and e.get("event") == "generate"]
-    if not calls:
-        raise TracelmError(f"{trace.path}: the trace has no generate event: nothing to replay")
-    report = ReplayReport(REPRODUCED, notes=notes)
-    comparer = _Comparer(trace, report)
-    with limit_threads(cfg.threads, cfg.compute):
-        loaded = source.load(progress=False, weights=cfg.weights, compute=cfg.compute)  # as recorded
-        tracer = Tracer(comparer, level)  # type: ignore[arg-type]
-        tracer.seq = 1
-        runner = Runner(loaded, cfg.context, **speculation(cfg))
-        try:
-            for line, call in calls:
-                sampling = record_from_dict(SamplingParams, call.get("sampling"), f"line {line + 1}: sampling.")
-                try:
-                    ids = [int(i) for i in call["prompt_ids"]]
-                    max_tokens, stop = int(call["max_tokens"]), [str(s) for s in call.get("stop", [])]
-                except (KeyError, TypeError, ValueError):
-                    raise TracelmError(f"{trace.path}: line {line + 1}: generate event lacks prompt_ids or "
-                                       f"max_tokens") from None
-                reused = int(call.get("reused", 0))
-                if min(common_prefix(runner.cache.tokens, ids), len(ids) - 1) < reused:
-                    # the recorded run found these prompt tokens already in its Cache (e.g. a server session
-                    # that began before the trace): compute them untraced first, so the traced passes match
-                    runner.prefill(ids[:reused])
-                    notes.append(f"line {line + 1}: computed the {reused} prompt tokens the recorded run had "
-                                 f"cached, untraced (their chunking may round differently)")
-                for _ in runner.generate(ids, max_tokens, sampling, stop, tracer=tracer):
-                    pass
-                tracer.flush()
-        except _Diverged:
-            return report
-    rest = trace.events[comparer.i]
-    if rest is not None and rest.get("event") != "footer":
-        report.divergence = comparer._diff(rest, None, "the recorded run has more events than the replay")
-        report.status = DIVERGED
-    return report
+    return attrs.evolve(cfg, trace=TraceOptions()), level
+
+
+def _model_notes(trace: Trace, path: Path, allow_model_change: bool) -> list[str]:
+    """Nothing when the model file is the one recorded (sha256); else a refusal, or a warning when allowed."""
+    sha = path_sha256(path)
+    if sha == trace.header.get("model_sha256"):
+        return []
+    msg = (f"the model's sha256 differs: the trace was recorded with {trace.header.get('model_sha256')} "
+           f"({trace.header.get('model_file')}), {path} has {sha}")
+    if not allow_model_change:
+        raise TracelmError(f"cannot replay: {msg}; pass --allow-model-change to replay against it anyway "
+                           f"and find where the runs part")
+    return [f"warning: {msg}; replaying anyway"]
+
+
+def _replay_call(session: Session, trace: Trace, line: int, call: dict[str, Any], tracer: Tracer,
+                 notes: list[str]) -> None:
+    """One recorded generate call, run again with its events going to the comparer."""
+    sampling = record_from_dict(SamplingParams, call.get("sampling"), f"line {line + 1}: sampling.")
+    try:
+        ids = [int(i) for i in call["prompt_ids"]]
+        max_tokens, stop = int(call["max_tokens"]), [str(s) for s in call.get("stop", [])]
+    except (KeyError, TypeError, ValueError):
+        raise TracelmError(f"{trace.path}: line {line + 1}: generate event lacks prompt_ids or max_tokens") from None
+    reused = int(call.get("reused", 0))
+    runner = session.runner
+    if min(common_prefix(runner.cache.tokens, ids), len(ids) - 1) < reused:
+        # the recorded run found these prompt tokens already in its Cache (e.g. a server session that began
+        # before the trace): compute them untraced first, so the traced passes match
+        runner.prefill(ids[:reused])
+        notes.append(f"line {line + 1}: computed the {reused} prompt tokens the recorded run had cached, "
+                     f"untraced (their chunking may round differently)")
+    for _ in session.stream(ids, max_tokens=max_tokens, stop=stop, trace=tracer, **attrs.asdict(sampling)):
+        pass
+    tracer.flush()

@@ -71,10 +71,32 @@ def _build(cls: type, tree: dict[str, Any], prefix: str = "") -> Any:
         raise TracelmError(f"config key {bad}: {message}") from None
 
 
+PACKAGED = Path(__file__).resolve().parents[1] / "configs"  # configs shipped in the package (configs/ links here)
+
+
+def packaged_configs() -> list[str]:
+    """Names of the configs shipped with tracelm (`tracelm run smollm2` reads configs/smollm2.yaml)."""
+    return sorted(p.stem for p in PACKAGED.glob("*.yaml"))
+
+
+def config_path(path: str | Path) -> Path:
+    """A config file: `path` itself, or a packaged config named `path` (with or without .yaml)."""
+    p = Path(path)
+    if p.exists() or p.parent != Path("."):
+        return p
+    shipped = PACKAGED / (p.name if p.suffix == ".yaml" else f"{p.name}.yaml")
+    if shipped.exists():
+        return shipped
+    raise TracelmError(f"{path}: no such config file, nor a packaged config (packaged: "
+                       f"{', '.join(packaged_configs())})")
+
+
 def load_run_config(path: str | Path | None, overrides: Iterable[str] = ()) -> RunConfig:
-    """Read a YAML config (or the defaults when path is None), apply overrides, validate."""
+    """Read a YAML config (a path, or the name of a packaged config; the defaults when None), apply overrides,
+    validate."""
     tree: dict[str, Any] = {}
     if path is not None:
+        path = config_path(path)
         try:
             text = Path(path).read_text(encoding="utf-8")
         except OSError as e:

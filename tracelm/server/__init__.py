@@ -40,11 +40,12 @@ def _is_loopback(host: str) -> bool:
 
 
 def serve(cfg: Any, host: str | None = None, port: int | None = None) -> None:
-    """Load the config's model and serve it until interrupted (SIGINT / SIGTERM)."""
+    """Load the config's model (a Session: its thread limits, its runners) and serve it until interrupted
+    (SIGINT / SIGTERM)."""
     import uvicorn
 
-    from tracelm.io.loader import load_model
     from tracelm.server.app import Server
+    from tracelm.session import Session
 
     host = host or cfg.server.host
     port = cfg.server.port if port is None else port
@@ -53,8 +54,8 @@ def serve(cfg: Any, host: str | None = None, port: int | None = None) -> None:
     api_key = os.environ.get(cfg.server.api_key_env) or None
     sock = _listen(host, port)
     try:
-        model = load_model(cfg.model, tokenizer=cfg.tokenizer, weights=cfg.weights, compute=cfg.compute)
-        server = Server(model, cfg, api_key)
+        session = Session(config=cfg, progress=True)
+        server = Server(session, api_key)
         bound = sock.getsockname()[1]
         url_host = f"[{host}]" if ":" in host else host
         print(f"tracelm: serving {server.model_id} at http://{url_host}:{bound}/v1 "
@@ -66,5 +67,6 @@ def serve(cfg: Any, host: str | None = None, port: int | None = None) -> None:
         config = uvicorn.Config(server.app(), log_level="info", limit_concurrency=4 * (cfg.server.queue_size + 1) + 16,
                                 timeout_keep_alive=5, timeout_graceful_shutdown=5, server_header=False)
         uvicorn.Server(config).run(sockets=[sock])
+        session.close()
     finally:
         sock.close()

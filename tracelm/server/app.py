@@ -30,9 +30,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from tracelm.io.loader import LoadedModel
 from tracelm.server.params import ApiError, GenerationRequest, bad, parse_json, parse_request
 from tracelm.server.queue import Engine, Job, QueueFull
+from tracelm.session import Session, chat_prompt
 from tracelm.state.errors import TracelmError
 from tracelm.state.run_config import RunConfig
 from tracelm.version import __version__
@@ -51,13 +51,13 @@ def model_id_of(cfg: RunConfig) -> str:
 
 
 class Server:
-    def __init__(self, model: LoadedModel, cfg: RunConfig, api_key: str | None = None):
-        self.model = model
-        self.cfg = cfg
+    def __init__(self, session: Session, api_key: str | None = None):
+        self.model = session.model
+        self.cfg = cfg = session.cfg
         self.model_id = model_id_of(cfg)
         self.model_names = {self.model_id, cfg.model}
         self.api_key = api_key or None
-        self.engine = Engine(model, cfg)
+        self.engine = Engine(session)
         self.created = int(time.time())
 
     def app(self) -> Starlette:
@@ -150,8 +150,6 @@ class Server:
         """Prompt token ids and text (worker-free: runs in a thread of the pool)."""
         tok = self.model.tokenizer
         if req.kind == "chat":
-            from tracelm.session import chat_prompt
-
             messages = list(req.messages or [])
             if self.cfg.system and not any(m["role"] == "system" for m in messages):
                 messages.insert(0, {"role": "system", "content": self.cfg.system})

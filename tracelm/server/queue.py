@@ -30,14 +30,12 @@ from typing import Any
 import attrs
 import numpy as np
 
-from tracelm.io.loader import LoadedModel
-from tracelm.pipeline.runner import Generation, Runner, feed_together, speculation
 from tracelm.server.params import ApiError
 from tracelm.server.sessions import SessionStore
-from tracelm.session import top_logprobs
+from tracelm.session import Generation, Runner, Session, top_logprobs, write_footer
 from tracelm.state.errors import TracelmError
 from tracelm.state.records import Choice, SamplingParams
-from tracelm.state.run_config import RunConfig, TraceOptions
+from tracelm.state.run_config import TraceOptions
 
 log = logging.getLogger("tracelm.server")
 
@@ -109,14 +107,15 @@ class Active:
 
 
 class Engine:
-    def __init__(self, model: LoadedModel, cfg: RunConfig):
-        self.model = model
-        self.cfg = cfg
+    def __init__(self, session: Session):
+        self.session = session
+        self.model = session.model
+        self.cfg = cfg = session.cfg
         opts = cfg.server
         self.max_batch = opts.max_batch
         # runners for requests without a session, at most max_batch of them; each emptied before use
-        self._scratch = [self._new_runner()]
-        self.sessions = SessionStore(self._new_runner, opts.max_sessions, opts.session_memory_mb << 20,
+        self._scratch = [session.new_runner()]
+        self.sessions = SessionStore(session.new_runner, opts.max_sessions, opts.session_memory_mb << 20,
                                      self._scratch[0].cache.nbytes)
         self.trace_dir = Path(opts.trace_dir) if opts.trace_dir else None
         self.trace_level = cfg.trace.level if cfg.trace.level != "off" else "digest"
@@ -134,9 +133,6 @@ class Engine:
         self.active: list[Active] = []  # the batch: sequences decoding together (worker thread only)
         self._waiting: deque[Job] = deque()  # taken from the queue, not yet in the batch
         self._thread = threading.Thread(target=self._work, name="tracelm-engine", daemon=True)
-
-    def _new_runner(self) -> Runner:
-        return Runner(self.model, self.cfg.context, **speculation(self.cfg))
 
     # -- the event loop's side ---------------------------------------------------------------------------
 
@@ -259,7 +255,7 @@ class Engine:
             self.counters.passes += 1
             self.counters.peak_batch = max(self.counters.peak_batch, n)
         try:
-            feed_together([a.gen for a in self.active])
+            self.session.feed([a.gen for a in self.active])
         except Exception as e:  # noqa: BLE001 -- the shared pass failed: every sequence in it fails
             for a in [a for a in self.active if a.gen.feed]:
                 self._fail(a, e)
@@ -270,8 +266,6 @@ class Engine:
             a.job.post("piece", text, a.entries[:])
         stats = a.runner.stats
         if a.tracer is not None:
-            from tracelm.pipeline.trace import write_footer
-
             write_footer(a.tracer, stats)
         self._end(a)
         finish = stats.finish_reason
@@ -329,7 +323,7 @@ class Engine:
                 return self.sessions.get(job.session_id)
             except TracelmError as e:
                 raise ApiError(400, str(e), param="session_id") from None
-        runner = self._scratch.pop() if self._scratch else self._new_runner()
+        runner = self._scratch.pop() if self._scratch else self.session.new_runner()
         runner.cache.reset()  # a request without a session sees nothing of the one before
         return runner
 
@@ -338,13 +332,9 @@ class Engine:
         open until `closing` closes."""
         if self.trace_dir is None:
             return None
-        from tracelm.pipeline.trace import Tracer, write_header
-
         path = self.trace_dir / f"{job.request_id}.jsonl"
         cfg = attrs.evolve(self.cfg, prompt=job.prompt_text, max_tokens=job.max_tokens, stop=job.stop,
                            sampling=job.sampling, trace=TraceOptions(level=self.trace_level, file=str(path)))
-        stream = closing.enter_context(open(path, "w", encoding="utf-8"))
-        tracer = Tracer(stream, self.trace_level)
-        write_header(tracer, cfg, self.model, job.prompt_ids)
+        tracer = closing.enter_context(self.session.open_trace(job.prompt_ids, cfg=cfg))
         tracer.event("request", request_id=job.request_id, session_id=job.session_id)
         return tracer

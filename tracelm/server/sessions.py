@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
-from tracelm.pipeline.runner import Runner
+from tracelm.session import Runner
 from tracelm.state.errors import TracelmError
 
 

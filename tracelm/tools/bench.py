@@ -11,18 +11,18 @@ numpy/OpenBLAS products themselves leave for the rest of the graph.
 
 from __future__ import annotations
 
-import json
 import os
 import resource
-import subprocess
-import sys
 import time
+import types
 from typing import Any
 
+import attrs
 import numpy as np
 
-from tracelm.io.loader import load_model
-from tracelm.pipeline.runner import Runner
+from tracelm.session import Session
+from tracelm.state.run_config import RunConfig
+from tracelm.tools.child import run_child
 
 BENCH_TEXT = (
     "The history of the printing press begins in the fifteenth century, when movable type made books "
@@ -57,10 +57,10 @@ def machine_probe() -> dict[str, float]:
     return {"bandwidth_gb_s": round(bandwidth, 2), "sgemm_gflop_s": round(sgemm, 1)}
 
 
-def _probe_in_child() -> dict[str, float]:
-    code = "import json; from tracelm.tools.bench import machine_probe; print(json.dumps(machine_probe()))"
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
-    return json.loads(out.stdout)
+def open_session(model_name: str, **fields: Any) -> Session:
+    """The model opened for a bench as `tracelm run` opens it: a Session on the built-in defaults with `fields`
+    (threads, compute, weights...) set."""
+    return Session(model_name, attrs.evolve(RunConfig(), **fields))
 
 
 def prefill_flops_per_token(cfg: Any, n_prompt: int) -> float:
@@ -78,15 +78,21 @@ def bench_ids(tokenizer: Any, n: int) -> list[int]:
 
 
 def run_bench(model_name: str, n_prompt: int = 256, n_decode: int = 128, n_ctx: int = 1024,
-              weights: str = "resident", compute: str = "kernels") -> dict[str, Any]:
+              weights: str = "resident", compute: str = "kernels", threads: int = 0) -> dict[str, Any]:
     """`weights="streamed"` on `compute="reference"`: prefill is timed once (each pass dequantizes every block),
     and the report adds the streamed mode's RSS bound and whether its logits equal resident mode's (see
     `streamed_report`). On the kernels the weights are the file's blocks: `weights_gb_s` is the rate decode
     reads them at, against the machine's bandwidth, and the RSS budget is the file + KV cache + 150 MB."""
-    probe = _probe_in_child()
-    model = load_model(model_name, progress=False, weights=weights, compute=compute)
+    probe = run_child(machine_probe)
+    with open_session(model_name, weights=weights, compute=compute, threads=threads) as session:
+        return _model_bench(session, probe, n_prompt, n_decode, n_ctx)
+
+
+def _model_bench(session: Session, probe: dict[str, float], n_prompt: int, n_decode: int, n_ctx: int
+                 ) -> dict[str, Any]:
+    model, weights, compute = session.model, session.cfg.weights, session.cfg.compute
     cfg = model.cfg
-    runner = Runner(model, max(n_ctx, n_prompt + n_decode))
+    runner = session.new_runner(max(n_ctx, n_prompt + n_decode))
     ids = bench_ids(model.tokenizer, n_prompt)
 
     def prefill() -> None:
@@ -119,7 +125,7 @@ def run_bench(model_name: str, n_prompt: int = 256, n_decode: int = 128, n_ctx: 
         rss_budget = model.path.stat().st_size + runner.cache.nbytes + 150 * 2**20
     else:
         rss_budget = weight_bytes + runner.cache.nbytes + 300 * 2**20
-    streamed = streamed_report(model, runner.cache.nbytes, peak_rss, ids[:16]) if dequantizing else {}
+    streamed = streamed_report(session, runner.cache.nbytes, peak_rss, ids[:16]) if dequantizing else {}
     return {
         "compute": compute,
         "weights": weights,
@@ -164,43 +170,38 @@ def product_pass_seconds(w: Any, cfg: Any, rows: int, repeat: int) -> float:
 STREAMED_SLACK = 150 * 2**20  # the issue's allowance over file + one block in f32 + KV cache
 
 
-def streamed_report(model: Any, kv_bytes: int, peak_rss: int, check_ids: list[int], n_check_decode: int = 4
+def streamed_report(session: Session, kv_bytes: int, peak_rss: int, check_ids: list[int], n_check_decode: int = 4
                     ) -> dict[str, Any]:
     """Streamed mode against its targets: peak RSS against the bound (GGUF file size + the largest block in
     f32 + KV cache + 150 MB), and logits against resident mode's, computed in a child process (whose memory
     does not count in this one's peak): every position of `check_ids` in one pass, then `n_check_decode`
     greedy steps, compared bit for bit."""
-    import tempfile
-
+    model = session.model
     file_bytes = model.path.stat().st_size
     layer_bytes = model.weights.layers.layer_nbytes
     bound = file_bytes + layer_bytes + kv_bytes + STREAMED_SLACK
     from threadpoolctl import threadpool_info
 
-    ids, streamed = logits_path(model, check_ids, n_check_decode)
+    ids, streamed = logits_path(session, check_ids, n_check_decode)
     # the child uses this process's BLAS thread count: OpenBLAS's sums can differ between 1 and 2 threads
     threads = max((p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"), default=0)
-    with tempfile.TemporaryDirectory() as tmp:
-        np.save(f"{tmp}/streamed.npy", streamed)
-        code = ("import json, sys; from tracelm.tools.bench import compare_resident; "
-                "print(json.dumps(compare_resident(*sys.argv[1:5])))")
-        out = subprocess.run([sys.executable, "-c", code, str(model.path), json.dumps(ids), f"{tmp}/streamed.npy",
-                              str(threads)], check=True, capture_output=True, text=True)
+    resident = run_child(compare_resident, str(model.path), ids, streamed, threads)
     return {
         "file_mb": round(file_bytes / 2**20, 1),
         "layer_f32_mb": round(layer_bytes / 2**20, 1),
         "rss_bound_mb": round(bound / 2**20, 1),
         "rss_vs_bound": round(peak_rss / bound, 3),
-        **json.loads(out.stdout),
+        **resident,
     }
 
 
-def logits_path(model: Any, prompt_ids: list[int], n_decode: int, feed: list[int] | None = None
+def logits_path(model: Session | Any, prompt_ids: list[int], n_decode: int, feed: list[int] | None = None
                 ) -> tuple[dict[str, list[int]], np.ndarray]:
     """Logits of every prompt position (one pass) and of `n_decode` decode steps after it, each feeding the
-    greedy choice (or feed[i] when given): the ids fed ({"prompt", "decode"}) and the logits
-    [len(prompt) + n_decode, vocab]."""
-    runner = Runner(model, len(prompt_ids) + n_decode)
+    greedy choice (or feed[i] when given), on a Session or a loaded model: the ids fed ({"prompt",
+    "decode"}) and the logits [len(prompt) + n_decode, vocab]."""
+    session = model if isinstance(model, Session) else Session(model)
+    runner = session.new_runner(len(prompt_ids) + n_decode)
     rows = [runner.logits(prompt_ids)]
     fed: list[int] = []
     for i in range(n_decode):
@@ -209,22 +210,19 @@ def logits_path(model: Any, prompt_ids: list[int], n_decode: int, feed: list[int
     return {"prompt": list(prompt_ids), "decode": fed}, np.concatenate(rows)
 
 
-def compare_resident(model_path: str, ids_json: str, npy: str, threads: str = "0") -> dict[str, Any]:
-    """In a child of `streamed_report`: resident logits fed the same ids (with `threads` BLAS threads, 0:
-    the default), against the saved ones."""
-    from threadpoolctl import threadpool_limits
-
-    ids = json.loads(ids_json)
-    model = load_model(model_path, progress=False)
-    with threadpool_limits(limits=int(threads) or None):
-        _, resident = logits_path(model, ids["prompt"], len(ids["decode"]), ids["decode"])
-    streamed = np.load(npy)
+def compare_resident(model_path: str, ids: dict[str, list[int]], streamed: np.ndarray, threads: int = 0
+                     ) -> dict[str, Any]:
+    """In a child of `streamed_report`: resident logits on numpy's route (with `threads` BLAS threads, 0: the
+    default), fed the same ids, against the streamed ones."""
+    with open_session(model_path, compute="reference", threads=threads) as session:
+        _, resident = logits_path(session, ids["prompt"], len(ids["decode"]), ids["decode"])
     return {"logits_equal_resident": bool(np.array_equal(resident, streamed)),
             "logits_max_abs_diff": float(np.abs(resident - streamed).max()),
             "logits_checked": f"{len(ids['prompt'])} prompt positions + {len(ids['decode'])} decode steps"}
 
 
-def trace_overhead(model_name: str, n_decode: int = 64, repeats: int = 3, n_prompt: int = 32) -> dict[str, Any]:
+def trace_overhead(model_name: str, n_decode: int = 64, repeats: int = 3, n_prompt: int = 32, compute: str = "kernels",
+                   threads: int = 0) -> dict[str, Any]:
     """Decode tok/s untraced, at level summary and at level digest, measured in one process.
 
     Three runners (one per level; the traced ones write to /dev/null, rendering, chaining and writing as
@@ -236,9 +234,14 @@ def trace_overhead(model_name: str, n_decode: int = 64, repeats: int = 3, n_prom
     The same is measured in process CPU time (`cpu_*`): on a machine shared with other work the wall
     time of every step stretches with what the others do, the CPU time much less. With one BLAS thread
     (`--threads 1`) CPU time per token is what wall time per token would be on an idle machine."""
-    from tracelm.pipeline.trace import Tracer
+    from tracelm.session import Tracer
 
-    model = load_model(model_name, progress=False)
+    with open_session(model_name, compute=compute, threads=threads) as session:
+        return _trace_overhead(session, n_decode, repeats, n_prompt, Tracer)
+
+
+def _trace_overhead(session: Session, n_decode: int, repeats: int, n_prompt: int, Tracer: Any) -> dict[str, Any]:
+    model = session.model
     ids = bench_ids(model.tokenizer, n_prompt)
     levels = ("off", "summary", "digest")
     steps: dict[str, list[float]] = {lv: [] for lv in levels}
@@ -246,7 +249,7 @@ def trace_overhead(model_name: str, n_decode: int = 64, repeats: int = 3, n_prom
     with open(os.devnull, "w", encoding="utf-8") as sink:
         for _ in range(repeats):
             tracers = {lv: Tracer(sink, lv) if lv != "off" else None for lv in levels}
-            runners = {lv: Runner(model, n_prompt + n_decode + 1) for lv in levels}
+            runners = {lv: session.new_runner(n_prompt + n_decode + 1) for lv in levels}
             tokens = {lv: int(np.argmax(runners[lv].prefill(ids, tracer=tracers[lv]).values[-1])) for lv in levels}
             for i in range(n_decode):
                 for lv in levels[i % 3:] + levels[: i % 3]:
@@ -385,7 +388,7 @@ def _product_rates(x: np.ndarray, mats: list[Any]) -> dict[str, float]:
 
 
 def context_scaling(model_name: str, positions: tuple[int, ...] = (100, 500, 1000, 2000), n_decode: int = 32,
-                    n_prompt: int = 2048) -> dict[str, Any]:
+                    n_prompt: int = 2048, compute: str = "kernels", threads: int = 0) -> dict[str, Any]:
     """Decode cost against position: ms per token decoding at each of `positions` (the Cache holding that
     many tokens of a prompt), and prefill tok/s of an `n_prompt`-token prompt.
 
@@ -394,13 +397,15 @@ def context_scaling(model_name: str, positions: tuple[int, ...] = (100, 500, 100
     alike); a position's cost is the median over its steps, in wall time and in process CPU time, with the
     attend stage's share. Ratios are against the first position (the issue's target: position 2,000 costs
     <= 1.5x position 100)."""
-    from tracelm.pipeline.graph import forward
+    with open_session(model_name, compute=compute, threads=threads) as session:
+        return _context_scaling(session, positions, n_decode, n_prompt)
 
-    model = load_model(model_name, progress=False)
-    cfg, w = model.cfg, model.weights
+
+def _context_scaling(session: Session, positions: tuple[int, ...], n_decode: int, n_prompt: int) -> dict[str, Any]:
+    model = session.model
     ids = bench_ids(model.tokenizer, max(n_prompt, *positions))
     top = max(positions)
-    runners = {p: Runner(model, (max(top, n_prompt) if p == top else p) + n_decode + 1) for p in positions}
+    runners = {p: session.new_runner((max(top, n_prompt) if p == top else p) + n_decode + 1) for p in positions}
     c0, t0 = time.process_time(), time.perf_counter()
     runners[top].prefill(ids[:n_prompt])
     prefill_s, prefill_cpu_s = time.perf_counter() - t0, time.process_time() - c0
@@ -418,13 +423,13 @@ def context_scaling(model_name: str, positions: tuple[int, ...] = (100, 500, 100
         spent[0] += time.perf_counter() - t
         return out
 
+    hook = types.SimpleNamespace(call=timed)  # a tracer's face: every stage call goes through hook.call
     order = list(positions)
     for i in range(n_decode):
         for p in order[i % len(order):] + order[: i % len(order)]:
-            cache = runners[p].cache
             spent[0] = 0.0
             c0, t0 = time.process_time(), time.perf_counter()
-            logits = forward(cfg, w, cache, [tokens[p]], call=timed)
+            logits = runners[p].step(tokens[p], tracer=hook)
             wall[p].append(time.perf_counter() - t0)
             cpu[p].append(time.process_time() - c0)
             attend[p].append(spent[0])

@@ -1,9 +1,9 @@
 """`tracelm bench --compare`: tracelm, llama-cpp-python and Hugging Face transformers on the same GGUF file.
 
-Every engine runs in its own child process (`python -m tracelm.tools.bench_compare ENGINE`, the request
-as JSON on stdin), so its peak RSS (the child's own ru_maxrss) and its thread setting are its own. All get
+Every engine runs in its own child process (`child_main`, started by `tools.child.run_child` in a fresh
+interpreter), so its peak RSS (the child's own ru_maxrss) and its thread setting are its own. All get
 the same prompt ids (`bench_ids`, 256 tokens by default) and the same thread count:
-- tracelm: OpenBLAS and numexpr limited through threadpoolctl (as `tracelm --threads`);
+- tracelm: a Session with `threads: N` (the kernels' pool; OpenBLAS at one thread);
 - llama.cpp: `Llama(n_threads=N, n_threads_batch=N, n_batch=512)`;
 - transformers: `torch.set_num_threads(N)`, the GGUF loaded in f32 as `tracelm validate` does.
 
@@ -11,7 +11,7 @@ Each child measures the same way (`measure`): load seconds (building the model f
 library's import), prefill tok/s as the best of `repeats` prefills of the prompt into an empty cache (after
 one untimed), and decode tok/s over one timed run of `n_decode` greedy steps (argmax of the last logits)
 after a warm-up. The greedy tokens come back too, so the report says how far each engine's tokens agree
-with tracelm's (llama.cpp computes with the quantized weights, tracelm and transformers with f32 ones).
+with tracelm's (llama.cpp and tracelm compute on the quantized blocks, transformers with f32 weights).
 """
 
 from __future__ import annotations
@@ -19,12 +19,8 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
-import json
 import os
 import resource
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,12 +30,13 @@ import numpy as np
 
 from tracelm.pipeline.runner import common_prefix
 from tracelm.state.errors import TracelmError
+from tracelm.tools.child import ChildKilled, run_child
 
 ENGINES = ("tracelm", "llama.cpp", "transformers")
 REQUIRES: dict[str, tuple[str, ...]] = {"tracelm": (), "llama.cpp": ("llama_cpp",),
                                         "transformers": ("transformers", "torch")}
 DISTRIBUTIONS = {"tracelm": ("tracelm",), "llama.cpp": ("llama_cpp_python",), "transformers": ("transformers", "torch")}
-IMPORTS = {"tracelm": ("tracelm.io.loader", "tracelm.pipeline.runner"), "llama.cpp": ("llama_cpp",),
+IMPORTS = {"tracelm": ("tracelm.session",), "llama.cpp": ("llama_cpp",),
            "transformers": ("torch", "transformers", "transformers.modeling_utils", "tracelm.tools.validate")}
 INSTALL = {"llama.cpp": "pip install 'tracelm[compare]'", "transformers": "pip install 'tracelm[reference]'"}
 # (key, what, tracelm's figure / the other engine's, the issue's target)
@@ -48,7 +45,6 @@ RATIOS = (
     ("prefill_vs_transformers", "tracelm prefill / transformers prefill", "prefill_tok_s", "transformers", 1.2),
     ("decode_vs_transformers", "tracelm decode / transformers decode", "decode_tok_s", "transformers", 2.0),
 )
-RESULT_TAG = "TRACELM_BENCH_RESULT "  # the child's result line on stdout (libraries may print other lines)
 WARMUP_STEPS = 8
 
 
@@ -57,10 +53,9 @@ WARMUP_STEPS = 8
 
 class TracelmEngine:
     def __init__(self, path: str, threads: int, n_ctx: int, **options: Any):
-        from tracelm.io.loader import load_model
-        from tracelm.pipeline.runner import Runner
+        from tracelm.tools.bench import open_session
 
-        self.runner = Runner(load_model(path, progress=False), n_ctx)
+        self.runner = open_session(path, threads=threads).new_runner(n_ctx)
 
     def reset(self) -> None:
         self.runner.cache.reset()
@@ -228,24 +223,13 @@ def run_engine(engine: str, path: str, ids: Sequence[int], n_decode: int, thread
 
 
 def _run_child(engine: str, request: dict[str, Any], timeout: float) -> tuple[dict[str, Any], bool]:
-    """The child's result line, or a failure with its one-line reason; True when a signal killed it."""
-    cmd = [sys.executable, "-m", "tracelm.tools.bench_compare", engine]
+    """The child's result, or a failure with its one-line reason; True when a signal killed it."""
     try:
-        proc = subprocess.run(cmd, input=json.dumps(request), capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"engine": engine, "status": "failed", "error": f"timed out after {timeout:.0f} s"}, False
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_TAG):
-            return json.loads(line[len(RESULT_TAG):]), False
-    if proc.returncode < 0:
-        try:
-            name = signal.Signals(-proc.returncode).name
-        except ValueError:
-            name = f"signal {-proc.returncode}"
-        return {"engine": engine, "status": "failed", "error": f"child killed by {name}"}, True
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    error = lines[-1].strip() if lines else f"child exited with code {proc.returncode} and no result"
-    return {"engine": engine, "status": "failed", "error": error}, False
+        return run_child(child_main, engine, request, timeout=timeout), False
+    except ChildKilled as e:
+        return {"engine": engine, "status": "failed", "error": str(e)}, True
+    except TracelmError as e:
+        return {"engine": engine, "status": "failed", "error": str(e)}, False
 
 
 def build_report(model: str, threads: int, n_prompt: int, n_decode: int,
@@ -321,12 +305,3 @@ def format_table(report: dict[str, Any]) -> str:
         met = {None: "", True: "met", False: "not met"}[ratio["met"]]
         lines.append(f"{ratio['what']:40s} {value:>7s}   target >= {ratio['target']}x {met}".rstrip())
     return "\n".join(lines)
-
-
-if __name__ == "__main__":  # the child: python -m tracelm.tools.bench_compare ENGINE < request.json
-    try:
-        _result = child_main(sys.argv[1], json.loads(sys.stdin.read()))
-    except Exception as e:  # one line for the parent's report, not a traceback
-        print(f"{type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
-        sys.exit(1)
-    sys.stdout.write(RESULT_TAG + json.dumps(_result) + "\n")

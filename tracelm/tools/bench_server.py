@@ -18,11 +18,13 @@ import os
 import time
 from typing import Any
 
-from tracelm.io.loader import load_model
+import attrs
+
 from tracelm.server.queue import Engine, Job
+from tracelm.session import Session
 from tracelm.state.records import SamplingParams
-from tracelm.state.run_config import RunConfig, ServerOptions
-from tracelm.tools.bench import bench_ids, product_pass_seconds
+from tracelm.state.run_config import ServerOptions
+from tracelm.tools.bench import bench_ids, open_session, product_pass_seconds
 
 GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0)
 
@@ -62,18 +64,24 @@ def run_streams(engine: Engine, prompts: list[list[int]], n_decode: int) -> dict
 
 
 def bench_server(model_name: str, streams: tuple[int, ...] = (1, 2, 4, 8), n_prompt: int = 64, n_decode: int = 128,
-                 repeats: int = 2) -> dict[str, Any]:
-    model = load_model(model_name, progress=False)
+                 repeats: int = 2, compute: str = "kernels", threads: int = 0) -> dict[str, Any]:
+    with open_session(model_name, compute=compute, threads=threads) as session:
+        return _bench_server(session, streams, n_prompt, n_decode, repeats)
+
+
+def _bench_server(session: Session, streams: tuple[int, ...], n_prompt: int, n_decode: int, repeats: int
+                  ) -> dict[str, Any]:
+    model = session.model
     most = max(streams)
     text = bench_ids(model.tokenizer, n_prompt + most)
-    cfg = RunConfig(model=model_name, context=n_prompt + n_decode + 1, sampling=GREEDY,
-                    server=ServerOptions(queue_size=most, max_batch=min(most, 8)))
+    cfg = attrs.evolve(session.cfg, context=n_prompt + n_decode + 1, sampling=GREEDY,
+                       server=ServerOptions(queue_size=most, max_batch=min(most, 8)))
     best: dict[int, dict[str, float]] = {}
     best_cpu: dict[int, float] = {}
     load_before = os.getloadavg()
     for r in range(repeats):
         for n in streams if r % 2 == 0 else streams[::-1]:
-            engine = Engine(model, cfg)
+            engine = Engine(Session(model, cfg))
             got = run_streams(engine, [text[k : k + n_prompt] for k in range(n)], n_decode)
             got |= {"tok_s": got["generated"] / got["step_seconds"], "cpu_tok_s": got["generated"] /
                     got["step_cpu_seconds"], "ms_per_pass": 1e3 * got["step_seconds"] / max(got["passes"], 1)}

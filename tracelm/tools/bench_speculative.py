@@ -6,10 +6,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from tracelm.io.chat_template import encode_chat
-from tracelm.io.loader import load_model
-from tracelm.pipeline.runner import Runner
+import attrs
+
+from tracelm.session import Session, chat_prompt
 from tracelm.state.records import SamplingParams
+from tracelm.tools.bench import open_session
 
 FUNCTION = '''def summarize_orders(orders, tax_rate=0.2):
     """Total, average and largest order value, with tax, of a list of order dicts."""
@@ -50,18 +51,26 @@ TASKS = {
 
 
 def speculative_bench(model_name: str, draft_tokens: int = 15, ngram: int = 8, n_decode: int = 128,
-                      repeats: int = 2) -> dict[str, Any]:
+                      repeats: int = 2, compute: str = "kernels", threads: int = 0) -> dict[str, Any]:
     """For each task: greedy decode of up to n_decode tokens plainly and with prompt-lookup drafts of up
     to `draft_tokens`, alternating, best of `repeats` each; the texts must be identical."""
-    model = load_model(model_name, progress=False)
+    with open_session(model_name, compute=compute, threads=threads) as plain:
+        spec = attrs.evolve(plain.cfg.speculative, draft_tokens=draft_tokens, ngram=ngram)
+        sessions = {"plain": plain, "speculative": Session(plain.model, attrs.evolve(plain.cfg, speculative=spec))}
+        return _speculative_bench(sessions, draft_tokens, ngram, n_decode, repeats)
+
+
+def _speculative_bench(sessions: dict[str, Session], draft_tokens: int, ngram: int, n_decode: int, repeats: int
+                       ) -> dict[str, Any]:
+    model = sessions["plain"].model
     greedy = SamplingParams(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)
     report: dict[str, Any] = {"model": model.path.name, "draft_tokens": draft_tokens, "ngram": ngram}
     for task, text in TASKS.items():
-        ids = encode_chat(model.tokenizer, model.chat_template, [{"role": "user", "content": text}])
+        ids = chat_prompt(model, [{"role": "user", "content": text}])
         runs: dict[str, dict[str, Any]] = {}
         for _ in range(repeats):
-            for mode, k in (("plain", 0), ("speculative", draft_tokens)):
-                runner = Runner(model, len(ids) + n_decode + 1, draft_tokens=k, draft_ngram=ngram)
+            for mode, session in sessions.items():
+                runner = session.new_runner(len(ids) + n_decode + 1)
                 t0 = time.perf_counter()
                 out = "".join(runner.generate(ids, n_decode, greedy))
                 s = runner.stats

@@ -1,13 +1,39 @@
-"""What `tracelm tokenize` and `tracelm bench tokenizer` need: reading inputs and ids, timing encode/decode."""
+"""`tracelm tokenize` and `tracelm bench tokenizer`: a model's tokenizer alone (no weights), reading inputs and
+ids, encoding and decoding them, timing encode/decode."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tracelm.io.loader import load_tokenizer
 from tracelm.state.errors import TracelmError
+
+
+def tokenize_lines(model: str, inputs: list[str], decode: bool = False, separator: str | None = None,
+                   add_special: bool = False, parse_special: bool = False, skip_special: bool = False
+                   ) -> Iterator[str]:
+    """The output lines of `tracelm tokenize` with `model`'s tokenizer: per input its ids as a JSON list, or
+    with `decode` (inputs are lists of ids) its text, followed by `separator` when given."""
+    tok = load_tokenizer(model)
+    for text in inputs:
+        if decode:
+            yield tok.decode(parse_ids(text), skip_special=skip_special)
+            if separator is not None:
+                yield separator
+        else:
+            yield json.dumps(tok.encode(text, add_bos=add_special and None, add_eos=add_special and None,
+                                        parse_special=parse_special))
+
+
+def tokenizer_report(model: str, input_file: str | None = None) -> dict[str, Any]:
+    """`tracelm bench tokenizer`: encode/decode rates of `model`'s tokenizer on a file (English prose by default)."""
+    text = read_text_file(input_file) if input_file else english_prose()
+    return {"text": input_file or PROSE_NOTE, **bench_tokenizer(load_tokenizer(model), text)}
 
 
 def read_text_file(path: str | Path) -> str:
