@@ -29,6 +29,7 @@ def test_report_ratios_agreement_and_table():
     json.dumps(rep)  # plain JSON
     r = rep["ratios"]
     assert r["prefill_vs_llama_cpp"]["value"] == pytest.approx(1.2) and r["prefill_vs_llama_cpp"]["met"] is False
+    assert r["decode_vs_llama_cpp"]["value"] == pytest.approx(0.3) and r["decode_vs_llama_cpp"]["met"] is False
     assert r["prefill_vs_transformers"]["value"] == pytest.approx(1.5) and r["prefill_vs_transformers"]["met"] is True
     assert r["decode_vs_transformers"]["value"] == pytest.approx(1.5) and r["decode_vs_transformers"]["met"] is False
     assert rep["engines"]["llama.cpp"]["greedy_same_as_tracelm"] == 2
@@ -50,7 +51,7 @@ def test_report_with_absent_and_failed_engines():
     table = bc.format_table(rep)
     assert "llama.cpp      not installed: no module llama_cpp" in table
     assert "transformers   failed: ValueError: cannot read" in table
-    assert table.count("n/a") == 3
+    assert table.count("n/a") == 4
 
 
 def test_tracelm_child_on_tiny_gguf(tiny_gguf):

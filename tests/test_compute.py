@@ -81,29 +81,46 @@ def test_smollm2_kernels_pick_the_reference_argmax(smollm2, smollm2_path: Path) 
 
 CHILD = """
 import json, sys
-import numpy as np
-from tracelm import kernels
-from tracelm.io.loader import load_model
+from tracelm import Session, kernels
 from tracelm.tools.bench import logits_path
-kernels.set_threads(int(sys.argv[2]))
 kernels.use_path(sys.argv[3])
-model = load_model(sys.argv[1], progress=False)
-ids, logits = logits_path(model, model.tokenizer.encode("def add(a, b):\\n    return a + b\\n"), 3)
-print(json.dumps({"ids": ids, "sha": __import__("hashlib").sha256(logits.tobytes()).hexdigest()}))
+with Session(sys.argv[1], settings=[f"threads={sys.argv[2]}", "context=256"]) as s:
+    ids, logits = logits_path(s, s.encode("def add(a, b):\\n    return a + b\\n"), 3)
+    text = s.generate("def add(a, b):", max_tokens=12, temperature=0.7, seed=3, trace=sys.argv[4])
+    assert kernels.threads() == int(sys.argv[2]) and kernels.path() == sys.argv[3]
+lines = [json.loads(line) for line in open(sys.argv[4])]
+digests = [(e.get("stage"), e.get("layer"), e["digest"]) for e in lines if e["event"] == "stage"]
+tokens = [e["id"] for e in lines if e["event"] == "token"]
+print(json.dumps({"ids": ids, "sha": __import__("hashlib").sha256(logits.tobytes()).hexdigest(), "text": text,
+                  "tokens": tokens, "digests": digests}))
 """
 
 
-def _child(path: Path, threads: int, path_name: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, str(path), str(threads), path_name], capture_output=True,
-                         text=True, timeout=600)
+def _child(path: Path, threads: int, path_name: str, trace: Path) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, str(path), str(threads), path_name, str(trace)],
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
 
 @pytest.mark.model
-def test_smollm2_logits_same_bits_at_any_thread_count_and_path(smollm2_path: Path) -> None:
-    runs = [_child(smollm2_path, t, p) for t, p in ((1, kernels.path()), (2, kernels.path()), (2, "portable"))]
-    assert all(r == runs[0] for r in runs), runs
+def test_smollm2_same_bits_at_any_thread_count_and_path(smollm2_path: Path, tmp_path: Path) -> None:
+    """Logits, sampled tokens and every stage digest of a traced run: the same at 1 and 2 threads, on the AVX2
+    and the portable path; and a trace recorded on one replays bit for bit on the other."""
+    settings = [(1, kernels.path()), (2, kernels.path()), (2, "portable")]
+    traces = [tmp_path / f"t{i}.jsonl" for i in range(len(settings))]
+    runs = [_child(smollm2_path, t, p, f) for (t, p), f in zip(settings, traces, strict=True)]
+    assert len(runs[0]["digests"]) > 30 * 8 and len(runs[0]["tokens"]) == 12
+    assert all(r == runs[0] for r in runs), [(r["sha"], r["tokens"]) for r in runs]
+    from tracelm.audit.replay import REPRODUCED, replay
+
+    before = kernels.path()
+    try:
+        kernels.use_path("portable" if before != "portable" else before)
+        report = replay(traces[1])  # recorded on this machine's path, replayed on the portable one
+    finally:
+        kernels.use_path(before)
+    assert report.status == REPRODUCED and report.bit_exact == len(runs[0]["digests"]), report.describe()
 
 
 RSS_CHILD = """

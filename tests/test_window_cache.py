@@ -163,12 +163,30 @@ def test_speculation_rolls_back_inside_the_ring(mistral, mixed) -> None:
 
 def test_a_long_prompt_leaves_no_mask_held(mistral) -> None:
     """After a 600-token prompt the ring Cache holds its ring and tables only: its [600, 600] mask (1.4 MB
-    here, 16 MB for 2,048 tokens) is not kept."""
+    here, 16 MB for 2,048 tokens) is not kept (numpy's route: the kernels take spans, never a mask)."""
     import tracelm.state.cache as cache_module
+    from tracelm.io.loader import load_model
 
-    c = new_cache(mistral.cfg, 1024)
+    m = load_model(str(mistral.path), progress=False, compute="reference")
+    c = new_cache(m.cfg, 1024)
     before = c.nbytes
-    forward(mistral.cfg, mistral.weights, c, _prompt(600))
+    forward(m.cfg, m.weights, c, _prompt(600))
     assert c.nbytes == before
-    forward(mistral.cfg, mistral.weights, c, _prompt(5))  # small masks are kept
+    forward(m.cfg, mistral.weights, c, _prompt(5))
+    assert c.nbytes == before  # the kernels' route holds no mask
+    forward(m.cfg, m.weights, c, _prompt(5))  # small masks are kept
     assert before < c.nbytes <= before + cache_module.MASK_KEEP_BYTES
+
+
+@pytest.mark.parametrize("window", [0, 1, 5, WINDOW])
+def test_window_spans_are_the_masks_visible_runs(mistral, window) -> None:
+    """The kernels' attend takes each query row's visible keys as a span: the one run of zeros of its mask row."""
+    cache = new_cache(mistral.cfg, 64)
+    for start, T in [(0, 1), (0, 7), (3, 1), (10, 12), (40, 5)]:
+        lo, mask = cache.window_mask(start, T, window)
+        lo_s, spans = cache.window_spans(start, T, window)
+        assert lo_s == lo and spans.shape == (T, 2) and spans.dtype == np.int64
+        rows = np.zeros((T, start + T - lo), np.float32) if mask is None else mask
+        for t in range(T):
+            seen = np.flatnonzero(rows[t] == 0)
+            assert (spans[t, 0], spans[t, 1]) == (seen[0], seen[-1] + 1) == (seen[0], seen[0] + len(seen))

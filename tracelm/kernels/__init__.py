@@ -12,6 +12,11 @@ plain-C reading.
     matmul(x, w_rows, qtype, out=y[:, lo:hi])   # out may have a row stride (unit column stride)
     set_threads(2); path(); use_path("portable")
 
+The rest of a layer, in the same discipline (one fixed order of float steps, written down in kernels.h; the same
+bits on both paths, at any thread count, for a row alone or in a pass): rms_norm, rms_norm_add, rope, attend,
+silu_mul, gelu_tanh_mul. Their exp and tanh are the kernels' own (a fixed polynomial, no libm), so no result
+depends on the C library either.
+
 Threads: at import, all CPUs this process may run on (os.sched_getaffinity); set_threads(n) changes it.
 
 Environment: TRACELM_KERNELS=portable forces the portable path at import; TRACELM_SPIN_US (default 200) is
@@ -102,6 +107,86 @@ def dequantize(w_rows: np.ndarray, qtype: int, out: np.ndarray | None = None) ->
         bs, tb = BLOCK.get(qtype, (1, 1))
         out = np.empty((w_rows.shape[0], w_rows.shape[-1] // tb * bs), np.float32)
     return _core.dequantize(w_rows, qtype, out)
+
+
+ROPE_MODES = {"adjacent": 0, "neox": 1}
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
+    """RMSNorm of every row (last axis) of x: out = (x * inv) * w, inv = 1 / sqrt(ss / d + eps).
+
+    ss = sum of x*x over the row's d values in 32 lanes (lane l takes k = l mod 32, in order, the row padded with
+    zeros), then reduce32's tree (kernels.h); then f32 ss / d, + eps, a correctly rounded sqrt, 1 / that: the
+    steps of stages/norm.py rms_normalize with only the order of ss fixed.
+    x: float32 [T, d] or [T, H, d] (rows at any strides, unit last stride: e.g. the q heads of a qkv product);
+    w: float32 [d]; out: like x, made when None, may be x itself."""
+    if out is None:
+        out = np.empty(x.shape, np.float32)
+    return _core.rms_norm(x, w, float(eps), out)
+
+
+def rms_norm_add(x: np.ndarray, w: np.ndarray, eps: float, residual: np.ndarray,
+                 out: np.ndarray | None = None) -> np.ndarray:
+    """out = ((x * inv) * w) + residual: rms_norm, then the residual added (gemma's post-norms, stages/norm.py
+    post_norm). residual: like x; out may be x or residual itself."""
+    if out is None:
+        out = np.empty(x.shape, np.float32)
+    return _core.rms_norm_add(x, w, float(eps), residual, out)
+
+
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, mode: str | int, out: np.ndarray | None = None) -> np.ndarray:
+    """Rotary position embedding, bit for bit stages/attention.py `rotate`: each pair (a, b) of the first rope_dim
+    dims of every head goes to (a cos_a + (-b) sin_a, b cos_b + a sin_b) with the table values at each value's own
+    dim (x * cos + partner * sin); dims rope_dim.. pass through.
+
+    x: float32 [T, H, hd] (rows and heads at any strides, unit last stride: e.g. q and k of a qkv product as one
+    [T, H + Hkv, hd] view); cos, sin: float32 [T, rope_dim] (Cache.rope_rows); mode "adjacent" (pairs 2i, 2i+1)
+    or "neox" (pairs i, i + rope_dim/2), or 0 / 1; out: like x, made when None, may be x itself."""
+    mode = ROPE_MODES[mode] if isinstance(mode, str) else int(mode)
+    if out is None:
+        out = np.empty(x.shape, np.float32)
+    return _core.rope(x, cos, sin, mode, out)
+
+
+def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, spans: np.ndarray, scale: float,
+           out: np.ndarray | None = None) -> np.ndarray:
+    """softmax(q k^T * scale) v, each query row over its own span of keys; grouped-query (head h reads kv head
+    h // (H / Hkv)). Per (row t, head h), with the span k0..k1-1 and i = j - k0 (kernels.h states it once):
+
+        qs = q * scale;  s_i = qs . k_j, one chain over the dims in order (acc = acc + qs[d] * k[d] from 0)
+        m = max s_i over 8 lanes (i mod 8), then lanes l, l+4 / l, l+2 / 0, 1
+        p_i = exp(s_i - m)  (the kernels' exp: Taylor to r^7 around n ln2, within 2 ulp)
+        sum = 8 lanes (i mod 8) of p_i, the same tree;  out[d] = (sum_i p_i v_j[d], i in order) / sum
+
+    A span k0 == k1 gives zeros. A NaN among a (row, head)'s scores (in q or a key of its span) makes its whole
+    output NaN; a NaN in a value makes that dim NaN; a score of +inf gives NaN (inf - inf), as numpy does.
+
+    q: float32 [T, H, hd] (unit last stride); keys, values: [Hkv, L, hd], both float32 or both float16 (f16 values
+    are converted exactly); keys at any strides (the Cache's transposed view included), values with a unit last
+    stride; spans: int64 [T, 2], 0 <= k0 <= k1 <= L (`Cache.window_spans`); out: float32 [T, H * hd], rows at any stride
+    (made when None). A task over the pool is a row's query heads of one kv head (split when there are fewer such
+    groups than threads), so a key is read once for all of them; each thread keeps one scratch buffer (the task's
+    scores: 4 bytes x heads x span), grown to the longest span seen, so a warm call allocates nothing."""
+    if out is None:
+        out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), np.float32)
+    return _core.attend(q, keys, values, spans, float(scale), out)
+
+
+def silu_mul(gate_up: np.ndarray, n_ff: int, out: np.ndarray | None = None) -> np.ndarray:
+    """silu(gate) * up of gate_up = [gate | up] (float32 [T, 2 n_ff], rows at any stride): per value
+    (g / (1 + exp(min(-g, 88)))) * u, the ops of stages/ffn.py silu with the kernels' exp. out: [T, n_ff]."""
+    if out is None:
+        out = np.empty((gate_up.shape[0], n_ff), np.float32)
+    return _core.silu_mul(gate_up, int(n_ff), out)
+
+
+def gelu_tanh_mul(gate_up: np.ndarray, n_ff: int, out: np.ndarray | None = None) -> np.ndarray:
+    """gelu_tanh(gate) * up (GeGLU): per value ((tanh((((g g) c + 1) g) k) + 1) g) 0.5 * u with c = 0.044715 and
+    k = sqrt(2/pi) as f32, stages/ffn.py gelu_tanh's ops in its order; tanh(y) = sign(y) (1 - e) / (1 + e),
+    e = exp(-2|y|) (absolute error a few 2^-24, what 1 + tanh keeps)."""
+    if out is None:
+        out = np.empty((gate_up.shape[0], n_ff), np.float32)
+    return _core.gelu_tanh_mul(gate_up, int(n_ff), out)
 
 
 set_threads(default_threads())

@@ -932,7 +932,7 @@ AVX2 static void mm_task(const mm_job *j, int64_t group, int64_t m0, int64_t m1)
     }
 }
 
-const kernel_path avx2_path = {"avx2", quantize_row, mm_task};
+const kernel_path avx2_path = {"avx2", quantize_row, mm_task, &avx2_layer};
 
 #else
 int avx2_compiled(void) { return 0; }

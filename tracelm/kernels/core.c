@@ -4,8 +4,7 @@
  * sleep on a condition variable. A job is a range of task indices taken in chunks from an atomic counter;
  * the calling thread works too. Results never depend on which thread ran a task.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "pyglue.h"
 
 #include <pthread.h>
 #include <sched.h>
@@ -13,13 +12,9 @@
 #include <stdlib.h>
 #include <time.h>
 
-#include "kernels.h"
-
 /* ======================================================================================================
  * thread pool
  * ==================================================================================================== */
-typedef void (*task_fn)(void *ctx, int64_t t0, int64_t t1);
-
 #define MAX_THREADS 256
 static pthread_mutex_t run_mx = PTHREAD_MUTEX_INITIALIZER;    /* one job at a time (else run serially) */
 static pthread_mutex_t sleep_mx = PTHREAD_MUTEX_INITIALIZER;
@@ -134,7 +129,7 @@ static void wait_idle(void) {
 }
 
 /* Run fn over tasks [0, ntasks) on the pool (serially on this thread if the pool is busy or empty). */
-static void pool_run(task_fn fn, void *ctx, int64_t ntasks, int64_t chunk) {
+void pool_run(task_fn fn, void *ctx, int64_t ntasks, int64_t chunk) {
     if (ntasks <= 0) return;
     if (chunk < 1) chunk = 1;
     if (n_workers == 0 || ntasks <= chunk || pthread_mutex_trylock(&run_mx) != 0) {
@@ -194,6 +189,8 @@ static void atfork_child(void) {   /* the workers did not come along */
  * ==================================================================================================== */
 static const kernel_path *path = &portable_path;
 
+const kernel_path *current_path(void) { return path; }
+
 static int cpu_has_avx2(void) {
 #if defined(__x86_64__) || defined(__i386__)
     if (!avx2_compiled()) return 0;
@@ -232,7 +229,9 @@ static void dq_tasks(void *ctx, int64_t t0, int64_t t1) {
     dequantize_rows(c->qtype, c->w, c->rb, c->K, c->out, t0, t1);
 }
 
-static int64_t chunk_for(int64_t ntasks) {
+int pool_threads(void) { return n_workers + 1; }
+
+int64_t chunk_for(int64_t ntasks) {
     int64_t c = ntasks / (8 * (int64_t)(n_workers + 1));
     return c < 1 ? 1 : c;
 }
@@ -240,19 +239,17 @@ static int64_t chunk_for(int64_t ntasks) {
 /* ======================================================================================================
  * argument checks
  * ==================================================================================================== */
-typedef struct { Py_buffer v; int held; } buf;
+void release(buf *b) { if (b->held) PyBuffer_Release(&b->v); b->held = 0; }
 
-static void release(buf *b) { if (b->held) PyBuffer_Release(&b->v); b->held = 0; }
+const char *fmt_name(const Py_buffer *v) { return v->format ? v->format : "B"; }
 
-static const char *fmt_name(const Py_buffer *v) { return v->format ? v->format : "B"; }
-
-static int fmt_is(const Py_buffer *v, char c) {
+int fmt_is(const Py_buffer *v, char c) {
     const char *f = fmt_name(v);
     if (*f == '<' || *f == '=' || *f == '@') f++;
     return f[0] == c && f[1] == 0;
 }
 
-static void shape_str(const Py_buffer *v, char *s, size_t n) {
+void shape_str(const Py_buffer *v, char *s, size_t n) {
     size_t o = (size_t)snprintf(s, n, "[");
     for (int i = 0; i < v->ndim && o < n; i++)
         o += (size_t)snprintf(s + o, n - o, i ? ", %zd" : "%zd", v->shape[i]);
@@ -551,6 +548,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_core", "tracelm com
 PyMODINIT_FUNC PyInit__core(void) {
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
+    if (PyModule_AddFunctions(m, layer_methods) < 0) { Py_DECREF(m); return NULL; }
     const char *env = getenv("TRACELM_KERNELS");
     path = (env && strcmp(env, "portable") == 0) || !cpu_has_avx2() ? &portable_path : &avx2_path;
     const char *spin = getenv("TRACELM_SPIN_US");

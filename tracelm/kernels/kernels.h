@@ -32,6 +32,29 @@
  *  - F32 / F16 / BF16 weights, f32 x: 32 lanes, acc[l] = acc[l] + w[k] * x[k] for k = l (mod 32), the row
  *    padded with zeros to a multiple of 32, then the fixed tree reduce32.
  *
+ * The layer kernels (layer.c; layer_portable.c, layer_avx2.c). Their elementwise math is written once, in
+ * layer_math.h, over the scalar ops f1_* (portable) or the 8-lane ops v8_* (AVX2): exp, tanh, silu, gelu_tanh, the
+ * RMSNorm output and the RoPE pair are the same IEEE operations on both paths. Each output row depends on its own
+ * input row (and, for attend, its own span of keys) alone. The reductions:
+ *  - rms_norm, per row of d values: ss = 32 lanes, acc[l] = acc[l] + x[k] * x[k] for k = l (mod 32), the row
+ *    padded with zeros to a multiple of 32, then reduce32; inv = 1 / sqrtf(ss / d + eps) (f32 divide, add,
+ *    correctly rounded square root, divide, in that order); out = (x * inv) * w, or ((x * inv) * w) + residual.
+ *  - attend, per (query row t, head h), over the keys j = k0..k1-1 of the row's span, i = j - k0, n = k1 - k0:
+ *      qs[d] = q[d] * scale
+ *      s_i   = acc = 0, acc = acc + qs[d] * k_j[d] for d = 0..hd-1 in order (one chain per key)
+ *      m     = 8 lanes (i mod 8) from -inf, lane = max(lane, s_i) for i in order (max(a, b) = a > b ? a : b),
+ *              then max(lane l, lane l + 4), max(l, l + 2), max(0, 1)
+ *      p_i   = exp(s_i - m)                      (layer_math.h's exp)
+ *      sum   = 8 lanes (i mod 8) from 0, lane = lane + p_i for i in order, then (l + l+4), (l + l+2), (0 + 1)
+ *      o[d]  = acc = 0, acc = acc + p_i * v_j[d] for i = 0..n-1 in order; out[d] = acc / sum
+ *    An empty span (n = 0) gives out = 0. Keys and values may be f16 (converted exactly to f32 first).
+ * The elementwise steps, for reference (layer_math.h has them in full):
+ *  - exp(x): x clamped to [-104, 89]; n = round(x log2e) (+ 1.5 * 2^23, then -), r = (x - n ln2_hi) - n ln2_lo;
+ *    e^r = Taylor to r^7 in Horner's order; times 2^(n >> 1), then times 2^(n - (n >> 1)). Within 2 ulp.
+ *  - tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2|y|); silu(x) = x / (exp(min(-x, 88)) + 1);
+ *    gelu_tanh(x) = ((tanh((((x x) c + 1) x) k) + 1) x) 0.5 (stages/ffn.py's order); act(gate) * up.
+ *  - rope, per pair (a, b) with the table values at each one's dim: a' = a ca + (-b) sa, b' = b cb + a sb.
+ *
  * No FMA: the build uses -ffp-contract=off and the AVX2 code is compiled without the fma target.
  */
 #ifndef TRACELM_KERNELS_H
@@ -118,6 +141,24 @@ static inline uint32_t rd32(const uint8_t *p) {
 #define f1_mul(a, b) ((a) * (b))
 #define f1_cvt(i) ((float)(i))
 
+/* the rest of the scalar arithmetic of layer_math.h (integers wrap, as the vector ones do) */
+#define f1_t float
+#define f1_i int32_t
+#define f1_c(k) (k)
+#define f1_ic(k) ((int32_t)(k))
+#define f1_div(a, b) ((a) / (b))
+#define f1_min(a, b) ((a) < (b) ? (a) : (b))   /* as MINPS: b when unordered */
+#define f1_max(a, b) ((a) > (b) ? (a) : (b))   /* as MAXPS */
+#define f1_ibits(a) ((int32_t)bits_from_f32(a))
+#define f1_fbits(i) f32_from_bits((uint32_t)(i))
+#define f1_iadd(a, b) ((int32_t)((uint32_t)(a) + (uint32_t)(b)))
+#define f1_isub(a, b) ((int32_t)((uint32_t)(a) - (uint32_t)(b)))
+#define f1_sra1(a) ((a) >> 1)                   /* arithmetic shift (gcc, clang) */
+#define f1_shl23(a) ((int32_t)((uint32_t)(a) << 23))
+#define f1_neg(a) f32_from_bits(bits_from_f32(a) ^ 0x80000000u)
+#define f1_abs(a) f32_from_bits(bits_from_f32(a) & 0x7fffffffu)
+#define f1_orsign(a, b) f32_from_bits(bits_from_f32(a) | (bits_from_f32(b) & 0x80000000u))
+
 /* The reduction of the 32 lanes of the F32/F16/BF16 dot: lanes l and l+16, then l and l+8, l+4, l+2, l+1. */
 static inline float reduce32(const float a[32]) {
     float t[16], u[8], v[4];
@@ -126,6 +167,20 @@ static inline float reduce32(const float a[32]) {
     for (int l = 0; l < 4; l++) v[l] = u[l] + u[l + 4];
     float w0 = v[0] + v[2], w1 = v[1] + v[3];
     return w0 + w1;
+}
+
+/* attend's 8 lanes of a max and of a sum: lanes l and l+4, then l and l+2, then 0 and 1 */
+static inline float lanes8_max(const float a[8]) {
+    float u[4], v[2];
+    for (int l = 0; l < 4; l++) u[l] = f1_max(a[l], a[l + 4]);
+    for (int l = 0; l < 2; l++) v[l] = f1_max(u[l], u[l + 2]);
+    return f1_max(v[0], v[1]);
+}
+static inline float lanes8_sum(const float a[8]) {
+    float u[4], v[2];
+    for (int l = 0; l < 4; l++) u[l] = a[l] + a[l + 4];
+    for (int l = 0; l < 2; l++) v[l] = u[l] + u[l + 2];
+    return v[0] + v[1];
 }
 
 /* ---- activation quantization (both paths produce these exact bytes) ----
@@ -176,11 +231,63 @@ static inline int64_t xq_row_bytes(int t, int64_t K) {
     return type_block(t) == 32 ? (K / 32) * (int64_t)sizeof(xblock32) : (K / 256) * (int64_t)sizeof(xblock256);
 }
 
+/* ---- layer kernels: the jobs (strides in items; a row of values always has unit stride) ---- */
+typedef struct { const float *p; int64_t s0, s1; } rows3;   /* row (a, b) at p + a*s0 + b*s1 */
+
+typedef struct {
+    int64_t T, H, hd, rope_dim;   /* x [T, H, hd]; cos, sin [T, rope_dim]; dims rope_dim.. pass through */
+    int mode;                     /* 0: pairs (2i, 2i+1); 1: pairs (i, i + rope_dim/2) */
+    rows3 x, out;
+    const float *cos, *sin;
+    int64_t cos_s, sin_s;         /* their row strides */
+} rope_job;
+
+typedef struct {
+    int64_t T, H, Hkv, hd, L;
+    rows3 q;                      /* q [T, H, hd] */
+    const void *k, *v;            /* [Hkv, L, hd], f32 or f16 */
+    int f16;
+    int64_t k_sh, k_sl, k_sd;     /* keys: any strides (head, position, dim) */
+    int64_t v_sh, v_sl;           /* values: unit dim stride */
+    const int64_t *spans;         /* [T, 2]: keys k0..k1-1 seen by query row t */
+    float scale;
+    float *out;                   /* [T, H * hd] */
+    int64_t out_s;
+} attend_job;
+
+/* attend's scratch for one task (nh heads of one kv head, a span of n keys), in floats, each part 8-aligned:
+ * qs [nh][hd8] | acc [nh][hd8] | a tile of 32 keys [hd][32] | scores [nh][n8] */
+#define ATT_TILE 32
+static inline int64_t up8(int64_t v) { return (v + 7) / 8 * 8; }
+static inline int64_t attend_scratch_floats(int64_t hd, int64_t n, int64_t nh) {
+    return 2 * nh * up8(hd) + ATT_TILE * hd + nh * up8(n);
+}
+
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1, FN_EXP = 2, FN_TANH = 3 };
+
+typedef struct {
+    float (*sumsq)(const float *x, int64_t d);    /* rms_norm's ss, in its order */
+    void (*rms_row)(const float *x, const float *w, const float *res, float inv, int64_t d, float *out);
+    void (*rope_row)(const rope_job *j, int64_t t);
+    void (*attend_task)(const attend_job *j, int64_t t, int64_t h0, int64_t nh, float *scratch);   /* heads h0.. */
+    /* act(a) * b over n values (b NULL: act(a) alone; act one of ACT_* / FN_*) */
+    void (*map_row)(int act, const float *a, const float *b, int64_t n, float *out);
+} layer_ops;
+
+extern const layer_ops portable_layer, avx2_layer;
+
+/* inv = 1 / sqrt(ss / d + eps), the one order of both paths */
+static inline float rms_inv(float ss, int64_t d, float eps) {
+    float mean = ss / (float)d;
+    return 1.0f / __builtin_sqrtf(mean + eps);
+}
+
 /* ---- the two paths ---- */
 typedef struct {
     const char *name;
     void (*quantize_row)(int qtype, const float *x, int64_t K, void *xq);   /* one row of x -> hi row, lo row */
     void (*mm_task)(const mm_job *job, int64_t group, int64_t m0, int64_t m1); /* rows 8g.. x rows m0..m1 */
+    const layer_ops *layer;
 } kernel_path;
 
 extern const kernel_path portable_path;

@@ -221,7 +221,7 @@ static void mm_task(const mm_job *j, int64_t group, int64_t m0, int64_t m1) {
     }
 }
 
-const kernel_path portable_path = {"portable", quantize_row, mm_task};
+const kernel_path portable_path = {"portable", quantize_row, mm_task, &portable_layer};
 
 /* ---- dequantization, the same float operations as gguf.quants ---- */
 void dequantize_rows(int t, const uint8_t *w, int64_t row_bytes, int64_t K, float *out, int64_t r0, int64_t r1) {

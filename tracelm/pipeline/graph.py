@@ -25,20 +25,43 @@ from typing import Any
 import attrs
 import numpy as np
 
-from tracelm.stages.attention import attend, out_proj, qk_norm, qkv, rope, rope_tables
+from tracelm.stages import attention, compiled, ffn, norm
+from tracelm.stages.attention import out_proj, qkv, rope_tables
 from tracelm.stages.embed import embed
-from tracelm.stages.ffn import ffn
 from tracelm.stages.head import head
-from tracelm.stages.norm import post_norm, rms_norm
 from tracelm.state.cache import RING_SLACK, Cache
 from tracelm.state.model_config import ModelConfig
-from tracelm.state.records import Heads, Hidden, Logits, ModelWeights
+from tracelm.state.records import Heads, Hidden, Logits, ModelWeights, QMatrix
 
 StageCall = Callable[..., Any]
 
 
 def plain_call(stage: str, layer: int | None, fn: Callable[..., Any], *args: Any) -> Any:
     return fn(*args)
+
+
+@attrs.frozen
+class Route:
+    """The stage functions a pass calls besides the weight products (which follow their weights: `linear`). The
+    attend stage takes each query row's visible keys as a mask (numpy) or as spans (the kernels)."""
+
+    rms_norm: Callable[..., Hidden]
+    post_norm: Callable[..., Hidden]
+    qk_norm: Callable[..., Heads]
+    rope: Callable[..., Heads]
+    attend: Callable[..., Hidden]
+    ffn: Callable[..., Hidden]
+    spans: bool  # attend takes spans (Cache.window_spans) instead of masks (Cache.window_mask)
+
+
+REFERENCE = Route(norm.rms_norm, norm.post_norm, attention.qk_norm, attention.rope, attention.attend, ffn.ffn, False)
+KERNELS = Route(compiled.rms_norm, compiled.post_norm, compiled.qk_norm, compiled.rope, compiled.attend,
+                compiled.ffn, True)
+
+
+def route(w: ModelWeights) -> Route:
+    """The kernels' route for weights held as the file's blocks (`compute: kernels`), numpy's for f32 ones."""
+    return KERNELS if isinstance(w.output, QMatrix) else REFERENCE
 
 
 def new_cache(cfg: ModelConfig, n_ctx: int, slack: int = RING_SLACK) -> Cache:
@@ -128,40 +151,42 @@ def forward_batch(cfg: ModelConfig, w: ModelWeights, parts: Sequence[Part], all_
     """One pass over several sequences (see the module docstring): the logits of each part, in order."""
     ids = [np.asarray(p.ids, dtype=np.int64) for p in parts]
     batch = Batch(parts, [p.cache.n_past for p in parts], [len(i) for i in ids])
-    per_layer = layer_tables(cfg, batch)
+    r = route(w)
+    per_layer = layer_tables(cfg, batch, r.spans)
     scale, eps, act, call = cfg.scale, cfg.rms_eps, cfg.ffn_act, batch.call
     h = call("embed", None, embed, w.token_embd, batch.stack(ids), batch.starts[0], cfg.embd_scale)
     for i, lw in enumerate(w.layers):
         cos, sin, windows = per_layer[i]
-        x = call("attn_norm", i, rms_norm, h, lw.attn_norm, eps)
+        x = call("attn_norm", i, r.rms_norm, h, lw.attn_norm, eps)
         heads = call("qkv", i, qkv, x, lw.wqkv, lw.bqkv, cfg.n_head, cfg.n_head_kv, cfg.head_dim)
         if cfg.qk_norm:
-            heads = call("qk_norm", i, qk_norm, heads, lw.q_norm, lw.k_norm, eps)
-        heads = call("rope", i, rope, heads, cos, sin, cfg.rope_mode)
-        a = attend_each(batch, i, heads, windows, scale)
+            heads = call("qk_norm", i, r.qk_norm, heads, lw.q_norm, lw.k_norm, eps)
+        heads = call("rope", i, r.rope, heads, cos, sin, cfg.rope_mode)
+        a = attend_each(batch, i, heads, windows, scale, r.attend)
         if cfg.post_norms:
             o = call("out_proj", i, out_proj, a, lw.wo, None)
-            h = call("post_attn_norm", i, post_norm, o, lw.post_attn_norm, eps, h)
+            h = call("post_attn_norm", i, r.post_norm, o, lw.post_attn_norm, eps, h)
         else:
             h = call("out_proj", i, out_proj, a, lw.wo, h)
-        x = call("ffn_norm", i, rms_norm, h, lw.ffn_norm, eps)
+        x = call("ffn_norm", i, r.rms_norm, h, lw.ffn_norm, eps)
         if cfg.post_norms:
-            f = call("ffn", i, ffn, x, lw.w_gate_up, lw.w_down, None, act)
-            h = call("post_ffn_norm", i, post_norm, f, lw.post_ffn_norm, eps, h)
+            f = call("ffn", i, r.ffn, x, lw.w_gate_up, lw.w_down, None, act)
+            h = call("post_ffn_norm", i, r.post_norm, f, lw.post_ffn_norm, eps, h)
         else:
-            h = call("ffn", i, ffn, x, lw.w_gate_up, lw.w_down, h, act)
+            h = call("ffn", i, r.ffn, x, lw.w_gate_up, lw.w_down, h, act)
     if not all_logits:
         batch, h = batch.last_rows(h)
-    x = batch.call("output_norm", None, rms_norm, h, w.output_norm, eps)
+    x = batch.call("output_norm", None, r.rms_norm, h, w.output_norm, eps)
     logits = batch.call("head", None, head, x, w.output)
     for p, i in zip(parts, ids, strict=True):
         p.cache.commit(i)
     return batch.split(logits)
 
 
-def layer_tables(cfg: ModelConfig, batch: Batch) -> list[tuple[np.ndarray, np.ndarray, list[tuple[int, Any]]]]:
-    """Per layer: the RoPE cos/sin rows of every stacked row, and per part (first visible key, mask), looked
-    up once per layer kind (window, RoPE base)."""
+def layer_tables(cfg: ModelConfig, batch: Batch, spans: bool = False
+                 ) -> list[tuple[np.ndarray, np.ndarray, list[tuple[int, Any]]]]:
+    """Per layer: the RoPE cos/sin rows of every stacked row, and per part (first visible key, mask) -- or
+    (first visible key, spans) when `spans` -- looked up once per layer kind (window, RoPE base)."""
     kinds: dict[tuple[int, float], tuple] = {}
     per_layer = []
     for i in range(cfg.n_layer):
@@ -170,12 +195,13 @@ def layer_tables(cfg: ModelConfig, batch: Batch) -> list[tuple[np.ndarray, np.nd
             caches = [(p.cache, s, n) for p, s, n in zip(batch.parts, batch.starts, batch.sizes, strict=True)]
             rows = [c.rope_rows(s, n, kind[1]) for c, s, n in caches]
             kinds[kind] = (batch.stack([r[0] for r in rows]), batch.stack([r[1] for r in rows]),
-                           [c.window_mask(s, n, kind[0]) for c, s, n in caches])
+                           [(c.window_spans if spans else c.window_mask)(s, n, kind[0]) for c, s, n in caches])
         per_layer.append(kinds[kind])
     return per_layer
 
 
-def attend_each(batch: Batch, i: int, heads: Heads, windows: list[tuple[int, Any]], scale: float) -> Hidden:
+def attend_each(batch: Batch, i: int, heads: Heads, windows: list[tuple[int, Any]], scale: float,
+                attend: Callable[..., Hidden] = attention.attend) -> Hidden:
     """Write each part's keys/values of layer i into its Cache and attend over that Cache alone."""
     outs = []
     for p, a, b, start, (lo, mask) in zip(batch.parts, batch.bounds, batch.bounds[1:], batch.starts, windows,

@@ -174,6 +174,14 @@ class Cache:
                 self._masks[key] = mask
         return lo, mask
 
+    def window_spans(self, start: int, T: int, window: int) -> tuple[int, np.ndarray]:
+        """`window_mask` as spans: the first key position lo, and per query row t the columns k0..k1-1 of keys
+        lo..start+T-1 it sees ([T, 2] int64; a causal or window mask leaves one contiguous run visible)."""
+        lo = max(0, start - window + 1) if window else 0
+        p = np.arange(start, start + T, dtype=np.int64)
+        first = np.maximum(p - window + 1, lo) if window else np.full(T, lo, np.int64)
+        return lo, np.stack([first - lo, p + 1 - lo], axis=1)
+
     def commit(self, ids) -> None:
         """Record that positions n_past.. now hold the keys/values of `ids`."""
         self.tokens.extend(int(i) for i in ids)

@@ -41,8 +41,9 @@ IMPORTS = {"tracelm": ("tracelm.session",), "llama.cpp": ("llama_cpp",),
 INSTALL = {"llama.cpp": "pip install 'tracelm[compare]'", "transformers": "pip install 'tracelm[reference]'"}
 # (key, what, tracelm's figure / the other engine's, the target)
 RATIOS = (
+    ("decode_vs_llama_cpp", "tracelm decode / llama.cpp decode", "decode_tok_s", "llama.cpp", 1.2),
     ("prefill_vs_llama_cpp", "tracelm prefill / llama.cpp prefill", "prefill_tok_s", "llama.cpp", 1.5),
-    ("prefill_vs_transformers", "tracelm prefill / transformers prefill", "prefill_tok_s", "transformers", 1.2),
+    ("prefill_vs_transformers", "tracelm prefill / transformers prefill", "prefill_tok_s", "transformers", 1.0),
     ("decode_vs_transformers", "tracelm decode / transformers decode", "decode_tok_s", "transformers", 2.0),
 )
 WARMUP_STEPS = 8

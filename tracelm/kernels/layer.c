@@ -1,0 +1,429 @@
+/* tracelm.kernels._core, the layer kernels' Python face: rms_norm, rms_norm_add, rope, attend, silu_mul,
+ * gelu_tanh_mul, and the kernels' own exp and tanh (for the tests). Arguments are checked as core.c checks
+ * matmul's (a ValueError naming the argument, its shape and dtype); the work runs on the current path's layer_ops
+ * (portable or AVX2), over the pool when there is enough of it, the GIL released. The orders: kernels.h.
+ *
+ * Strides: every array is read through its strides (in items); the last dim of q, x, values, out, cos, sin must be
+ * unit-strided, keys may have any strides (the Cache keeps them as a transposed view). An out may be its input
+ * itself (rms_norm, rope) but no other overlap: its rows must lie apart.
+ *
+ * attend's scratch: one buffer per thread (thread-local, grown to the largest task seen, freed when the thread
+ * ends): per task of nh heads over a span of n keys, qs and acc [nh][hd], a key tile [hd][32] and the scores
+ * [nh][n] (kernels.h, attend_scratch_floats) -- no allocation per call once warm.
+ */
+#include "pyglue.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+
+#define SERIAL_WORK (1 << 15)   /* fewer values (x dims) than this: run on the calling thread */
+
+/* ======================================================================================================
+ * arrays
+ * ==================================================================================================== */
+typedef struct { buf b; int ndim; int64_t n[3], s[3]; } arr;   /* shape and strides (in items) */
+
+enum { K_F32, K_F32_OR_F16, K_I64 };
+
+static int fail(const char *fn, const char *name, const arr *a, const char *what) {
+    char shp[96];
+    shape_str(&a->b.v, shp, sizeof shp);
+    PyErr_Format(PyExc_ValueError, "%s: %s %s, got shape %s, format '%s' (itemsize %zd)", fn, name, what, shp,
+                 fmt_name(&a->b.v), a->b.v.itemsize);
+    return -1;
+}
+
+/* a float32 (or float16, or int64) array of nd_lo..nd_hi dims, strides a whole number of items */
+static int get_arr(PyObject *o, const char *fn, const char *name, int kind, int nd_lo, int nd_hi, int writable,
+                   arr *a) {
+    if (PyObject_GetBuffer(o, &a->b.v, PyBUF_STRIDES | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) != 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s: %s must be a%s numpy array (buffer), got %s", fn, name,
+                     writable ? " writable" : "", Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    a->b.held = 1;
+    const Py_buffer *v = &a->b.v;
+    int ok = kind == K_I64 ? v->itemsize == 8 && (fmt_is(v, 'l') || fmt_is(v, 'q'))
+                           : (fmt_is(v, 'f') && v->itemsize == 4) || (kind == K_F32_OR_F16 && fmt_is(v, 'e') && v->itemsize == 2);
+    if (!ok)
+        return fail(fn, name, a, kind == K_I64 ? "must be int64" : kind == K_F32 ? "must be float32" : "must be float32 or float16");
+    if (v->ndim < nd_lo || v->ndim > nd_hi) {
+        char want[32];
+        snprintf(want, sizeof want, nd_lo == nd_hi ? "must be %d-D" : "must be %d-D or %d-D", nd_lo, nd_hi);
+        return fail(fn, name, a, want);
+    }
+    a->ndim = v->ndim;
+    for (int i = 0; i < v->ndim; i++) {
+        Py_ssize_t st = v->strides ? v->strides[i] : 0;
+        if (!v->strides) {   /* C-contiguous */
+            st = v->itemsize;
+            for (int k = i + 1; k < v->ndim; k++) st *= v->shape[k];
+        }
+        if (st % v->itemsize) return fail(fn, name, a, "must have strides that are whole items");
+        a->n[i] = v->shape[i];
+        a->s[i] = v->shape[i] > 1 ? st / v->itemsize : 0;   /* a dim of size 1: its stride is never used */
+    }
+    return 0;
+}
+
+static int unit_last(const char *fn, const char *name, const arr *a) {
+    int l = a->ndim - 1;
+    return a->n[l] > 1 && a->s[l] != 1 ? fail(fn, name, a, "must have unit stride in its last dim") : 0;
+}
+
+/* a 2-D array as 3-D [n0, 1, n1] */
+static void as3(arr *a) {
+    if (a->ndim == 2) {
+        a->n[2] = a->n[1]; a->s[2] = a->s[1];
+        a->n[1] = 1; a->s[1] = 0;
+        a->ndim = 3;
+    }
+}
+
+/* an output [n0, n1, d] (3-D): unit last stride, rows (a, b) at positive strides, none overlapping another */
+static int rows_apart(const char *fn, const char *name, const arr *a) {
+    int64_t n0 = a->n[0], n1 = a->n[1], d = a->n[2], s0 = a->s[0], s1 = a->s[1];
+    if (unit_last(fn, name, a)) return -1;
+    if ((n1 <= 1 || s1 >= d) && (n0 <= 1 || s0 >= (n1 > 1 ? (n1 - 1) * s1 : 0) + d)) return 0;
+    return fail(fn, name, a, "must have its rows apart at positive strides (e.g. a slice of a C-contiguous array)");
+}
+
+static int same_shape(const char *fn, const char *name, const arr *a, const char *ref_name, const arr *ref) {
+    int same = a->ndim == ref->ndim;
+    for (int i = 0; same && i < a->ndim; i++) same = a->n[i] == ref->n[i];
+    if (same) return 0;
+    char want[128], shp[96];
+    shape_str(&ref->b.v, shp, sizeof shp);
+    snprintf(want, sizeof want, "must have the shape of %s %s", ref_name, shp);
+    return fail(fn, name, a, want);
+}
+
+static rows3 rows_of(const arr *a) { return (rows3){(const float *)a->b.v.buf, a->s[0], a->s[1]}; }
+
+static void run(task_fn fn, void *ctx, int64_t ntasks, int64_t work) {
+    if (work < SERIAL_WORK) fn(ctx, 0, ntasks);
+    else pool_run(fn, ctx, ntasks, chunk_for(ntasks));
+}
+
+/* ======================================================================================================
+ * rms_norm, rms_norm_add
+ * ==================================================================================================== */
+typedef struct { const layer_ops *ops; rows3 x, res, out; int64_t nb, d; const float *w; float eps; } rms_ctx;
+
+static void rms_tasks(void *ctx, int64_t r0, int64_t r1) {
+    const rms_ctx *c = (const rms_ctx *)ctx;
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t a = r / c->nb, b = r % c->nb;
+        const float *x = c->x.p + a * c->x.s0 + b * c->x.s1;
+        const float *res = c->res.p ? c->res.p + a * c->res.s0 + b * c->res.s1 : NULL;
+        const float inv = rms_inv(c->ops->sumsq(x, c->d), c->d, c->eps);
+        c->ops->rms_row(x, c->w, res, inv, c->d, (float *)c->out.p + a * c->out.s0 + b * c->out.s1);
+    }
+}
+
+static PyObject *rms_common(const char *fn, PyObject *xo, PyObject *wo, double eps, PyObject *ro, PyObject *oo) {
+    arr x = {0}, w = {0}, r = {0}, out = {0};
+    PyObject *ret = NULL;
+    if (get_arr(xo, fn, "x", K_F32, 2, 3, 0, &x) || unit_last(fn, "x", &x) ||
+        get_arr(wo, fn, "w", K_F32, 1, 1, 0, &w) || unit_last(fn, "w", &w) ||
+        (ro && (get_arr(ro, fn, "residual", K_F32, 2, 3, 0, &r) || unit_last(fn, "residual", &r) ||
+                same_shape(fn, "residual", &r, "x", &x))) ||
+        get_arr(oo, fn, "out", K_F32, 2, 3, 1, &out) || same_shape(fn, "out", &out, "x", &x))
+        goto done;
+    as3(&x); as3(&r); as3(&out);
+    if (rows_apart(fn, "out", &out)) goto done;
+    if (w.n[0] != x.n[2]) {
+        PyErr_Format(PyExc_ValueError, "%s: w must have shape [%lld] (x's last dim), got [%lld]", fn,
+                     (long long)x.n[2], (long long)w.n[0]);
+        goto done;
+    }
+    rms_ctx c = {current_path()->layer, rows_of(&x), ro ? rows_of(&r) : (rows3){0}, rows_of(&out), x.n[1], x.n[2],
+                 (const float *)w.b.v.buf, (float)eps};
+    const int64_t rows = x.n[0] * x.n[1];
+    Py_BEGIN_ALLOW_THREADS
+    run(rms_tasks, &c, rows, rows * c.d);
+    Py_END_ALLOW_THREADS
+    Py_INCREF(oo);
+    ret = oo;
+done:
+    release(&x.b); release(&w.b); release(&r.b); release(&out.b);
+    return ret;
+}
+
+static PyObject *py_rms_norm(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *xo, *wo, *oo;
+    double eps;
+    if (!PyArg_ParseTuple(args, "OOdO:rms_norm", &xo, &wo, &eps, &oo)) return NULL;
+    return rms_common("rms_norm", xo, wo, eps, NULL, oo);
+}
+
+static PyObject *py_rms_norm_add(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *xo, *wo, *ro, *oo;
+    double eps;
+    if (!PyArg_ParseTuple(args, "OOdOO:rms_norm_add", &xo, &wo, &eps, &ro, &oo)) return NULL;
+    return rms_common("rms_norm_add", xo, wo, eps, ro, oo);
+}
+
+/* ======================================================================================================
+ * rope
+ * ==================================================================================================== */
+typedef struct { const layer_ops *ops; rope_job j; } rope_ctx;
+
+static void rope_tasks(void *ctx, int64_t t0, int64_t t1) {
+    const rope_ctx *c = (const rope_ctx *)ctx;
+    for (int64_t t = t0; t < t1; t++) c->ops->rope_row(&c->j, t);
+}
+
+static PyObject *py_rope(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *xo, *co, *so, *oo;
+    int mode;
+    if (!PyArg_ParseTuple(args, "OOOiO:rope", &xo, &co, &so, &mode, &oo)) return NULL;
+    const char *fn = "rope";
+    arr x = {0}, cs = {0}, sn = {0}, out = {0};
+    PyObject *ret = NULL;
+    if (get_arr(xo, fn, "x", K_F32, 3, 3, 0, &x) || unit_last(fn, "x", &x) ||
+        get_arr(co, fn, "cos", K_F32, 2, 2, 0, &cs) || unit_last(fn, "cos", &cs) ||
+        get_arr(so, fn, "sin", K_F32, 2, 2, 0, &sn) || unit_last(fn, "sin", &sn) ||
+        same_shape(fn, "sin", &sn, "cos", &cs) ||
+        get_arr(oo, fn, "out", K_F32, 3, 3, 1, &out) || same_shape(fn, "out", &out, "x", &x) ||
+        rows_apart(fn, "out", &out))
+        goto done;
+    if (mode != 0 && mode != 1) {
+        PyErr_Format(PyExc_ValueError, "rope: mode must be 0 (adjacent pairs) or 1 (neox), got %d", mode);
+        goto done;
+    }
+    const int64_t T = x.n[0], hd = x.n[2], rd = cs.n[1];
+    if (cs.n[0] != T || rd % 2 || rd > hd) {
+        PyErr_Format(PyExc_ValueError, "rope: cos and sin must be [T, rope_dim] with T = %lld (x's rows) and rope_dim "
+                     "even and <= %lld (x's head dim), got [%lld, %lld]", (long long)T, (long long)hd,
+                     (long long)cs.n[0], (long long)rd);
+        goto done;
+    }
+    rope_ctx c = {current_path()->layer,
+                  {T, x.n[1], hd, rd, mode, rows_of(&x), rows_of(&out), (const float *)cs.b.v.buf,
+                   (const float *)sn.b.v.buf, cs.s[0], sn.s[0]}};
+    Py_BEGIN_ALLOW_THREADS
+    run(rope_tasks, &c, T, T * x.n[1] * hd);
+    Py_END_ALLOW_THREADS
+    Py_INCREF(oo);
+    ret = oo;
+done:
+    release(&x.b); release(&cs.b); release(&sn.b); release(&out.b);
+    return ret;
+}
+
+/* ======================================================================================================
+ * attend
+ * ==================================================================================================== */
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+static void scratch_key_make(void) { pthread_key_create(&scratch_key, free); }
+
+typedef struct { int64_t cap; float f[]; } scratch_buf;
+
+/* this thread's scratch of at least n floats (NULL: out of memory) */
+static float *thread_scratch(int64_t n) {
+    pthread_once(&scratch_once, scratch_key_make);
+    scratch_buf *b = (scratch_buf *)pthread_getspecific(scratch_key);
+    if (b && b->cap >= n) return b->f;
+    int64_t cap = n < 4096 ? 4096 : n + n / 4;
+    scratch_buf *nb = (scratch_buf *)realloc(b, sizeof(scratch_buf) + (size_t)cap * sizeof(float));
+    if (!nb) return NULL;
+    nb->cap = cap;
+    pthread_setspecific(scratch_key, nb);
+    return nb->f;
+}
+
+/* a task: query row t, kv head kvh, its query heads sub * group .. (+ group, within the kv head's g) */
+typedef struct { const layer_ops *ops; attend_job j; int64_t group, subs, need; atomic_int no_memory; } attend_ctx;
+
+static void attend_tasks(void *ctx, int64_t t0, int64_t t1) {
+    attend_ctx *c = (attend_ctx *)ctx;
+    float *scratch = thread_scratch(c->need);
+    if (!scratch) {
+        atomic_store(&c->no_memory, 1);
+        return;
+    }
+    const int64_t g = c->j.H / c->j.Hkv, per_row = c->j.Hkv * c->subs;
+    for (int64_t k = t0; k < t1; k++) {
+        const int64_t t = k / per_row, kvh = k % per_row / c->subs, sub = k % c->subs;
+        const int64_t h0 = kvh * g + sub * c->group, nh = g - sub * c->group < c->group ? g - sub * c->group : c->group;
+        c->ops->attend_task(&c->j, t, h0, nh, scratch);
+    }
+}
+
+static PyObject *py_attend(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *qo, *ko, *vo, *spo, *oo;
+    double scale;
+    if (!PyArg_ParseTuple(args, "OOOOdO:attend", &qo, &ko, &vo, &spo, &scale, &oo)) return NULL;
+    const char *fn = "attend";
+    arr q = {0}, k = {0}, v = {0}, sp = {0}, out = {0};
+    PyObject *ret = NULL;
+    if (get_arr(qo, fn, "q", K_F32, 3, 3, 0, &q) || unit_last(fn, "q", &q) ||
+        get_arr(ko, fn, "keys", K_F32_OR_F16, 3, 3, 0, &k) ||
+        get_arr(vo, fn, "values", K_F32_OR_F16, 3, 3, 0, &v) || unit_last(fn, "values", &v) ||
+        same_shape(fn, "values", &v, "keys", &k) ||
+        get_arr(spo, fn, "spans", K_I64, 2, 2, 0, &sp) ||
+        get_arr(oo, fn, "out", K_F32, 2, 2, 1, &out))
+        goto done;
+    if (v.b.v.itemsize != k.b.v.itemsize) {
+        fail(fn, "values", &v, "must have the dtype of keys");
+        goto done;
+    }
+    const int64_t T = q.n[0], H = q.n[1], hd = q.n[2], Hkv = k.n[0], L = k.n[1];
+    if (k.n[2] != hd || Hkv < 1 || H % Hkv) {
+        char want[96];
+        snprintf(want, sizeof want, "must be [Hkv, L, %lld] with Hkv >= 1 dividing H = %lld (q: [T, H, hd])",
+                 (long long)hd, (long long)H);
+        fail(fn, "keys", &k, want);
+        goto done;
+    }
+    if (sp.n[0] != T || sp.n[1] != 2 || (T > 1 && sp.s[0] != 2) || sp.s[1] != 1) {
+        char want[64];
+        snprintf(want, sizeof want, "must be C-contiguous [%lld, 2] (T, k0 k1)", (long long)T);
+        fail(fn, "spans", &sp, want);
+        goto done;
+    }
+    if (out.n[0] != T || out.n[1] != H * hd) {
+        char want[64];
+        snprintf(want, sizeof want, "must have shape [%lld, %lld] (T, H * hd)", (long long)T, (long long)(H * hd));
+        fail(fn, "out", &out, want);
+        goto done;
+    }
+    as3(&out);
+    if (rows_apart(fn, "out", &out)) goto done;
+    const int64_t *spans = (const int64_t *)sp.b.v.buf;
+    int64_t longest = 0, keys_seen = 0;
+    for (int64_t t = 0; t < T; t++) {
+        int64_t k0 = spans[2 * t], k1 = spans[2 * t + 1];
+        if (k0 < 0 || k1 < k0 || k1 > L) {
+            PyErr_Format(PyExc_ValueError, "attend: spans[%lld] = (%lld, %lld) must satisfy 0 <= k0 <= k1 <= L = %lld",
+                         (long long)t, (long long)k0, (long long)k1, (long long)L);
+            goto done;
+        }
+        longest = k1 - k0 > longest ? k1 - k0 : longest;
+        keys_seen += k1 - k0;
+    }
+    /* the query heads of a kv head go together (its keys and values read once for all), split in as many groups
+     * as it takes to give every thread a task when the rows are few (the bits do not depend on it) */
+    const int64_t g = Hkv ? H / Hkv : 0, units = T * Hkv, threads = pool_threads();
+    int64_t splits = units >= threads || units == 0 ? 1 : (threads + units - 1) / units;
+    splits = splits > g ? g : splits;
+    const int64_t group = splits ? (g + splits - 1) / splits : 1, subs = group ? (g + group - 1) / group : 0;
+    attend_ctx c = {current_path()->layer,
+                    {T, H, Hkv, hd, L, rows_of(&q), k.b.v.buf, v.b.v.buf, k.b.v.itemsize == 2, k.s[0], k.s[1], k.s[2],
+                     v.s[0], v.s[1], spans, (float)scale, (float *)out.b.v.buf, out.s[0]},
+                    group, subs, attend_scratch_floats(hd, longest, group), 0};
+    Py_BEGIN_ALLOW_THREADS
+    run(attend_tasks, &c, units * subs, keys_seen * H * hd);
+    Py_END_ALLOW_THREADS
+    if (atomic_load(&c.no_memory)) {
+        PyErr_Format(PyExc_MemoryError, "attend: no memory for a scratch of %lld floats", (long long)c.need);
+        goto done;
+    }
+    Py_INCREF(oo);
+    ret = oo;
+done:
+    release(&q.b); release(&k.b); release(&v.b); release(&sp.b); release(&out.b);
+    return ret;
+}
+
+/* ======================================================================================================
+ * silu_mul, gelu_tanh_mul (rows of [gate | up]); exp, tanh (one flat array)
+ * ==================================================================================================== */
+typedef struct { const layer_ops *ops; int act; const float *a; int64_t a_s, b_off; float *out; int64_t out_s, n; } map_ctx;
+
+static void map_tasks(void *ctx, int64_t r0, int64_t r1) {
+    const map_ctx *c = (const map_ctx *)ctx;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *a = c->a + r * c->a_s;
+        c->ops->map_row(c->act, a, c->b_off ? a + c->b_off : NULL, c->n, c->out + r * c->out_s);
+    }
+}
+
+static PyObject *glu_common(const char *fn, int act, PyObject *args) {
+    PyObject *go, *oo;
+    long long n_ff;
+    if (!PyArg_ParseTuple(args, act == ACT_SILU ? "OLO:silu_mul" : "OLO:gelu_tanh_mul", &go, &n_ff, &oo)) return NULL;
+    arr g = {0}, out = {0};
+    PyObject *ret = NULL;
+    if (get_arr(go, fn, "gate_up", K_F32, 2, 2, 0, &g) || unit_last(fn, "gate_up", &g) ||
+        get_arr(oo, fn, "out", K_F32, 2, 2, 1, &out))
+        goto done;
+    if (n_ff < 1 || g.n[1] != 2 * n_ff) {
+        char want[96];
+        snprintf(want, sizeof want, "must be [T, 2 * n_ff] (gate | up) with n_ff = %lld >= 1", n_ff);
+        fail(fn, "gate_up", &g, want);
+        goto done;
+    }
+    if (out.n[0] != g.n[0] || out.n[1] != n_ff) {
+        char want[64];
+        snprintf(want, sizeof want, "must have shape [%lld, %lld] (T, n_ff)", (long long)g.n[0], n_ff);
+        fail(fn, "out", &out, want);
+        goto done;
+    }
+    as3(&out);
+    if (rows_apart(fn, "out", &out)) goto done;
+    map_ctx c = {current_path()->layer, act, (const float *)g.b.v.buf, g.s[0], n_ff, (float *)out.b.v.buf, out.s[0],
+                 n_ff};
+    Py_BEGIN_ALLOW_THREADS
+    run(map_tasks, &c, g.n[0], g.n[0] * n_ff * 8);   /* an activation costs ~8 adds and multiplies */
+    Py_END_ALLOW_THREADS
+    Py_INCREF(oo);
+    ret = oo;
+done:
+    release(&g.b); release(&out.b);
+    return ret;
+}
+
+static PyObject *py_silu_mul(PyObject *self, PyObject *args) { (void)self; return glu_common("silu_mul", ACT_SILU, args); }
+static PyObject *py_gelu_tanh_mul(PyObject *self, PyObject *args) {
+    (void)self;
+    return glu_common("gelu_tanh_mul", ACT_GELU_TANH, args);
+}
+
+#define FLAT_ROW 4096
+static PyObject *flat_map(const char *fn, int act, PyObject *args) {
+    PyObject *xo, *oo;
+    if (!PyArg_ParseTuple(args, act == FN_EXP ? "OO:exp" : "OO:tanh", &xo, &oo)) return NULL;
+    arr x = {0}, out = {0};
+    PyObject *ret = NULL;
+    if (get_arr(xo, fn, "x", K_F32, 1, 1, 0, &x) || unit_last(fn, "x", &x) ||
+        get_arr(oo, fn, "out", K_F32, 1, 1, 1, &out) || unit_last(fn, "out", &out) ||
+        same_shape(fn, "out", &out, "x", &x))
+        goto done;
+    const int64_t n = x.n[0], rows = n / FLAT_ROW;
+    map_ctx c = {current_path()->layer, act, (const float *)x.b.v.buf, FLAT_ROW, 0, (float *)out.b.v.buf, FLAT_ROW,
+                 FLAT_ROW};
+    Py_BEGIN_ALLOW_THREADS
+    run(map_tasks, &c, rows, rows * FLAT_ROW * 8);
+    c.ops->map_row(act, c.a + rows * FLAT_ROW, NULL, n - rows * FLAT_ROW, c.out + rows * FLAT_ROW);
+    Py_END_ALLOW_THREADS
+    Py_INCREF(oo);
+    ret = oo;
+done:
+    release(&x.b); release(&out.b);
+    return ret;
+}
+
+static PyObject *py_exp(PyObject *self, PyObject *args) { (void)self; return flat_map("exp", FN_EXP, args); }
+static PyObject *py_tanh(PyObject *self, PyObject *args) { (void)self; return flat_map("tanh", FN_TANH, args); }
+
+PyMethodDef layer_methods[] = {
+    {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, w, eps, out): out = (x * inv) * w per row"},
+    {"rms_norm_add", py_rms_norm_add, METH_VARARGS,
+     "rms_norm_add(x, w, eps, residual, out): out = (x * inv) * w + residual per row"},
+    {"rope", py_rope, METH_VARARGS, "rope(x, cos, sin, mode, out): rotary embedding, mode 0 adjacent, 1 neox"},
+    {"attend", py_attend, METH_VARARGS, "attend(q, keys, values, spans, scale, out): softmax(q k^T scale) v per span"},
+    {"silu_mul", py_silu_mul, METH_VARARGS, "silu_mul(gate_up, n_ff, out): silu(gate) * up"},
+    {"gelu_tanh_mul", py_gelu_tanh_mul, METH_VARARGS, "gelu_tanh_mul(gate_up, n_ff, out): gelu_tanh(gate) * up"},
+    {"exp", py_exp, METH_VARARGS, "exp(x, out): the kernels' own e^x, value by value (1-D float32)"},
+    {"tanh", py_tanh, METH_VARARGS, "tanh(x, out): the kernels' own tanh, value by value (1-D float32)"},
+    {NULL, NULL, 0, NULL},
+};

@@ -1,0 +1,454 @@
+/* The layer kernels' AVX2 path: 8 lanes, the operations of layer_portable.c per lane (target avx2,f16c, no fma).
+ *
+ *  - elementwise (RMSNorm's output, RoPE, the activations): 8 values at a time through layer_math.h's v8_*
+ *    functions, the tail through its f1_* ones -- the same operations either way;
+ *  - rms_norm's ss: the 32 lanes as 4 vectors, the tail padded with zeros, reduce32's tree;
+ *  - attend: a task is the query heads of one kv head (or a part of them), so each key and value is read once for
+ *    all of them. Scores: one key per lane, each its own chain over the dims as in the portable loop; keys whose
+ *    positions are adjacent (the Cache's layout, [Hkv, hd, n] transposed) are streamed in place, a few rows at a
+ *    time, the partial scores kept in memory between rows, the last n % 8 keys read masked; other layouts are
+ *    first copied into a tile [hd][32] (8 x 8 transposes when the dims are adjacent). The max and the sum over the
+ *    span in 8 lanes (vector i / 8 holds keys i..i+7; a partial last vector on the lanes stored to memory). The
+ *    weighted sum of values 64 dims (8 vectors) at a time, one chain per dim over the keys, in blocks of keys
+ *    that meet every head while in L1. */
+#include "kernels.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+
+#define AVX2 __attribute__((target("avx2,f16c")))
+#define INL static inline __attribute__((always_inline, target("avx2,f16c")))
+
+#define P f1
+#define LM static inline
+#include "layer_math.h"
+#undef LM
+#undef P
+
+#define v8_t __m256
+#define v8_i __m256i
+#define v8_c(k) _mm256_set1_ps(k)
+#define v8_ic(k) _mm256_set1_epi32(k)
+#define v8_add(a, b) _mm256_add_ps(a, b)
+#define v8_sub(a, b) _mm256_sub_ps(a, b)
+#define v8_mul(a, b) _mm256_mul_ps(a, b)
+#define v8_div(a, b) _mm256_div_ps(a, b)
+#define v8_min(a, b) _mm256_min_ps(a, b)
+#define v8_max(a, b) _mm256_max_ps(a, b)
+#define v8_ibits(a) _mm256_castps_si256(a)
+#define v8_fbits(i) _mm256_castsi256_ps(i)
+#define v8_iadd(a, b) _mm256_add_epi32(a, b)
+#define v8_isub(a, b) _mm256_sub_epi32(a, b)
+#define v8_sra1(a) _mm256_srai_epi32(a, 1)
+#define v8_shl23(a) _mm256_slli_epi32(a, 23)
+#define SIGN _mm256_set1_ps(-0.0f)
+#define v8_neg(a) _mm256_xor_ps(a, SIGN)
+#define v8_abs(a) _mm256_andnot_ps(SIGN, a)
+#define v8_orsign(a, b) _mm256_or_ps(a, _mm256_and_ps(b, SIGN))
+
+#define P v8
+#define LM INL
+#include "layer_math.h"
+#undef LM
+#undef P
+
+#define LD(p) _mm256_loadu_ps(p)
+#define ST(p, v) _mm256_storeu_ps(p, v)
+INL __m256 ldh(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }   /* 8 f16 */
+
+/* ======================================================================================================
+ * RMSNorm
+ * ==================================================================================================== */
+INL float reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {   /* = reduce32 (lanes 8i.. in a_i) */
+    __m256 u = _mm256_add_ps(_mm256_add_ps(a0, a2), _mm256_add_ps(a1, a3));
+    __m128 v = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+    __m128 w = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    return _mm_cvtss_f32(_mm_add_ss(w, _mm_shuffle_ps(w, w, 1)));
+}
+
+AVX2 static float sumsq(const float *x, int64_t d) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+#define SQ(p)                                                                                                 \
+    {                                                                                                         \
+        __m256 v0 = LD(p), v1 = LD((p) + 8), v2 = LD((p) + 16), v3 = LD((p) + 24);                            \
+        a0 = _mm256_add_ps(a0, _mm256_mul_ps(v0, v0));                                                        \
+        a1 = _mm256_add_ps(a1, _mm256_mul_ps(v1, v1));                                                        \
+        a2 = _mm256_add_ps(a2, _mm256_mul_ps(v2, v2));                                                        \
+        a3 = _mm256_add_ps(a3, _mm256_mul_ps(v3, v3));                                                        \
+    }
+    int64_t k = 0;
+    for (; k + 32 <= d; k += 32) SQ(x + k)
+    if (k < d) {
+        float t[32] = {0};
+        memcpy(t, x + k, (size_t)(d - k) * sizeof(float));
+        SQ(t)
+    }
+#undef SQ
+    return reduce4(a0, a1, a2, a3);
+}
+
+AVX2 static void rms_row(const float *x, const float *w, const float *res, float inv, int64_t d, float *out) {
+    const __m256 vi = _mm256_set1_ps(inv);
+    int64_t k = 0;
+    if (res)
+        for (; k + 8 <= d; k += 8) ST(out + k, v8_rms_add_out(LD(x + k), vi, LD(w + k), LD(res + k)));
+    else
+        for (; k + 8 <= d; k += 8) ST(out + k, v8_rms_out(LD(x + k), vi, LD(w + k)));
+    for (; k < d; k++) out[k] = res ? f1_rms_add_out(x[k], inv, w[k], res[k]) : f1_rms_out(x[k], inv, w[k]);
+}
+
+/* ======================================================================================================
+ * RoPE
+ * ==================================================================================================== */
+AVX2 static void rope_row(const rope_job *j, int64_t t) {
+    const float *c = j->cos + t * j->cos_s, *s = j->sin + t * j->sin_s;
+    const int64_t half = j->rope_dim / 2;
+    /* adjacent pairs: partner = the pair swapped, the first of each pair negated -- v8_rot's operations */
+    const __m256 neg_even = _mm256_setr_ps(-0.0f, 0.0f, -0.0f, 0.0f, -0.0f, 0.0f, -0.0f, 0.0f);
+    for (int64_t h = 0; h < j->H; h++) {
+        const float *x = j->x.p + t * j->x.s0 + h * j->x.s1;
+        float *o = (float *)j->out.p + t * j->out.s0 + h * j->out.s1;
+        int64_t i = 0;
+        if (j->mode == 0) {
+            for (; 2 * i + 8 <= j->rope_dim; i += 4) {
+                __m256 v = LD(x + 2 * i), partner = _mm256_xor_ps(_mm256_permute_ps(v, 0xb1), neg_even);
+                ST(o + 2 * i, _mm256_add_ps(_mm256_mul_ps(v, LD(c + 2 * i)), _mm256_mul_ps(partner, LD(s + 2 * i))));
+            }
+            for (; i < half; i++)
+                f1_rot(x[2 * i], x[2 * i + 1], c[2 * i], s[2 * i], c[2 * i + 1], s[2 * i + 1], &o[2 * i], &o[2 * i + 1]);
+        } else {
+            for (; i + 8 <= half; i += 8) {
+                __m256 a, b;
+                v8_rot(LD(x + i), LD(x + half + i), LD(c + i), LD(s + i), LD(c + half + i), LD(s + half + i), &a, &b);
+                ST(o + i, a);
+                ST(o + half + i, b);
+            }
+            for (; i < half; i++) f1_rot(x[i], x[half + i], c[i], s[i], c[half + i], s[half + i], &o[i], &o[half + i]);
+        }
+        if (o != x) memmove(o + j->rope_dim, x + j->rope_dim, (size_t)(j->hd - j->rope_dim) * sizeof(float));
+    }
+}
+
+/* ======================================================================================================
+ * attention: one task = nh query heads of one kv head; every key and value is read once for all of them
+ * ==================================================================================================== */
+/* Keys whose positions are adjacent (dim d of keys i.. is the row base + d * ld, the Cache's layout): blocks of
+ * SB keys; in a block, 4 dims at a time stream their rows side by side (the block's scores in L1), met by two
+ * heads at a time whose 4 q values wait in registers: s = s + qs[d] * k[d] for the 4 dims in order, s kept in
+ * memory between groups of dims -- one chain per key and head over d = 0..hd-1 from 0, as ever. */
+#define SB 256
+#define STEP4(a, q0, q1, q2, q3)                                                                              \
+    a = _mm256_add_ps(a, _mm256_mul_ps(q0, k0));                                                              \
+    a = _mm256_add_ps(a, _mm256_mul_ps(q1, k1));                                                              \
+    a = _mm256_add_ps(a, _mm256_mul_ps(q2, k2));                                                              \
+    a = _mm256_add_ps(a, _mm256_mul_ps(q3, k3));
+#define STREAM_SCORES(T, LOAD)                                                                                \
+    INL void stream_scores_##T(const float *qs, int64_t qs_s, int64_t nh, int64_t hd, const T *base, int64_t ld, \
+                               int64_t n, float *s, int64_t s_s) {                                            \
+        for (int64_t b = 0; b < n; b += SB) {                                                                 \
+            const int64_t nb = n - b < SB ? n - b : SB;                                                       \
+            for (int64_t h = 0; h < nh; h++) memset(s + h * s_s + b, 0, (size_t)nb * sizeof(float));          \
+            int64_t d = 0;                                                                                    \
+            for (; d + 4 <= hd; d += 4) {                                                                     \
+                const T *r = base + d * ld + b;                                                               \
+                for (int64_t h = 0; h < nh; h += 2) {                                                         \
+                    const float *qa = qs + h * qs_s + d, *qb = h + 1 < nh ? qa + qs_s : qa;                   \
+                    const __m256 a0 = _mm256_set1_ps(qa[0]), a1 = _mm256_set1_ps(qa[1]),                     \
+                                 a2 = _mm256_set1_ps(qa[2]), a3 = _mm256_set1_ps(qa[3]);                      \
+                    const __m256 b0 = _mm256_set1_ps(qb[0]), b1 = _mm256_set1_ps(qb[1]),                     \
+                                 b2 = _mm256_set1_ps(qb[2]), b3 = _mm256_set1_ps(qb[3]);                      \
+                    float *sa = s + h * s_s + b, *sb = h + 1 < nh ? sa + s_s : NULL;                          \
+                    for (int64_t i = 0; i < nb; i += 8) {                                                     \
+                        const __m256 k0 = LOAD(r + i), k1 = LOAD(r + ld + i), k2 = LOAD(r + 2 * ld + i),      \
+                                     k3 = LOAD(r + 3 * ld + i);                                               \
+                        __m256 x = LD(sa + i);                                                                \
+                        STEP4(x, a0, a1, a2, a3)                                                              \
+                        ST(sa + i, x);                                                                        \
+                        if (sb) {                                                                             \
+                            __m256 y = LD(sb + i);                                                            \
+                            STEP4(y, b0, b1, b2, b3)                                                          \
+                            ST(sb + i, y);                                                                    \
+                        }                                                                                     \
+                    }                                                                                         \
+                }                                                                                             \
+            }                                                                                                 \
+            for (; d < hd; d++) {                                                                             \
+                const T *r = base + d * ld + b;                                                               \
+                for (int64_t h = 0; h < nh; h++) {                                                            \
+                    const __m256 q = _mm256_set1_ps(qs[h * qs_s + d]);                                        \
+                    float *sp = s + h * s_s + b;                                                              \
+                    for (int64_t i = 0; i < nb; i += 8)                                                       \
+                        ST(sp + i, _mm256_add_ps(LD(sp + i), _mm256_mul_ps(q, LOAD(r + i))));                 \
+                }                                                                                             \
+            }                                                                                                 \
+        }                                                                                                     \
+    }
+STREAM_SCORES(float, LD)
+STREAM_SCORES(uint16_t, ldh)
+#undef STREAM_SCORES
+#undef STEP4
+
+/* the last nt < 8 adjacent keys (base: their row at dim 0): each row's nt values read alone (masked), s at the
+ * keys' place in each head's scores (which have room for 8) */
+INL void tail_scores(const attend_job *j, const float *qs, int64_t qs_s, int64_t nh, const void *base, int64_t nt,
+                     float *s, int64_t s_s) {
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)nt), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    for (int64_t h = 0; h < nh; h++) ST(s + h * s_s, _mm256_setzero_ps());
+    for (int64_t d = 0; d < j->hd; d++) {
+        __m256 k;
+        if (j->f16) {
+            uint16_t t[8] = {0};
+            memcpy(t, (const uint16_t *)base + d * j->k_sd, (size_t)nt * sizeof(uint16_t));
+            k = ldh(t);
+        } else {
+            k = _mm256_maskload_ps((const float *)base + d * j->k_sd, mask);
+        }
+        for (int64_t h = 0; h < nh; h++) {
+            float *sp = s + h * s_s;
+            ST(sp, _mm256_add_ps(LD(sp), _mm256_mul_ps(_mm256_set1_ps(qs[h * qs_s + d]), k)));
+        }
+    }
+}
+
+/* the scores of the first 32 (or 8: one = 1) keys of a tile (dim d of key c at tile[d * ATT_TILE + c]): one chain
+ * per key */
+INL void tile_scores(const float *qs, int64_t hd, const float *tile, int one, float *s) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t d = 0; d < hd; d++, tile += ATT_TILE) {
+        const __m256 q = _mm256_broadcast_ss(qs + d);
+        a0 = _mm256_add_ps(a0, _mm256_mul_ps(q, LD(tile)));
+        if (one) continue;
+        a1 = _mm256_add_ps(a1, _mm256_mul_ps(q, LD(tile + 8)));
+        a2 = _mm256_add_ps(a2, _mm256_mul_ps(q, LD(tile + 16)));
+        a3 = _mm256_add_ps(a3, _mm256_mul_ps(q, LD(tile + 24)));
+    }
+    ST(s, a0); ST(s + 8, a1); ST(s + 16, a2); ST(s + 24, a3);
+}
+
+/* 8 rows r0..r7 (key c's dims d0..d0+7) -> 8 columns at tile[d * ATT_TILE + c0]: dim d of keys c0..c0+7 */
+INL void transpose8_store(__m256 r0, __m256 r1, __m256 r2, __m256 r3, __m256 r4, __m256 r5, __m256 r6, __m256 r7,
+                          float *tile) {
+    __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+    __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+    __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+    __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+    __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xee);   /* dims 0|4, 1|5 */
+    __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xee);   /* dims 2|6, 3|7 */
+    __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xee);
+    __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xee);
+    ST(tile + 0 * ATT_TILE, _mm256_permute2f128_ps(u0, u4, 0x20));
+    ST(tile + 1 * ATT_TILE, _mm256_permute2f128_ps(u1, u5, 0x20));
+    ST(tile + 2 * ATT_TILE, _mm256_permute2f128_ps(u2, u6, 0x20));
+    ST(tile + 3 * ATT_TILE, _mm256_permute2f128_ps(u3, u7, 0x20));
+    ST(tile + 4 * ATT_TILE, _mm256_permute2f128_ps(u0, u4, 0x31));
+    ST(tile + 5 * ATT_TILE, _mm256_permute2f128_ps(u1, u5, 0x31));
+    ST(tile + 6 * ATT_TILE, _mm256_permute2f128_ps(u2, u6, 0x31));
+    ST(tile + 7 * ATT_TILE, _mm256_permute2f128_ps(u3, u7, 0x31));
+}
+
+/* keys k..k+nk-1 (nk <= 32) of the kv head at kb (items) -> tile[d * ATT_TILE + c] as f32, columns nk.. up to a
+ * tile_scores reads (8 or 32) zero */
+INL void pack_keys(const attend_job *j, int64_t kb, int64_t k, int64_t nk, float *tile) {
+    const int64_t hd = j->hd, sl = j->k_sl;
+    int64_t c = 0;
+    if (j->k_sd == 1 && hd % 8 == 0) {   /* dims adjacent: 8 keys x 8 dims at a time */
+        for (; c + 8 <= nk; c += 8)
+            for (int64_t d = 0; d < hd; d += 8) {
+                const int64_t e = kb + (k + c) * sl + d;
+#define R(r) (j->f16 ? ldh((const uint16_t *)j->k + e + (r) * sl) : LD((const float *)j->k + e + (r) * sl))
+                transpose8_store(R(0), R(1), R(2), R(3), R(4), R(5), R(6), R(7), tile + d * ATT_TILE + c);
+#undef R
+            }
+    }
+    for (int64_t d = 0; d < hd; d++) {
+        float *row = tile + d * ATT_TILE;
+        const int64_t e = kb + k * sl + d * j->k_sd;
+        for (int64_t cc = c; cc < nk; cc++)
+            row[cc] = j->f16 ? half_to_float(((const uint16_t *)j->k)[e + cc * sl]) : ((const float *)j->k)[e + cc * sl];
+        for (int64_t cc = nk; cc < (nk <= 8 ? 8 : ATT_TILE); cc++) row[cc] = 0.0f;
+    }
+}
+
+/* s[h][i] = qs[h] . key k0 + i: adjacent positions streamed in place, other layouts through tiles */
+INL void scores(const attend_job *j, int64_t kvh, int64_t k0, int64_t n, int64_t nh, const float *qs, float *tile,
+                float *s) {
+    const int64_t hd = j->hd, kb = kvh * j->k_sh, qs_s = up8(hd), s_s = up8(n);
+    if (j->k_sl == 1) {   /* positions adjacent: streamed in place */
+        const int64_t nv = n / 8 * 8;
+        if (j->f16) stream_scores_uint16_t(qs, qs_s, nh, hd, (const uint16_t *)j->k + kb + k0, j->k_sd, nv, s, s_s);
+        else stream_scores_float(qs, qs_s, nh, hd, (const float *)j->k + kb + k0, j->k_sd, nv, s, s_s);
+        if (nv < n)
+            tail_scores(j, qs, qs_s, nh, (const char *)j->k + (kb + k0 + nv) * (j->f16 ? 2 : 4), n - nv, s + nv, s_s);
+        return;
+    }
+    for (int64_t i = 0; i < n; i += ATT_TILE) {
+        const int64_t nk = n - i < ATT_TILE ? n - i : ATT_TILE;
+        float st[ATT_TILE];
+        pack_keys(j, kb, k0 + i, nk, tile);
+        for (int64_t h = 0; h < nh; h++) {
+            if (nk <= 8) tile_scores(qs + h * qs_s, hd, tile, 1, st);
+            else tile_scores(qs + h * qs_s, hd, tile, 0, st);
+            memcpy(s + h * s_s + i, st, (size_t)nk * sizeof(float));
+        }
+    }
+}
+
+/* p_i = exp(s_i - m) in place; returns their sum (kernels.h: 8 lanes, i mod 8) */
+INL float softmax(float *s, int64_t n) {
+    const int64_t nv = n / 8 * 8;
+    float lane[8];
+    __m256 mx = _mm256_set1_ps(-__builtin_inff());
+    for (int64_t i = 0; i < nv; i += 8) mx = _mm256_max_ps(mx, LD(s + i));
+    ST(lane, mx);
+    for (int64_t i = nv; i < n; i++) lane[i - nv] = f1_max(lane[i - nv], s[i]);
+    const float m = lanes8_max(lane);
+    const __m256 vm = _mm256_set1_ps(m);
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nv; i += 8) {
+        __m256 p = v8_exp(_mm256_sub_ps(LD(s + i), vm));
+        ST(s + i, p);
+        sum = _mm256_add_ps(sum, p);
+    }
+    ST(lane, sum);
+    for (int64_t i = nv; i < n; i++) {
+        s[i] = f1_exp(s[i] - m);
+        lane[i - nv] = lane[i - nv] + s[i];
+    }
+    return lanes8_sum(lane);
+}
+
+/* acc[0..8V) = acc + sum_i p_i v_i[0..8V) over n keys in order (V = 8 or 1 vectors of dims); v: key 0's first dim */
+#define PV(V, T, LOAD)                                                                                        \
+    INL void pv##V##_##T(const T *v, int64_t sl, const float *p, int64_t n, float *acc) {                     \
+        __m256 a0 = LD(acc), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;                   \
+        if (V == 8) {                                                                                         \
+            a1 = LD(acc + 8); a2 = LD(acc + 16); a3 = LD(acc + 24);                                           \
+            a4 = LD(acc + 32); a5 = LD(acc + 40); a6 = LD(acc + 48); a7 = LD(acc + 56);                       \
+        }                                                                                                     \
+        for (int64_t i = 0; i < n; i++, v += sl) {                                                            \
+            const __m256 w = _mm256_broadcast_ss(p + i);                                                      \
+            a0 = _mm256_add_ps(a0, _mm256_mul_ps(w, LOAD(v)));                                                \
+            if (V == 8) {                                                                                     \
+                a1 = _mm256_add_ps(a1, _mm256_mul_ps(w, LOAD(v + 8)));                                        \
+                a2 = _mm256_add_ps(a2, _mm256_mul_ps(w, LOAD(v + 16)));                                       \
+                a3 = _mm256_add_ps(a3, _mm256_mul_ps(w, LOAD(v + 24)));                                       \
+                a4 = _mm256_add_ps(a4, _mm256_mul_ps(w, LOAD(v + 32)));                                       \
+                a5 = _mm256_add_ps(a5, _mm256_mul_ps(w, LOAD(v + 40)));                                       \
+                a6 = _mm256_add_ps(a6, _mm256_mul_ps(w, LOAD(v + 48)));                                       \
+                a7 = _mm256_add_ps(a7, _mm256_mul_ps(w, LOAD(v + 56)));                                       \
+            }                                                                                                 \
+        }                                                                                                     \
+        ST(acc, a0);                                                                                          \
+        if (V == 8) {                                                                                         \
+            ST(acc + 8, a1); ST(acc + 16, a2); ST(acc + 24, a3);                                              \
+            ST(acc + 32, a4); ST(acc + 40, a5); ST(acc + 48, a6); ST(acc + 56, a7);                           \
+        }                                                                                                     \
+    }
+PV(8, float, LD)
+PV(1, float, LD)
+PV(8, uint16_t, ldh)
+PV(1, uint16_t, ldh)
+#undef PV
+
+/* acc[h][d] = sum_i p[h][i] v_i[d], keys in order: blocks of VB keys, in a block 64 (then 8) dims at a time, each
+ * meeting every head while the block's values are in L1 */
+#define VB 64
+INL void weighted_values(const attend_job *j, int64_t kvh, int64_t k0, int64_t n, int64_t nh, const float *p,
+                         float *acc) {
+    const int64_t hd = j->hd, sl = j->v_sl, e = kvh * j->v_sh + k0 * sl, a_s = up8(hd), p_s = up8(n);
+    const float *vf = (const float *)j->v + e;
+    const uint16_t *vh = (const uint16_t *)j->v + e;
+    memset(acc, 0, (size_t)(nh * a_s) * sizeof(float));
+    for (int64_t b = 0; b < n; b += VB) {
+        const int64_t nb = n - b < VB ? n - b : VB;
+        int64_t d = 0;
+        for (; d + 64 <= hd; d += 64)
+            for (int64_t h = 0; h < nh; h++) {
+                if (j->f16) pv8_uint16_t(vh + b * sl + d, sl, p + h * p_s + b, nb, acc + h * a_s + d);
+                else pv8_float(vf + b * sl + d, sl, p + h * p_s + b, nb, acc + h * a_s + d);
+            }
+        for (; d + 8 <= hd; d += 8)
+            for (int64_t h = 0; h < nh; h++) {
+                if (j->f16) pv1_uint16_t(vh + b * sl + d, sl, p + h * p_s + b, nb, acc + h * a_s + d);
+                else pv1_float(vf + b * sl + d, sl, p + h * p_s + b, nb, acc + h * a_s + d);
+            }
+        for (; d < hd; d++)
+            for (int64_t h = 0; h < nh; h++) {
+                float a = acc[h * a_s + d];
+                for (int64_t i = b; i < b + nb; i++)
+                    a = a + p[h * p_s + i] * (j->f16 ? half_to_float(vh[i * sl + d]) : vf[i * sl + d]);
+                acc[h * a_s + d] = a;
+            }
+    }
+}
+
+AVX2 static void attend_task(const attend_job *j, int64_t t, int64_t h0, int64_t nh, float *scratch) {
+    const int64_t hd = j->hd, k0 = j->spans[2 * t], n = j->spans[2 * t + 1] - k0, kvh = h0 / (j->H / j->Hkv);
+    const int64_t hd8 = up8(hd), n8 = up8(n);
+    float *o = j->out + t * j->out_s + h0 * hd;   /* the nh heads' outputs, side by side */
+    if (n == 0) {
+        memset(o, 0, (size_t)(nh * hd) * sizeof(float));
+        return;
+    }
+    float *qs = scratch, *acc = qs + nh * hd8, *tile = acc + nh * hd8, *s = tile + ATT_TILE * hd;
+    const __m256 vscale = _mm256_set1_ps(j->scale);
+    for (int64_t h = 0; h < nh; h++) {
+        const float *q = j->q.p + t * j->q.s0 + (h0 + h) * j->q.s1;
+        int64_t d = 0;
+        for (; d + 8 <= hd; d += 8) ST(qs + h * hd8 + d, _mm256_mul_ps(LD(q + d), vscale));
+        for (; d < hd; d++) qs[h * hd8 + d] = q[d] * j->scale;
+    }
+    scores(j, kvh, k0, n, nh, qs, tile, s);
+    float sum[nh];
+    for (int64_t h = 0; h < nh; h++) sum[h] = softmax(s + h * n8, n);
+    weighted_values(j, kvh, k0, n, nh, s, acc);
+    for (int64_t h = 0; h < nh; h++) {   /* out = acc / sum */
+        const float *a = acc + h * hd8;
+        float *oh = o + h * hd;
+        const __m256 vs = _mm256_set1_ps(sum[h]);
+        int64_t d = 0;
+        for (; d + 8 <= hd; d += 8) ST(oh + d, _mm256_div_ps(LD(a + d), vs));
+        for (; d < hd; d++) oh[d] = a[d] / sum[h];
+    }
+}
+
+/* ======================================================================================================
+ * act(a) * b
+ * ==================================================================================================== */
+INL __m256 act8(int act, __m256 a) {
+    switch (act) {
+    case ACT_SILU: return v8_silu(a);
+    case ACT_GELU_TANH: return v8_gelu_tanh(a);
+    case FN_EXP: return v8_exp(a);
+    default: return v8_tanh(a);
+    }
+}
+static inline float act1(int act, float a) {
+    switch (act) {
+    case ACT_SILU: return f1_silu(a);
+    case ACT_GELU_TANH: return f1_gelu_tanh(a);
+    case FN_EXP: return f1_exp(a);
+    default: return f1_tanh(a);
+    }
+}
+
+#define MAP_LOOP(ACT)                                                                                         \
+    for (; k + 8 <= n; k += 8) ST(out + k, b ? _mm256_mul_ps(act8(ACT, LD(a + k)), LD(b + k)) : act8(ACT, LD(a + k)));
+
+AVX2 static void map_row(int act, const float *a, const float *b, int64_t n, float *out) {
+    int64_t k = 0;
+    switch (act) {   /* a constant act per loop */
+    case ACT_SILU: MAP_LOOP(ACT_SILU) break;
+    case ACT_GELU_TANH: MAP_LOOP(ACT_GELU_TANH) break;
+    case FN_EXP: MAP_LOOP(FN_EXP) break;
+    default: MAP_LOOP(FN_TANH) break;
+    }
+    for (; k < n; k++) out[k] = b ? act1(act, a[k]) * b[k] : act1(act, a[k]);
+}
+#undef MAP_LOOP
+
+const layer_ops avx2_layer = {sumsq, rms_row, rope_row, attend_task, map_row};
+
+#else
+const layer_ops avx2_layer = {0};
+#endif

@@ -1,0 +1,104 @@
+/* The layer kernels' portable path: plain C, one value at a time -- the readable statement of their orders
+ * (kernels.h); the AVX2 path runs the same operations per lane. */
+#include "kernels.h"
+
+#define P f1
+#define LM static inline
+#include "layer_math.h"
+#undef LM
+#undef P
+
+/* ---- RMSNorm ---- */
+static float sumsq(const float *x, int64_t d) {   /* 32 lanes, zero padding, reduce32 */
+    float acc[32] = {0};
+    for (int64_t k = 0; k < d; k++) acc[k % 32] = acc[k % 32] + x[k] * x[k];
+    return reduce32(acc);   /* a padded lane would add 0 * 0: acc + 0 = acc (acc >= +0) */
+}
+
+static void rms_row(const float *x, const float *w, const float *res, float inv, int64_t d, float *out) {
+    for (int64_t k = 0; k < d; k++) out[k] = res ? f1_rms_add_out(x[k], inv, w[k], res[k]) : f1_rms_out(x[k], inv, w[k]);
+}
+
+/* ---- RoPE: row t, every head ---- */
+static void rope_row(const rope_job *j, int64_t t) {
+    const float *c = j->cos + t * j->cos_s, *s = j->sin + t * j->sin_s;
+    const int64_t half = j->rope_dim / 2;
+    for (int64_t h = 0; h < j->H; h++) {
+        const float *x = j->x.p + t * j->x.s0 + h * j->x.s1;
+        float *o = (float *)j->out.p + t * j->out.s0 + h * j->out.s1;
+        for (int64_t i = 0; i < half; i++) {
+            int64_t a = j->mode ? i : 2 * i, b = j->mode ? i + half : 2 * i + 1;   /* neox : adjacent */
+            f1_rot(x[a], x[b], c[a], s[a], c[b], s[b], &o[a], &o[b]);
+        }
+        if (o != x) memmove(o + j->rope_dim, x + j->rope_dim, (size_t)(j->hd - j->rope_dim) * sizeof(float));
+    }
+}
+
+/* ---- attention: query row t, head h ---- */
+static inline float kv_at(const void *base, int f16, int64_t i) {
+    return f16 ? half_to_float(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+/* the loops run in the order memory is laid out (the Cache's keys: positions adjacent; values: dims adjacent), the
+ * chains unchanged: each score over the dims in order, each output dim over the keys in order */
+static void attend_head(const attend_job *j, int64_t t, int64_t h, float *qs, float *acc, float *s) {
+    const int64_t hd = j->hd, k0 = j->spans[2 * t], n = j->spans[2 * t + 1] - k0, kvh = h / (j->H / j->Hkv);
+    float *o = j->out + t * j->out_s + h * hd;
+    if (n == 0) {
+        for (int64_t d = 0; d < hd; d++) o[d] = 0.0f;
+        return;
+    }
+    const float *q = j->q.p + t * j->q.s0 + h * j->q.s1;
+    for (int64_t d = 0; d < hd; d++) qs[d] = q[d] * j->scale;
+    const int64_t kb = kvh * j->k_sh + k0 * j->k_sl, vb = kvh * j->v_sh + k0 * j->v_sl;   /* items */
+    for (int64_t i = 0; i < n; i++) s[i] = 0.0f;   /* scores: s_i = s_i + qs[d] * k_j[d] for d = 0..hd-1 */
+    for (int64_t d = 0; d < hd; d++) {
+        const int64_t at = kb + d * j->k_sd;
+        if (!j->f16 && j->k_sl == 1)
+            for (int64_t i = 0; i < n; i++) s[i] = s[i] + qs[d] * ((const float *)j->k)[at + i];
+        else
+            for (int64_t i = 0; i < n; i++) s[i] = s[i] + qs[d] * kv_at(j->k, j->f16, at + i * j->k_sl);
+    }
+    float lane[8];
+    for (int l = 0; l < 8; l++) lane[l] = -__builtin_inff();
+    for (int64_t i = 0; i < n; i++) lane[i % 8] = f1_max(lane[i % 8], s[i]);
+    const float m = lanes8_max(lane);
+    for (int l = 0; l < 8; l++) lane[l] = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        s[i] = f1_exp(s[i] - m);
+        lane[i % 8] = lane[i % 8] + s[i];
+    }
+    const float sum = lanes8_sum(lane);
+    for (int64_t d = 0; d < hd; d++) acc[d] = 0.0f;   /* acc[d] = acc[d] + p_i * v_j[d] for i = 0..n-1 */
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t at = vb + i * j->v_sl;
+        if (!j->f16)
+            for (int64_t d = 0; d < hd; d++) acc[d] = acc[d] + s[i] * ((const float *)j->v)[at + d];
+        else
+            for (int64_t d = 0; d < hd; d++) acc[d] = acc[d] + s[i] * kv_at(j->v, 1, at + d);
+    }
+    for (int64_t d = 0; d < hd; d++) o[d] = acc[d] / sum;   /* the division last */
+}
+
+/* scratch as kernels.h lays it out (the portable path uses one head's qs and acc, and the scores) */
+static void attend_task(const attend_job *j, int64_t t, int64_t h0, int64_t nh, float *scratch) {
+    const int64_t hd8 = up8(j->hd);
+    for (int64_t h = h0; h < h0 + nh; h++)
+        attend_head(j, t, h, scratch, scratch + nh * hd8, scratch + 2 * nh * hd8 + ATT_TILE * j->hd);
+}
+
+/* ---- act(a) * b, value by value ---- */
+static inline float act1(int act, float a) {
+    switch (act) {
+    case ACT_SILU: return f1_silu(a);
+    case ACT_GELU_TANH: return f1_gelu_tanh(a);
+    case FN_EXP: return f1_exp(a);
+    default: return f1_tanh(a);
+    }
+}
+
+static void map_row(int act, const float *a, const float *b, int64_t n, float *out) {
+    for (int64_t k = 0; k < n; k++) out[k] = b ? act1(act, a[k]) * b[k] : act1(act, a[k]);
+}
+
+const layer_ops portable_layer = {sumsq, rms_row, rope_row, attend_task, map_row};

@@ -1,0 +1,26 @@
+/* What core.c shares with layer.c: the thread pool, the current path and the buffer helpers (Python-facing). */
+#ifndef TRACELM_PYGLUE_H
+#define TRACELM_PYGLUE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "kernels.h"
+
+#define HIDDEN __attribute__((visibility("hidden")))
+
+typedef void (*task_fn)(void *ctx, int64_t t0, int64_t t1);
+HIDDEN void pool_run(task_fn fn, void *ctx, int64_t ntasks, int64_t chunk);   /* tasks [0, ntasks) on the pool */
+HIDDEN int64_t chunk_for(int64_t ntasks);
+HIDDEN int pool_threads(void);                 /* threads in all, the caller included */
+HIDDEN const kernel_path *current_path(void);
+
+typedef struct { Py_buffer v; int held; } buf;
+HIDDEN void release(buf *b);
+HIDDEN const char *fmt_name(const Py_buffer *v);
+HIDDEN int fmt_is(const Py_buffer *v, char c);
+HIDDEN void shape_str(const Py_buffer *v, char *s, size_t n);
+
+extern HIDDEN PyMethodDef layer_methods[];   /* layer.c */
+
+#endif
