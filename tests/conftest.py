@@ -163,3 +163,14 @@ def gemma3_path() -> Path:
 def qwen_coder_path() -> Path:
     """Qwen2.5-Coder-0.5B-Instruct (GGUF Q4_K_M), pulled into TRACELM_HOME on first use."""
     return _pull("qwen2.5-coder-0.5b-instruct")
+
+
+@pytest.fixture
+def kernels_restored():
+    """The kernels' path and thread count, put back as they were after the test."""
+    import tracelm.kernels as kernels
+
+    path, threads = kernels.path(), kernels.threads()
+    yield
+    kernels.use_path(path)
+    kernels.set_threads(threads)

@@ -34,12 +34,7 @@ XBLOCK32 = np.dtype([("d", "<f4"), ("sum", "<i4"), ("q", "i1", 32)])
 XBLOCK256 = np.dtype([("d", "<f4"), ("bsum", "<i2", 16), ("q", "i1", 256)])
 
 
-@pytest.fixture(autouse=True)
-def _restore():
-    path, threads = kernels.path(), kernels.threads()
-    yield
-    kernels.use_path(path)
-    kernels.set_threads(threads)
+pytestmark = pytest.mark.usefixtures("kernels_restored")  # each test may switch path and threads
 
 
 def weights(qt: Q, N: int, K: int, seed: int = 0) -> np.ndarray:

@@ -43,12 +43,7 @@ MODELS = [("smollm2", 576, 9, 3, 64, 1536, "adjacent"), ("qwen2.5", 896, 14, 2, 
           ("gemma3", 640, 4, 1, 256, 2048, "neox")]
 
 
-@pytest.fixture(autouse=True)
-def _restore():
-    path, threads = kernels.path(), kernels.threads()
-    yield
-    kernels.use_path(path)
-    kernels.set_threads(threads)
+pytestmark = pytest.mark.usefixtures("kernels_restored")  # each test may switch path and threads
 
 
 def bits(a: np.ndarray) -> np.ndarray:
