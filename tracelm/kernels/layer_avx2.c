@@ -415,25 +415,9 @@ AVX2 static void attend_task(const attend_job *j, int64_t t, int64_t h0, int64_t
 /* ======================================================================================================
  * act(a) * b
  * ==================================================================================================== */
-INL __m256 act8(int act, __m256 a) {
-    switch (act) {
-    case ACT_SILU: return v8_silu(a);
-    case ACT_GELU_TANH: return v8_gelu_tanh(a);
-    case FN_EXP: return v8_exp(a);
-    default: return v8_tanh(a);
-    }
-}
-static inline float act1(int act, float a) {
-    switch (act) {
-    case ACT_SILU: return f1_silu(a);
-    case ACT_GELU_TANH: return f1_gelu_tanh(a);
-    case FN_EXP: return f1_exp(a);
-    default: return f1_tanh(a);
-    }
-}
 
 #define MAP_LOOP(ACT)                                                                                         \
-    for (; k + 8 <= n; k += 8) ST(out + k, b ? _mm256_mul_ps(act8(ACT, LD(a + k)), LD(b + k)) : act8(ACT, LD(a + k)));
+    for (; k + 8 <= n; k += 8) ST(out + k, b ? _mm256_mul_ps(v8_act(ACT, LD(a + k)), LD(b + k)) : v8_act(ACT, LD(a + k)));
 
 AVX2 static void map_row(int act, const float *a, const float *b, int64_t n, float *out) {
     int64_t k = 0;
@@ -443,7 +427,7 @@ AVX2 static void map_row(int act, const float *a, const float *b, int64_t n, flo
     case FN_EXP: MAP_LOOP(FN_EXP) break;
     default: MAP_LOOP(FN_TANH) break;
     }
-    for (; k < n; k++) out[k] = b ? act1(act, a[k]) * b[k] : act1(act, a[k]);
+    for (; k < n; k++) out[k] = b ? f1_act(act, a[k]) * b[k] : f1_act(act, a[k]);
 }
 #undef MAP_LOOP
 

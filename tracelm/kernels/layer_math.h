@@ -84,4 +84,14 @@ LM void F(rot)(F(t) a, F(t) b, F(t) ca, F(t) sa, F(t) cb, F(t) sb, F(t) *oa, F(t
     *ob = F(add)(F(mul)(b, cb), F(mul)(a, sb));
 }
 
+/* the elementwise function an ACT_* / FN_* code names (kernels.h) */
+LM F(t) F(act)(int act, F(t) a) {
+    switch (act) {
+    case ACT_SILU: return F(silu)(a);
+    case ACT_GELU_TANH: return F(gelu_tanh)(a);
+    case FN_EXP: return F(exp)(a);
+    default: return F(tanh)(a);
+    }
+}
+
 #undef F

@@ -88,17 +88,9 @@ static void attend_task(const attend_job *j, int64_t t, int64_t h0, int64_t nh, 
 }
 
 /* ---- act(a) * b, value by value ---- */
-static inline float act1(int act, float a) {
-    switch (act) {
-    case ACT_SILU: return f1_silu(a);
-    case ACT_GELU_TANH: return f1_gelu_tanh(a);
-    case FN_EXP: return f1_exp(a);
-    default: return f1_tanh(a);
-    }
-}
 
 static void map_row(int act, const float *a, const float *b, int64_t n, float *out) {
-    for (int64_t k = 0; k < n; k++) out[k] = b ? act1(act, a[k]) * b[k] : act1(act, a[k]);
+    for (int64_t k = 0; k < n; k++) out[k] = b ? f1_act(act, a[k]) * b[k] : f1_act(act, a[k]);
 }
 
 const layer_ops portable_layer = {sumsq, rms_row, rope_row, attend_task, map_row};
