@@ -94,7 +94,18 @@ BAD_REQUESTS = [
     (M(prompt="hi", n=2), 400, "n", "unsupported"),
     (M(prompt="hi", best_of=3), 400, "best_of", "unsupported"),
     (M(prompt="hi", echo=True), 400, "echo", "unsupported"),
-    (M(prompt="hi", logit_bias={"5": 10}), 400, "logit_bias", "unsupported"),
+    (M(prompt="hi", logit_bias={"x": 10}), 400, "logit_bias", None),
+    (M(prompt="hi", logit_bias={"5": 101}), 400, "logit_bias", None),
+    (M(prompt="hi", logit_bias=[5, 10]), 400, "logit_bias", None),
+    (M(prompt="hi", logit_bias={"99999": 1}), 400, "logit_bias", None),
+    (M(prompt="hi", guided_regex="[a-"), 400, "guided_regex", None),
+    (M(prompt="hi", guided_grammar="start: nowhere"), 400, "guided_grammar", None),
+    (M(prompt="hi", guided_regex="a", guided_grammar="start: \"a\""), 400, "guided_grammar", None),
+    (M(prompt="hi", response_format={"type": "yaml"}), 400, "response_format", None),
+    (M(prompt="hi", response_format={"type": "json_schema", "json_schema": {"schema": {}}}), 400,
+     "response_format.json_schema.name", None),
+    (M(prompt="hi", response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}),
+     400, "response_format", None),
     (M(prompt="hi", logprobs=9), 400, "logprobs", None),
     (M(prompt="hi", stream="yes"), 400, "stream", None),
     (M(prompt="hi", stream_options={"include_usage": True}), 400, "stream_options", None),
@@ -322,3 +333,99 @@ def test_serve_cli_user_errors(tmp_path, tiny_gguf):
     assert r.returncode == 2 and "server.queue_size" in r.stderr and "Traceback" not in r.stderr
     r = serve("--port", "70000")
     assert r.returncode == 2 and "--port 70000" in r.stderr
+
+
+# --- sessions on disk (server.sessions_dir) -------------------------------------------------------------------
+
+
+def _session_files(tiny_gguf, tmp_path):
+    from tracelm.io.loader import load_model
+    from tracelm.pipeline.runner import Runner
+    from tracelm.server.sessions import SessionFiles
+
+    model = load_model(str(tiny_gguf), progress=False)
+
+    def runner(ids=()):
+        r = Runner(model, CONTEXT)
+        if ids:
+            r.prefill(list(ids))
+        return r
+
+    return SessionFiles, runner
+
+
+def test_session_files_keep_within_their_bound_least_recently_used_out(tiny_gguf, tmp_path):
+    SessionFiles, runner = _session_files(tiny_gguf, tmp_path)
+    probe = SessionFiles(tmp_path / "probe", 1 << 30, "sha", "kernels")
+    probe.save("x", runner(range(100, 140)))
+    size = probe.path("x").stat().st_size
+    files = SessionFiles(tmp_path / "s", int(2.5 * size), "sha", "kernels")
+    for name, first in (("a", 100), ("b", 110)):
+        files.save(name, runner(range(first, first + 40)))
+    restored = runner()
+    assert files.load("a", restored) and restored.cache.tokens == list(range(100, 140))  # a: now the most recent
+    files.save("c", runner(range(120, 160)))  # over the bound: b, the least recently used, goes
+    on_disk = sorted(p.name for p in files.folder.iterdir())
+    assert on_disk == sorted(files.path(n).name for n in ("a", "c")) and files.evicted == 1
+    assert sum(p.stat().st_size for p in files.folder.iterdir()) <= files.max_bytes
+    assert not files.load("b", runner())  # gone: starts empty
+    small = SessionFiles(tmp_path / "small", size // 2, "sha", "kernels")
+    small.save("x", runner(range(100, 140)))  # a file larger than the whole bound is not kept
+    assert list(small.folder.iterdir()) == [] and small.evicted == 1
+
+
+def test_a_damaged_session_file_is_dropped_with_a_warning(tiny_gguf, tmp_path, caplog):
+    SessionFiles, runner = _session_files(tiny_gguf, tmp_path)
+    files = SessionFiles(tmp_path / "s", 1 << 30, "sha", "kernels")
+    files.save("a", runner(range(100, 140)))
+    data = files.path("a").read_bytes()
+    files.path("a").write_bytes(data[:-1000])
+    r = runner([100, 101, 102])
+    with caplog.at_level("WARNING", logger="tracelm.server"):
+        assert not files.load("a", r)
+    assert r.cache.n_past == 0 and not files.path("a").exists() and files.dropped == 1
+    assert "session 'a': its saved file is dropped" in caplog.text and "truncated" in caplog.text
+    other = SessionFiles(tmp_path / "s", 1 << 30, "another-sha", "kernels")  # the folder of another model's server
+    files.save("b", runner(range(100, 140)))
+    assert not other.load("b", runner()) and "another model" in caplog.text
+    assert files.load("a", runner()) is False  # dropped for good
+
+
+@pytest.fixture(scope="module")
+def disk_config(tmp_path_factory, tiny_gguf):
+    work = tmp_path_factory.mktemp("disk-server")
+    return work, {
+        "model": str(tiny_gguf), "context": CONTEXT, "max_tokens": 8, "threads": 1, "context_policy": "shift",
+        "sampling": {"temperature": 0.0}, "server": {"max_sessions": 2, "sessions_dir": str(work / "sessions")},
+    }
+
+
+def test_sessions_survive_a_restart_and_a_long_chat_shifts(disk_config, tiny_server):
+    work, config = disk_config
+    a1, a2 = [104, 101, 108, 108, 111, 32], [104, 101, 108, 108, 111, 32, 97, 98, 99]
+    want = completion(tiny_server, prompt=a2, max_tokens=8)["choices"][0]["text"]  # no session: from nothing
+    on_s = {"model": tiny_server.model_id, "max_tokens": 8, "session_id": "S"}
+    first = ServerProcess(work / "1", config)
+    try:
+        r = first.request("POST", "/v1/completions", {**on_s, "prompt": a1})
+        assert r.status == 200, r.text
+    finally:
+        first.stop()
+    saved = list((work / "sessions").iterdir())
+    assert len(saved) == 1
+    second = ServerProcess(work / "2", config)
+    try:
+        r = second.request("POST", "/v1/completions", {**on_s, "prompt": a2})
+        assert r.status == 200, r.text
+        out = r.json()
+        assert out["choices"][0]["text"] == want
+        assert len(a1) <= out["usage"]["prompt_tokens_details"]["cached_tokens"] < len(a2)  # resumed from disk
+        long = [{"role": "user", "content": "tell me more " * 8}, {"role": "assistant", "content": "ok " * 10},
+                {"role": "user", "content": "and then? " * 4}]
+        r = second.request("POST", "/v1/chat/completions", {"model": "tiny-llama", "messages": long, "max_tokens": 8})
+        assert r.status == 200, r.text  # context_policy shift: the head and the latest tokens
+        assert r.json()["usage"]["prompt_tokens"] + 8 <= CONTEXT
+    finally:
+        second.stop()
+    body = {"model": tiny_server.model_id, "messages": long, "max_tokens": 8}
+    assert_openai_error(post(tiny_server, "/v1/chat/completions", body), 400, code="context_length_exceeded")

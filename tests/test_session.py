@@ -106,3 +106,47 @@ def test_a_loaded_model_is_shared_and_logits_take_a_fresh_cache(session: Session
     want = Runner(session.model, len(ids)).logits(ids)
     np.testing.assert_array_equal(other.logits("hello world"), want)
     assert other.generate(ids, temperature=0.0) == session.generate(ids, temperature=0.0, max_tokens=2)
+
+
+def test_context_shift_keeps_the_head_and_the_latest_tokens() -> None:
+    from tracelm.session import context_shift
+
+    ids = list(range(100))
+    assert context_shift(ids, 10, 90) == ids  # it fits: nothing cut
+    cut = context_shift(ids, 10, 40)
+    assert cut[:10] == ids[:10] and cut[10:] == ids[100 - (len(cut) - 10):] and 20 < len(cut) - 10 <= 40
+    # the next turn, a few tokens longer, is cut at the same place, so its prompt extends this one (prefix reuse)
+    assert context_shift(list(range(105)), 10, 40)[: len(cut)] == cut
+    assert context_shift(list(range(125)), 10, 40)[: len(cut)] != cut  # ... until it outgrows it
+
+
+def test_shift_policy_continues_a_chat_past_the_context(tiny_gguf: Path) -> None:
+    """context_policy stop refuses the turn that no longer fits; shift keeps the system prompt and the latest
+    shift_keep tokens, recomputes, and goes on: each shifted prompt is the head + the conversation's end, its reply
+    the one a fresh cache gives that prompt, and the turns after a shift reuse its cache."""
+    from tracelm.session import chat_head, chat_prompt
+
+    settings = ["context=400", "max_tokens=8", "sampling.temperature=0", "system=Be brief."]
+    turns = [f"turn {i}: and then?" for i in range(12)]
+    stop = Session(str(tiny_gguf), settings=settings)
+    with pytest.raises(TracelmError, match="no longer fits the context of 400"):
+        for t in turns:
+            stop.chat(t)
+    shift = Session(str(tiny_gguf), settings=[*settings, "context_policy=shift"])  # shift_keep 0: half the context
+    head = chat_head(shift.model, shift.messages)
+    assert "Be brief." in shift.tokenizer.decode(chat_prompt(shift.model, shift.messages + [
+        {"role": "user", "content": "x"}])[:head])
+    reused = []
+    for t in turns:
+        reply = shift.chat(t)
+        n = shift.stats.n_prompt
+        prompt = shift.runner.cache.tokens[:n]
+        full = chat_prompt(shift.model, shift.messages[:-1])
+        assert n + shift.stats.n_generated <= 400 and len(full) - n == shift.shifted
+        assert prompt[:head] == full[:head] and prompt[head:] == full[len(full) - (n - head):]
+        if shift.shifted:
+            assert n - head <= 200
+            fresh = Runner(shift.model, 400).generate(prompt, 8, SamplingParams(temperature=0.0))
+            assert "".join(fresh).strip() == reply.strip()
+            reused.append(shift.stats.n_reused)
+    assert len(reused) >= 3 and max(reused) > head  # shifted at least thrice; a later turn built on a shifted one

@@ -31,7 +31,36 @@ def _load_config(args: argparse.Namespace) -> Any:
             overrides.append(f"{key}={json.dumps(value)}")
     if getattr(args, "trace", None):
         overrides.append(f"trace.file={json.dumps(args.trace)}")
-    return run_config(None, args.config, overrides)
+    cfg = run_config(None, args.config, overrides)
+    constraint = _constraint(args)
+    if constraint is None:
+        return cfg
+    import attrs
+
+    return attrs.evolve(cfg, sampling=attrs.evolve(cfg.sampling, constraint=constraint))
+
+
+def _constraint(args: argparse.Namespace) -> Any:
+    """The Constraint that --json, --schema FILE, --grammar FILE (Lark; a .regex file: a regex) or --regex TEXT
+    asks for, or None."""
+    from tracelm.state.records import Constraint
+
+    if getattr(args, "json", False):
+        return Constraint("json_object")
+    if getattr(args, "regex", None) is not None:
+        return Constraint("regex", args.regex)
+    for flag in ("schema", "grammar"):
+        path = getattr(args, flag, None)
+        if path is None:
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise TracelmError(f"--{flag} {path}: cannot read: {getattr(e, 'strerror', None) or e}") from None
+        kind = "json_schema" if flag == "schema" else "regex" if path.endswith(".regex") else "lark"
+        return Constraint(kind, text.rstrip("\n") if kind == "regex" else text)
+    return None
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -54,10 +83,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from tracelm.session import Session
+    from tracelm.session import Session, session_path
 
     interactive = sys.stdin.isatty() and not args.message
+    saved = session_path(args.session) if args.session else None
     with Session(config=_load_config(args)) as session:
+        if saved is not None and saved.exists():
+            session.load(saved)
+            print(f"[resumed session {args.session}: {len(session.messages)} messages]", file=sys.stderr)
         inputs = iter(args.message) if args.message else sys.stdin
         while True:
             if interactive:
@@ -72,8 +105,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 pass
             sys.stdout.write("\n")
             sys.stdout.flush()
+            if saved is not None:
+                session.save(saved)
             s = session.stats
-            print(f"[reused {s.n_reused} of {s.n_prompt} prompt tokens, {s.n_generated} generated]",
+            shift = f", context shifted: {session.shifted} tokens left out" if session.shifted else ""
+            print(f"[reused {s.n_reused} of {s.n_prompt} prompt tokens, {s.n_generated} generated{shift}]",
                   file=sys.stderr)
     return 0
 
@@ -159,6 +195,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                   repeats=args.repeats, **engine)
         elif args.trace_overhead:
             report = trace_overhead(args.model, args.decode_tokens, args.repeats, **engine)
+        elif args.grammar:
+            from tracelm.tools.bench_grammar import grammar_overhead
+
+            report = grammar_overhead(args.model, args.grammar, args.decode_tokens, args.repeats, **engine)
         elif args.positions:
             report = context_scaling(args.model, _positions(args.positions), **engine)
         else:
@@ -231,8 +271,26 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from tracelm.server import serve
 
+    for flag, key in (("sessions", "sessions_dir"), ("sessions_max_mb", "sessions_max_mb")):
+        value = getattr(args, flag)
+        if value is not None:
+            args.set = [*(args.set or []), f"server.{key}={json.dumps(value)}"]
     serve(_load_config(args), args.host, args.port)  # the server's Session sets the config's thread limits
     return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from tracelm.tools.check_structured import structured_output_check
+
+    report = structured_output_check(args.model, args.seeds, args.temperature, args.threads)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for r in report["runs"]:
+            print(f"seed {r['seed']:3d}: {'valid' if r['valid'] else 'INVALID: ' + str(r['why'])}"
+                  + (f" ({r['tokens']} tokens, {r['finish_reason']})" if "tokens" in r else ""))
+        print(f"{report['model']}: {report['valid']} replies validate against the schema ({report['seconds']} s)")
+    return 0 if report["passed"] else 1
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -262,6 +320,13 @@ def _run_options(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--context", type=int)
     sp.add_argument("--model", help="registry name or model path (overrides the config)")
     sp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key")
+    g = sp.add_mutually_exclusive_group()  # sampling.constraint in a config
+    g.add_argument("--json", action="store_true", help="constrain the output to a JSON object")
+    g.add_argument("--schema", metavar="FILE", help="constrain the output to JSON valid against this JSON schema "
+                   "(strict: objects hold only the properties they name)")
+    g.add_argument("--grammar", metavar="FILE", help="constrain the output to this Lark grammar (llguidance's "
+                   "dialect, rule `start`); a FILE ending in .regex holds a regular expression instead")
+    g.add_argument("--regex", metavar="TEXT", help="constrain the output to match this regular expression, whole")
 
 
 def _add_run_commands(sub: Any) -> None:
@@ -275,6 +340,10 @@ def _add_run_commands(sub: Any) -> None:
     sp = sub.add_parser("chat", help="multi-turn chat with the model's chat template (lines on stdin)")
     _run_options(sp)
     sp.add_argument("--message", action="append", help="a user turn (repeatable) instead of stdin")
+    sp.add_argument("--session", metavar="NAME", help="resume the conversation saved as NAME (in TRACELM_HOME/"
+                    "sessions) and save it after each reply; a new NAME starts one")
+    sp.add_argument("--trace", metavar="FILE", help="write each turn's trace here (its header names the last hash "
+                    "of the conversation's previous trace)")
     sp.set_defaults(fn=cmd_chat)
 
     sp = sub.add_parser("serve", help="an OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, streaming")
@@ -286,6 +355,10 @@ def _add_run_commands(sub: Any) -> None:
     sp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key")
     sp.add_argument("--host", help="address to listen on (default: server.host of the config, 127.0.0.1)")
     sp.add_argument("--port", type=int, help="port (default: server.port of the config, 8080; 0 = any free port)")
+    sp.add_argument("--sessions", metavar="DIR", help="also save session_id conversations in DIR, so that they "
+                    "survive a restart (server.sessions_dir)")
+    sp.add_argument("--sessions-max-mb", type=int, metavar="MB", help="disk the saved sessions may take, least "
+                    "recently used deleted first (server.sessions_max_mb, default 2048)")
     sp.set_defaults(fn=cmd_serve)
 
 
@@ -344,6 +417,17 @@ def _add_audit_commands(sub: Any) -> None:
     sp.add_argument("--key-env", metavar="NAME", help="verify: also check every line's HMAC, key from env var NAME")
     sp.set_defaults(fn=cmd_trace)
 
+    sp = sub.add_parser("check", help="structured-output: issue 15's acceptance check -- `tracelm serve` on the model, "
+                        "one json_schema chat request per seed 1..N at temperature 0.8, each reply validated by "
+                        "jsonschema (exit 0: all valid, 1: not)")
+    sp.add_argument("what", choices=("structured-output",))
+    sp.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    sp.add_argument("--seeds", type=int, default=20)
+    sp.add_argument("--temperature", type=float, default=0.8)
+    sp.add_argument("--threads", type=int, default=0)
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(fn=cmd_check)
+
     sp = sub.add_parser("replay", help="re-run a trace and report the first stage or token where the runs part")
     sp.add_argument("trace", metavar="TRACE")
     sp.add_argument("--model", help="model file or registry name (default: the recorded one)")
@@ -383,8 +467,11 @@ def _add_bench_command(sub: Any) -> None:
                     "first) and prefill tok/s of a 2,048-token prompt")
     sp.add_argument("--trace-overhead", action="store_true",
                     help="instead: decode tok/s untraced vs trace levels summary and digest, interleaved")
+    sp.add_argument("--grammar", choices=("json", "schema"),
+                    help="instead: decode tok/s plain vs constrained (json: any JSON object; schema: a JSON schema), "
+                    "sampled, and the grammar stage's ms per token and share of decode time")
     sp.add_argument("--repeats", type=int, default=3, help="--trace-overhead: repetitions of the lock-step decode; "
-                    "--compare: prefills timed per engine (the best counts)")
+                    "--grammar: plain and constrained runs; --compare: prefills timed per engine (the best counts)")
     sp.add_argument("--compare", action="store_true",
                     help="instead: tracelm, llama-cpp-python and transformers (each when installed) on the same GGUF, "
                     "prompt ids and threads, each in its own process; prints their rates, peak RSS and ratios")

@@ -26,15 +26,28 @@ import attrs
 
 from tracelm.io.chat_template import encode_chat
 from tracelm.io.loader import LoadedModel, ModelFile
+from tracelm.io.registry import home, path_sha256
 from tracelm.io.run_config import load_run_config
-from tracelm.pipeline.runner import Generation, GenerationStats, Runner, check_fits, feed_together, speculation
+from tracelm.io.session_file import SUFFIX, SavedSession, check_session, config_dict, read_session, write_session
+from tracelm.pipeline.runner import (
+    Generation,
+    GenerationStats,
+    Runner,
+    check_fits,
+    check_sampling,
+    common_prefix,
+    feed_together,
+    speculation,
+)
 from tracelm.pipeline.trace import Tracer, trace_key, write_footer, write_header
 from tracelm.stages.sample import top_logprobs
 
 # what the server, replay and the tools use of the engine, through the front door
-__all__ = ["Generation", "GenerationStats", "Runner", "Session", "ThreadLimits", "Tracer", "chat_prompt",
-           "run_config", "top_logprobs", "trace_key", "write_footer"]
-from tracelm.state.errors import TracelmError
+__all__ = ["SUFFIX", "Generation", "GenerationStats", "Runner", "Session", "ThreadLimits", "Tracer", "chat_prompt",
+           "load_conversation", "run_config", "save_conversation", "shift_chat", "top_logprobs", "trace_key",
+           "write_footer"]
+from tracelm.state.errors import SessionIncompatible, TracelmError
+from tracelm.state.records import SamplingParams
 from tracelm.state.run_config import RunConfig, TraceOptions
 
 
@@ -97,6 +110,76 @@ def chat_prompt(model: LoadedModel, messages: list[dict[str, str]]) -> list[int]
     return encode_chat(model.tokenizer, model.chat_template, messages, add_generation_prompt=True)
 
 
+def chat_head(model: LoadedModel, messages: list[dict[str, str]]) -> int:
+    """How many leading tokens of the conversation's rendering a context shift keeps: what the template puts
+    before the first user's words (the system prompt, the explicit one or the template's default, and the
+    opening of a user turn), found as the common prefix of two renderings that differ in those words only."""
+    system = [m for m in messages[:1] if m.get("role") == "system"]
+    try:
+        a, b = (encode_chat(model.tokenizer, model.chat_template, [*system, {"role": "user", "content": c}],
+                            add_generation_prompt=False) for c in ("\x01", "\x02"))
+    except TracelmError:
+        return 0
+    return common_prefix(a, b)
+
+
+def context_shift(ids: list[int], head: int, keep: int) -> list[int]:
+    """A conversation too long for the context, cut: its first `head` tokens and its latest ones, at most `keep`
+    and more than keep - keep // 2. The cut falls a multiple of keep // 2 tokens past the head, so the next
+    turns, which extend the same conversation, are cut at the same place until they outgrow it, and reuse the
+    cached prefix."""
+    body = len(ids) - head
+    if body <= keep:
+        return list(ids)
+    step = max(1, keep // 2)
+    cut = head + -(-(body - keep) // step) * step
+    return [*ids[:head], *ids[cut:]]
+
+
+def shift_chat(model: LoadedModel, cfg: RunConfig, messages: list[dict[str, str]], ids: list[int],
+               max_tokens: int) -> list[int]:
+    """The prompt of a chat turn under the config's context_policy: `ids` (the whole conversation) while it and
+    max_tokens fit the context, or always with `stop`; with `shift`, the system prompt and the latest
+    shift_keep tokens (half the context when 0; fewer when the reply's max_tokens would not fit after them) once
+    they do not (see `context_shift`)."""
+    if cfg.context_policy != "shift" or len(ids) + max_tokens <= cfg.context:
+        return ids
+    head = min(chat_head(model, messages), len(ids) - 1)
+    keep = max(1, min(cfg.shift_keep or cfg.context // 2, cfg.context - head - max_tokens))
+    return context_shift(ids, head, keep)
+
+
+def save_conversation(path: str | os.PathLike, runner: Runner, model_sha256: str, compute: str, *,
+                      kind: str = "chat", messages: list[dict[str, str]] | None = None, trace_hash: str | None = None,
+                      session_id: str | None = None) -> int:
+    """Write a session file of the runner's Cache and the conversation around it (tracelm/io/session_file.py),
+    atomically; return its size in bytes."""
+    saved = SavedSession(runner.cache.snapshot(), model_sha256, config_dict(runner.model.cfg), compute, kind,
+                         messages, trace_hash, session_id, Path(runner.model.path).name)
+    return write_session(path, saved)
+
+
+def load_conversation(path: str | os.PathLike, runner: Runner, model_sha256: str, compute: str) -> SavedSession:
+    """Read a session file, check it was made with this model, ModelConfig, tracelm version and compute mode,
+    and restore its positions into the runner's Cache (a SessionFileError subclass naming the file and the
+    reason otherwise: the Cache is then left as it was)."""
+    saved = read_session(path)
+    check_session(path, saved, model_sha256, runner.model.cfg, compute)
+    try:
+        runner.cache.restore(saved.snapshot)
+    except TracelmError as e:
+        raise SessionIncompatible(f"{path}: {e}; resume it with the context it was saved with") from None
+    return saved
+
+
+def session_path(name: str) -> Path:
+    """Where `tracelm chat --session NAME` keeps a conversation: TRACELM_HOME/sessions/NAME.tlsession."""
+    if not name or name.startswith(".") or not all(c.isalnum() or c in "._-" for c in name):
+        raise TracelmError(f"--session {name!r}: a session name is letters, digits, '.', '_' and '-', not starting "
+                           "with '.'")
+    return home() / "sessions" / f"{name}{SUFFIX}"
+
+
 class Session:
     """A model opened as a RunConfig says, with its thread limits, one conversation's Runner and Cache, chat
     history, and traces. The weights load on first use, so a prompt can be checked against the context
@@ -121,12 +204,23 @@ class Session:
             self.source = ModelFile(self.cfg.model, self.cfg.tokenizer)
             self.path, self.tokenizer = self.source.path, self.source.tokenizer
         self.messages: list[dict[str, str]] = self._new_conversation()
+        self.trace_chain: str | None = None  # the last line hash of this conversation's latest trace
+        self.last_trace_hash: str | None = None  # ... of the last call's trace (None: it wrote none)
+        self.shifted = 0  # tokens of the conversation the last chat turn's context shift left out
+        self._sha256: str | None = None
 
     @property
     def model(self) -> LoadedModel:
         if self._model is None:
             self._model = self.source.load(self.progress, self.cfg.weights, self.cfg.compute)
         return self._model
+
+    @property
+    def model_sha256(self) -> str:
+        """sha256 of the model's bytes (as a trace header has it; cached by size and mtime in TRACELM_HOME)."""
+        if self._sha256 is None:
+            self._sha256 = path_sha256(self.path)
+        return self._sha256
 
     @property
     def runner(self) -> Runner:
@@ -157,14 +251,21 @@ class Session:
         """A TracelmError unless a prompt of n_prompt tokens plus max_tokens fits the context."""
         check_fits(n_prompt, self.cfg.max_tokens if max_tokens is None else max_tokens, self.cfg.context)
 
+    def check_sampling(self, sampling: SamplingParams) -> None:
+        """A TracelmError naming the problem unless `sampling` can run on this model: its logit_bias ids are in the
+        vocabulary and its constraint compiles against it (the tokenizer only: the weights need not be loaded)."""
+        check_sampling(sampling, self.tokenizer)
+
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int | None = None, stop: Sequence[str] | None = None,
                trace: str | os.PathLike | Tracer | None = None, trace_key_env: str | None = None,
-               **sampling: Any) -> Iterator[str]:
+               trace_continues: str | None = None, **sampling: Any) -> Iterator[str]:
         """Text as it is decoded from `prompt` (text, or token ids as they are). Keyword arguments override
-        the config: max_tokens, stop, any SamplingParams field (temperature, top_k, top_p, min_p, seed...),
+        the config: max_tokens, stop, any SamplingParams field (temperature, top_k, top_p, min_p, seed, logit_bias,
+        constraint: a Constraint or a mapping of its fields),
         and `trace`, a file that gets this call's trace (the config's trace.file when not given), signed
-        with the key in the environment variable `trace_key_env`; or an open Tracer that records the call's
-        events only (replay's comparer)."""
+        with the key in the environment variable `trace_key_env`, whose header names `trace_continues` (the last
+        hash of the trace it follows; `last_trace_hash` is then this one's); or an open Tracer that records the
+        call's events only (replay's comparer)."""
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
         max_tokens = self.cfg.max_tokens if max_tokens is None else max_tokens
         self.check(len(ids), max_tokens)
@@ -172,19 +273,22 @@ class Session:
             params = attrs.evolve(self.cfg.sampling, **sampling)
         except (TypeError, ValueError) as e:
             raise TracelmError(f"sampling: {e}") from None
+        self.check_sampling(params)
         stop = self.cfg.stop if stop is None else tuple(stop)
         text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
         cfg = attrs.evolve(self.cfg, prompt=text, max_tokens=max_tokens, stop=stop, sampling=params)
         if isinstance(trace, Tracer):
             yield from self.runner.generate(ids, max_tokens, params, stop, tracer=trace)
             return
-        with self.open_trace(ids, trace, trace_key_env, cfg) as tracer:
+        self.last_trace_hash = None
+        with self.open_trace(ids, trace, trace_key_env, cfg, continues=trace_continues) as tracer:
             out = []
             for piece in self.runner.generate(ids, max_tokens, params, stop, tracer=tracer):
                 out.append(piece)
                 yield piece
             if tracer is not None:
                 write_footer(tracer, self.runner.stats, "".join(out))
+                self.last_trace_hash = tracer.prev
 
     def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> str:
         """The whole text `stream` yields."""
@@ -200,21 +304,28 @@ class Session:
     def chat_stream(self, message: str, **kwargs: Any) -> Iterator[str]:
         """The reply to `message` as the next user turn of this session's conversation, rendered with the
         model's chat template, as it is decoded; the reply joins the conversation. Keyword arguments as
-        `stream`'s; max_tokens is cut to the room left in the context."""
+        `stream`'s; max_tokens is cut to the room left in the context. When the conversation and max_tokens
+        outgrow the context, `context_policy: shift` keeps its system prompt and latest tokens (`shift_chat`;
+        `shifted` says how many it left out); `stop` cuts the reply short, and refuses a turn with no room. A
+        traced turn's header names the last hash of the conversation's previous trace (`trace_chain`)."""
         self.messages.append({"role": "user", "content": message})
-        ids = chat_prompt(self.model, self.messages)
+        full = chat_prompt(self.model, self.messages)
+        asked = kwargs.get("max_tokens")
+        asked = self.cfg.max_tokens if asked is None else asked
+        ids = shift_chat(self.model, self.cfg, self.messages, full, asked)
+        self.shifted = len(full) - len(ids)
         room = self.cfg.context - len(ids)
         if room <= 0:
             self.messages.pop()
             raise TracelmError(f"the conversation ({len(ids)} tokens) no longer fits the context of "
-                               f"{self.cfg.context}; raise 'context' or start over")
-        asked = kwargs.get("max_tokens")
-        kwargs["max_tokens"] = min(self.cfg.max_tokens if asked is None else asked, room)
+                               f"{self.cfg.context}; raise 'context', set context_policy: shift, or start over")
+        kwargs["max_tokens"] = min(asked, room)
         reply = []
-        for piece in self.stream(ids, **kwargs):
+        for piece in self.stream(ids, trace_continues=self.trace_chain, **kwargs):
             reply.append(piece)
             yield piece
         self.messages.append({"role": "assistant", "content": "".join(reply).strip()})
+        self.trace_chain = self.last_trace_hash or self.trace_chain
 
     def chat(self, message: str, **kwargs: Any) -> str:
         """The whole reply `chat_stream` yields."""
@@ -223,6 +334,24 @@ class Session:
     def reset(self) -> None:
         """Start a new conversation (the system prompt of the config only)."""
         self.messages = self._new_conversation()
+        self.trace_chain = None
+
+    def save(self, path: str | os.PathLike) -> int:
+        """Save this conversation to a session file (tracelm/io/session_file.py), atomically: its Cache (the
+        keys and values of the positions held), the messages, the trace chain, the model's sha256 and
+        ModelConfig, the tracelm version and compute mode. Returns the file's size in bytes."""
+        return save_conversation(path, self.runner, self.model_sha256, self.cfg.compute, messages=self.messages,
+                                 trace_hash=self.trace_chain)
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Resume the conversation saved in `path` (`save`): its messages, trace chain and Cache, whose next
+        logits are those of recomputing the whole conversation, bit for bit. A file of another model or
+        ModelConfig, another tracelm version or compute mode, a truncated or a tampered one is refused with its
+        named error (tracelm.state.errors: SessionModelMismatch, SessionIncompatible, SessionFileTruncated,
+        SessionFileTampered); the session is then left as it was."""
+        saved = load_conversation(path, self.runner, self.model_sha256, self.cfg.compute)
+        self.messages = [dict(m) for m in saved.messages or []]
+        self.trace_chain = saved.trace_hash
 
     def close(self) -> None:
         """Put back the thread limits the session set."""
@@ -241,7 +370,7 @@ class Session:
 
     @contextlib.contextmanager
     def open_trace(self, ids: list[int], path: str | os.PathLike | None = None, key_env: str | None = None,
-                   cfg: RunConfig | None = None) -> Iterator[Tracer | None]:
+                   cfg: RunConfig | None = None, continues: str | None = None) -> Iterator[Tracer | None]:
         """A Tracer writing `path` (or the config's trace file; None when neither asks for a trace): the header
         of a call on prompt `ids` configured as `cfg` (the session's config by default) now, the events as they
         come, open until the block ends. An interrupted call leaves every event up to the interruption; the
@@ -260,7 +389,7 @@ class Session:
             raise TracelmError(f"{cfg.trace.file}: cannot write trace: {e.strerror}") from None
         with stream:
             tracer = Tracer(stream, cfg.trace.level, key=key)
-            write_header(tracer, cfg, self.model, ids)
+            write_header(tracer, cfg, self.model, ids, continues)
             try:
                 yield tracer
             finally:

@@ -261,6 +261,7 @@ def _replay_call(session: Session, trace: Trace, line: int, call: dict[str, Any]
         runner.prefill(ids[:reused])
         notes.append(f"line {line + 1}: computed the {reused} prompt tokens the recorded run had cached, "
                      f"untraced (their chunking may round differently)")
-    for _ in session.stream(ids, max_tokens=max_tokens, stop=stop, trace=tracer, **attrs.asdict(sampling)):
+    fields = attrs.asdict(sampling, recurse=False)  # the constraint stays a record
+    for _ in session.stream(ids, max_tokens=max_tokens, stop=stop, trace=tracer, **fields):
         pass
     tracer.flush()

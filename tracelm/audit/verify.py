@@ -158,6 +158,13 @@ def summary(trace: Trace, top_layers: int = 5) -> str:
         f"min_p {s.get('min_p')} seed {h.get('seed')} ({(h.get('rng') or {}).get('generator')})",
         f"prompt     {len(h.get('prompt_ids', []))} tokens: {h.get('prompt_text')!r}",
     ]
+    c = s.get("constraint")
+    if isinstance(c, dict):  # a constrained run: the grammar, and the digest its token events name
+        digest = next((t.get("constraint") for t in tokens if t.get("constraint")), None)
+        out.insert(-1, f"constraint {c.get('kind')} ({len(str(c.get('source', '')))} characters, digest {digest}): "
+                       f"{str(c.get('source', ''))[:60]!r}")
+    if s.get("logit_bias"):
+        out.insert(-1, f"logit_bias {s.get('logit_bias')}")
     text = footer.get("output_text") if footer else None
     if text is None:
         text = "".join(str(t.get("text", t.get("piece", ""))) for t in tokens)

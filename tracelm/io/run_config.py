@@ -43,8 +43,14 @@ def _check(value: Any, kind: Any, key: str) -> Any:
             return None
         return _check(value, next(o for o in options if o is not type(None)), key)
     if origin is tuple:
-        items = value if isinstance(value, list) else [value]
-        return tuple(_check(x, typing.get_args(kind)[0], key) for x in items)
+        args = typing.get_args(kind)
+        if len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]: a list of X (a mapping: its items as pairs)
+            items = value if isinstance(value, list | tuple) else [value]
+            items = list(value.items()) if isinstance(value, dict) else items
+            return tuple(_check(x, args[0], key) for x in items)
+        if not isinstance(value, list | tuple) or len(value) != len(args):
+            raise TracelmError(f"config key {key}: expected {len(args)} values, got {value!r}")
+        return tuple(_check(x, a, key) for x, a in zip(value, args, strict=True))
     if attrs.has(kind):
         if not isinstance(value, dict):
             raise TracelmError(f"config key {key}: expected a section of keys, got {value!r}")

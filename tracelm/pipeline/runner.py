@@ -10,10 +10,12 @@ from typing import Any
 import attrs
 import numpy as np
 
+from tracelm.io.grammar import Matcher, mask_digest
 from tracelm.io.loader import LoadedModel, load_model
 from tracelm.pipeline.graph import Part, forward, forward_batch, new_cache, plain_call
 from tracelm.pipeline.speculative import lookup_draft, model_draft
 from tracelm.pipeline.trace import Tracer
+from tracelm.stages.constrain import constrain
 from tracelm.stages.sample import sample
 from tracelm.state.cache import RING_SLACK
 from tracelm.state.errors import TracelmError
@@ -32,6 +34,7 @@ class GenerationStats:
     n_passes: int = 0  # decode forward passes (with speculation one pass can yield several tokens)
     n_drafted: int = 0  # draft tokens fed ahead of being sampled
     n_accepted: int = 0  # draft tokens the sampler then chose
+    constrain_seconds: float = 0.0  # of decode_seconds: the grammar's masks, applying them, advancing it
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -65,6 +68,16 @@ def check_fits(n_prompt: int, max_tokens: int, n_ctx: int) -> None:
     if n_prompt + max_tokens > n_ctx:
         raise TracelmError(f"prompt of {n_prompt} tokens + max_tokens {max_tokens} exceeds the context of "
                            f"{n_ctx} positions")
+
+
+def check_sampling(sampling: SamplingParams, tokenizer: Any) -> Matcher | None:
+    """TracelmError unless every logit_bias id is in the vocabulary and the constraint compiles against it; the
+    constraint's Matcher at the start of its grammar (None without one)."""
+    for i, _bias in sampling.logit_bias:
+        if i >= tokenizer.n_vocab:
+            raise TracelmError(f"sampling.logit_bias: token id {i} is outside the vocabulary "
+                               f"(0..{tokenizer.n_vocab - 1})")
+    return Matcher(sampling.constraint, tokenizer) if sampling.constraint is not None else None
 
 
 def speculation(cfg: Any) -> dict[str, Any]:
@@ -145,6 +158,7 @@ class Runner:
         """Prefill the prompt and return the Generation that decodes from it (see `generate`)."""
         prompt_ids = [int(i) for i in prompt_ids]
         check_fits(len(prompt_ids), max_tokens, self.cache.n_ctx)
+        matcher = check_sampling(sampling, self.model.tokenizer)
         self.stats = stats = GenerationStats(n_prompt=len(prompt_ids), finish_reason="length")
         rng = np.random.default_rng(sampling.seed)
         if tracer is not None:  # what a replay needs to repeat this call exactly
@@ -156,7 +170,7 @@ class Runner:
         logits = self.prefill(prompt_ids, tracer=tracer)
         stats.prefill_seconds = time.perf_counter() - t0
         return Generation(self, prompt_ids, logits.values[-1], max_tokens, sampling, rng, stop, cancel, on_token,
-                          tracer)
+                          tracer, matcher)
 
     def generate(self, prompt_ids: Sequence[int], max_tokens: int, sampling: SamplingParams,
                  stop: Sequence[str] = (), *, cancel: Callable[[], bool] | None = None,
@@ -184,7 +198,9 @@ class Generation:
     end-of-generation, stop strings, the UTF-8 stream decoder, statistics and speculation guesses.
 
     After a step either `done` is set or `feed` holds the ids the next forward pass must compute for this
-    sequence (the sampled token, plus any guessed ones); `take` hands it their logits. `Runner.generate`
+    sequence (the sampled token, plus any guessed ones); `take` hands it their logits. With a constraint, its
+    `matcher` (the grammar's mutable state, as `rng` is the draw's) masks each row before sampling and takes the
+    token drawn; a grammar that is complete ends the generation ("stop"). `Runner.generate`
     drives one Generation; the server drives several in step, computing all their `feed`s in one pass
     (`feed_together`). `close` releases held-back text and fixes the statistics.
     """
@@ -192,8 +208,10 @@ class Generation:
     def __init__(self, runner: Runner, prompt_ids: list[int], row: np.ndarray, max_tokens: int,
                  sampling: SamplingParams, rng: np.random.Generator, stop: Sequence[str] = (),
                  cancel: Callable[[], bool] | None = None,
-                 on_token: Callable[[Choice, np.ndarray], None] | None = None, tracer: Tracer | None = None):
+                 on_token: Callable[[Choice, np.ndarray], None] | None = None, tracer: Tracer | None = None,
+                 matcher: Matcher | None = None):
         self.runner, self.max_tokens, self.sampling, self.rng, self.stop = runner, max_tokens, sampling, rng, stop
+        self.matcher = matcher
         self.cancel, self.on_token, self.tracer = cancel, on_token, tracer
         self.stats = runner.stats
         self.history = list(prompt_ids)
@@ -213,7 +231,12 @@ class Generation:
         if self.cancel is not None and self.cancel():
             return self._end("cancelled")
         row = self.rows.pop(0)
-        choice = sample(row, self.sampling, self.rng, np.asarray(self.history))
+        logits, mask_hash = self._constrain(row)
+        choice = sample(logits, self.sampling, self.rng, np.asarray(self.history))
+        if self.matcher is not None:
+            t0 = time.perf_counter()
+            self.matcher.consume(choice.token, mask_hash)
+            stats.constrain_seconds += time.perf_counter() - t0
         if self.guesses:
             if choice.token == self.guesses[0]:
                 self.guesses.pop(0)
@@ -224,8 +247,11 @@ class Generation:
         if self.on_token is not None:
             self.on_token(choice, row)
         if self.tracer is not None:
+            grammar = {} if self.matcher is None else {"constraint": self.matcher.digest, "mask": mask_hash,
+                                                       "state": self.matcher.state}
             self.tracer.event("token", draw=self.n_steps, id=choice.token, piece=tok.piece(choice.token),
-                                text=tok.token_bytes(choice.token).decode("utf-8", "replace"), prob=choice.prob)
+                              text=tok.token_bytes(choice.token).decode("utf-8", "replace"), prob=choice.prob,
+                              **grammar)
         if choice.token in tok.eog_ids:
             return self._end("stop")
         self.history.append(choice.token)
@@ -233,7 +259,7 @@ class Generation:
         stats.n_generated += 1
         self.n_steps += 1
         emit, self.pending, self.stopped = stop_split(self.pending + self.decoder.push(choice.token), self.stop)
-        if self.stopped:
+        if self.stopped or (self.matcher is not None and self.matcher.stopped):  # a stop string; a complete grammar
             self._end("stop")
         elif self.n_steps >= self.max_tokens:
             self.done = True
@@ -245,6 +271,17 @@ class Generation:
             stats.n_passes += 1
             stats.n_drafted += len(self.guesses)
         return emit
+
+    def _constrain(self, row: np.ndarray) -> tuple[np.ndarray, str]:
+        """The row as sampling sees it -- logit bias added, the grammar's mask applied -- and the mask's digest."""
+        if self.matcher is None:
+            return (constrain(row, None, self.sampling.logit_bias) if self.sampling.logit_bias else row), ""
+        t0 = time.perf_counter()
+        mask = self.matcher.mask()
+        out = constrain(row, mask, self.sampling.logit_bias)
+        mask_hash = mask_digest(mask)
+        self.stats.constrain_seconds += time.perf_counter() - t0
+        return out, mask_hash
 
     def take(self, logits: Logits) -> None:
         """The logits of the positions `feed` asked for."""

@@ -51,7 +51,7 @@ FORMAT = "tracelm-trace"
 TRACE_VERSION = 2
 GENESIS = "0" * 64  # the `prev` of line 1
 PACKAGES = ("tracelm", "numpy", "numexpr", "gguf", "tokenizers", "sentencepiece", "attrs", "structlog", "jinja2",
-            "PyYAML")
+            "PyYAML", "llguidance")
 BATCH_ELEMENTS = 1 << 20  # output elements held (4 MiB) that force a batch: bounds the memory a prefill holds
 TIMING_SUFFIXES = ("_us", "_seconds")
 CHAIN_FIELDS = ("prev", "hash", "mac")
@@ -407,8 +407,11 @@ def _jsonable(x: Any) -> Any:
     return str(x)
 
 
-def write_header(tracer: Tracer, run_config: Any, model: Any, prompt_ids: list[int]) -> None:
-    """The opening event: everything needed to know what the run was and to repeat it."""
+def write_header(tracer: Tracer, run_config: Any, model: Any, prompt_ids: list[int], continues: str | None = None
+                 ) -> None:
+    """The opening event: everything needed to know what the run was and to repeat it. `continues`: the last
+    line hash of the trace this one follows (a chat resumed from a session file), written as the field
+    `continues` (absent otherwise)."""
     from tracelm.io.registry import path_sha256
     from tracelm.io.run_config import config_as_dict
     from tracelm.version import __version__
@@ -437,6 +440,7 @@ def write_header(tracer: Tracer, run_config: Any, model: Any, prompt_ids: list[i
         seed=run_config.sampling.seed,
         prompt_ids=[int(i) for i in prompt_ids],
         prompt_text=tok.decode(prompt_ids),
+        **({"continues": continues} if continues else {}),
         created_unix_seconds=round(time.time(), 3),
     )
 

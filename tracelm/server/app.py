@@ -32,7 +32,7 @@ from starlette.routing import Route
 
 from tracelm.server.params import ApiError, GenerationRequest, bad, parse_json, parse_request
 from tracelm.server.queue import Engine, Job, QueueFull
-from tracelm.session import Session, chat_prompt
+from tracelm.session import Session, chat_prompt, shift_chat
 from tracelm.state.errors import TracelmError
 from tracelm.state.run_config import RunConfig
 from tracelm.version import __version__
@@ -57,6 +57,7 @@ class Server:
         self.model_id = model_id_of(cfg)
         self.model_names = {self.model_id, cfg.model}
         self.api_key = api_key or None
+        self.session = session
         self.engine = Engine(session)
         self.created = int(time.time())
 
@@ -155,6 +156,8 @@ class Server:
                 messages.insert(0, {"role": "system", "content": self.cfg.system})
             try:
                 ids = chat_prompt(self.model, messages)
+                asked = self.cfg.max_tokens if req.max_tokens is None else req.max_tokens
+                ids = shift_chat(self.model, self.cfg, messages, ids, asked)  # context_policy: shift
             except TracelmError as e:
                 raise bad(f"messages: {e}", "messages") from None
             return ids, tok.decode(ids)
@@ -164,6 +167,18 @@ class Server:
                     raise bad(f"token id {i} in 'prompt' is outside the vocabulary (0..{tok.n_vocab - 1})", "prompt")
             return list(req.prompt), tok.decode(req.prompt)
         return tok.encode(req.prompt or ""), req.prompt or ""
+
+    def _check_sampling(self, req: GenerationRequest, sampling: Any) -> None:
+        """A 400 naming the argument unless the request's constraint compiles and its logit_bias ids exist (runs in
+        a thread of the pool: a grammar's first use builds the vocabulary's token trie)."""
+        try:
+            self.session.check_sampling(attrs.evolve(sampling, constraint=None))
+        except TracelmError as e:
+            raise bad(f"logit_bias: {e}", "logit_bias") from None
+        try:
+            self.session.check_sampling(sampling)
+        except TracelmError as e:
+            raise bad(f"{req.constraint_param}: {e}", req.constraint_param) from None
 
     def _max_tokens(self, req: GenerationRequest, n_prompt: int) -> int:
         n_ctx = self.cfg.context
@@ -194,6 +209,7 @@ class Server:
             sampling = attrs.evolve(self.cfg.sampling, **req.sampling, seed=seed)
         except (TypeError, ValueError) as e:
             raise bad(f"sampling parameters: {e}") from None
+        await run_in_threadpool(self._check_sampling, req, sampling)
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         job = Job(request_id=rid, prompt_ids=ids, prompt_text=prompt_text, max_tokens=max_tokens, sampling=sampling,
                   stop=req.stop, deadline=time.monotonic() + self.cfg.server.request_timeout,

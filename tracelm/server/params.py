@@ -1,8 +1,13 @@
 """OpenAI request bodies -> checked generation requests; every client mistake becomes an `ApiError` (4xx).
 
 The checks follow the OpenAI API: unknown arguments are rejected, `null` means "not given", booleans
-are not numbers, and values the engine cannot honour (n > 1, tools, logit_bias, ...) get a 400 that
-names the argument rather than being silently ignored.
+are not numbers, and values the engine cannot honour (n > 1, tools, ...) get a 400 that names the argument
+rather than being silently ignored.
+
+Constrained output: `response_format` ({"type": "json_object"} or {"type": "json_schema", "json_schema": {"name",
+"schema", "strict"}}) and, as vLLM spells them, `guided_regex` (the whole output matches the pattern) and
+`guided_grammar` (a Lark grammar, llguidance's dialect); at most one of them per request. `logit_bias`: an
+object of token ids (as strings) to biases in [-100, 100], added to the logits before sampling.
 """
 
 from __future__ import annotations
@@ -14,26 +19,29 @@ from typing import Any
 
 import attrs
 
+from tracelm.state.records import Constraint
+
 # Arguments every generation endpoint takes, plus tracelm's extensions (top_k, min_p, repetition_penalty,
 # repeat_last_n, session_id).
 _COMMON = frozenset({
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p",
     "repetition_penalty", "repeat_penalty", "repeat_last_n", "frequency_penalty", "presence_penalty", "seed",
-    "stop", "n", "user", "session_id", "logprobs", "logit_bias",
+    "stop", "n", "user", "session_id", "logprobs", "logit_bias", "response_format", "guided_regex", "guided_grammar",
 })
 _COMPLETION = _COMMON | {"prompt", "echo", "best_of", "suffix"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
-                   "function_call", "response_format", "parallel_tool_calls", "store", "metadata"}
+                   "function_call", "parallel_tool_calls", "store", "metadata"}
 # Arguments accepted only at their neutral value (what the engine does anyway).
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "logit_bias": ({},), "tools": ([],),
+    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "tools": ([],),
     "functions": ([],), "tool_choice": ("none",), "function_call": ("none",), "parallel_tool_calls": (True, False),
-    "response_format": ({"type": "text"},), "store": (False,),
+    "store": (False,),
 }
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1024
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 
 
 class ApiError(Exception):
@@ -73,6 +81,7 @@ class GenerationRequest:
     include_usage: bool = False
     logprobs: int | None = None  # top alternatives per token (0..), None = no logprobs
     session_id: str | None = None
+    constraint_param: str | None = None  # the argument sampling["constraint"] came from (for its errors)
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -167,6 +176,72 @@ def _stops(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(items)
 
 
+def _response_format(x: Any) -> Constraint | None:
+    """OpenAI's response_format: text (None), json_object, or json_schema {name, schema, strict, description}."""
+    param = "response_format"
+    if not isinstance(x, dict) or x.get("type") not in ("text", "json_object", "json_schema"):
+        raise bad("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": "
+                  "\"json_schema\", \"json_schema\": {...}}", param)
+    extra = set(x) - {"type", "json_schema"}
+    if extra or (x["type"] != "json_schema" and "json_schema" in x):
+        raise bad(f"'response_format': unexpected field {sorted(extra or {'json_schema'})[0]!r}", param)
+    if x["type"] == "text":
+        return None
+    if x["type"] == "json_object":
+        return Constraint("json_object")
+    spec = x.get("json_schema")
+    if not isinstance(spec, dict) or set(spec) - {"name", "schema", "strict", "description"}:
+        raise bad("'response_format.json_schema' must be an object of name, schema, strict and description",
+                  "response_format.json_schema")
+    if not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise bad("'response_format.json_schema.name' is required (a string)", "response_format.json_schema.name")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise bad(f"'response_format.json_schema.schema' must be an object, got {_kind(schema)}",
+                  "response_format.json_schema.schema")
+    strict = _boolean(spec, "strict")
+    return Constraint("json_schema", json.dumps(schema, ensure_ascii=False), strict=bool(strict))
+
+
+def _constraint(body: dict[str, Any]) -> tuple[Constraint | None, str | None]:
+    """The request's constraint and the argument it came from: response_format, guided_regex or guided_grammar."""
+    given = [k for k in ("response_format", "guided_regex", "guided_grammar") if body.get(k) is not None]
+    if len(given) > 1:
+        raise bad(f"give at most one of 'response_format', 'guided_regex' and 'guided_grammar' (got {given})",
+                  given[1])
+    if not given:
+        return None, None
+    key = given[0]
+    if key == "response_format":
+        c = _response_format(body[key])
+        return c, (key if c is not None else None)
+    source = _string(body, key)
+    if not source:
+        raise bad(f"'{key}' must be a non-empty string", key)
+    return Constraint("regex" if key == "guided_regex" else "lark", source), key
+
+
+def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
+    """OpenAI's logit_bias: {"token id": bias in [-100, 100]} (ids checked against the vocabulary later)."""
+    x = body.get("logit_bias")
+    if x is None:
+        return {}
+    if not isinstance(x, dict):
+        raise bad(f"'logit_bias' must be an object of token ids to biases, got {_kind(x)}", "logit_bias")
+    if len(x) > MAX_LOGIT_BIAS:
+        raise bad(f"'logit_bias' takes at most {MAX_LOGIT_BIAS} tokens, got {len(x)}", "logit_bias")
+    out = {}
+    for key in x:
+        if not (isinstance(key, str) and key.isdigit() and key.isascii()):
+            raise bad(f"'logit_bias' keys are token ids written as decimal strings, got {key!r}", "logit_bias")
+        bias = x[key]
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100.0 <= bias <= 100.0:
+            raise bad(f"'logit_bias' {key}: a bias is a number from -100 to 100, got {json.dumps(bias)[:40]}",
+                      "logit_bias")
+        out[int(key)] = float(bias)
+    return out
+
+
 def _prompt(body: dict[str, Any]) -> str | list[int]:
     x = body.get("prompt")
     if x is None:
@@ -249,6 +324,11 @@ def parse_request(body: dict[str, Any], kind: str) -> GenerationRequest:
         value = _integer(body, key, lo, hi)
         if value is not None:
             sampling[key] = value
+    constraint, constraint_param = _constraint(body)
+    if constraint is not None:
+        sampling["constraint"] = constraint
+    if bias := _logit_bias(body):
+        sampling["logit_bias"] = bias
 
     max_tokens = _integer(body, "max_tokens", 1, 1 << 30)
     logprobs = None
@@ -292,4 +372,5 @@ def parse_request(body: dict[str, Any], kind: str) -> GenerationRequest:
         include_usage=include_usage,
         logprobs=logprobs,
         session_id=session_id,
+        constraint_param=constraint_param,
     )

@@ -31,7 +31,7 @@ import attrs
 import numpy as np
 
 from tracelm.server.params import ApiError
-from tracelm.server.sessions import SessionStore
+from tracelm.server.sessions import SessionFiles, SessionStore
 from tracelm.session import Generation, Runner, Session, top_logprobs, write_footer
 from tracelm.state.errors import TracelmError
 from tracelm.state.records import Choice, SamplingParams
@@ -115,8 +115,10 @@ class Engine:
         self.max_batch = opts.max_batch
         # runners for requests without a session, at most max_batch of them; each emptied before use
         self._scratch = [session.new_runner()]
+        files = (SessionFiles(opts.sessions_dir, opts.sessions_max_mb << 20, session.model_sha256, cfg.compute)
+                 if opts.sessions_dir else None)
         self.sessions = SessionStore(session.new_runner, opts.max_sessions, opts.session_memory_mb << 20,
-                                     self._scratch[0].cache.nbytes)
+                                     self._scratch[0].cache.nbytes, files)
         self.trace_dir = Path(opts.trace_dir) if opts.trace_dir else None
         self.trace_level = cfg.trace.level if cfg.trace.level != "off" else "digest"
         if self.trace_dir is not None:
@@ -282,6 +284,8 @@ class Engine:
         a.job.post("done", {"finish_reason": finish, "prompt_tokens": stats.n_prompt,
                             "cached_tokens": stats.n_reused, "completion_tokens": stats.n_generated,
                             "prefill_seconds": stats.prefill_seconds, "decode_seconds": stats.decode_seconds})
+        if a.job.session_id is not None:  # with server.sessions_dir: its file, once the answer is out
+            self.sessions.save(a.job.session_id)
 
     def _fail(self, a: Active, e: Exception) -> None:
         """End a job with the error answer its exception calls for (a session's Cache may be half-written)."""

@@ -2,15 +2,41 @@
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 
 from tracelm.state.errors import TracelmError
 from tracelm.state.model_config import ModelConfig
+from tracelm.state.records import frozen_array
 
 # A window ring's room past the window (mistral-style models, see Cache): a pass of up to this many new
 # positions is written and read in place, and a truncate may go back up to this many positions.
 RING_SLACK = 64
 MASK_KEEP_BYTES = 1 << 20  # masks up to this size are kept for the next pass that asks
+
+
+@attrs.frozen(slots=True, eq=False)
+class CacheSnapshot:
+    """What a Cache holds, to save and restore (`Cache.snapshot`, `Cache.restore`): the token ids of its
+    positions and, per layer, the keys and values [n_head_kv, n_past - first, head_dim] of positions
+    first..n_past-1 (first: the oldest a window ring still holds; 0 elsewhere). No RoPE tables: they are
+    recomputed."""
+
+    tokens: tuple[int, ...] = attrs.field(converter=lambda ids: tuple(int(i) for i in ids))
+    first: tuple[int, ...] = attrs.field(converter=tuple)
+    keys: tuple[np.ndarray, ...] = attrs.field(converter=lambda a: tuple(frozen_array(x) for x in a))
+    values: tuple[np.ndarray, ...] = attrs.field(converter=lambda a: tuple(frozen_array(x) for x in a))
+
+    def __attrs_post_init__(self) -> None:
+        n = len(self.tokens)
+        for layer, (lo, k, v) in enumerate(zip(self.first, self.keys, self.values, strict=True)):
+            if not 0 <= lo <= n or k.ndim != 3 or k.shape[1] != n - lo or k.shape != v.shape:
+                raise ValueError(f"layer {layer}: keys {list(k.shape)} / values {list(v.shape)} do not hold "
+                                 f"positions {lo}..{n - 1}")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (*self.keys, *self.values))
 
 
 class Cache:
@@ -118,6 +144,12 @@ class Cache:
             held_k, held_v = self._ring_views(layer, lo, start)
             self._joined = (layer, lo, end, np.concatenate((held_k, k), axis=1), np.concatenate((held_v, v), axis=1))
             k, v, start = k[:, -ring:], v[:, -ring:], max(start, end - ring)
+        self._put(layer, start, k, v)
+        self.held_from[layer] = max(self.held_from[layer], end - ring)
+
+    def _put(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Store k, v [n_head_kv, n <= ring, head_dim] of positions start.. in their slots of a ring layer."""
+        ring = self.rings[layer]
         for buf, new in ((self.k[layer], k), (self.v[layer], v)):
             n, s = new.shape[1], start % ring
             buf[:, s : s + n] = new  # each slot s also at s + ring (s + n <= 2 * ring)
@@ -126,7 +158,6 @@ class Cache:
             else:
                 buf[:, s + ring :] = new[:, : ring - s]
                 buf[:, : s + n - ring] = new[:, ring - s :]
-        self.held_from[layer] = max(self.held_from[layer], end - ring)
 
     def _ring_views(self, layer: int, lo: int, end: int) -> tuple[np.ndarray, np.ndarray]:
         s = lo % self.rings[layer]
@@ -181,6 +212,41 @@ class Cache:
         p = np.arange(start, start + T, dtype=np.int64)
         first = np.maximum(p - window + 1, lo) if window else np.full(T, lo, np.int64)
         return lo, np.stack([first - lo, p + 1 - lo], axis=1)
+
+    def snapshot(self) -> CacheSnapshot:
+        """The positions every layer holds, as a record to save (copies): each layer's keys/values from its
+        oldest held position (0 in a layer without a ring) to n_past - 1. Positions a next pass could not build
+        on (`reusable`) are left out: such a Cache is recomputed from the start anyway."""
+        n = self.reusable(self.n_past)
+        first = tuple(self.held_from[i] if self.rings[i] and n else 0 for i in range(len(self.rings)))
+        kv = [self._ring_views(i, lo, n) if self.rings[i] else (self.k[i][:, :n], self.v[i][:, :n])
+              for i, lo in enumerate(first)]
+        return CacheSnapshot(tuple(self.tokens[:n]), first, tuple(np.array(k) for k, _ in kv),
+                             tuple(np.array(v) for _, v in kv))
+
+    def restore(self, snap: CacheSnapshot) -> None:
+        """Hold a snapshot's positions again (the RoPE tables and masks are this Cache's own). A ring smaller
+        than the snapshot's keeps the newest positions it has room for. A context shorter than the snapshot, or
+        a layer that keeps every position where the snapshot has a ring's last ones, is refused (the Cache left
+        as it was)."""
+        n = len(snap.tokens)
+        if n > self.n_ctx:
+            raise TracelmError(f"the saved conversation holds {n} positions, more than the context of {self.n_ctx}")
+        partial = [i for i, lo in enumerate(snap.first) if lo and not self.rings[i]]
+        if partial:
+            raise TracelmError(f"layer {partial[0]} keeps every position in this context of {self.n_ctx}, but only "
+                               f"positions {snap.first[partial[0]]}.. were saved (a window ring's)")
+        self.reset()
+        for layer, lo in enumerate(snap.first):
+            k, v = snap.keys[layer], snap.values[layer]
+            ring = self.rings[layer]
+            if not ring:
+                self.k[layer][:, :n], self.v[layer][:, :n] = k, v
+                continue
+            cut = max(lo, n - ring)
+            self._put(layer, cut, k[:, cut - lo :], v[:, cut - lo :])
+            self.held_from[layer] = cut
+        self.tokens.extend(snap.tokens)
 
     def commit(self, ids) -> None:
         """Record that positions n_past.. now hold the keys/values of `ids`."""

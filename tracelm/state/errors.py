@@ -3,3 +3,25 @@
 
 class TracelmError(Exception):
     """An error caused by the user's input (file, config, prompt): reported as one line, exit 2."""
+
+
+class SessionFileError(TracelmError):
+    """A session file (a saved conversation: tracelm/io/session_file.py) that cannot be resumed: not a session
+    file, or unreadable. The subclasses name the reason; none of them is ever resumed into wrong output."""
+
+
+class SessionFileTruncated(SessionFileError):
+    """The file is shorter than its own header says (cut off while copied, or a disk full)."""
+
+
+class SessionFileTampered(SessionFileError):
+    """The file's bytes do not match the sha256 it carries (edited or damaged)."""
+
+
+class SessionModelMismatch(SessionFileError):
+    """The file was made with another model (its sha256) or another ModelConfig."""
+
+
+class SessionIncompatible(SessionFileError):
+    """The file was made by another tracelm version, session format or compute mode, or holds more positions
+    than the context: its keys and values are not the ones this engine would compute."""

@@ -155,14 +155,51 @@ class ModelWeights:
 
 
 _PENALTY_RANGE = [attrs.validators.ge(-2.0), attrs.validators.le(2.0)]
+CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "lark")
+LOGIT_BIAS_MAX = 100.0  # OpenAI's range: a bias in [-100, 100] per token
+
+
+@attrs.frozen(slots=True)
+class Constraint:
+    """What the generated text must match; the grammar engine (llguidance) turns it into a mask of the tokens
+    allowed next. `source`: json_schema, the schema as JSON text; regex, the pattern (the whole output
+    matches it); lark, a Lark grammar (llguidance's dialect); json_object: unused (any JSON object)."""
+
+    kind: str = attrs.field(validator=attrs.validators.in_(CONSTRAINT_KINDS))
+    source: str = ""
+    # json_schema: objects hold only the properties they name (no additionalProperties unless the schema allows
+    # them) and a keyword the engine does not support is an error; False: the schema as JSON Schema reads, an
+    # unsupported keyword ignored (best effort)
+    strict: bool = True
+
+
+def _constraint(value: Constraint | dict | None) -> Constraint | None:
+    """A Constraint, or None; a mapping of its fields (as a trace or a config holds it) becomes one."""
+    return Constraint(**value) if isinstance(value, dict) else value
+
+
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """{token id: bias} (ids as ints or decimal strings) or (id, bias) pairs -> pairs sorted by id."""
+    items = value.items() if isinstance(value, dict) else value
+    try:
+        pairs = sorted((int(i), float(b)) for i, b in items)  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        raise ValueError(f"logit_bias must map token ids to numbers, got {value!r}") from None
+    ids = [i for i, _b in pairs]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"logit_bias names a token id twice: {ids}")
+    for i, b in pairs:
+        if i < 0 or not -LOGIT_BIAS_MAX <= b <= LOGIT_BIAS_MAX:
+            raise ValueError(f"logit_bias {i}: {b:g}: ids are >= 0 and biases in [-100, 100]")
+    return tuple(pairs)
 
 
 @attrs.frozen(slots=True)
 class SamplingParams:
     """How the next token is chosen from logits. temperature 0 means greedy (argmax).
 
-    Order of application: repetition penalty -> frequency/presence penalties -> temperature -> top-k -> top-p
-    -> min-p.
+    Order of application: logit bias and the constraint's mask (stages/constrain.py) -> repetition penalty ->
+    frequency/presence penalties -> temperature -> top-k -> top-p -> min-p.
     A value that disables a filter: top_k 0, top_p 1.0, min_p 0.0, repeat_penalty 1.0.
     """
 
@@ -176,6 +213,10 @@ class SamplingParams:
     # OpenAI's penalties, over the same window as repeat_penalty: logit -= f * count + p * (count > 0); 0 = off
     frequency_penalty: float = attrs.field(default=0.0, validator=_PENALTY_RANGE)
     presence_penalty: float = attrs.field(default=0.0, validator=_PENALTY_RANGE)
+    # (token id, bias) pairs added to the logits before anything else (OpenAI's logit_bias); () = none
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_logit_bias)
+    # the grammar the output must match (a token mask before sampling); None = free text
+    constraint: Constraint | None = attrs.field(default=None, converter=_constraint)
 
 
 @attrs.frozen(slots=True)

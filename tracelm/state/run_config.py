@@ -9,6 +9,7 @@ from tracelm.state.records import SamplingParams
 
 WEIGHT_MODES = ("resident", "streamed")
 COMPUTE_MODES = ("kernels", "reference")
+CONTEXT_POLICIES = ("stop", "shift")
 
 
 @attrs.frozen(slots=True)
@@ -33,6 +34,9 @@ class ServerOptions:
     session_memory_mb: int = attrs.field(default=1024, validator=v.ge(0))  # and the KV memory they may hold
     api_key_env: str = "TRACELM_API_KEY"  # when this environment variable is set, requests need its value
     trace_dir: str | None = None  # one trace file per request here (at trace.level, digest if "off")
+    # session_id conversations also saved here (tracelm/io/session_file.py): they survive a restart
+    sessions_dir: str | None = None
+    sessions_max_mb: int = attrs.field(default=2048, validator=v.ge(1))  # disk the saved ones may take (LRU out)
 
 
 @attrs.frozen(slots=True)
@@ -56,6 +60,10 @@ class RunConfig:
     # and thread count); reference: every weight dequantized to f32 and multiplied by numpy (the readable math)
     compute: str = attrs.field(default="kernels", validator=v.in_(COMPUTE_MODES))
     context: int = attrs.field(default=2048, validator=v.gt(0))  # positions the Cache holds
+    # chat, when a turn's prompt + max_tokens no longer fits the context: stop (an error; the reply cut to the
+    # room left) or shift (keep the system prompt and the latest shift_keep tokens of the conversation, recompute)
+    context_policy: str = attrs.field(default="stop", validator=v.in_(CONTEXT_POLICIES))
+    shift_keep: int = attrs.field(default=0, validator=v.ge(0))  # shift: tokens kept; 0 = half the context
     threads: int = attrs.field(default=0, validator=v.ge(0))  # kernel (and BLAS) threads; 0 = all cores
     max_tokens: int = attrs.field(default=128, validator=v.ge(0))
     stop: tuple[str, ...] = attrs.field(default=(), converter=tuple)  # stop strings
