@@ -35,7 +35,7 @@ from tracelm.stages.sample import top_logprobs
 __all__ = ["Generation", "GenerationStats", "Runner", "Session", "ThreadLimits", "Tracer", "chat_prompt",
            "run_config", "top_logprobs", "trace_key", "write_footer"]
 from tracelm.state.errors import TracelmError
-from tracelm.state.run_config import RunConfig, TraceOptions
+from tracelm.state.run_config import ACTIVATION_MODES, RunConfig, TraceOptions
 
 
 class ThreadLimits:
@@ -91,6 +91,12 @@ def run_config(model: str | None = None, config: str | os.PathLike | RunConfig |
     return cfg if model is None else attrs.evolve(cfg, model=model)
 
 
+def with_activations(model: LoadedModel, cfg: RunConfig) -> LoadedModel:
+    """The model as `cfg.activations` asks its quantized products to run (the same blocks, no copy)."""
+    weights = model.weights.with_halves(ACTIVATION_MODES[cfg.activations])
+    return model if weights is model.weights else attrs.evolve(model, weights=weights)
+
+
 def chat_prompt(model: LoadedModel, messages: list[dict[str, str]]) -> list[int]:
     """The conversation's token ids, rendered with the model's chat template (or the built-in one for its
     vocabulary); control tokens spelled in the messages stay plain text."""
@@ -113,7 +119,7 @@ class Session:
         self._runner: Runner | None = None
         if isinstance(model, LoadedModel):
             self.cfg = run_config(None if config is not None else str(model.path), config, settings)
-            self._model, self.path, self.tokenizer = model, model.path, model.tokenizer
+            self._model, self.path, self.tokenizer = with_activations(model, self.cfg), model.path, model.tokenizer
             self.limits: ThreadLimits | None = None
         else:
             self.cfg = run_config(model, config, settings)
@@ -125,7 +131,8 @@ class Session:
     @property
     def model(self) -> LoadedModel:
         if self._model is None:
-            self._model = self.source.load(self.progress, self.cfg.weights, self.cfg.compute)
+            self._model = with_activations(self.source.load(self.progress, self.cfg.weights, self.cfg.compute),
+                                           self.cfg)
         return self._model
 
     @property

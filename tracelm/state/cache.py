@@ -11,6 +11,7 @@ from tracelm.state.model_config import ModelConfig
 # positions is written and read in place, and a truncate may go back up to this many positions.
 RING_SLACK = 64
 MASK_KEEP_BYTES = 1 << 20  # masks up to this size are kept for the next pass that asks
+BUFFER_KEEP_BYTES = 1 << 20  # scratch arrays of a pass up to this size are kept for the next pass (Cache.buffer)
 
 
 class Cache:
@@ -51,6 +52,7 @@ class Cache:
             table.flags.writeable = False
         self.tokens: list[int] = []
         self._masks: dict[tuple[int, int, int], np.ndarray] = {}  # (start, T, window) -> mask
+        self._buffers: dict[tuple[str, tuple[int, ...]], np.ndarray] = {}  # (name, shape) -> a pass's scratch
 
     @property
     def n_past(self) -> int:
@@ -181,6 +183,19 @@ class Cache:
         p = np.arange(start, start + T, dtype=np.int64)
         first = np.maximum(p - window + 1, lo) if window else np.full(T, lo, np.int64)
         return lo, np.stack([first - lo, p + 1 - lo], axis=1)
+
+    def buffer(self, name: str, shape: tuple[int, ...], dtype: type = np.float32) -> np.ndarray:
+        """A scratch array of a pass (a stage's output, rewritten by the next pass: nothing may keep it). Arrays up
+        to BUFFER_KEEP_BYTES are kept and reused, so a decode step allocates none; a prompt's are made anew."""
+        key = (name, shape)
+        a = self._buffers.get(key)
+        if a is None:
+            a = np.empty(shape, dtype)
+            if a.nbytes <= BUFFER_KEEP_BYTES:
+                if len(self._buffers) > 64:
+                    self._buffers.clear()
+                self._buffers[key] = a
+        return a
 
     def commit(self, ids) -> None:
         """Record that positions n_past.. now hold the keys/values of `ids`."""
