@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from tests.conftest import write_tiny_gguf
-from tracelm import kernels
+from tracelm import Session, kernels
 from tracelm.io.gguf_file import GGUFFile
 from tracelm.io.loader import load_model
 from tracelm.state.records import QMatrix
 from tracelm.tools.bench import logits_path
-from tracelm.tools.validate import DEFAULT_PROMPTS, KERNELS_ARGMAX_MIN, greedy
+from tracelm.tools.validate import DEFAULT_PROMPTS, KERNELS_ARGMAX_MIN, KERNELS_ARGMAX_MIN_INT8, greedy
 
 Q = gguf.GGMLQuantizationType
 
@@ -66,17 +66,21 @@ def _mapped(a: np.ndarray) -> bool:
 
 @pytest.mark.model
 def test_smollm2_kernels_pick_the_reference_argmax(smollm2, smollm2_path: Path) -> None:
-    """The issue's bar on the three built-in prompts of `tracelm validate`, each with 32 greedy tokens."""
+    """The bar on the three built-in prompts of `tracelm validate`, each with 32 greedy tokens: int16 activations
+    (the default) at least 98 %, int8 ones at least llama.cpp's own agreement."""
     ref = load_model(str(smollm2_path), progress=False, compute="reference")
-    agree, total = 0, 0
+    agree, total = {"int8": 0, "int16": 0}, 0
     for prompt in DEFAULT_PROMPTS:
         ids = smollm2.tokenizer.encode(prompt)
         seq = ids + greedy(ref, ids, 32)[:-1]
-        _, a = logits_path(smollm2, seq, 0)
         _, b = logits_path(ref, seq, 0)
-        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        for activations in agree:
+            with Session(smollm2, settings=[f"activations={activations}"]) as s:
+                _, a = logits_path(s, seq, 0)
+            agree[activations] += int((a.argmax(-1) == b.argmax(-1)).sum())
         total += len(seq)
-    assert agree / total >= KERNELS_ARGMAX_MIN, (agree, total)
+    assert agree["int16"] / total >= KERNELS_ARGMAX_MIN, (agree, total)
+    assert agree["int8"] / total >= KERNELS_ARGMAX_MIN_INT8, (agree, total)
 
 
 CHILD = """
@@ -160,3 +164,38 @@ def test_a_256_token_run_holds_the_file_kv_and_150_mb(name: str) -> None:
     bound = r["file"] + r["kv"] + 150 * 2**20
     print(f"{name}: peak RSS {r['peak'] / 2**20:.1f} MiB, bound {bound / 2**20:.1f} MiB")
     assert r["peak"] <= bound
+
+
+def _staged_and_fused(model, n_ctx: int = 96) -> None:
+    """Prompt, decode steps and a pass of two sequences, untraced (graph.fused_layers) and through a hook (the
+    stages one by one): the same logits, bit for bit, and the same keys/values in the Cache."""
+    from tracelm.pipeline import graph
+
+    hook = lambda stage, layer, fn, *args: fn(*args)  # noqa: E731 -- any hook makes the pass go stage by stage
+    ids = model.tokenizer.encode("hello, hello world, and a longer prompt than a window")[:40]
+    runs = []
+    for call in (graph.plain_call, hook):
+        a, b = graph.new_cache(model.cfg, n_ctx), graph.new_cache(model.cfg, n_ctx)
+        out = [graph.forward(model.cfg, model.weights, a, ids, all_logits=True, call=call).values]
+        out += [graph.forward(model.cfg, model.weights, a, [t], call=call).values for t in (5, 17, 99)]
+        graph.forward(model.cfg, model.weights, b, ids[:7], call=call)
+        parts = [graph.Part(a, [7, 8], call), graph.Part(b, [9], call)]
+        out += [lg.values for lg in graph.forward_batch(model.cfg, model.weights, parts, all_logits=True)]
+        runs.append((out, [k.copy() for k in a.k], [v.copy() for v in b.v]))
+    (fused, fk, fv), (staged, sk, sv) = runs
+    for x, y in zip(fused, staged, strict=True):
+        assert x.view(np.uint32).tobytes() == y.view(np.uint32).tobytes()
+    assert all(np.array_equal(x, y) for x, y in zip(fk + fv, sk + sv, strict=True))
+
+
+@pytest.mark.parametrize("window", [0, 8])
+@pytest.mark.parametrize("activations", ["int16", "int8"])
+def test_untraced_layers_are_the_staged_ones_bit_for_bit(tmp_path: Path, window: int, activations: str) -> None:
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", qtype=Q.Q4_1, window=window, seed=3)
+    with Session(str(path), settings=[f"activations={activations}"]) as s:
+        _staged_and_fused(s.model)
+
+
+@pytest.mark.model
+def test_smollm2_untraced_layers_are_the_staged_ones(smollm2) -> None:
+    _staged_and_fused(smollm2)

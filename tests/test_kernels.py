@@ -162,6 +162,36 @@ def test_quantize_rows_is_the_stated_split(qt):
         seen.append(scratch)
     for other in seen[1:]:
         np.testing.assert_array_equal(other, seen[0])
+    for path in PATHS:  # one half (activations: int8): the hi blocks alone, the same bytes
+        kernels.use_path(path)
+        one = np.empty(kernels.scratch_bytes(M, 2 * bs, qt, 1), np.uint8)
+        assert one.nbytes * 2 == seen[0].nbytes
+        kernels.quantize_rows(x, qt, one, 1)
+        np.testing.assert_array_equal(one.reshape(M, -1), seen[0].reshape(M, 2, -1)[:, 0], err_msg=path)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("qt", QUANT32 + KQUANT, ids=lambda q: q.name)
+def test_matmul_one_half_against_float64(qt, path):
+    """halves=1 (int8 activations, llama.cpp's precision): out = acc_hi alone. Given the hi blocks, the error is f32
+    rounding only (bound 1 of test_matmul_against_float64 with x^l = 0); against the unquantized x the rounding
+    errors of hi, up to d^h/2 each, give by Hoeffding |err| <= 3.8 ||w^ d^h||_2 (P < 1e-12 per output), and in
+    plain numbers |err| <= 2e-2 sqrt(sum (x_i w^_i)^2) -- about 250 times the two halves' bound."""
+    kernels.use_path(path)
+    for M, N, K in shapes(qt):
+        w = weights(qt, N, K, seed=K)
+        x = np.random.default_rng(K + 1).standard_normal((M, K)).astype(np.float32)
+        out = kernels.matmul(x, w, qt, halves=1)
+        wd, x64 = dequant(w, qt).astype(np.float64), x.astype(np.float64)
+        off = np.abs(offset_part(w, qt)).astype(np.float64)
+        xh, _xl, dh, _dl = quantized_x(x, qt)
+        nb = K // (256 if qt in KQUANT else 32)
+        rounding = (nb + 7) * EPS * (np.abs(xh) @ (np.abs(wd) + off).T) + 1e-30
+        np.testing.assert_array_less(np.abs(out - xh @ wd.T), rounding)
+        err = np.abs(out - x64 @ wd.T)
+        np.testing.assert_array_less(err, 3.8 * np.sqrt(dh**2 @ (wd**2).T) + rounding)
+        np.testing.assert_array_less(err, 2e-2 * np.sqrt(x64**2 @ (wd**2).T))
+        assert err.max() > 1e-4 * np.sqrt(x64**2 @ (wd**2).T).max()  # one half really is coarser than two
 
 
 @pytest.mark.parametrize("qt", ALL, ids=lambda q: q.name)
@@ -245,10 +275,11 @@ def bits(a: np.ndarray) -> np.ndarray:
     return a.view(np.uint32)
 
 
+@pytest.mark.parametrize("halves", (1, 2))
 @pytest.mark.parametrize("qt", ALL, ids=lambda q: q.name)
-def test_same_bits_for_any_batch_thread_count_and_path(qt):
+def test_same_bits_for_any_batch_thread_count_and_path(qt, halves):
     """out[i] of a row alone = the same row in passes of 2..16, 33 and 256 rows, on 1 or 2 threads, on either
-    path (the direct few-row and the tiled many-row kernels included)."""
+    path (the direct few-row and the tiled many-row kernels included; with one half, odd tiles of rows too)."""
     K = 1000 if qt == Q.F32 else 512
     N = 75
     w = weights(qt, N, K)
@@ -258,15 +289,16 @@ def test_same_bits_for_any_batch_thread_count_and_path(qt):
         kernels.use_path(path)
         for threads in (1, 2):
             kernels.set_threads(threads)
-            full = kernels.matmul(x, w, qt)
+            full = kernels.matmul(x, w, qt, halves=halves)
             if ref is None:
                 ref = full
-                alone = np.stack([kernels.matmul(x[i], w, qt) for i in (0, 1, 100, 255)])
+                alone = np.stack([kernels.matmul(x[i], w, qt, halves=halves) for i in (0, 1, 100, 255)])
                 np.testing.assert_array_equal(bits(alone), bits(ref[[0, 1, 100, 255]]))
             np.testing.assert_array_equal(bits(full), bits(ref), err_msg=f"{path} threads={threads}")
-            for b in (2, 3, 4, 5, 7, 8, 16, 33):
+            for b in (2, 3, 4, 5, 7, 8, 16, 33, 67):
                 lo = 37 % (256 - b)
-                np.testing.assert_array_equal(bits(kernels.matmul(x[lo:lo + b], w, qt)), bits(ref[lo:lo + b]),
+                got = kernels.matmul(x[lo:lo + b], w, qt, halves=halves)
+                np.testing.assert_array_equal(bits(got), bits(ref[lo:lo + b]),
                                               err_msg=f"{path} threads={threads} pass of {b}")
 
 

@@ -175,10 +175,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.compare:  # each engine in its own child process, which sets its own threads
         from tracelm.tools.bench_compare import format_table, run_compare
 
-        report = run_compare(args.model, args.threads, args.prompt_tokens, args.decode_tokens, args.repeats)
+        report = run_compare(args.model, args.threads, args.prompt_tokens, args.decode_tokens, args.repeats,
+                             activations=args.activations)
         print(json.dumps(report, indent=2) if args.json else format_table(report))
         return 0
-    engine = {"compute": args.compute, "threads": args.threads}  # the Session each model bench opens
+    # the Session each model bench opens
+    engine = {"compute": args.compute, "threads": args.threads, "activations": args.activations}
     with _threads(args.threads, args.compute):
         if args.what == "tokenizer":
             pass
@@ -458,6 +460,9 @@ def _add_bench_command(sub: Any) -> None:
     sp.add_argument("--threads", type=int, default=0)
     sp.add_argument("--compute", choices=("kernels", "reference"), default="kernels",
                     help="kernels: the compiled kernels on the file's blocks; reference: numpy on f32 weights")
+    sp.add_argument("--activations", choices=("int16", "int8"), default="int16",
+                    help="compute kernels: activations meet quantized weights as two int8 blocks (hi + lo, ~15 "
+                    "bits) or one (llama.cpp's precision, half the integer work)")
     sp.add_argument("--weights", choices=("resident", "streamed"), default="resident",
                     help="streamed: weights stay quantized in the GGUF, a block dequantized at a time; reports "
                     "peak RSS against file + one block f32 + KV cache + 150 MB, and logits against resident")

@@ -44,11 +44,11 @@ from tracelm.stages.sample import top_logprobs
 
 # what the server, replay and the tools use of the engine, through the front door
 __all__ = ["SUFFIX", "Generation", "GenerationStats", "Runner", "Session", "ThreadLimits", "Tracer", "chat_prompt",
-           "load_conversation", "run_config", "save_conversation", "shift_chat", "top_logprobs", "trace_key",
-           "write_footer"]
+           "load_conversation", "numerics", "run_config", "save_conversation", "shift_chat", "top_logprobs",
+           "trace_key", "write_footer"]
 from tracelm.state.errors import SessionIncompatible, TracelmError
 from tracelm.state.records import SamplingParams
-from tracelm.state.run_config import RunConfig, TraceOptions
+from tracelm.state.run_config import ACTIVATION_MODES, RunConfig, TraceOptions
 
 
 class ThreadLimits:
@@ -102,6 +102,18 @@ def run_config(model: str | None = None, config: str | os.PathLike | RunConfig |
     if cfg.trace.file and cfg.trace.level == "off":  # a trace file alone means the digest level
         cfg = attrs.evolve(cfg, trace=attrs.evolve(cfg.trace, level="digest"))
     return cfg if model is None else attrs.evolve(cfg, model=model)
+
+
+def numerics(cfg: RunConfig) -> str:
+    """What decides a run's numbers besides the model: the compute mode, and on the kernels the activations
+    ("kernels/int16"); a saved Cache is only resumed by a run with the same."""
+    return f"{cfg.compute}/{cfg.activations}" if cfg.compute == "kernels" else cfg.compute
+
+
+def with_activations(model: LoadedModel, cfg: RunConfig) -> LoadedModel:
+    """The model as `cfg.activations` asks its quantized products to run (the same blocks, no copy)."""
+    weights = model.weights.with_halves(ACTIVATION_MODES[cfg.activations])
+    return model if weights is model.weights else attrs.evolve(model, weights=weights)
 
 
 def chat_prompt(model: LoadedModel, messages: list[dict[str, str]]) -> list[int]:
@@ -196,7 +208,7 @@ class Session:
         self._runner: Runner | None = None
         if isinstance(model, LoadedModel):
             self.cfg = run_config(None if config is not None else str(model.path), config, settings)
-            self._model, self.path, self.tokenizer = model, model.path, model.tokenizer
+            self._model, self.path, self.tokenizer = with_activations(model, self.cfg), model.path, model.tokenizer
             self.limits: ThreadLimits | None = None
         else:
             self.cfg = run_config(model, config, settings)
@@ -212,7 +224,8 @@ class Session:
     @property
     def model(self) -> LoadedModel:
         if self._model is None:
-            self._model = self.source.load(self.progress, self.cfg.weights, self.cfg.compute)
+            self._model = with_activations(self.source.load(self.progress, self.cfg.weights, self.cfg.compute),
+                                           self.cfg)
         return self._model
 
     @property
@@ -340,7 +353,7 @@ class Session:
         """Save this conversation to a session file (tracelm/io/session_file.py), atomically: its Cache (the
         keys and values of the positions held), the messages, the trace chain, the model's sha256 and
         ModelConfig, the tracelm version and compute mode. Returns the file's size in bytes."""
-        return save_conversation(path, self.runner, self.model_sha256, self.cfg.compute, messages=self.messages,
+        return save_conversation(path, self.runner, self.model_sha256, numerics(self.cfg), messages=self.messages,
                                  trace_hash=self.trace_chain)
 
     def load(self, path: str | os.PathLike) -> None:
@@ -349,7 +362,7 @@ class Session:
         ModelConfig, another tracelm version or compute mode, a truncated or a tampered one is refused with its
         named error (tracelm.state.errors: SessionModelMismatch, SessionIncompatible, SessionFileTruncated,
         SessionFileTampered); the session is then left as it was."""
-        saved = load_conversation(path, self.runner, self.model_sha256, self.cfg.compute)
+        saved = load_conversation(path, self.runner, self.model_sha256, numerics(self.cfg))
         self.messages = [dict(m) for m in saved.messages or []]
         self.trace_chain = saved.trace_hash
 

@@ -44,8 +44,9 @@ threads = _core.threads
 path = _core.path  # "avx2" | "portable"
 use_path = _core.use_path  # use_path("portable" | "avx2"): for tests and comparisons
 paths = _core.paths  # the paths this CPU can run
-quantize_rows = _core.quantize_rows  # quantize_rows(x, qtype, scratch): x's int8 blocks as matmul makes them
-# (x row m -> block rows 2m = hi, 2m + 1 = lo, scratch_bytes(M, K, qtype) // (2 M) bytes each)
+quantize_rows = _core.quantize_rows  # quantize_rows(x, qtype, scratch, halves=2): x's int8 blocks as matmul
+# makes them (x row m -> block rows 2m = hi, 2m + 1 = lo; with halves=1, row m = hi), each
+# scratch_bytes(M, K, qtype, halves) // (halves M) bytes
 
 
 def default_threads() -> int:
@@ -65,9 +66,10 @@ def row_bytes(K: int, qtype: int) -> int:
     return K // bs * tb
 
 
-def scratch_bytes(M: int, K: int, qtype: int) -> int:
-    """Bytes of the scratch buffer matmul needs for M rows of K values, both halves (0 for F32/F16/BF16)."""
-    return _core.scratch_bytes(M, K, int(qtype))
+def scratch_bytes(M: int, K: int, qtype: int, halves: int = 2) -> int:
+    """Bytes of the scratch buffer matmul needs for M rows of K values in `halves` int8 blocks each (0 for
+    F32/F16/BF16)."""
+    return _core.scratch_bytes(M, K, int(qtype), int(halves))
 
 
 def _as_bytes(w: np.ndarray, qtype: int) -> np.ndarray:
@@ -78,13 +80,14 @@ def _as_bytes(w: np.ndarray, qtype: int) -> np.ndarray:
 
 
 def matmul(x: np.ndarray, w_rows: np.ndarray, qtype: int, out: np.ndarray | None = None,
-           scratch: np.ndarray | None = None) -> np.ndarray:
+           scratch: np.ndarray | None = None, halves: int = 2) -> np.ndarray:
     """out = x @ W^T with W given as its GGUF rows.
 
     x: float32 [M, K] or [K], C-contiguous. w_rows: uint8 [N, row_bytes] (F32/F16/BF16 also as [N, K] of their
     dtype). out: float32 [M, N] (or [N]), unit column stride, rows at any stride >= N (e.g. y[:, lo:hi] of a
-    wider y); scratch: >= scratch_bytes(M, K, qtype) bytes. Both are made when not given: pass them to keep a
-    hot loop free of allocation."""
+    wider y); scratch: >= scratch_bytes(M, K, qtype, halves) bytes. Both are made when not given: pass them to
+    keep a hot loop free of allocation. halves (quantized weights): 1, x as one int8 block per weight block
+    (llama.cpp's q8 precision, ~8 bits); 2, a hi and a lo block (~15 bits, twice the integer work)."""
     qtype = int(qtype)
     w_rows = _as_bytes(w_rows, qtype)
     one = x.ndim == 1
@@ -94,8 +97,8 @@ def matmul(x: np.ndarray, w_rows: np.ndarray, qtype: int, out: np.ndarray | None
     out2 = out.reshape(1, -1) if one and out.ndim == 1 else out  # a view: the kernel writes into `out`
     if scratch is None and qtype in SUPPORTED and qtype not in FLOATS and x2.ndim == 2:
         bs = BLOCK[qtype][0]
-        scratch = np.empty(_core.scratch_bytes(x2.shape[0], x2.shape[1] // bs * bs, qtype), np.uint8)
-    _core.matmul(x2, w_rows, qtype, out2, scratch)
+        scratch = np.empty(_core.scratch_bytes(x2.shape[0], x2.shape[1] // bs * bs, qtype, halves), np.uint8)
+    _core.matmul(x2, w_rows, qtype, out2, scratch, int(halves))
     return out
 
 

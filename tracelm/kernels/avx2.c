@@ -137,20 +137,28 @@ INL void bsums16(const int8_t *q, int16_t *bsum) {   /* sums per 16: maddubs(1, 
     }
 }
 
-AVX2 static void quantize_row(int qtype, const float *x, int64_t K, void *xq) {
+AVX2 static void quantize_row(int qtype, const float *x, int64_t K, void *xq, int halves) {
     if (type_block(qtype) == 32) {
-        xblock32 *h = (xblock32 *)xq, *l = h + K / 32;   /* hi row, then lo row */
+        xblock32 *h = (xblock32 *)xq, *l = h + K / 32;   /* hi row, then (two halves) lo row */
         for (int64_t i = 0; i < K / 32; i++) {
-            quantize_split(x + 32 * i, 32, &h[i].d, h[i].q, &l[i].d, l[i].q);
+            if (halves == 1) {
+                quantize_block(x + 32 * i, 32, &h[i].d, h[i].q);
+            } else {
+                quantize_split(x + 32 * i, 32, &h[i].d, h[i].q, &l[i].d, l[i].q);
+                l[i].sum = sum_q32(l[i].q);
+            }
             h[i].sum = sum_q32(h[i].q);
-            l[i].sum = sum_q32(l[i].q);
         }
     } else {
         xblock256 *h = (xblock256 *)xq, *l = h + K / 256;
         for (int64_t i = 0; i < K / 256; i++) {
-            quantize_split(x + 256 * i, 256, &h[i].d, h[i].q, &l[i].d, l[i].q);
+            if (halves == 1) {
+                quantize_block(x + 256 * i, 256, &h[i].d, h[i].q);
+            } else {
+                quantize_split(x + 256 * i, 256, &h[i].d, h[i].q, &l[i].d, l[i].q);
+                bsums16(l[i].q, l[i].bsum);
+            }
             bsums16(h[i].q, h[i].bsum);
-            bsums16(l[i].q, l[i].bsum);
         }
     }
 }
@@ -309,10 +317,10 @@ INL void dot32_chunk(int t, const ubuf32 *u, int nkb, int nx, const xblock32 *x0
     if (nx > 2) { *a2 = f2; *a3 = f3; }
 }
 
-/* few x rows, 4/5-bit weights: each block of the 8 rows unpacked on the fly, met by the x row's hi and lo
- * halves quad by quad as it is made (few live vectors); returns acc_hi + acc_lo */
-INL __m256 dot32v_direct(int t, const uint8_t *const *rows, const xblock32 *xh, const xblock32 *xl, int64_t nb,
-                         int64_t pf) {
+/* few x rows, 4/5-bit weights: each block of the 8 rows unpacked on the fly, met by the x row's hi (and, if
+ * two, lo) half quad by quad as it is made (few live vectors); returns acc_hi (+ acc_lo) */
+INL __m256 dot32v_direct(int t, int two, const uint8_t *const *rows, const xblock32 *xh, const xblock32 *xl,
+                         int64_t nb, int64_t pf) {
     const int tb = type_bytes(t), off = t == T_Q4_0 ? 8 : t == T_Q5_0 ? 16 : 0, five = weight_bits(t) == 5;
     const int qo = t == T_Q4_0 ? 2 : t == T_Q4_1 ? 4 : t == T_Q5_0 ? 6 : 8, ho = t == T_Q5_0 ? 2 : 4;
     const __m256i f = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), z = _mm256_setzero_si256();
@@ -330,7 +338,7 @@ INL __m256 dot32v_direct(int t, const uint8_t *const *rows, const xblock32 *xh, 
         __m256i ha = z, la = z, hb = z, lb = z;
 #define QUAD(V, c, H, L)                                                                     \
         H = _mm256_add_epi16(H, _mm256_maddubs_epi16(V, BQ(xh->q, c))); REG(H);              \
-        L = _mm256_add_epi16(L, _mm256_maddubs_epi16(V, BQ(xl->q, c))); REG(L);
+        if (two) { L = _mm256_add_epi16(L, _mm256_maddubs_epi16(V, BQ(xl->q, c))); REG(L); }
 #define PAIR(Ta, Tb, c, H, L)   /* quads c, c + 1 (low nibbles) and c + 4, c + 5 (high) */    \
         {                                                                                    \
             __m256i v0 = _mm256_and_si256(Ta, f), v1 = _mm256_and_si256(Tb, f);              \
@@ -346,43 +354,37 @@ INL __m256 dot32v_direct(int t, const uint8_t *const *rows, const xblock32 *xh, 
         if (five) { PAIR(T2, T3, 2, hb, lb) } else { PAIR(T2, T3, 2, ha, la) }
 #undef PAIR
 #undef QUAD
-        __m256i ih, il;
-        if (five) {
-            ih = _mm256_add_epi32(_mm256_madd_epi16(ha, ones), _mm256_madd_epi16(hb, ones));
-            il = _mm256_add_epi32(_mm256_madd_epi16(la, ones), _mm256_madd_epi16(lb, ones));
-        } else {
-            ih = _mm256_madd_epi16(ha, ones);
-            il = _mm256_madd_epi16(la, ones);
-        }
-        if (off) {
-            ih = _mm256_sub_epi32(ih, _mm256_set1_epi32(off * xh->sum));
-            il = _mm256_sub_epi32(il, _mm256_set1_epi32(off * xl->sum));
-        }
-        __m256 d, m, dxh = _mm256_set1_ps(xh->d), dxl = _mm256_set1_ps(xl->d);
+        __m256 d, m;
         scales8(rows, o, &d, &m);
-        if (t == T_Q4_1 || t == T_Q5_1) {
-            COMBINE_DM(v8, acc_hi, d, m, dxh, ih, _mm256_set1_epi32(xh->sum));
-            COMBINE_DM(v8, acc_lo, d, m, dxl, il, _mm256_set1_epi32(xl->sum));
-        } else {
-            COMBINE_D(v8, acc_hi, d, dxh, ih);
-            COMBINE_D(v8, acc_lo, d, dxl, il);
+#define HALF(HA, HB, X, ACC)                                                                            \
+        {                                                                                               \
+            __m256i i = _mm256_madd_epi16(HA, ones);                                                    \
+            if (five) i = _mm256_add_epi32(i, _mm256_madd_epi16(HB, ones));                             \
+            if (off) i = _mm256_sub_epi32(i, _mm256_set1_epi32(off * X->sum));                          \
+            const __m256 dx = _mm256_set1_ps(X->d);                                                     \
+            if (t == T_Q4_1 || t == T_Q5_1) COMBINE_DM(v8, ACC, d, m, dx, i, _mm256_set1_epi32(X->sum)); \
+            else COMBINE_D(v8, ACC, d, dx, i);                                                          \
         }
+        HALF(ha, hb, xh, acc_hi)
+        if (two) HALF(la, lb, xl, acc_lo)
+#undef HALF
     }
-    return _mm256_add_ps(acc_hi, acc_lo);
+    return two ? _mm256_add_ps(acc_hi, acc_lo) : acc_hi;
 }
 
 /* ---- few x rows, Q8_0: row by row (the vertical layout would cost a full transpose and one madd per quad for
  * 2 x halves), one maddubs per row-block and x half, summed across rows by rowsums8 ---- */
 INL __m256i dot_direct(__m256i w, __m256i xv) { return _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w)); }
 
-/* one x row's hi and lo halves against 8 weight rows, each block's weights loaded once for both:
- * returns acc_hi + acc_lo */
-INL __m256 q8_direct(const uint8_t *const *rows, const xblock32 *xh, const xblock32 *xl, int64_t nb, int64_t pf) {
+/* one x row's hi (and, if two, lo) half against 8 weight rows, each block's weights loaded once for both:
+ * returns acc_hi (+ acc_lo) */
+INL __m256 q8_direct(int two, const uint8_t *const *rows, const xblock32 *xh, const xblock32 *xl, int64_t nb,
+                     int64_t pf) {
     const int tb = type_bytes(T_Q8_0);
     __m256 acc_hi = _mm256_setzero_ps(), acc_lo = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, xh++, xl++) {
         const int64_t o = b * tb;
-        const __m256i xvh = ld256(xh->q), xvl = ld256(xl->q);
+        const __m256i xvh = ld256(xh->q);
         /* the next group's 8 rows are one contiguous stretch: prefetch it front to back, 8 blocks' worth of
          * bytes per step, as fast as this group is read */
         for (int64_t c = 0; c < GROUP * tb; c += 64) _mm_prefetch((const char *)rows[0] + pf + GROUP * o + c, _MM_HINT_T0);
@@ -391,14 +393,17 @@ INL __m256 q8_direct(const uint8_t *const *rows, const xblock32 *xh, const xbloc
 #undef ROW
 #define D(x) rowsums8(dot_direct(w0, x), dot_direct(w1, x), dot_direct(w2, x), dot_direct(w3, x), \
                       dot_direct(w4, x), dot_direct(w5, x), dot_direct(w6, x), dot_direct(w7, x))
-        __m256i isum_h = D(xvh), isum_l = D(xvl);
-#undef D
-        __m256 d, m, dxh = _mm256_set1_ps(xh->d), dxl = _mm256_set1_ps(xl->d);
+        __m256 d, m;
         scales8(rows, o, &d, &m);
-        COMBINE_D(v8, acc_hi, d, dxh, isum_h);
-        COMBINE_D(v8, acc_lo, d, dxl, isum_l);
+        const __m256i isum_h = D(xvh);
+        COMBINE_D(v8, acc_hi, d, _mm256_set1_ps(xh->d), isum_h);
+        if (two) {
+            const __m256i xvl = ld256(xl->q), isum_l = D(xvl);
+            COMBINE_D(v8, acc_lo, d, _mm256_set1_ps(xl->d), isum_l);
+        }
+#undef D
     }
-    return _mm256_add_ps(acc_hi, acc_lo);
+    return two ? _mm256_add_ps(acc_hi, acc_lo) : acc_hi;
 }
 
 /* ======================================================================================================
@@ -574,8 +579,8 @@ INL __m256i word_bcast(__m256i v, int lo, int hi) {   /* int16 word `lo` to the 
 /* Q4_K / Q5_K super-block of one row against an x row's hi and lo halves, the weights unpacked once:
  * A = sum sc_j * (q . x)_j (8 int32 partials each); B = sum mn_j * bsum32_j, 4 partials each: hi's in the low
  * 128 bits, lo's in the high (b2 = bsum32 of hi | of lo) */
-INL void k45_direct(int t, const uint8_t *blk, const xblock256 *xh, const xblock256 *xl, __m256i b2, __m256i *Ah,
-                    __m256i *Al, __m256i *B) {
+INL void k45_direct(int t, int two, const uint8_t *blk, const xblock256 *xh, const xblock256 *xl, __m256i b2,
+                    __m256i *Ah, __m256i *Al, __m256i *B) {
     uint32_t u0 = ld32(blk + 4), u1 = ld32(blk + 8), u2 = ld32(blk + 12);   /* kscales, 4 bytes at a time */
     uint32_t a = u0 & 0x3f3f3f3fu, b = u1 & 0x3f3f3f3fu;
     uint32_t c = (u2 & 0x0f0f0f0fu) | ((u0 >> 2) & 0x30303030u);
@@ -596,9 +601,9 @@ INL void k45_direct(int t, const uint8_t *blk, const xblock256 *xh, const xblock
         }                                                                                                          \
         const __m256i s0 = word_bcast(sc, 2 * c, 2 * c), s1 = word_bcast(sc, 2 * c + 1, 2 * c + 1);               \
         acch = _mm256_add_epi32(acch, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, ld256(xh->q + 64 * c)), s0));    \
-        accl = _mm256_add_epi32(accl, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, ld256(xl->q + 64 * c)), s0));    \
+        if (two) accl = _mm256_add_epi32(accl, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, ld256(xl->q + 64 * c)), s0)); \
         acch = _mm256_add_epi32(acch, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, ld256(xh->q + 64 * c + 32)), s1)); \
-        accl = _mm256_add_epi32(accl, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, ld256(xl->q + 64 * c + 32)), s1)); \
+        if (two) accl = _mm256_add_epi32(accl, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, ld256(xl->q + 64 * c + 32)), s1)); \
     }
     CHUNK(0) CHUNK(1) CHUNK(2) CHUNK(3)
 #undef CHUNK
@@ -608,8 +613,8 @@ INL void k45_direct(int t, const uint8_t *blk, const xblock256 *xh, const xblock
 
 /* Q6_K super-block of one row against an x row's hi and lo halves: A = sum sc_i * ((q - 32) . x)_i as 8 int32
  * partials each */
-INL void k6_direct(const uint8_t *blk, const xblock256 *xh, const xblock256 *xl, __m256i bs16h, __m256i bs16l,
-                   __m256i *Ah, __m256i *Al) {
+INL void k6_direct(int two, const uint8_t *blk, const xblock256 *xh, const xblock256 *xl, __m256i bs16h,
+                   __m256i bs16l, __m256i *Ah, __m256i *Al) {
     __m256i sc16 = _mm256_cvtepi8_epi16(ld128(blk + 192));
     __m256i acch = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs16h), 5));
     __m256i accl = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs16l), 5));
@@ -621,7 +626,7 @@ INL void k6_direct(const uint8_t *blk, const xblock256 *xh, const xblock256 *xl,
         q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, SHIFT_H), three), 4));    \
         const __m256i s = word_bcast(S, (2 * (G)) % 8, (2 * (G) + 1) % 8);                                        \
         acch = _mm256_add_epi32(acch, _mm256_madd_epi16(_mm256_maddubs_epi16(q, ld256(xh->q + 32 * (G))), s));    \
-        accl = _mm256_add_epi32(accl, _mm256_madd_epi16(_mm256_maddubs_epi16(q, ld256(xl->q + 32 * (G))), s));    \
+        if (two) accl = _mm256_add_epi32(accl, _mm256_madd_epi16(_mm256_maddubs_epi16(q, ld256(xl->q + 32 * (G))), s)); \
     }
     {
         __m256i l0 = ld256(blk), l1 = ld256(blk + 32), hb = ld256(blk + 128);
@@ -654,8 +659,8 @@ INL __m256 halves8(const uint8_t *const *rows, int64_t o) {   /* the f16 at rows
 }
 
 /* one x row's hi and lo halves against 8 weight rows: returns acc_hi + acc_lo */
-INL __m256 dotk_direct(int t, const uint8_t *const *rows, const xblock256 *xh, const xblock256 *xl, int64_t nb,
-                       int64_t pf) {
+INL __m256 dotk_direct(int t, int two, const uint8_t *const *rows, const xblock256 *xh, const xblock256 *xl,
+                       int64_t nb, int64_t pf) {
     const int tb = type_bytes(t);
     __m256 acc_hi = _mm256_setzero_ps(), acc_lo = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, xh++, xl++) {
@@ -665,30 +670,36 @@ INL __m256 dotk_direct(int t, const uint8_t *const *rows, const xblock256 *xh, c
         for (int64_t c = 0; c < GROUP * tb; c += 64) _mm_prefetch((const char *)rows[0] + pf + GROUP * o + c, _MM_HINT_T0);
         __m256i H0, H1, H2, H3, H4, H5, H6, H7, L0, L1, L2, L3, L4, L5, L6, L7;
         if (t == T_Q6_K) {
-#define K6(r) k6_direct(rows[r] + o, xh, xl, bsh, bsl, &H##r, &L##r);
+#define K6(r) k6_direct(two, rows[r] + o, xh, xl, bsh, bsl, &H##r, &L##r);
             K6(0) K6(1) K6(2) K6(3) K6(4) K6(5) K6(6) K6(7)
 #undef K6
-            __m256i ah = hsum8(H0, H1, H2, H3, H4, H5, H6, H7), al = hsum8(L0, L1, L2, L3, L4, L5, L6, L7);
             __m256 d = halves8(rows, o + 208);
+            const __m256i ah = hsum8(H0, H1, H2, H3, H4, H5, H6, H7);
             COMBINE_D(v8, acc_hi, d, dxh, ah);
-            COMBINE_D(v8, acc_lo, d, dxl, al);
+            if (two) {
+                const __m256i al = hsum8(L0, L1, L2, L3, L4, L5, L6, L7);
+                COMBINE_D(v8, acc_lo, d, dxl, al);
+            }
         } else {
             __m128i b32h = _mm_hadd_epi16(_mm256_castsi256_si128(bsh), _mm256_extracti128_si256(bsh, 1));
             __m128i b32l = _mm_hadd_epi16(_mm256_castsi256_si128(bsl), _mm256_extracti128_si256(bsl, 1));
             const __m256i b2 = join(b32h, b32l);
             __m256i B0, B1, B2, B3, B4, B5, B6, B7;
-#define K45(r) k45_direct(t, rows[r] + o, xh, xl, b2, &H##r, &L##r, &B##r);
+#define K45(r) k45_direct(t, two, rows[r] + o, xh, xl, b2, &H##r, &L##r, &B##r);
             K45(0) K45(1) K45(2) K45(3) K45(4) K45(5) K45(6) K45(7)
 #undef K45
-            __m256i ah = hsum8(H0, H1, H2, H3, H4, H5, H6, H7), al = hsum8(L0, L1, L2, L3, L4, L5, L6, L7), bh, bl;
+            __m256i ah = hsum8(H0, H1, H2, H3, H4, H5, H6, H7), bh, bl;
             hsum8_halves(B0, B1, B2, B3, B4, B5, B6, B7, &bh, &bl);
             __m256 d, dmin;
             scales8(rows, o, &d, &dmin);
             COMBINE_K(v8, acc_hi, d, dmin, dxh, ah, bh);
-            COMBINE_K(v8, acc_lo, d, dmin, dxl, al, bl);
+            if (two) {
+                const __m256i al = hsum8(L0, L1, L2, L3, L4, L5, L6, L7);
+                COMBINE_K(v8, acc_lo, d, dmin, dxl, al, bl);
+            }
         }
     }
-    return _mm256_add_ps(acc_hi, acc_lo);
+    return two ? _mm256_add_ps(acc_hi, acc_lo) : acc_hi;
 }
 
 /* ======================================================================================================
@@ -843,36 +854,42 @@ AVX2 static void mm_task(const mm_job *j, int64_t group, int64_t m0, int64_t m1)
     }
     const uint8_t *rows[GROUP];
     for (int r = 0; r < GROUP; r++) rows[r] = j->w + (n0 + (r < nr ? r : nr - 1)) * j->row_bytes;  /* pad: repeat */
-    const int64_t mt = m1 - m0, xrb = j->xq_row_bytes;
-    const char *xq = (const char *)j->xq + 2 * m0 * xrb;   /* quantized row 2i: x row m0 + i's hi, 2i + 1: its lo */
+    const int64_t mt = m1 - m0, xrb = j->xq_row_bytes, hv = j->halves;
+    const char *xq = (const char *)j->xq + hv * m0 * xrb;   /* quantized row hv i: x row m0 + i's hi, 2i + 1: its lo */
     __m256 out[MTILE];
-    if (mt <= direct_rows(t)) {   /* both halves in one pass over the weights, per x row */
+    if (mt <= direct_rows(t)) {   /* the halves in one pass over the weights, per x row */
         const int64_t pf = GROUP * j->row_bytes;   /* prefetch: the next group */
         for (int64_t i = 0; i < mt; i++) {
-            const char *h = xq + 2 * i * xrb, *l = h + xrb;
+            const char *h = xq + hv * i * xrb, *l = hv == 2 ? h + xrb : h;
             if (type_block(t) == 32) {
                 const int64_t nb = j->K / 32;
                 const xblock32 *xh = (const xblock32 *)h, *xl = (const xblock32 *)l;
-                switch (t) {
-                case T_Q4_0: out[i] = dot32v_direct(T_Q4_0, rows, xh, xl, nb, pf); break;
-                case T_Q4_1: out[i] = dot32v_direct(T_Q4_1, rows, xh, xl, nb, pf); break;
-                case T_Q5_0: out[i] = dot32v_direct(T_Q5_0, rows, xh, xl, nb, pf); break;
-                case T_Q5_1: out[i] = dot32v_direct(T_Q5_1, rows, xh, xl, nb, pf); break;
-                default: out[i] = q8_direct(rows, xh, xl, nb, pf); break;
+#define DIRECT(TWO)                                                                          \
+                switch (t) {                                                                 \
+                case T_Q4_0: out[i] = dot32v_direct(T_Q4_0, TWO, rows, xh, xl, nb, pf); break; \
+                case T_Q4_1: out[i] = dot32v_direct(T_Q4_1, TWO, rows, xh, xl, nb, pf); break; \
+                case T_Q5_0: out[i] = dot32v_direct(T_Q5_0, TWO, rows, xh, xl, nb, pf); break; \
+                case T_Q5_1: out[i] = dot32v_direct(T_Q5_1, TWO, rows, xh, xl, nb, pf); break; \
+                default: out[i] = q8_direct(TWO, rows, xh, xl, nb, pf); break;                \
                 }
+                if (hv == 2) { DIRECT(1) } else { DIRECT(0) }
+#undef DIRECT
             } else {
                 const int64_t nb = j->K / 256;
                 const xblock256 *xh = (const xblock256 *)h, *xl = (const xblock256 *)l;
-                switch (t) {
-                case T_Q4_K: out[i] = dotk_direct(T_Q4_K, rows, xh, xl, nb, pf); break;
-                case T_Q5_K: out[i] = dotk_direct(T_Q5_K, rows, xh, xl, nb, pf); break;
-                default: out[i] = dotk_direct(T_Q6_K, rows, xh, xl, nb, pf); break;
+#define DIRECT(TWO)                                                                          \
+                switch (t) {                                                                 \
+                case T_Q4_K: out[i] = dotk_direct(T_Q4_K, TWO, rows, xh, xl, nb, pf); break;  \
+                case T_Q5_K: out[i] = dotk_direct(T_Q5_K, TWO, rows, xh, xl, nb, pf); break;  \
+                default: out[i] = dotk_direct(T_Q6_K, TWO, rows, xh, xl, nb, pf); break;      \
                 }
+                if (hv == 2) { DIRECT(1) } else { DIRECT(0) }
+#undef DIRECT
             }
         }
-    } else {   /* the 2 mt quantized rows as rows of a tile: acc[2i] = acc_hi, acc[2i + 1] = acc_lo of x row i */
-        __m256 acc[2 * MTILE + 2];   /* + 2: the unused pointers of a last pass of 2 */
-        const int64_t mq = 2 * mt;
+    } else {   /* the hv mt quantized rows as rows of a tile: acc[hv i] = acc_hi (, acc[2i + 1] = acc_lo) of x row i */
+        __m256 acc[2 * MTILE + 2];   /* + 2: the unused accumulators of a last pass of 2 */
+        const int64_t mq = hv * mt;
         for (int64_t i = 0; i < mq; i++) acc[i] = _mm256_setzero_ps();
         if (type_block(t) == 32) {
             ubuf32 u;
@@ -880,10 +897,10 @@ AVX2 static void mm_task(const mm_job *j, int64_t group, int64_t m0, int64_t m1)
             for (int64_t b0 = 0; b0 < nb; b0 += KC) {
                 int nkb = nb - b0 < KC ? (int)(nb - b0) : KC;
                 unpack32(t, rows, b0, nkb, &u);
-                for (int64_t i = 0; i < mq; i += 4) {   /* mq is even: 4 half-rows at a time, then 2 */
-                    const int nx = mq - i >= 4 ? 4 : 2;
+                for (int64_t i = 0, nx; i < mq; i += nx) {   /* 4 half-rows at a time, then 2 (a last one: twice) */
+                    nx = mq - i >= 4 ? 4 : 2;
                     const xblock32 *x0 = (const xblock32 *)(xq + i * xrb) + b0;
-                    const xblock32 *x1 = (const xblock32 *)(xq + (i + 1) * xrb) + b0;
+                    const xblock32 *x1 = (const xblock32 *)(xq + (i + 1 < mq ? i + 1 : i) * xrb) + b0;
                     const xblock32 *x2 = nx > 2 ? (const xblock32 *)(xq + (i + 2) * xrb) + b0 : x0;
                     const xblock32 *x3 = nx > 2 ? (const xblock32 *)(xq + (i + 3) * xrb) + b0 : x1;
 #define CH(T, NX) dot32_chunk(T, &u, nkb, NX, x0, x1, x2, x3, &acc[i], &acc[i + 1], &acc[i + 2], &acc[i + 3])
@@ -905,10 +922,10 @@ AVX2 static void mm_task(const mm_job *j, int64_t group, int64_t m0, int64_t m1)
             for (int64_t b0 = 0; b0 < nb; b0 += KS) {
                 int nks = nb - b0 < KS ? (int)(nb - b0) : KS;
                 unpackk(t, rows, b0, nks, &u);
-                for (int64_t i = 0; i < mq; i += 4) {   /* mq is even: 4 half-rows at a time, then 2 */
-                    const int nx = mq - i >= 4 ? 4 : 2;
+                for (int64_t i = 0, nx; i < mq; i += nx) {   /* 4 half-rows at a time, then 2 (a last one: twice) */
+                    nx = mq - i >= 4 ? 4 : 2;
                     const xblock256 *x0 = (const xblock256 *)(xq + i * xrb) + b0;
-                    const xblock256 *x1 = (const xblock256 *)(xq + (i + 1) * xrb) + b0;
+                    const xblock256 *x1 = (const xblock256 *)(xq + (i + 1 < mq ? i + 1 : i) * xrb) + b0;
                     const xblock256 *x2 = nx > 2 ? (const xblock256 *)(xq + (i + 2) * xrb) + b0 : x0;
                     const xblock256 *x3 = nx > 2 ? (const xblock256 *)(xq + (i + 3) * xrb) + b0 : x1;
 #define CH(T, NX) dotk_chunk(T, &u, nks, NX, x0, x1, x2, x3, &acc[i], &acc[i + 1], &acc[i + 2], &acc[i + 3])
@@ -923,7 +940,7 @@ AVX2 static void mm_task(const mm_job *j, int64_t group, int64_t m0, int64_t m1)
                 }
             }
         }
-        for (int64_t i = 0; i < mt; i++) out[i] = _mm256_add_ps(acc[2 * i], acc[2 * i + 1]);
+        for (int64_t i = 0; i < mt; i++) out[i] = hv == 2 ? _mm256_add_ps(acc[2 * i], acc[2 * i + 1]) : acc[i];
     }
     for (int64_t i = 0; i < mt; i++) {
         float o[GROUP];

@@ -204,11 +204,18 @@ static int cpu_has_avx2(void) {
 /* ======================================================================================================
  * jobs
  * ==================================================================================================== */
-typedef struct { const kernel_path *p; int qtype; const float *x; int64_t K; char *xq; int64_t xrb; } quant_job;
+typedef struct { const kernel_path *p; int qtype; const float *x; int64_t K; char *xq; int64_t xrb; int halves; } quant_job;
 
-static void quant_tasks(void *ctx, int64_t t0, int64_t t1) {   /* x row m -> quantized rows 2m (hi), 2m + 1 (lo) */
+static void quant_tasks(void *ctx, int64_t t0, int64_t t1) {   /* x row m -> quantized rows hv m (hi) (, 2m + 1: lo) */
     quant_job *q = (quant_job *)ctx;
-    for (int64_t m = t0; m < t1; m++) q->p->quantize_row(q->qtype, q->x + m * q->K, q->K, q->xq + 2 * m * q->xrb);
+    for (int64_t m = t0; m < t1; m++)
+        q->p->quantize_row(q->qtype, q->x + m * q->K, q->K, q->xq + q->halves * m * q->xrb, q->halves);
+}
+
+static int check_halves(const char *fn, int halves) {
+    if (halves == 1 || halves == 2) return 0;
+    PyErr_Format(PyExc_ValueError, "%s: halves must be 1 (x as one int8 block) or 2 (hi and lo), got %d", fn, halves);
+    return -1;
 }
 
 typedef struct { const kernel_path *p; mm_job j; int64_t n_mtiles; } mm_ctx;
@@ -345,12 +352,12 @@ static int get_scratch(PyObject *o, const char *fn, int64_t need, buf *b) {
 static PyObject *py_matmul(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *xo, *wo, *oo, *so = Py_None;
-    int qtype;
-    if (!PyArg_ParseTuple(args, "OOiO|O:matmul", &xo, &wo, &qtype, &oo, &so)) return NULL;
+    int qtype, halves = 2;
+    if (!PyArg_ParseTuple(args, "OOiO|Oi:matmul", &xo, &wo, &qtype, &oo, &so, &halves)) return NULL;
     buf x = {0}, w = {0}, out = {0}, sc = {0};
     PyObject *ret = NULL;
     int64_t ldo = 0;
-    if (check_qtype("matmul", qtype)) goto done;
+    if (check_qtype("matmul", qtype) || check_halves("matmul", halves)) goto done;
     if (get2d(xo, "matmul", "x", 'f', 0, &x) || get2d(wo, "matmul", "w", 'B', 0, &w) ||
         get2d_ld(oo, "matmul", "out", 'f', 1, 1, &out, &ldo))
         goto done;
@@ -367,19 +374,20 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
         goto done;
     }
     int64_t xrb = xq_row_bytes(qtype, K);
-    if (xrb && get_scratch(so, "matmul", 2 * M * xrb, &sc)) goto done;
+    if (xrb && get_scratch(so, "matmul", halves * M * xrb, &sc)) goto done;
     if (M > 0 && N > 0) {
         mm_ctx c;
         c.p = path;
         c.j.qtype = qtype; c.j.M = M; c.j.N = N; c.j.K = K;
         c.j.x = (const float *)x.v.buf; c.j.w = (const uint8_t *)w.v.buf; c.j.row_bytes = w.v.shape[1];
         c.j.out = (float *)out.v.buf; c.j.ldo = ldo; c.j.xq = xrb ? sc.v.buf : NULL; c.j.xq_row_bytes = xrb;
+        c.j.halves = halves;
         c.j.n_groups = (N + GROUP - 1) / GROUP;
         c.j.mtile = M < MTILE ? M : MTILE;
         c.n_mtiles = (M + c.j.mtile - 1) / c.j.mtile;
         Py_BEGIN_ALLOW_THREADS
         if (xrb) {
-            quant_job q = {path, qtype, c.j.x, K, (char *)sc.v.buf, xrb};
+            quant_job q = {path, qtype, c.j.x, K, (char *)sc.v.buf, xrb, halves};
             if (M * K < (1 << 15)) quant_tasks(&q, 0, M);
             else pool_run(quant_tasks, &q, M, chunk_for(M));
         }
@@ -397,11 +405,11 @@ done:
 static PyObject *py_quantize_rows(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *xo, *so;
-    int qtype;
-    if (!PyArg_ParseTuple(args, "OiO:quantize_rows", &xo, &qtype, &so)) return NULL;
+    int qtype, halves = 2;
+    if (!PyArg_ParseTuple(args, "OiO|i:quantize_rows", &xo, &qtype, &so, &halves)) return NULL;
     buf x = {0}, sc = {0};
     PyObject *ret = NULL;
-    if (check_qtype("quantize_rows", qtype)) goto done;
+    if (check_qtype("quantize_rows", qtype) || check_halves("quantize_rows", halves)) goto done;
     if (is_float_type(qtype)) {
         PyErr_Format(PyExc_ValueError, "quantize_rows: qtype %d takes float activations, nothing to quantize", qtype);
         goto done;
@@ -414,9 +422,9 @@ static PyObject *py_quantize_rows(PyObject *self, PyObject *args) {
         goto done;
     }
     int64_t xrb = xq_row_bytes(qtype, K);
-    if (get_scratch(so, "quantize_rows", 2 * M * xrb, &sc)) goto done;
+    if (get_scratch(so, "quantize_rows", halves * M * xrb, &sc)) goto done;
     Py_BEGIN_ALLOW_THREADS
-    quant_job q = {path, qtype, (const float *)x.v.buf, K, (char *)sc.v.buf, xrb};
+    quant_job q = {path, qtype, (const float *)x.v.buf, K, (char *)sc.v.buf, xrb, halves};
     pool_run(quant_tasks, &q, M, chunk_for(M));
     Py_END_ALLOW_THREADS
     ret = Py_None;
@@ -458,15 +466,15 @@ done:
 static PyObject *py_scratch_bytes(PyObject *self, PyObject *args) {
     (void)self;
     long long M, K;
-    int qtype;
-    if (!PyArg_ParseTuple(args, "LLi:scratch_bytes", &M, &K, &qtype)) return NULL;
-    if (check_qtype("scratch_bytes", qtype)) return NULL;
+    int qtype, halves = 2;
+    if (!PyArg_ParseTuple(args, "LLi|i:scratch_bytes", &M, &K, &qtype, &halves)) return NULL;
+    if (check_qtype("scratch_bytes", qtype) || check_halves("scratch_bytes", halves)) return NULL;
     if (M < 0 || K < 0 || K % type_block(qtype)) {
         PyErr_Format(PyExc_ValueError, "scratch_bytes: need M >= 0 and K a multiple of %d, got M=%lld K=%lld",
                      type_block(qtype), M, K);
         return NULL;
     }
-    return PyLong_FromLongLong(2 * M * (long long)xq_row_bytes(qtype, K));   /* hi and lo of each row */
+    return PyLong_FromLongLong(halves * M * (long long)xq_row_bytes(qtype, K));   /* hi (and lo) of each row */
 }
 
 static PyObject *py_set_threads(PyObject *self, PyObject *args) {
@@ -527,12 +535,12 @@ static PyObject *py_shutdown(PyObject *self, PyObject *noargs) {
 }
 
 static PyMethodDef methods[] = {
-    {"matmul", py_matmul, METH_VARARGS, "matmul(x, w, qtype, out, scratch=None): out = x w^T on GGUF blocks"},
+    {"matmul", py_matmul, METH_VARARGS, "matmul(x, w, qtype, out, scratch=None, halves=2): out = x w^T on GGUF blocks"},
     {"quantize_rows", py_quantize_rows, METH_VARARGS,
-     "quantize_rows(x, qtype, scratch): x rows -> int8 blocks, a hi and a lo row of blocks for each"},
+     "quantize_rows(x, qtype, scratch, halves=2): x rows -> int8 blocks, a hi (and a lo) row of blocks for each"},
     {"dequantize", py_dequantize, METH_VARARGS, "dequantize(w, qtype, out): GGUF block rows -> f32 rows"},
     {"scratch_bytes", py_scratch_bytes, METH_VARARGS,
-     "scratch_bytes(M, K, qtype): bytes of quantized x (both halves)"},
+     "scratch_bytes(M, K, qtype, halves=2): bytes of quantized x"},
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n): n threads in all (the caller included)"},
     {"threads", py_threads, METH_NOARGS, "threads(): threads in all"},
     {"path", py_path, METH_NOARGS, "path(): 'avx2' or 'portable'"},

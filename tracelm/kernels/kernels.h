@@ -2,16 +2,18 @@
  *
  * The one fixed order. out[i, j] is a function of (x row i, w row j) only:
  *
- *  - Quantized weights. x row i is split per block (32 values for Q4_0..Q8_0, 256 for the K-quants) into two
- *    int8 blocks by one quantizer, quant(v): d = amax(v) / 127, id = 1 / d, q = nearbyintf(v * id) (round half
- *    to even, |q| <= 127), plus the integer sums of q (per block of 32, or per 16 for the K-quants):
+ *  - Quantized weights. x row i is quantized per block (32 values for Q4_0..Q8_0, 256 for the K-quants) into one
+ *    or two int8 blocks (the job's `halves`) by one quantizer, quant(v): d = amax(v) / 127, id = 1 / d,
+ *    q = nearbyintf(v * id) (round half to even, |q| <= 127), plus the integer sums of q (per block of 32, or per
+ *    16 for the K-quants):
  *      hi = quant(x)                    (dh, qh)
- *      r  = x - dh * qh                 f32 multiply, then subtract (no FMA), value by value
- *      lo = quant(r)                    (dl, ql)
- *    THE ORDER. Two accumulators, each from acc = 0.0f, weight block after weight block from k = 0: acc_hi
- *    takes the hi blocks, acc_lo the lo blocks, each block's exact integer dot products followed by ONE float
- *    update (COMBINE_* below, with dx = dh or dl); then
- *                                  out = acc_hi + acc_lo
+ *      r  = x - dh * qh                 f32 multiply, then subtract (no FMA), value by value   (halves = 2)
+ *      lo = quant(r)                    (dl, ql)                                               (halves = 2)
+ *    THE ORDER. One accumulator per half, each from acc = 0.0f, weight block after weight block from k = 0:
+ *    acc_hi takes the hi blocks, acc_lo the lo blocks, each block's exact integer dot products followed by ONE
+ *    float update (COMBINE_* below, with dx = dh or dl); then
+ *                                  out = acc_hi                (halves = 1)
+ *                                  out = acc_hi + acc_lo       (halves = 2)
  *    Integer sums are exact, so how a path computes them (plain loops, maddubs/madd, offsets folded out) cannot
  *    change a bit. With u the weight's unsigned integer (nibble, 5 or 6 bits) and q the activation's:
  *      Q4_0 / Q5_0   isum = sum (u - 8 | 16) q      acc = acc + (d*dx)*isum
@@ -26,9 +28,10 @@
  *    products are NaN on every path (a non-finite x block makes r NaN, so lo is NaN too); a block whose amax is
  *    below 2^-100 is all zeros (d = 0; a tiny x block gives r = x, so lo is zeros too; an x block that hi
  *    represents exactly gives r = 0, lo zeros).
- *    Why two halves: one int8 block keeps ~8 bits of each value (error up to dh/2); the residual pass carries
- *    the next ~7 (error up to dl/2 <= dh/254), so against f32 activations a product is off by ~1e-4 of
- *    sqrt(sum (x w)^2) at most instead of ~1e-2 -- at twice the integer work per weight byte.
+ *    One half or two: one int8 block keeps ~8 bits of each value (error up to dh/2), what llama.cpp's q8_0 / q8_K
+ *    activations keep; the residual pass carries the next ~7 (error up to dl/2 <= dh/254), so against f32
+ *    activations a product is off by ~1e-4 of sqrt(sum (x w)^2) at most instead of ~1e-2 -- at twice the integer
+ *    work per weight byte.
  *  - F32 / F16 / BF16 weights, f32 x: 32 lanes, acc[l] = acc[l] + w[k] * x[k] for k = l (mod 32), the row
  *    padded with zeros to a multiple of 32, then the fixed tree reduce32.
  *
@@ -70,8 +73,8 @@ enum {
     T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
 };
 
-/* Quantized activations, in the caller's scratch buffer: x row m is two rows of blocks, hi at quantized row 2m,
- * lo at 2m + 1 (xq_row_bytes each). */
+/* Quantized activations, in the caller's scratch buffer: x row m is `halves` rows of blocks (xq_row_bytes each),
+ * hi at quantized row halves * m, and with two halves lo at 2m + 1. */
 typedef struct {
     float d;         /* scale: x ~ d * q */
     int32_t sum;     /* sum of q */
@@ -95,8 +98,9 @@ typedef struct {
     int64_t row_bytes;
     float *out;             /* [M, N], row m at out + m * ldo */
     int64_t ldo;            /* out's row stride in floats (>= N) */
-    const void *xq;         /* quantized x rows (quantized types): 2M rows, hi and lo of each x row */
+    const void *xq;         /* quantized x rows (quantized types): halves * M rows, hi (and lo) of each x row */
     int64_t xq_row_bytes;   /* bytes of one half-row */
+    int halves;             /* 1: hi only; 2: hi and lo */
     int64_t n_groups;       /* ceil(N / GROUP) */
     int64_t mtile;          /* x rows per task */
 } mm_job;
@@ -285,7 +289,7 @@ static inline float rms_inv(float ss, int64_t d, float eps) {
 /* ---- the two paths ---- */
 typedef struct {
     const char *name;
-    void (*quantize_row)(int qtype, const float *x, int64_t K, void *xq);   /* one row of x -> hi row, lo row */
+    void (*quantize_row)(int qtype, const float *x, int64_t K, void *xq, int halves);   /* x row -> hi (, lo) */
     void (*mm_task)(const mm_job *job, int64_t group, int64_t m0, int64_t m1); /* rows 8g.. x rows m0..m1 */
     const layer_ops *layer;
 } kernel_path;

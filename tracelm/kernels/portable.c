@@ -36,25 +36,37 @@ static void quantize_split(const float *x, int n, float *dh, int8_t *qh, float *
     quantize_block(r, n, dl, ql);
 }
 
-static void quantize_row(int qtype, const float *x, int64_t K, void *xq) {
+/* one block of n values -> hi (, lo), as `halves` asks */
+static void quantize_halves(const float *x, int n, int halves, float *dh, int8_t *qh, float *dl, int8_t *ql) {
+    if (halves == 2) quantize_split(x, n, dh, qh, dl, ql);
+    else quantize_block(x, n, dh, qh);
+}
+
+static void quantize_row(int qtype, const float *x, int64_t K, void *xq, int halves) {
     if (type_block(qtype) == 32) {
-        xblock32 *h = (xblock32 *)xq, *l = h + K / 32;   /* hi row, then lo row */
+        xblock32 *row = (xblock32 *)xq;   /* hi row, then (two halves) lo row */
         for (int64_t i = 0; i < K / 32; i++) {
-            quantize_split(x + 32 * i, 32, &h[i].d, h[i].q, &l[i].d, l[i].q);
-            int32_t sh = 0, sl = 0;
-            for (int j = 0; j < 32; j++) { sh += h[i].q[j]; sl += l[i].q[j]; }
-            h[i].sum = sh;
-            l[i].sum = sl;
+            xblock32 *h = row + i, *l = row + K / 32 + i;
+            quantize_halves(x + 32 * i, 32, halves, &h->d, h->q, &l->d, l->q);
+            for (int k = 0; k < halves; k++) {
+                xblock32 *b = k ? l : h;
+                int32_t s = 0;
+                for (int j = 0; j < 32; j++) s += b->q[j];
+                b->sum = s;
+            }
         }
     } else {
-        xblock256 *h = (xblock256 *)xq, *l = h + K / 256;
+        xblock256 *row = (xblock256 *)xq;
         for (int64_t i = 0; i < K / 256; i++) {
-            quantize_split(x + 256 * i, 256, &h[i].d, h[i].q, &l[i].d, l[i].q);
-            for (int g = 0; g < 16; g++) {
-                int sh = 0, sl = 0;
-                for (int j = 0; j < 16; j++) { sh += h[i].q[16 * g + j]; sl += l[i].q[16 * g + j]; }
-                h[i].bsum[g] = (int16_t)sh;
-                l[i].bsum[g] = (int16_t)sl;
+            xblock256 *h = row + i, *l = row + K / 256 + i;
+            quantize_halves(x + 256 * i, 256, halves, &h->d, h->q, &l->d, l->q);
+            for (int k = 0; k < halves; k++) {
+                xblock256 *b = k ? l : h;
+                for (int g = 0; g < 16; g++) {
+                    int s = 0;
+                    for (int j = 0; j < 16; j++) s += b->q[16 * g + j];
+                    b->bsum[g] = (int16_t)s;
+                }
             }
         }
     }
@@ -204,17 +216,15 @@ static void mm_task(const mm_job *j, int64_t group, int64_t m0, int64_t m1) {
             float r;
             if (is_float_type(t)) {
                 r = dot_f(t, w, j->x + m * j->K, j->K);
-            } else {   /* x row m: quantized rows 2m (hi) and 2m + 1 (lo) */
-                const char *xh = (const char *)j->xq + 2 * m * j->xq_row_bytes, *xl = xh + j->xq_row_bytes;
-                float acc_hi, acc_lo;
-                if (type_block(t) == 32) {
-                    acc_hi = dot_q32(t, w, (const xblock32 *)xh, j->K / 32);
-                    acc_lo = dot_q32(t, w, (const xblock32 *)xl, j->K / 32);
-                } else {
-                    acc_hi = dot_qk(t, w, (const xblock256 *)xh, j->K / 256);
-                    acc_lo = dot_qk(t, w, (const xblock256 *)xl, j->K / 256);
+            } else {   /* x row m: quantized rows 2m (hi) and 2m + 1 (lo), or row m (hi) alone */
+                const char *xh = (const char *)j->xq + j->halves * m * j->xq_row_bytes, *xl = xh + j->xq_row_bytes;
+                int b32 = type_block(t) == 32;
+                r = b32 ? dot_q32(t, w, (const xblock32 *)xh, j->K / 32) : dot_qk(t, w, (const xblock256 *)xh, j->K / 256);
+                if (j->halves == 2) {
+                    float acc_lo = b32 ? dot_q32(t, w, (const xblock32 *)xl, j->K / 32)
+                                       : dot_qk(t, w, (const xblock256 *)xl, j->K / 256);
+                    r = r + acc_lo;
                 }
-                r = acc_hi + acc_lo;
             }
             j->out[m * j->ldo + n] = r;
         }

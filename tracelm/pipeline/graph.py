@@ -25,10 +25,12 @@ from typing import Any
 import attrs
 import numpy as np
 
+import tracelm.kernels as kernels
 from tracelm.stages import attention, compiled, ffn, norm
 from tracelm.stages.attention import out_proj, qkv, rope_tables
 from tracelm.stages.embed import embed
 from tracelm.stages.head import head
+from tracelm.stages.linear import kernel_scratch_bytes, linear_into
 from tracelm.state.cache import RING_SLACK, Cache
 from tracelm.state.model_config import ModelConfig
 from tracelm.state.records import Heads, Hidden, Logits, ModelWeights, QMatrix
@@ -153,8 +155,23 @@ def forward_batch(cfg: ModelConfig, w: ModelWeights, parts: Sequence[Part], all_
     batch = Batch(parts, [p.cache.n_past for p in parts], [len(i) for i in ids])
     r = route(w)
     per_layer = layer_tables(cfg, batch, r.spans)
+    h = batch.call("embed", None, embed, w.token_embd, batch.stack(ids), batch.starts[0], cfg.embd_scale)
+    if r is KERNELS and all(p.call is plain_call for p in parts):
+        h = Hidden(fused_layers(cfg, w, batch, per_layer, h.x.copy()), h.start)
+    else:
+        h = staged_layers(cfg, w, batch, per_layer, r, h)
+    if not all_logits:
+        batch, h = batch.last_rows(h)
+    x = batch.call("output_norm", None, r.rms_norm, h, w.output_norm, cfg.rms_eps)
+    logits = batch.call("head", None, head, x, w.output)
+    for p, i in zip(parts, ids, strict=True):
+        p.cache.commit(i)
+    return batch.split(logits)
+
+
+def staged_layers(cfg: ModelConfig, w: ModelWeights, batch: Batch, per_layer: list, r: Route, h: Hidden) -> Hidden:
+    """The layers stage by stage, each call through its part's hook (a traced run sees every stage's output)."""
     scale, eps, act, call = cfg.scale, cfg.rms_eps, cfg.ffn_act, batch.call
-    h = call("embed", None, embed, w.token_embd, batch.stack(ids), batch.starts[0], cfg.embd_scale)
     for i, lw in enumerate(w.layers):
         cos, sin, windows = per_layer[i]
         x = call("attn_norm", i, r.rms_norm, h, lw.attn_norm, eps)
@@ -174,13 +191,56 @@ def forward_batch(cfg: ModelConfig, w: ModelWeights, parts: Sequence[Part], all_
             h = call("post_ffn_norm", i, r.post_norm, f, lw.post_ffn_norm, eps, h)
         else:
             h = call("ffn", i, r.ffn, x, lw.w_gate_up, lw.w_down, h, act)
-    if not all_logits:
-        batch, h = batch.last_rows(h)
-    x = batch.call("output_norm", None, r.rms_norm, h, w.output_norm, eps)
-    logits = batch.call("head", None, head, x, w.output)
-    for p, i in zip(parts, ids, strict=True):
-        p.cache.commit(i)
-    return batch.split(logits)
+    return h
+
+
+def fused_layers(cfg: ModelConfig, w: ModelWeights, batch: Batch, per_layer: list, h: np.ndarray) -> np.ndarray:
+    """The layers of an untraced pass on the kernels: the KERNELS route's kernel calls, in its order, on the same
+    numbers -- so the same bits (a test holds it) -- straight into the Cache's reused buffers, with no stage
+    records or hooks between them (a decode step of a small model is otherwise mostly Python). The residual
+    stream h [T, d] is updated in place."""
+    cache, (T, d) = batch.parts[0].cache, h.shape
+    eps, hd, H, Hkv = cfg.rms_eps, cfg.head_dim, cfg.n_head, cfg.n_head_kv
+    q_dim, kv_dim, n_ff = H * hd, Hkv * hd, w.layers[0].w_down.shape[1]
+    x, o = cache.buffer("x", (T, d)), cache.buffer("o", (T, d))
+    qkv_out, a = cache.buffer("qkv", (T, q_dim + 2 * kv_dim)), cache.buffer("attend", (T, q_dim))
+    gate_up, ff = cache.buffer("gate_up", (T, 2 * n_ff)), cache.buffer("ffn", (T, n_ff))
+    scratch = cache.buffer("scratch", (max(kernel_scratch_bytes(T, m) for m in (w.layers[0].wqkv,
+                            w.layers[0].w_gate_up, w.layers[0].w_down)),), np.uint8)
+    act = compiled.ACTIVATIONS[cfg.ffn_act]
+    q = qkv_out[:, :q_dim].reshape(T, H, hd)
+    k, v = (qkv_out[:, q_dim + j * kv_dim : q_dim + (j + 1) * kv_dim].reshape(T, Hkv, hd) for j in (0, 1))
+    for i, lw in enumerate(w.layers):
+        cos, sin, windows = per_layer[i]
+        kernels.rms_norm(h, lw.attn_norm, eps, out=x)
+        linear_into(x, lw.wqkv, qkv_out, scratch)
+        if lw.bqkv is not None:
+            qkv_out += lw.bqkv
+        if cfg.qk_norm:
+            kernels.rms_norm(q, lw.q_norm, eps, out=q)
+            kernels.rms_norm(k, lw.k_norm, eps, out=k)
+        kernels.rope(q, cos, sin, cfg.rope_mode, out=q)
+        kernels.rope(k, cos, sin, cfg.rope_mode, out=k)
+        for p, lo_row, hi_row, start, (lo, spans) in zip(batch.parts, batch.bounds, batch.bounds[1:], batch.starts,
+                                                         windows, strict=False):
+            p.cache.write(i, start, k[lo_row:hi_row], v[lo_row:hi_row])
+            keys, values = p.cache.keys_values(i, start + hi_row - lo_row, lo)
+            kernels.attend(q[lo_row:hi_row], keys, values, spans, cfg.scale, out=a[lo_row:hi_row])
+        linear_into(a, lw.wo, o, scratch)
+        residual_add(o, h, lw.post_attn_norm if cfg.post_norms else None, eps)
+        kernels.rms_norm(h, lw.ffn_norm, eps, out=x)
+        linear_into(x, lw.w_gate_up, gate_up, scratch)
+        linear_into(act(gate_up, n_ff, out=ff), lw.w_down, o, scratch)
+        residual_add(o, h, lw.post_ffn_norm if cfg.post_norms else None, eps)
+    return h
+
+
+def residual_add(y: np.ndarray, h: np.ndarray, post_norm: np.ndarray | None, eps: float) -> None:
+    """h = y + h, or h = RMSNorm(y) * post_norm + h (gemma's post-norms): out_proj's and ffn's residual, in place."""
+    if post_norm is None:
+        np.add(y, h, out=h)
+    else:
+        kernels.rms_norm_add(y, post_norm, eps, h, out=h)
 
 
 def layer_tables(cfg: ModelConfig, batch: Batch, spans: bool = False

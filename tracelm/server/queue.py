@@ -32,7 +32,7 @@ import numpy as np
 
 from tracelm.server.params import ApiError
 from tracelm.server.sessions import SessionFiles, SessionStore
-from tracelm.session import Generation, Runner, Session, top_logprobs, write_footer
+from tracelm.session import Generation, Runner, Session, numerics, top_logprobs, write_footer
 from tracelm.state.errors import TracelmError
 from tracelm.state.records import Choice, SamplingParams
 from tracelm.state.run_config import TraceOptions
@@ -115,7 +115,7 @@ class Engine:
         self.max_batch = opts.max_batch
         # runners for requests without a session, at most max_batch of them; each emptied before use
         self._scratch = [session.new_runner()]
-        files = (SessionFiles(opts.sessions_dir, opts.sessions_max_mb << 20, session.model_sha256, cfg.compute)
+        files = (SessionFiles(opts.sessions_dir, opts.sessions_max_mb << 20, session.model_sha256, numerics(cfg))
                  if opts.sessions_dir else None)
         self.sessions = SessionStore(session.new_runner, opts.max_sessions, opts.session_memory_mb << 20,
                                      self._scratch[0].cache.nbytes, files)

@@ -57,13 +57,23 @@ def linear(x: np.ndarray, w: np.ndarray | QMatrix) -> np.ndarray:
 
 def _kernel_product(x: np.ndarray, w: QMatrix) -> np.ndarray:
     """x @ W^T by the kernels, part after part into its columns of the output."""
-    y = np.empty((x.shape[0], w.shape[0]), np.float32)
+    return linear_into(x, w, np.empty((x.shape[0], w.shape[0]), np.float32))
+
+
+def linear_into(x: np.ndarray, w: QMatrix, out: np.ndarray, scratch: np.ndarray | None = None) -> np.ndarray:
+    """linear(x, w) on the kernels into `out` [M, out] (x float32 C-contiguous), the same bits; `scratch` (at
+    least `kernel_scratch_bytes(M, w)` bytes) keeps a hot loop free of allocation."""
     lo = 0
     for blocks, qtype in w.parts:
         hi = lo + blocks.shape[0]
-        kernels.matmul(x, blocks, qtype, out=y[:, lo:hi])
+        kernels.matmul(x, blocks, qtype, out=out[:, lo:hi], scratch=scratch, halves=w.halves)
         lo = hi
-    return y
+    return out
+
+
+def kernel_scratch_bytes(M: int, w: QMatrix) -> int:
+    """Bytes of the scratch `linear_into` needs for M rows against w (the largest of its parts')."""
+    return max(kernels.scratch_bytes(M, w.shape[1], qtype, w.halves) for _b, qtype in w.parts)
 
 
 def _blocks(x: np.ndarray, w: np.ndarray, r: int) -> np.ndarray:

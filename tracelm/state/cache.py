@@ -13,6 +13,7 @@ from tracelm.state.records import frozen_array
 # positions is written and read in place, and a truncate may go back up to this many positions.
 RING_SLACK = 64
 MASK_KEEP_BYTES = 1 << 20  # masks up to this size are kept for the next pass that asks
+BUFFER_KEEP_BYTES = 1 << 20  # scratch arrays of a pass up to this size are kept for the next pass (Cache.buffer)
 
 
 @attrs.frozen(slots=True, eq=False)
@@ -77,6 +78,7 @@ class Cache:
             table.flags.writeable = False
         self.tokens: list[int] = []
         self._masks: dict[tuple[int, int, int], np.ndarray] = {}  # (start, T, window) -> mask
+        self._buffers: dict[tuple[str, tuple[int, ...]], np.ndarray] = {}  # (name, shape) -> a pass's scratch
 
     @property
     def n_past(self) -> int:
@@ -247,6 +249,18 @@ class Cache:
             self._put(layer, cut, k[:, cut - lo :], v[:, cut - lo :])
             self.held_from[layer] = cut
         self.tokens.extend(snap.tokens)
+    def buffer(self, name: str, shape: tuple[int, ...], dtype: type = np.float32) -> np.ndarray:
+        """A scratch array of a pass (a stage's output, rewritten by the next pass: nothing may keep it). Arrays up
+        to BUFFER_KEEP_BYTES are kept and reused, so a decode step allocates none; a prompt's are made anew."""
+        key = (name, shape)
+        a = self._buffers.get(key)
+        if a is None:
+            a = np.empty(shape, dtype)
+            if a.nbytes <= BUFFER_KEEP_BYTES:
+                if len(self._buffers) > 64:
+                    self._buffers.clear()
+                self._buffers[key] = a
+        return a
 
     def commit(self, ids) -> None:
         """Record that positions n_past.. now hold the keys/values of `ids`."""

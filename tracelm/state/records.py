@@ -31,11 +31,13 @@ class QMatrix:
     `parts` stack row after row, each (blocks, qtype): `blocks` a read-only uint8 [rows, bytes per row] of
     GGUF blocks of GGML type `qtype` (F32, F16 and BF16 are blocks of one value). A fused q/k/v or gate/up
     keeps one part per tensor, since their types may differ (Q4_K_M files hold some v and down projections
-    in Q6_K)."""
+    in Q6_K). `halves`: how the activations meet quantized blocks (the run config's `activations`): 1, one int8
+    block per weight block (llama.cpp's q8 precision); 2, a hi and a lo int8 block (~15 bits, twice the work)."""
 
     shape: tuple[int, int]
     parts: tuple[tuple[np.ndarray, int], ...] = attrs.field(
         converter=lambda parts: tuple((frozen_array(b), int(t)) for b, t in parts))
+    halves: int = attrs.field(default=2, validator=attrs.validators.in_((1, 2)))
 
     def __attrs_post_init__(self) -> None:
         rows = sum(b.shape[0] for b, _t in self.parts)
@@ -152,6 +154,19 @@ class ModelWeights:
         else:
             tied = isinstance(self.token_embd, np.ndarray) and np.shares_memory(self.output, self.token_embd)
         return total if tied else total + self.output.nbytes
+
+    def with_halves(self, halves: int) -> ModelWeights:
+        """The same weights (no copy) with every QMatrix meeting its activations in `halves` int8 blocks."""
+        def each(m: object) -> object:
+            return attrs.evolve(m, halves=halves) if isinstance(m, QMatrix) and m.halves != halves else m
+
+        if not isinstance(self.output, QMatrix) or self.output.halves == halves:
+            return self
+        layers = tuple(attrs.evolve(lw, **{f: each(getattr(lw, f)) for f in ("wqkv", "wo", "w_gate_up", "w_down")})
+                       for lw in self.layers)
+        embd = each(self.token_embd)
+        return attrs.evolve(self, token_embd=embd, layers=layers,
+                            output=embd if self.output is self.token_embd else each(self.output))
 
 
 _PENALTY_RANGE = [attrs.validators.ge(-2.0), attrs.validators.le(2.0)]

@@ -10,6 +10,7 @@ from tracelm.state.records import SamplingParams
 WEIGHT_MODES = ("resident", "streamed")
 COMPUTE_MODES = ("kernels", "reference")
 CONTEXT_POLICIES = ("stop", "shift")
+ACTIVATION_MODES = {"int8": 1, "int16": 2}  # -> int8 blocks per weight block (QMatrix.halves)
 
 
 @attrs.frozen(slots=True)
@@ -59,6 +60,10 @@ class RunConfig:
     # kernels: the weight products on the quantized blocks in tracelm's compiled kernels (bit-exact at any batch
     # and thread count); reference: every weight dequantized to f32 and multiplied by numpy (the readable math)
     compute: str = attrs.field(default="kernels", validator=v.in_(COMPUTE_MODES))
+    # compute: kernels, quantized weights: the activations entering a product, per block, as int16 (two int8
+    # blocks, hi and lo: ~15 bits, logits within 0.05 of transformers') or int8 (one int8 block: the precision of
+    # llama.cpp's q8 activations, half the integer work: ~1.7x prefill, ~1.15x decode; logits ~1 off on SmolLM2)
+    activations: str = attrs.field(default="int16", validator=v.in_(tuple(ACTIVATION_MODES)))
     context: int = attrs.field(default=2048, validator=v.gt(0))  # positions the Cache holds
     # chat, when a turn's prompt + max_tokens no longer fits the context: stop (an error; the reply cut to the
     # room left) or shift (keep the system prompt and the latest shift_keep tokens of the conversation, recompute)

@@ -78,13 +78,13 @@ def bench_ids(tokenizer: Any, n: int) -> list[int]:
 
 
 def run_bench(model_name: str, n_prompt: int = 256, n_decode: int = 128, n_ctx: int = 1024,
-              weights: str = "resident", compute: str = "kernels", threads: int = 0) -> dict[str, Any]:
+              weights: str = "resident", **engine: Any) -> dict[str, Any]:
     """`weights="streamed"` on `compute="reference"`: prefill is timed once (each pass dequantizes every block),
     and the report adds the streamed mode's RSS bound and whether its logits equal resident mode's (see
     `streamed_report`). On the kernels the weights are the file's blocks: `weights_gb_s` is the rate decode
     reads them at, against the machine's bandwidth, and the RSS budget is the file + KV cache + 150 MB."""
     probe = run_child(machine_probe)
-    with open_session(model_name, weights=weights, compute=compute, threads=threads) as session:
+    with open_session(model_name, weights=weights, **engine) as session:
         return _model_bench(session, probe, n_prompt, n_decode, n_ctx)
 
 
@@ -221,8 +221,8 @@ def compare_resident(model_path: str, ids: dict[str, list[int]], streamed: np.nd
             "logits_checked": f"{len(ids['prompt'])} prompt positions + {len(ids['decode'])} decode steps"}
 
 
-def trace_overhead(model_name: str, n_decode: int = 64, repeats: int = 3, n_prompt: int = 32, compute: str = "kernels",
-                   threads: int = 0) -> dict[str, Any]:
+def trace_overhead(model_name: str, n_decode: int = 64, repeats: int = 3, n_prompt: int = 32,
+                   **engine: Any) -> dict[str, Any]:
     """Decode tok/s untraced, at level summary and at level digest, measured in one process.
 
     Three runners (one per level; the traced ones write to /dev/null, rendering, chaining and writing as
@@ -236,7 +236,7 @@ def trace_overhead(model_name: str, n_decode: int = 64, repeats: int = 3, n_prom
     (`--threads 1`) CPU time per token is what wall time per token would be on an idle machine."""
     from tracelm.session import Tracer
 
-    with open_session(model_name, compute=compute, threads=threads) as session:
+    with open_session(model_name, **engine) as session:
         return _trace_overhead(session, n_decode, repeats, n_prompt, Tracer)
 
 
@@ -388,7 +388,7 @@ def _product_rates(x: np.ndarray, mats: list[Any]) -> dict[str, float]:
 
 
 def context_scaling(model_name: str, positions: tuple[int, ...] = (100, 500, 1000, 2000), n_decode: int = 32,
-                    n_prompt: int = 2048, compute: str = "kernels", threads: int = 0) -> dict[str, Any]:
+                    n_prompt: int = 2048, **engine: Any) -> dict[str, Any]:
     """Decode cost against position: ms per token decoding at each of `positions` (the Cache holding that
     many tokens of a prompt), and prefill tok/s of an `n_prompt`-token prompt.
 
@@ -397,7 +397,7 @@ def context_scaling(model_name: str, positions: tuple[int, ...] = (100, 500, 100
     alike); a position's cost is the median over its steps, in wall time and in process CPU time, with the
     attend stage's share. Ratios are against the first position (the issue's target: position 2,000 costs
     <= 1.5x position 100)."""
-    with open_session(model_name, compute=compute, threads=threads) as session:
+    with open_session(model_name, **engine) as session:
         return _context_scaling(session, positions, n_decode, n_prompt)
 
 

@@ -56,7 +56,7 @@ class TracelmEngine:
     def __init__(self, path: str, threads: int, n_ctx: int, **options: Any):
         from tracelm.tools.bench import open_session
 
-        self.runner = open_session(path, threads=threads).new_runner(n_ctx)
+        self.runner = open_session(path, threads=threads, **options).new_runner(n_ctx)  # options: RunConfig fields
 
     def reset(self) -> None:
         self.runner.cache.reset()
@@ -257,8 +257,10 @@ def build_report(model: str, threads: int, n_prompt: int, n_decode: int,
 
 
 def run_compare(model_name: str, threads: int = 0, n_prompt: int = 256, n_decode: int = 128, repeats: int = 3,
-                engines: Sequence[str] = ENGINES, timeout: float = 1800.0) -> dict[str, Any]:
-    """`tracelm bench --compare`: every engine (each when installed) on the same GGUF, ids and threads."""
+                engines: Sequence[str] = ENGINES, timeout: float = 1800.0, activations: str = "int16"
+                ) -> dict[str, Any]:
+    """`tracelm bench --compare`: every engine (each when installed) on the same GGUF, ids and threads
+    (tracelm's activations as given)."""
     from tracelm.io.loader import ModelFile
     from tracelm.tools.bench import bench_ids
 
@@ -273,7 +275,9 @@ def run_compare(model_name: str, threads: int = 0, n_prompt: int = 256, n_decode
     threads = threads if threads > 0 else (os.cpu_count() or 1)
     ids = bench_ids(source.tokenizer, n_prompt)
     load_before = os.getloadavg()[0]
-    results = {e: run_engine(e, str(source.path), ids, n_decode, threads, repeats, timeout) for e in engines}
+    options = {"tracelm": {"activations": activations}}
+    results = {e: run_engine(e, str(source.path), ids, n_decode, threads, repeats, timeout, options.get(e))
+               for e in engines}
     report = build_report(Path(source.path).name, threads, n_prompt, n_decode, results)
     # other work on the machine slows the engines unequally (they run one after another): say how busy it was
     report["load_average_1m"] = {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2),

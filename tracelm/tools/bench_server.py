@@ -64,8 +64,8 @@ def run_streams(engine: Engine, prompts: list[list[int]], n_decode: int) -> dict
 
 
 def bench_server(model_name: str, streams: tuple[int, ...] = (1, 2, 4, 8), n_prompt: int = 64, n_decode: int = 128,
-                 repeats: int = 2, compute: str = "kernels", threads: int = 0) -> dict[str, Any]:
-    with open_session(model_name, compute=compute, threads=threads) as session:
+                 repeats: int = 2, **engine: Any) -> dict[str, Any]:
+    with open_session(model_name, **engine) as session:
         return _bench_server(session, streams, n_prompt, n_decode, repeats)
 
 

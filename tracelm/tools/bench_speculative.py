@@ -51,10 +51,10 @@ TASKS = {
 
 
 def speculative_bench(model_name: str, draft_tokens: int = 15, ngram: int = 8, n_decode: int = 128,
-                      repeats: int = 2, compute: str = "kernels", threads: int = 0) -> dict[str, Any]:
+                      repeats: int = 2, **engine: Any) -> dict[str, Any]:
     """For each task: greedy decode of up to n_decode tokens plainly and with prompt-lookup drafts of up
     to `draft_tokens`, alternating, best of `repeats` each; the texts must be identical."""
-    with open_session(model_name, compute=compute, threads=threads) as plain:
+    with open_session(model_name, **engine) as plain:
         spec = attrs.evolve(plain.cfg.speculative, draft_tokens=draft_tokens, ngram=ngram)
         sessions = {"plain": plain, "speculative": Session(plain.model, attrs.evolve(plain.cfg, speculative=spec))}
         return _speculative_bench(sessions, draft_tokens, ngram, n_decode, repeats)
