@@ -165,8 +165,9 @@ def _load_all(gf: GGUFFile, cfg: ModelConfig, bar: Any) -> ModelWeights:
 def kernel_weights(gf: Any, cfg: ModelConfig, streamed: bool = False, progress: bool = True) -> ModelWeights:
     """The matrices of a GGUFFile (or an HFFolder's F32/F16/BF16 tensors) as QMatrix -- their own blocks, for
     the compiled kernels (`compute: kernels`) -- and the vectors in f32. Resident: every matrix copied once
-    into one arena in graph order (huge pages, the file's size); streamed: views of the mapped file, paged in
-    as the graph reads them. A type the kernels lack (Q2_K, Q3_K, the IQ types...) is dequantized to f32."""
+    into one arena in graph order (huge pages, the file's size), the 32-value types packed for the kernels
+    (`kernels.pack`); streamed: views of the mapped file as they are, paged in as the graph reads them. A type
+    the kernels lack (Q2_K, Q3_K, the IQ types...) is dequantized to f32."""
     d = cfg.n_embd
     plans = [layer_plan(gf, cfg, i) for i in range(cfg.n_layer)]
     # the vectors first, read through the map, whose pages go before the matrices fill the arena
@@ -177,7 +178,7 @@ def kernel_weights(gf: Any, cfg: ModelConfig, streamed: bool = False, progress: 
     parts = _kernel_parts(gf, names, streamed, progress)
 
     def matrix(names: tuple[str, ...], shape: tuple[int, ...]) -> QMatrix:
-        return QMatrix(shape, tuple(parts[n] for n in names))
+        return QMatrix(shape, tuple(parts[n] for n in names), packed=not streamed)
 
     layers = tuple(LayerWeights(**vec, **{f: matrix(n, shape) for f, (n, shape) in plan.items() if len(shape) == 2})
                    for plan, vec in zip(plans, vectors, strict=True))
@@ -207,6 +208,8 @@ def _kernel_parts(gf: Any, names: list[str], streamed: bool, progress: bool) -> 
                 blocks, qtype = gf.raw_rows(n), t.qtype
             else:
                 blocks, qtype = gf.read_into(n, arena[pos : pos + size]).reshape(t.shape[0], -1), t.qtype
+                if kernels.packable(qtype, blocks.shape[0]):
+                    kernels.pack(blocks, qtype, out=blocks)  # in place: the kernels' layout (QMatrix.packed)
             parts[n] = (blocks, qtype)
             pos += -(-size // 64) * 64
             bar.update()

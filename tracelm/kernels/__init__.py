@@ -38,6 +38,7 @@ FLOATS = frozenset((F32, F16, BF16))  # weights met by f32 activations as they a
 BLOCK = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22),
          Q5_1: (32, 24), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
 """qtype -> (values per block, bytes per block)"""
+PACKABLE = frozenset((Q4_0, Q4_1, Q5_0, Q5_1, Q8_0))  # types `pack` reorders for the kernels
 
 set_threads = _core.set_threads  # set_threads(n): n threads in all, the calling thread included
 threads = _core.threads
@@ -80,14 +81,15 @@ def _as_bytes(w: np.ndarray, qtype: int) -> np.ndarray:
 
 
 def matmul(x: np.ndarray, w_rows: np.ndarray, qtype: int, out: np.ndarray | None = None,
-           scratch: np.ndarray | None = None, halves: int = 2) -> np.ndarray:
+           scratch: np.ndarray | None = None, halves: int = 2, packed: bool = False) -> np.ndarray:
     """out = x @ W^T with W given as its GGUF rows.
 
     x: float32 [M, K] or [K], C-contiguous. w_rows: uint8 [N, row_bytes] (F32/F16/BF16 also as [N, K] of their
     dtype). out: float32 [M, N] (or [N]), unit column stride, rows at any stride >= N (e.g. y[:, lo:hi] of a
     wider y); scratch: >= scratch_bytes(M, K, qtype, halves) bytes. Both are made when not given: pass them to
     keep a hot loop free of allocation. halves (quantized weights): 1, x as one int8 block per weight block
-    (llama.cpp's q8 precision, ~8 bits); 2, a hi and a lo block (~15 bits, twice the integer work)."""
+    (llama.cpp's q8 precision, ~8 bits); 2, a hi and a lo block (~15 bits, twice the integer work). packed: w_rows
+    as `pack` made them (the same bits, fewer loads)."""
     qtype = int(qtype)
     w_rows = _as_bytes(w_rows, qtype)
     one = x.ndim == 1
@@ -98,8 +100,28 @@ def matmul(x: np.ndarray, w_rows: np.ndarray, qtype: int, out: np.ndarray | None
     if scratch is None and qtype in SUPPORTED and qtype not in FLOATS and x2.ndim == 2:
         bs = BLOCK[qtype][0]
         scratch = np.empty(_core.scratch_bytes(x2.shape[0], x2.shape[1] // bs * bs, qtype, halves), np.uint8)
-    _core.matmul(x2, w_rows, qtype, out2, scratch, int(halves))
+    _core.matmul(x2, w_rows, qtype, out2, scratch, int(halves), bool(packed))
     return out
+
+
+def packable(qtype: int, rows: int) -> bool:
+    """Whether `pack` takes a matrix: a 32-value quantized type in whole groups of 8 rows."""
+    return int(qtype) in PACKABLE and rows % 8 == 0
+
+
+def pack(w_rows: np.ndarray, qtype: int, out: np.ndarray | None = None) -> np.ndarray:
+    """GGUF rows uint8 [N, row_bytes] (N a multiple of 8) -> the same bytes reordered per group of 8 rows, block
+    by block (kernels.h, "Packed weights"), so a kernel loads a block of 8 rows with a few vector loads; matmul
+    with packed=True gives the bits of the rows. out: [N, row_bytes], made when None, may be w_rows itself."""
+    if out is None:
+        out = np.empty(w_rows.shape, np.uint8)
+    return _core.pack(w_rows, int(qtype), out)
+
+
+def unpack_rows(w_packed: np.ndarray, qtype: int, ids: np.ndarray) -> np.ndarray:
+    """Rows `ids` of a packed matrix as the file's GGUF rows (for dequantize: an embedding lookup)."""
+    ids = np.ascontiguousarray(ids, np.int64).reshape(-1)
+    return _core.unpack_rows(w_packed, int(qtype), ids, np.empty((ids.size, w_packed.shape[1]), np.uint8))
 
 
 def dequantize(w_rows: np.ndarray, qtype: int, out: np.ndarray | None = None) -> np.ndarray:

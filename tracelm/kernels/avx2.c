@@ -220,23 +220,42 @@ INL void fifth_pair(__m256i QH, int k, __m256i *even, __m256i *odd) {
     *odd = _mm256_min_epu8(_mm256_and_si256(v, _mm256_set1_epi32((int)0x80402010)), b16);
 }
 
+/* Block b (at o = b * tb in each row) of a group of 8 rows, in either layout: the file's rows (rows[r]), or packed
+ * (kernels.h: the block at p = group + 8 o, a few plain loads). T0..T3: lane r of Tc = dword c of row r's 16
+ * nibble bytes; QH (Q5_0, Q5_1): lane r = row r's qh; d, m: lane r = row r's f16 d, m as f32 (m: Q4_1, Q5_1). */
+INL int packed_quants(int t) { return t == T_Q4_0 || t == T_Q8_0 ? 16 : t == T_Q4_1 ? 32 : t == T_Q5_0 ? 48 : 64; }
+INL void block32(int t, int pk, const uint8_t *const *rows, const uint8_t *p, int64_t o, __m256i *T0, __m256i *T1,
+                 __m256i *T2, __m256i *T3, __m256i *QH, __m256 *d, __m256 *m) {
+    const int five = t == T_Q5_0 || t == T_Q5_1;
+    if (pk) {
+        const int pq = packed_quants(t);
+        *T0 = ld256(p + pq); *T1 = ld256(p + pq + 32); *T2 = ld256(p + pq + 64); *T3 = ld256(p + pq + 96);
+        if (five) *QH = ld256(p + (t == T_Q5_0 ? 16 : 32));
+        *d = _mm256_cvtph_ps(ld128(p));
+        *m = t == T_Q4_1 || t == T_Q5_1 ? _mm256_cvtph_ps(ld128(p + 16)) : *d;
+        return;
+    }
+    const int qo = t == T_Q4_0 ? 2 : t == T_Q4_1 ? 4 : t == T_Q5_0 ? 6 : 8, ho = o + (t == T_Q5_0 ? 2 : 4);
+    transpose8x4(rows, o + qo, T0, T1, T2, T3);
+    if (five)
+        *QH = _mm256_setr_epi32(ld32s(rows[0] + ho), ld32s(rows[1] + ho), ld32s(rows[2] + ho), ld32s(rows[3] + ho),
+                                ld32s(rows[4] + ho), ld32s(rows[5] + ho), ld32s(rows[6] + ho), ld32s(rows[7] + ho));
+    scales8(rows, o, d, m);
+}
+
 /* the 8 rows' 4/5-bit block at offset o -> V0..V7 (quad c: elements 4c..4c+3; low nibbles of the 16 bytes are
  * elements 0..15, high nibbles 16..31) */
-#define WQUADS(t, rows, o)                                                                                     \
+#define WQUADS(t, pk, rows, p, o, d, m)                                                                     \
     __m256i V0, V1, V2, V3, V4, V5, V6, V7;                                                                    \
     {                                                                                                          \
-        const int qo_ = t == T_Q4_0 ? 2 : t == T_Q4_1 ? 4 : t == T_Q5_0 ? 6 : 8;                               \
         const __m256i f_ = _mm256_set1_epi8(15);                                                               \
-        transpose8x4(rows, (o) + qo_, &V0, &V1, &V2, &V3);                                                     \
+        __m256i QH = _mm256_setzero_si256();                                                                   \
+        block32(t, pk, rows, p, o, &V0, &V1, &V2, &V3, &QH, &d, &m);                                           \
         V4 = _mm256_and_si256(_mm256_srli_epi16(V0, 4), f_); V0 = _mm256_and_si256(V0, f_);                    \
         V5 = _mm256_and_si256(_mm256_srli_epi16(V1, 4), f_); V1 = _mm256_and_si256(V1, f_);                    \
         V6 = _mm256_and_si256(_mm256_srli_epi16(V2, 4), f_); V2 = _mm256_and_si256(V2, f_);                    \
         V7 = _mm256_and_si256(_mm256_srli_epi16(V3, 4), f_); V3 = _mm256_and_si256(V3, f_);                    \
         if (t == T_Q5_0 || t == T_Q5_1) {                                                                      \
-            const int ho_ = (o) + (t == T_Q5_0 ? 2 : 4);                                                       \
-            const __m256i QH = _mm256_setr_epi32(ld32s(rows[0] + ho_), ld32s(rows[1] + ho_), ld32s(rows[2] + ho_), \
-                                                 ld32s(rows[3] + ho_), ld32s(rows[4] + ho_), ld32s(rows[5] + ho_), \
-                                                 ld32s(rows[6] + ho_), ld32s(rows[7] + ho_));                  \
             __m256i e_, o_;                                                                                    \
             fifth_pair(QH, 0, &e_, &o_); V0 = _mm256_or_si256(V0, e_); V1 = _mm256_or_si256(V1, o_);           \
             fifth_pair(QH, 1, &e_, &o_); V2 = _mm256_or_si256(V2, e_); V3 = _mm256_or_si256(V3, o_);           \
@@ -245,25 +264,35 @@ INL void fifth_pair(__m256i QH, int k, __m256i *even, __m256i *odd) {
         }                                                                                                      \
     }
 
-INL void unpack32(int t, const uint8_t *const *rows, int64_t b0, int nkb, ubuf32 *u) {
+/* the 8 rows' pointers to the 32 quant bytes of a packed Q8_0 block at p */
+INL void q8_rows(const uint8_t *p, const uint8_t **pr) { for (int r = 0; r < GROUP; r++) pr[r] = p + 16 + 32 * r; }
+
+INL void unpack32(int t, int pk, const uint8_t *const *rows, const uint8_t *g, int64_t b0, int nkb, ubuf32 *u) {
     const int tb = type_bytes(t);
     for (int kb = 0; kb < nkb; kb++) {
         const int64_t o = (b0 + kb) * tb;
-        for (int r = 0; r < GROUP; r++) _mm_prefetch((const char *)rows[r] + o + PREFETCH, _MM_HINT_T0);
+        const uint8_t *p = g + GROUP * o;   /* packed: the block of the 8 rows */
+        if (pk) for (int c = 0; c < GROUP * tb; c += 64) _mm_prefetch((const char *)p + GROUP * PREFETCH + c, _MM_HINT_T0);
+        else for (int r = 0; r < GROUP; r++) _mm_prefetch((const char *)rows[r] + o + PREFETCH, _MM_HINT_T0);
+        __m256 d, m;
         if (t == T_Q8_0) {
+            const uint8_t *pr[GROUP];
+            if (pk) q8_rows(p, pr);
+            const uint8_t *const *qr = pk ? pr : rows;
+            const int64_t qo = pk ? 0 : o + 2;
             __m256i W0, W1, W2, W3, W4, W5, W6, W7;
-            transpose8x4(rows, o + 2, &W0, &W1, &W2, &W3);
-            transpose8x4(rows, o + 18, &W4, &W5, &W6, &W7);
+            transpose8x4(qr, qo, &W0, &W1, &W2, &W3);
+            transpose8x4(qr, qo + 16, &W4, &W5, &W6, &W7);
 #define ST(c) u->s[kb][c] = W##c; u->v[kb][c] = _mm256_abs_epi8(W##c);
             ST(0) ST(1) ST(2) ST(3) ST(4) ST(5) ST(6) ST(7)
 #undef ST
+            if (pk) d = m = _mm256_cvtph_ps(ld128(p));
+            else scales8(rows, o, &d, &m);
         } else {
-            WQUADS(t, rows, o)
+            WQUADS(t, pk, rows, p, o, d, m)
             u->v[kb][0] = V0; u->v[kb][1] = V1; u->v[kb][2] = V2; u->v[kb][3] = V3;
             u->v[kb][4] = V4; u->v[kb][5] = V5; u->v[kb][6] = V6; u->v[kb][7] = V7;
         }
-        __m256 d, m;
-        scales8(rows, o, &d, &m);
         _mm256_storeu_ps(u->d[kb], d);
         _mm256_storeu_ps(u->m[kb], m);
     }
@@ -319,21 +348,20 @@ INL void dot32_chunk(int t, const ubuf32 *u, int nkb, int nx, const xblock32 *x0
 
 /* few x rows, 4/5-bit weights: each block of the 8 rows unpacked on the fly, met by the x row's hi (and, if
  * two, lo) half quad by quad as it is made (few live vectors); returns acc_hi (+ acc_lo) */
-INL __m256 dot32v_direct(int t, int two, const uint8_t *const *rows, const xblock32 *xh, const xblock32 *xl,
+INL __m256 dot32v_direct(int t, int two, int pk, const uint8_t *const *rows, const xblock32 *xh, const xblock32 *xl,
                          int64_t nb, int64_t pf) {
     const int tb = type_bytes(t), off = t == T_Q4_0 ? 8 : t == T_Q5_0 ? 16 : 0, five = weight_bits(t) == 5;
-    const int qo = t == T_Q4_0 ? 2 : t == T_Q4_1 ? 4 : t == T_Q5_0 ? 6 : 8, ho = t == T_Q5_0 ? 2 : 4;
     const __m256i f = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), z = _mm256_setzero_si256();
     __m256 acc_hi = _mm256_setzero_ps(), acc_lo = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, xh++, xl++) {
         const int64_t o = b * tb;
-        for (int64_t c = 0; c < GROUP * tb; c += 64) _mm_prefetch((const char *)rows[0] + pf + GROUP * o + c, _MM_HINT_T0);
+        const uint8_t *p = rows[0] + GROUP * o;   /* packed: the block of the 8 rows (rows[0]: the group) */
+        /* the next group (pf bytes on) is one contiguous stretch in both layouts: prefetch it as fast as this one
+         * is read */
+        for (int64_t c = 0; c < GROUP * tb; c += 64) _mm_prefetch((const char *)p + pf + c, _MM_HINT_T0);
         __m256i T0, T1, T2, T3, QH = z;
-        transpose8x4(rows, o + qo, &T0, &T1, &T2, &T3);
-        if (five)
-            QH = _mm256_setr_epi32(ld32s(rows[0] + o + ho), ld32s(rows[1] + o + ho), ld32s(rows[2] + o + ho),
-                                   ld32s(rows[3] + o + ho), ld32s(rows[4] + o + ho), ld32s(rows[5] + o + ho),
-                                   ld32s(rows[6] + o + ho), ld32s(rows[7] + o + ho));
+        __m256 d, m;
+        block32(t, pk, rows, p, o, &T0, &T1, &T2, &T3, &QH, &d, &m);
         /* int16 sums: 4-bit, all 8 quads in ha / la; 5-bit, quads 0 1 4 5 there, 2 3 6 7 in hb / lb */
         __m256i ha = z, la = z, hb = z, lb = z;
 #define QUAD(V, c, H, L)                                                                     \
@@ -354,8 +382,6 @@ INL __m256 dot32v_direct(int t, int two, const uint8_t *const *rows, const xbloc
         if (five) { PAIR(T2, T3, 2, hb, lb) } else { PAIR(T2, T3, 2, ha, la) }
 #undef PAIR
 #undef QUAD
-        __m256 d, m;
-        scales8(rows, o, &d, &m);
 #define HALF(HA, HB, X, ACC)                                                                            \
         {                                                                                               \
             __m256i i = _mm256_madd_epi16(HA, ones);                                                    \
@@ -378,7 +404,7 @@ INL __m256i dot_direct(__m256i w, __m256i xv) { return _mm256_maddubs_epi16(_mm2
 
 /* one x row's hi (and, if two, lo) half against 8 weight rows, each block's weights loaded once for both:
  * returns acc_hi (+ acc_lo) */
-INL __m256 q8_direct(int two, const uint8_t *const *rows, const xblock32 *xh, const xblock32 *xl, int64_t nb,
+INL __m256 q8_direct(int two, int pk, const uint8_t *const *rows, const xblock32 *xh, const xblock32 *xl, int64_t nb,
                      int64_t pf) {
     const int tb = type_bytes(T_Q8_0);
     __m256 acc_hi = _mm256_setzero_ps(), acc_lo = _mm256_setzero_ps();
@@ -388,13 +414,15 @@ INL __m256 q8_direct(int two, const uint8_t *const *rows, const xblock32 *xh, co
         /* the next group's 8 rows are one contiguous stretch: prefetch it front to back, 8 blocks' worth of
          * bytes per step, as fast as this group is read */
         for (int64_t c = 0; c < GROUP * tb; c += 64) _mm_prefetch((const char *)rows[0] + pf + GROUP * o + c, _MM_HINT_T0);
-#define ROW(r) const __m256i w##r = ld256(rows[r] + o + 2);
+        const uint8_t *p = rows[0] + GROUP * o;   /* packed: d[8], then the 8 rows' 32 bytes */
+#define ROW(r) const __m256i w##r = pk ? ld256(p + 16 + 32 * r) : ld256(rows[r] + o + 2);
         ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7)
 #undef ROW
 #define D(x) rowsums8(dot_direct(w0, x), dot_direct(w1, x), dot_direct(w2, x), dot_direct(w3, x), \
                       dot_direct(w4, x), dot_direct(w5, x), dot_direct(w6, x), dot_direct(w7, x))
         __m256 d, m;
-        scales8(rows, o, &d, &m);
+        if (pk) d = _mm256_cvtph_ps(ld128(p));
+        else scales8(rows, o, &d, &m);
         const __m256i isum_h = D(xvh);
         COMBINE_D(v8, acc_hi, d, _mm256_set1_ps(xh->d), isum_h);
         if (two) {
@@ -864,15 +892,16 @@ AVX2 static void mm_task(const mm_job *j, int64_t group, int64_t m0, int64_t m1)
             if (type_block(t) == 32) {
                 const int64_t nb = j->K / 32;
                 const xblock32 *xh = (const xblock32 *)h, *xl = (const xblock32 *)l;
-#define DIRECT(TWO)                                                                          \
-                switch (t) {                                                                 \
-                case T_Q4_0: out[i] = dot32v_direct(T_Q4_0, TWO, rows, xh, xl, nb, pf); break; \
-                case T_Q4_1: out[i] = dot32v_direct(T_Q4_1, TWO, rows, xh, xl, nb, pf); break; \
-                case T_Q5_0: out[i] = dot32v_direct(T_Q5_0, TWO, rows, xh, xl, nb, pf); break; \
-                case T_Q5_1: out[i] = dot32v_direct(T_Q5_1, TWO, rows, xh, xl, nb, pf); break; \
-                default: out[i] = q8_direct(TWO, rows, xh, xl, nb, pf); break;                \
+#define DIRECT(TWO, PK)                                                                          \
+                switch (t) {                                                                     \
+                case T_Q4_0: out[i] = dot32v_direct(T_Q4_0, TWO, PK, rows, xh, xl, nb, pf); break; \
+                case T_Q4_1: out[i] = dot32v_direct(T_Q4_1, TWO, PK, rows, xh, xl, nb, pf); break; \
+                case T_Q5_0: out[i] = dot32v_direct(T_Q5_0, TWO, PK, rows, xh, xl, nb, pf); break; \
+                case T_Q5_1: out[i] = dot32v_direct(T_Q5_1, TWO, PK, rows, xh, xl, nb, pf); break; \
+                default: out[i] = q8_direct(TWO, PK, rows, xh, xl, nb, pf); break;                \
                 }
-                if (hv == 2) { DIRECT(1) } else { DIRECT(0) }
+                if (j->packed) { if (hv == 2) { DIRECT(1, 1) } else { DIRECT(0, 1) } }
+                else if (hv == 2) { DIRECT(1, 0) } else { DIRECT(0, 0) }
 #undef DIRECT
             } else {
                 const int64_t nb = j->K / 256;
@@ -896,7 +925,8 @@ AVX2 static void mm_task(const mm_job *j, int64_t group, int64_t m0, int64_t m1)
             const int64_t nb = j->K / 32;
             for (int64_t b0 = 0; b0 < nb; b0 += KC) {
                 int nkb = nb - b0 < KC ? (int)(nb - b0) : KC;
-                unpack32(t, rows, b0, nkb, &u);
+                if (j->packed) unpack32(t, 1, rows, rows[0], b0, nkb, &u);
+                else unpack32(t, 0, rows, rows[0], b0, nkb, &u);
                 for (int64_t i = 0, nx; i < mq; i += nx) {   /* 4 half-rows at a time, then 2 (a last one: twice) */
                     nx = mq - i >= 4 ? 4 : 2;
                     const xblock32 *x0 = (const xblock32 *)(xq + i * xrb) + b0;

@@ -346,18 +346,38 @@ static int get_scratch(PyObject *o, const char *fn, int64_t need, buf *b) {
     return 0;
 }
 
+/* packed weights (kernels.h): a 32-value type, whole groups of 8 rows */
+static int check_packable(const char *fn, int qtype, PyObject *wo) {
+    if (!packable(qtype)) {
+        PyErr_Format(PyExc_ValueError, "%s: qtype %d cannot be packed (Q4_0=2 Q4_1=3 Q5_0=6 Q5_1=7 Q8_0=8 can)", fn,
+                     qtype);
+        return -1;
+    }
+    PyObject *shape = PyObject_GetAttrString(wo, "shape");
+    Py_ssize_t rows = shape && PyTuple_Check(shape) && PyTuple_GET_SIZE(shape) == 2
+                      ? PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, 0)) : -1;
+    Py_XDECREF(shape);
+    PyErr_Clear();
+    if (rows < 0 || rows % GROUP) {
+        PyErr_Format(PyExc_ValueError, "%s: packed weights come in groups of %d rows, got %zd rows", fn, GROUP, rows);
+        return -1;
+    }
+    return 0;
+}
+
 /* ======================================================================================================
  * Python functions
  * ==================================================================================================== */
 static PyObject *py_matmul(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *xo, *wo, *oo, *so = Py_None;
-    int qtype, halves = 2;
-    if (!PyArg_ParseTuple(args, "OOiO|Oi:matmul", &xo, &wo, &qtype, &oo, &so, &halves)) return NULL;
+    int qtype, halves = 2, packed = 0;
+    if (!PyArg_ParseTuple(args, "OOiO|Oip:matmul", &xo, &wo, &qtype, &oo, &so, &halves, &packed)) return NULL;
     buf x = {0}, w = {0}, out = {0}, sc = {0};
     PyObject *ret = NULL;
     int64_t ldo = 0;
     if (check_qtype("matmul", qtype) || check_halves("matmul", halves)) goto done;
+    if (packed && check_packable("matmul", qtype, wo)) goto done;
     if (get2d(xo, "matmul", "x", 'f', 0, &x) || get2d(wo, "matmul", "w", 'B', 0, &w) ||
         get2d_ld(oo, "matmul", "out", 'f', 1, 1, &out, &ldo))
         goto done;
@@ -382,6 +402,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
         c.j.x = (const float *)x.v.buf; c.j.w = (const uint8_t *)w.v.buf; c.j.row_bytes = w.v.shape[1];
         c.j.out = (float *)out.v.buf; c.j.ldo = ldo; c.j.xq = xrb ? sc.v.buf : NULL; c.j.xq_row_bytes = xrb;
         c.j.halves = halves;
+        c.j.packed = packed;
         c.j.n_groups = (N + GROUP - 1) / GROUP;
         c.j.mtile = M < MTILE ? M : MTILE;
         c.n_mtiles = (M + c.j.mtile - 1) / c.j.mtile;
@@ -463,6 +484,98 @@ done:
     return ret;
 }
 
+typedef struct { int qtype; const uint8_t *w; uint8_t *out; int64_t rb, nb; } pack_ctx;
+
+static void pack_tasks(void *ctx, int64_t g0, int64_t g1) {   /* groups g0..g1-1; out may be w (a group at a time) */
+    pack_ctx *c = (pack_ctx *)ctx;
+    uint8_t *tmp = malloc((size_t)(GROUP * c->rb));
+    if (!tmp) abort();
+    for (int64_t g = g0; g < g1; g++) {
+        memcpy(tmp, c->w + g * GROUP * c->rb, (size_t)(GROUP * c->rb));
+        const uint8_t *rows[GROUP];
+        for (int r = 0; r < GROUP; r++) rows[r] = tmp + r * c->rb;
+        pack_group(c->qtype, rows, c->nb, c->out + g * GROUP * c->rb);
+    }
+    free(tmp);
+}
+
+static PyObject *py_pack(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *wo, *oo;
+    int qtype;
+    if (!PyArg_ParseTuple(args, "OiO:pack", &wo, &qtype, &oo)) return NULL;
+    buf w = {0}, out = {0};
+    PyObject *ret = NULL;
+    int64_t K;
+    if (check_qtype("pack", qtype) || check_packable("pack", qtype, wo) || get2d(wo, "pack", "w", 'B', 0, &w) ||
+        get2d(oo, "pack", "out", 'B', 1, &out) || values_per_row("pack", qtype, w.v.shape[1], &K))
+        goto done;
+    if (out.v.shape[0] != w.v.shape[0] || out.v.shape[1] != w.v.shape[1]) {
+        PyErr_Format(PyExc_ValueError, "pack: out must have w's shape [%zd, %zd], got [%zd, %zd]", w.v.shape[0],
+                     w.v.shape[1], out.v.shape[0], out.v.shape[1]);
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    pack_ctx c = {qtype, (const uint8_t *)w.v.buf, (uint8_t *)out.v.buf, w.v.shape[1], K / 32};
+    int64_t G = w.v.shape[0] / GROUP;
+    pool_run(pack_tasks, &c, G, chunk_for(G));
+    Py_END_ALLOW_THREADS
+    Py_INCREF(oo);
+    ret = oo;
+done:
+    release(&w); release(&out);
+    return ret;
+}
+
+static PyObject *py_unpack_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *wo, *io, *oo;
+    int qtype;
+    if (!PyArg_ParseTuple(args, "OiOO:unpack_rows", &wo, &qtype, &io, &oo)) return NULL;
+    buf w = {0}, ids = {0}, out = {0};
+    PyObject *ret = NULL;
+    int64_t K;
+    if (check_qtype("unpack_rows", qtype) || check_packable("unpack_rows", qtype, wo) ||
+        get2d(wo, "unpack_rows", "w", 'B', 0, &w) || get2d(oo, "unpack_rows", "out", 'B', 1, &out) ||
+        values_per_row("unpack_rows", qtype, w.v.shape[1], &K))
+        goto done;
+    if (PyObject_GetBuffer(io, &ids.v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0 || ids.v.itemsize != 8 ||
+        !(fmt_is(&ids.v, 'q') || fmt_is(&ids.v, 'l'))) {
+        if (!PyErr_Occurred()) ids.held = 1;
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, "unpack_rows: ids must be a contiguous int64 array");
+        goto done;
+    }
+    ids.held = 1;
+    int64_t n = ids.v.len / 8, R = w.v.shape[0], rb = w.v.shape[1];
+    if (out.v.shape[0] != n || out.v.shape[1] != rb) {
+        PyErr_Format(PyExc_ValueError, "unpack_rows: out must have shape [%lld, %lld], got [%zd, %zd]", (long long)n,
+                     (long long)rb, out.v.shape[0], out.v.shape[1]);
+        goto done;
+    }
+    const int64_t *id = (const int64_t *)ids.v.buf;
+    for (int64_t i = 0; i < n; i++)
+        if (id[i] < 0 || id[i] >= R) {
+            PyErr_Format(PyExc_IndexError, "unpack_rows: row %lld is out of range for %lld rows", (long long)id[i],
+                         (long long)R);
+            goto done;
+        }
+    uint8_t *tmp = malloc((size_t)(GROUP * rb));
+    if (!tmp) { PyErr_NoMemory(); goto done; }
+    for (int64_t i = 0; i < n; i++) {   /* a row's group back to the file's layout, then its row */
+        uint8_t *rows[GROUP];
+        for (int r = 0; r < GROUP; r++) rows[r] = tmp + r * rb;
+        unpack_group(qtype, (const uint8_t *)w.v.buf + id[i] / GROUP * GROUP * rb, K / 32, rows);
+        memcpy((uint8_t *)out.v.buf + i * rb, rows[id[i] % GROUP], (size_t)rb);
+    }
+    free(tmp);
+    Py_INCREF(oo);
+    ret = oo;
+done:
+    release(&w); release(&ids); release(&out);
+    return ret;
+}
+
 static PyObject *py_scratch_bytes(PyObject *self, PyObject *args) {
     (void)self;
     long long M, K;
@@ -535,10 +648,13 @@ static PyObject *py_shutdown(PyObject *self, PyObject *noargs) {
 }
 
 static PyMethodDef methods[] = {
-    {"matmul", py_matmul, METH_VARARGS, "matmul(x, w, qtype, out, scratch=None, halves=2): out = x w^T on GGUF blocks"},
+    {"matmul", py_matmul, METH_VARARGS,
+     "matmul(x, w, qtype, out, scratch=None, halves=2, packed=False): out = x w^T on GGUF blocks"},
     {"quantize_rows", py_quantize_rows, METH_VARARGS,
      "quantize_rows(x, qtype, scratch, halves=2): x rows -> int8 blocks, a hi (and a lo) row of blocks for each"},
     {"dequantize", py_dequantize, METH_VARARGS, "dequantize(w, qtype, out): GGUF block rows -> f32 rows"},
+    {"pack", py_pack, METH_VARARGS, "pack(w, qtype, out): GGUF rows -> packed groups of 8 rows (out may be w)"},
+    {"unpack_rows", py_unpack_rows, METH_VARARGS, "unpack_rows(w, qtype, ids, out): rows ids of packed w as GGUF rows"},
     {"scratch_bytes", py_scratch_bytes, METH_VARARGS,
      "scratch_bytes(M, K, qtype, halves=2): bytes of quantized x"},
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n): n threads in all (the caller included)"},

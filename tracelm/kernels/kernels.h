@@ -59,6 +59,14 @@
  *  - rope, per pair (a, b) with the table values at each one's dim: a' = a ca + (-b) sa, b' = b cb + a sb.
  *
  * No FMA: the build uses -ffp-contract=off and the AVX2 code is compiled without the fma target.
+ *
+ * Packed weights (x8). A matrix of a 32-value type (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0) with a multiple of 8 rows may be
+ * held packed: each group of 8 rows keeps its 8 * row_bytes bytes, reordered block by block so that a kernel
+ * loads a block of the 8 rows with a few vector loads instead of gathering it (llama.cpp repacks likewise). Block
+ * b of the group is 8 * tb bytes at b * 8 * tb: the 8 rows' f16 d; then (Q4_1, Q5_1) their f16 m; then (Q5_0,
+ * Q5_1) their 32-bit qh; then the quants: Q4/Q5, dword c (c = 0..3) of row r's 16 nibble bytes at 32 c + 4 r;
+ * Q8_0, row r's 32 bytes at 32 r. Only the place of each byte changes: the numbers, and so the bits, are those
+ * of the file's rows.
  */
 #ifndef TRACELM_KERNELS_H
 #define TRACELM_KERNELS_H
@@ -101,6 +109,7 @@ typedef struct {
     const void *xq;         /* quantized x rows (quantized types): halves * M rows, hi (and lo) of each x row */
     int64_t xq_row_bytes;   /* bytes of one half-row */
     int halves;             /* 1: hi only; 2: hi and lo */
+    int packed;             /* w is packed (x8, above): group g at w + 8 g row_bytes */
     int64_t n_groups;       /* ceil(N / GROUP) */
     int64_t mtile;          /* x rows per task */
 } mm_job;
@@ -297,6 +306,11 @@ typedef struct {
 extern const kernel_path portable_path;
 extern const kernel_path avx2_path;   /* only if compiled for x86-64 */
 int avx2_compiled(void);
+
+/* packed weights (x8): which types, and the layout both ways (one group of 8 rows of nb blocks) */
+static inline int packable(int t) { return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0; }
+void pack_group(int qtype, const uint8_t *const rows[8], int64_t nb, uint8_t *out);
+void unpack_group(int qtype, const uint8_t *group, int64_t nb, uint8_t *const rows[8]);
 
 /* dequantize rows (portable only; matches gguf.quants bit for bit) */
 void dequantize_rows(int qtype, const uint8_t *w, int64_t row_bytes, int64_t K, float *out, int64_t r0, int64_t r1);

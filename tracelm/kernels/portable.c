@@ -1,6 +1,7 @@
 /* The portable path: plain C, one output at a time. It is the readable statement of the fixed order (see
  * kernels.h); the AVX2 path computes the same integers and runs the same float operations per lane. */
 #include <math.h>
+#include <stdlib.h>
 
 #include "kernels.h"
 
@@ -209,9 +210,19 @@ static float dot_f(int t, const uint8_t *w, const float *x, int64_t K) {
 /* out = acc_hi + acc_lo: the two halves' sums, each from 0 (kernels.h) */
 static void mm_task(const mm_job *j, int64_t group, int64_t m0, int64_t m1) {
     int t = j->qtype;
-    int64_t n1 = (group + 1) * GROUP < j->N ? (group + 1) * GROUP : j->N;
-    for (int64_t n = group * GROUP; n < n1; n++) {
-        const uint8_t *w = j->w + n * j->row_bytes;
+    int64_t n0 = group * GROUP, n1 = (group + 1) * GROUP < j->N ? (group + 1) * GROUP : j->N;
+    const uint8_t *base = j->w + n0 * j->row_bytes;   /* the group's rows, as the file has them */
+    uint8_t *own = NULL;
+    if (j->packed) {   /* back to the file's layout first: the same bytes, so the same numbers */
+        own = malloc((size_t)(GROUP * j->row_bytes));
+        if (!own) abort();
+        uint8_t *rows[GROUP];
+        for (int r = 0; r < GROUP; r++) rows[r] = own + r * j->row_bytes;
+        unpack_group(t, base, j->K / 32, rows);
+        base = own;
+    }
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *w = base + (n - n0) * j->row_bytes;
         for (int64_t m = m0; m < m1; m++) {
             float r;
             if (is_float_type(t)) {
@@ -229,6 +240,7 @@ static void mm_task(const mm_job *j, int64_t group, int64_t m0, int64_t m1) {
             j->out[m * j->ldo + n] = r;
         }
     }
+    free(own);
 }
 
 const kernel_path portable_path = {"portable", quantize_row, mm_task, &portable_layer};
@@ -295,4 +307,30 @@ void dequantize_rows(int t, const uint8_t *w, int64_t row_bytes, int64_t K, floa
             }
         }
     }
+}
+
+/* ---- packed weights (x8, kernels.h): where byte i of row r's block goes in the group's block ---- */
+static int packed_pos(int t, int r, int i) {
+    const int has_m = t == T_Q4_1 || t == T_Q5_1, has_qh = t == T_Q5_0 || t == T_Q5_1;
+    const int qh_at = has_m ? 4 : 2, qs_at = 2 + 2 * has_m + 4 * has_qh;   /* in the file's block */
+    const int pqh = 16 + 16 * has_m, pqs = pqh + 32 * has_qh;            /* in the packed block */
+    if (i < 2) return 2 * r + i;                                          /* d */
+    if (has_m && i < 4) return 16 + 2 * r + (i - 2);                     /* m */
+    if (has_qh && i < qh_at + 4) return pqh + 4 * r + (i - qh_at);       /* qh */
+    int j = i - qs_at;
+    return t == T_Q8_0 ? pqs + 32 * r + j : pqs + 32 * (j / 4) + 4 * r + j % 4;
+}
+
+void pack_group(int t, const uint8_t *const rows[8], int64_t nb, uint8_t *out) {
+    const int tb = type_bytes(t);
+    for (int64_t b = 0; b < nb; b++)
+        for (int r = 0; r < 8; r++)
+            for (int i = 0; i < tb; i++) out[b * 8 * tb + packed_pos(t, r, i)] = rows[r][b * tb + i];
+}
+
+void unpack_group(int t, const uint8_t *group, int64_t nb, uint8_t *const rows[8]) {
+    const int tb = type_bytes(t);
+    for (int64_t b = 0; b < nb; b++)
+        for (int r = 0; r < 8; r++)
+            for (int i = 0; i < tb; i++) rows[r][b * tb + i] = group[b * 8 * tb + packed_pos(t, r, i)];
 }

@@ -11,7 +11,11 @@ def embed(table: np.ndarray | RowSource | QMatrix, ids: np.ndarray, start: int, 
     rows are dequantized (only those of the ids)."""
     if isinstance(table, QMatrix):
         (blocks, qtype), = table.parts
-        x = kernels.dequantize(blocks[np.asarray(ids, np.int64)], qtype)
+        if table.packed and kernels.packable(qtype, blocks.shape[0]):
+            rows = kernels.unpack_rows(blocks, qtype, ids)
+        else:
+            rows = blocks[np.asarray(ids, np.int64)]
+        x = kernels.dequantize(rows, qtype)
     else:
         x = table[ids]
     if scale != 1.0:

@@ -66,7 +66,8 @@ def linear_into(x: np.ndarray, w: QMatrix, out: np.ndarray, scratch: np.ndarray 
     lo = 0
     for blocks, qtype in w.parts:
         hi = lo + blocks.shape[0]
-        kernels.matmul(x, blocks, qtype, out=out[:, lo:hi], scratch=scratch, halves=w.halves)
+        kernels.matmul(x, blocks, qtype, out=out[:, lo:hi], scratch=scratch, halves=w.halves,
+                       packed=w.packed and kernels.packable(qtype, blocks.shape[0]))
         lo = hi
     return out
 
