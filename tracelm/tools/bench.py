@@ -312,7 +312,8 @@ def synthetic_blocks(qtype: int, shape: tuple[int, int], seed: int = 0) -> np.nd
 def bench_kernel_types(shape: tuple[int, int] = (8192, 4096), rows: tuple[int, ...] = (1, 8, 256)) -> dict[str, Any]:
     """Every type's product x[M, K] W^T on the kernels at M = rows, on a `shape` [N, K] matrix larger than the
     caches, next to numpy's f32 product with the same (dequantized) matrix: ms, GB/s of the type's bytes
-    (numpy: of the f32 bytes), GFLOP/s, and numpy's time over the kernels'."""
+    (numpy: of the f32 bytes), GFLOP/s, and numpy's time over the kernels'; for the types `kernels.pack` takes,
+    also the product on the packed matrix (what resident weights hold) and the file's rows over it."""
     import gguf
 
     import tracelm.kernels as kernels
@@ -321,6 +322,7 @@ def bench_kernel_types(shape: tuple[int, int] = (8192, 4096), rows: tuple[int, .
     for qtype in sorted(kernels.SUPPORTED):
         blocks = synthetic_blocks(qtype, shape)
         w32 = kernels.dequantize(blocks, qtype)
+        packed = kernels.pack(blocks, qtype) if kernels.packable(qtype, shape[0]) else None
         for m in rows:
             x = np.random.default_rng(1).standard_normal((m, shape[1]), dtype=np.float32)
             out = np.empty((m, shape[0]), np.float32)
@@ -333,6 +335,10 @@ def bench_kernel_types(shape: tuple[int, int] = (8192, 4096), rows: tuple[int, .
                 "gflop_s": round(flops / ours / 1e9, 1), "numpy_f32_ms": round(theirs * 1e3, 3),
                 "numpy_f32_gb_s": round(w32.nbytes / theirs / 1e9, 1),
                 "numpy_f32_gflop_s": round(flops / theirs / 1e9, 1), "numpy_over_kernels": round(theirs / ours, 2)}
+            if packed is not None:
+                p = _best_seconds(lambda: kernels.matmul(x, packed, qtype, out, scratch, packed=True), 3)  # noqa: B023
+                report[f"{gguf.GGMLQuantizationType(qtype).name}_M{m}"].update(
+                    packed_ms=round(p * 1e3, 3), rows_over_packed=round(ours / p, 2))
     return report
 
 
