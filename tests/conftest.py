@@ -27,7 +27,7 @@ def byte_level_vocab() -> list[str]:
     return [mapping[b] for b in range(256)]
 
 
-TINY = dict(n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=96, n_ctx=128, rope_base=10000.0)
+TINY = dict(n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=96, n_ctx=4096, rope_base=10000.0)
 
 
 F32 = gguf.GGMLQuantizationType.F32

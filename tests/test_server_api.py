@@ -13,7 +13,8 @@ import pytest
 
 from tests.test_server_helpers import ServerProcess, assert_openai_error
 from tracelm import TracelmError
-from tracelm.server.params import ApiError, parse_json, parse_request
+from tracelm.server.errors import ApiError
+from tracelm.server.params import parse_json, parse_request
 from tracelm.server.sessions import SessionStore
 
 KEY = "test-key-0123456789"
@@ -91,7 +92,7 @@ BAD_REQUESTS = [
     (M(prompt="hi", stop=[""]), 400, "stop", None),
     (M(prompt="hi", stop=["a"] * 17), 400, "stop", None),
     (M(prompt="hi", stop=["a" * 1025]), 400, "stop", None),
-    (M(prompt="hi", n=2), 400, "n", "unsupported"),
+    (M(prompt="hi", n=9), 400, "n", None),  # more than server.max_batch
     (M(prompt="hi", best_of=3), 400, "best_of", "unsupported"),
     (M(prompt="hi", echo=True), 400, "echo", "unsupported"),
     (M(prompt="hi", logit_bias={"x": 10}), 400, "logit_bias", None),
@@ -122,12 +123,14 @@ BAD_REQUESTS = [
     (C(), 400, "messages", None),
     (C(messages="hi"), 400, "messages", None),
     (C(messages=[]), 400, "messages", None),
-    (C(messages=[{"role": "tool", "content": "x"}]), 400, "messages[0].role", None),
+    (C(messages=[{"role": "tool", "content": "x"}]), 400, "messages[0].tool_call_id", None),
+    (C(messages=[{"role": "function", "content": "x"}]), 400, "messages[0].role", None),
     (C(messages=[{"role": "user", "content": 5}]), 400, "messages[0].content", None),
     (C(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400,
      "messages[0].content", None),
     (C(messages=[{"role": "user", "content": "hi", "tool_calls": []}]), 400, "messages[0]", None),
-    (C(messages=[{"role": "user", "content": "hi"}], tools=[{"type": "function"}]), 400, "tools", "unsupported"),
+    (C(messages=[{"role": "user", "content": "hi"}], tools=[{"type": "function"}]), 400, "tools[0]", None),
+    (C(messages=[{"role": "user", "content": "hi"}], functions=[{"name": "f"}]), 400, "functions", "unsupported"),
     (C(messages=[{"role": "user", "content": "hi"}], top_logprobs=3), 400, "top_logprobs", None),
     (C(messages=[{"role": "user", "content": "hi"}], prompt="hi"), 400, "prompt", "unrecognized_argument"),
 ]
@@ -147,8 +150,8 @@ def test_malformed_bodies_get_400(tiny_server, raw):
 
 
 def test_unknown_model_route_and_method(tiny_server):
-    r = post(tiny_server, "/v1/completions", {"model": "gpt-4", "prompt": "hi"})
-    assert_openai_error(r, 404, "model", "model_not_found")
+    r = post(tiny_server, "/v1/completions", {"model": "gpt-4", "prompt": "hi", "max_tokens": 1})
+    assert r.status == 200 and r.json()["model"] == tiny_server.model_id  # any name: the loaded model serves it
     assert_openai_error(post(tiny_server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
                         400, "model")
     assert_openai_error(tiny_server.request("GET", "/v1/nothing", headers=AUTH), 404)

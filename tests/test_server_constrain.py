@@ -128,3 +128,5 @@ def test_issue_acceptance_check_on_qwen(qwen_coder_path: Path) -> None:
     report = structured_output_check(str(qwen_coder_path), seeds=3)
     assert report["passed"] and report["valid"] == "3/3", report["runs"]
     assert all(r["finish_reason"] == "stop" for r in report["runs"])
+    assert report["tools"]["valid"] and report["tools"]["finish_reason"] == "tool_calls", report["tools"]
+    assert report["n"]["valid"] and len(report["n"]["choices"]) == 3, report["n"]

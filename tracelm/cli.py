@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -66,14 +69,19 @@ def _constraint(args: argparse.Namespace) -> Any:
 def cmd_run(args: argparse.Namespace) -> int:
     from tracelm.session import Session
 
-    with Session(config=_load_config(args)) as session:
+    with Session(config=_load_config(args)) as session, _interrupt_as_cancel() as interrupted:
         cfg = session.cfg
         ids = session.encode(cfg.prompt)
         session.check(len(ids))  # before the weights load
-        for _ in _echo(session.stream(cfg.prompt, trace_key_env=getattr(args, "trace_key_env", None))):
+        for _ in _echo(session.stream(cfg.prompt, trace_key_env=getattr(args, "trace_key_env", None),
+                                      cancel=interrupted.is_set)):
             pass
         s = session.stats
     sys.stdout.write("\n")
+    if interrupted.is_set():
+        trace = f"; the trace {cfg.trace.file} ends with an interrupted footer" if cfg.trace.file else ""
+        print(f"[interrupted after {s.n_generated} generated tokens{trace}]", file=sys.stderr)
+        return 130
     rate = s.n_generated / s.decode_seconds if s.decode_seconds else 0.0
     spec = (f", {s.n_generated / max(s.n_passes, 1):.2f} tokens per pass, {s.n_accepted}/{s.n_drafted} drafted "
             "accepted" if s.n_drafted else "")
@@ -82,36 +90,51 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_chat(args: argparse.Namespace) -> int:
-    from tracelm.session import Session, session_path
+@contextlib.contextmanager
+def _interrupt_as_cancel() -> Iterator[threading.Event]:
+    """The first Ctrl-C sets the event (generation ends after the token being computed, a trace gets its footer);
+    a second one interrupts at once. Only the main thread can take SIGINT: elsewhere the event is never set."""
+    interrupted = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield interrupted
+        return
 
-    interactive = sys.stdin.isatty() and not args.message
-    saved = session_path(args.session) if args.session else None
+    def on_sigint(_signum: int, _frame: Any) -> None:
+        interrupted.set()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield interrupted
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from tracelm.session import Session
+    from tracelm.tools.chat import ChatRepl, chat_lines
+
     with Session(config=_load_config(args)) as session:
-        if saved is not None and saved.exists():
-            session.load(saved)
-            print(f"[resumed session {args.session}: {len(session.messages)} messages]", file=sys.stderr)
-        inputs = iter(args.message) if args.message else sys.stdin
-        while True:
-            if interactive:
-                print("> ", end="", file=sys.stderr, flush=True)
-            line = next(inputs, None)
-            if line is None:
-                break
-            line = line.rstrip("\n")
-            if not line.strip():
-                continue
-            for _ in _echo(session.chat_stream(line)):
-                pass
-            sys.stdout.write("\n")
-            sys.stdout.flush()
-            if saved is not None:
-                session.save(saved)
-            s = session.stats
-            shift = f", context shifted: {session.shifted} tokens left out" if session.shifted else ""
-            print(f"[reused {s.n_reused} of {s.n_prompt} prompt tokens, {s.n_generated} generated{shift}]",
-                  file=sys.stderr)
-    return 0
+        if sys.stdin.isatty() and not args.message:  # a person at a terminal: the REPL
+            return ChatRepl(session, args.session).run()
+        return chat_lines(session, args.message or sys.stdin, args.session)
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tracelm.tools.batch import BatchOptions, is_model_name, run_batch
+
+    if args.config is not None and is_model_name(args.config):  # CONFIG_OR_MODEL: a model on the defaults
+        if args.model is not None:
+            raise TracelmError(f"batch: {args.config!r} names a model and so does --model: give it once")
+        args.model, args.config = args.config, None
+    opts = BatchOptions(_load_config(args), Path(args.input), Path(args.output),
+                        Path(args.traces) if args.traces else None, args.strict, args.engine, args.address,
+                        args.actors, args.cpus_per_actor, args.batch_size)
+    report = run_batch(opts)
+    print(report.describe(), file=sys.stderr)
+    return 1 if report.failed else 0
 
 
 def _echo(pieces: Iterator[str]) -> Iterator[str]:
@@ -190,6 +213,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             report = speculative_bench(args.model, args.draft_tokens, n_decode=args.decode_tokens, **engine)
         elif args.what == "kernels":
             report = {**bench_kernel_types(), **bench_kernels(args.model, compute=args.compute)}
+        elif args.what == "batch":
+            from tracelm.tools.bench_batch import bench_batch
+
+            report = bench_batch(args.model, args.items, args.decode_tokens, args.actors, **engine)
         elif args.what == "server":
             from tracelm.tools.bench_server import bench_server
 
@@ -240,6 +267,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from tracelm.audit.verify import read_trace, summary, verify
     from tracelm.session import trace_key
 
+    if args.action in ("view", "plot"):
+        return _trace_view_or_plot(args)
     trace = read_trace(args.trace)
     if args.action == "show":
         print(summary(trace))
@@ -252,13 +281,31 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 1
 
 
+def _trace_view_or_plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    if args.action == "plot":
+        from tracelm.tools.trace_plot import plot_trace
+
+        if not args.out:
+            raise TracelmError("trace plot: give --out FILE.png")
+        print(plot_trace(Path(args.trace), Path(args.out), args.token, args.stat), file=sys.stderr)
+        return 0
+    from tracelm.server.pages import TraceKey, serve_viewer
+    from tracelm.session import trace_key
+
+    key = TraceKey(trace_key(args.key_env), args.key_env) if args.key_env else None
+    serve_viewer(Path(args.trace), Path(args.replay) if args.replay else None, key, args.port)
+    return 0
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     from tracelm.audit.replay import replay
     from tracelm.session import trace_key
 
     key = trace_key(args.key_env) if args.key_env else None
     report = replay(args.trace, args.model, args.allow_model_change, key)
-    print(report.describe())
+    print(json.dumps({"trace": args.trace, **report.as_dict()}, indent=1) if args.json else report.describe())
     return report.status
 
 
@@ -277,6 +324,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None:
             args.set = [*(args.set or []), f"server.{key}={json.dumps(value)}"]
+    if args.strict_model:
+        args.set = [*(args.set or []), "server.strict_model=true"]
     serve(_load_config(args), args.host, args.port)  # the server's Session sets the config's thread limits
     return 0
 
@@ -291,6 +340,11 @@ def cmd_check(args: argparse.Namespace) -> int:
         for r in report["runs"]:
             print(f"seed {r['seed']:3d}: {'valid' if r['valid'] else 'INVALID: ' + str(r['why'])}"
                   + (f" ({r['tokens']} tokens, {r['finish_reason']})" if "tokens" in r else ""))
+        t, n = report["tools"], report["n"]
+        print(f"tools: {'valid' if t['valid'] else 'INVALID: ' + str(t['why'])} ({t['calls']} call(s), "
+              f"{t['name']}({t['arguments']}), {t['finish_reason']})")
+        print(f"n={len(n['choices'])}: {'valid' if n['valid'] else 'INVALID: ' + str(n['why'])} "
+              f"(prefill_passes {n['usage'].get('prefill_passes')})")
         print(f"{report['model']}: {report['valid']} replies validate against the schema ({report['seconds']} s)")
     return 0 if report["passed"] else 1
 
@@ -309,7 +363,7 @@ CONFIG_HELP = ("YAML run config: a file, or a packaged config's name (smollm2, g
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tracelm", description="Auditable LLM inference on the CPU.")
     sub = p.add_subparsers(dest="command", required=True)
-    for add in (_add_run_commands, _add_file_commands, _add_audit_commands, _add_bench_command):
+    for add in (_add_run_commands, _add_batch_command, _add_file_commands, _add_audit_commands, _add_bench_command):
         add(sub)
     return p
 
@@ -339,7 +393,8 @@ def _add_run_commands(sub: Any) -> None:
     sp.add_argument("--trace-key-env", metavar="NAME", help="sign the trace with HMAC-SHA256, key from env var NAME")
     sp.set_defaults(fn=cmd_run)
 
-    sp = sub.add_parser("chat", help="multi-turn chat with the model's chat template (lines on stdin)")
+    sp = sub.add_parser("chat", help="multi-turn chat with the model's chat template (at a terminal: line editing, "
+                        "Ctrl-C stops a reply, /help lists the commands; piped: one turn per line of stdin)")
     _run_options(sp)
     sp.add_argument("--message", action="append", help="a user turn (repeatable) instead of stdin")
     sp.add_argument("--session", metavar="NAME", help="resume the conversation saved as NAME (in TRACELM_HOME/"
@@ -361,7 +416,36 @@ def _add_run_commands(sub: Any) -> None:
                     "survive a restart (server.sessions_dir)")
     sp.add_argument("--sessions-max-mb", type=int, metavar="MB", help="disk the saved sessions may take, least "
                     "recently used deleted first (server.sessions_max_mb, default 2048)")
+    sp.add_argument("--strict-model", action="store_true", help="answer 404 to a request naming another model than "
+                    "the loaded one (by default any name is served by it, as llama-server and Ollama do)")
     sp.set_defaults(fn=cmd_serve)
+
+
+def _add_batch_command(sub: Any) -> None:
+    sp = sub.add_parser("batch", help="run a JSON-lines file of prompts (one model load, several sequences per "
+                        "pass), appending one result line per item; a re-run resumes", description="CONFIG_OR_MODEL: "
+                        "a YAML config (.yaml, or a packaged config's name) or a model (registry name or path). "
+                        "Input lines: {\"id\", \"prompt\"} or {\"id\", \"messages\"}, with optional max_tokens, "
+                        "stop, temperature, top_k, top_p, min_p, seed, repeat_penalty, repeat_last_n, "
+                        "frequency_penalty, presence_penalty. An item without a seed gets one derived from --seed "
+                        "and its id.")
+    _run_options(sp)
+    sp.add_argument("--input", required=True, metavar="FILE", help="JSON lines, one item each")
+    sp.add_argument("--output", required=True, metavar="FILE", help="JSON lines, one result each, appended; ids "
+                    "already in it are skipped")
+    sp.add_argument("--traces", metavar="DIR", help="keep each item's trace as DIR/<id>.jsonl (verifiable with "
+                    "`tracelm trace verify`); the output names it")
+    sp.add_argument("--strict", action="store_true", help="stop at the first bad input line (exit 2) instead of "
+                    "reporting and skipping it")
+    sp.add_argument("--engine", choices=("local", "ray"), default="local",
+                    help="local: this process; ray: Ray Data actors, each one model load (pip install 'tracelm[ray]')")
+    sp.add_argument("--address", help="ray: join the cluster at this address (e.g. ray://head:10001 or auto); "
+                    "default: start a local one")
+    sp.add_argument("--actors", type=int, default=2, help="ray: actors (model loads), default 2")
+    sp.add_argument("--cpus-per-actor", type=float, default=1.0,
+                    help="ray: CPUs each actor reserves, and its threads unless the config sets threads")
+    sp.add_argument("--batch-size", type=int, default=8, help="sequences decoded together per pass (1..8)")
+    sp.set_defaults(fn=cmd_batch)
 
 
 def _add_file_commands(sub: Any) -> None:
@@ -413,15 +497,23 @@ def _add_audit_commands(sub: Any) -> None:
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_validate)
 
-    sp = sub.add_parser("trace", help="check a trace's hash chain (verify) or summarise it (show), without the model")
-    sp.add_argument("action", choices=("verify", "show"))
+    sp = sub.add_parser("trace", help="check a trace's hash chain (verify), summarise it (show), open it in the "
+                        "web viewer (view) or draw its stage grid and tokens/s (plot), without the model")
+    sp.add_argument("action", choices=("verify", "show", "view", "plot"))
     sp.add_argument("trace", metavar="TRACE")
-    sp.add_argument("--key-env", metavar="NAME", help="verify: also check every line's HMAC, key from env var NAME")
+    sp.add_argument("--key-env", metavar="NAME", help="verify, view: also check every line's HMAC, key from env var "
+                    "NAME")
+    sp.add_argument("--replay", metavar="REPORT", help="view: also show this `tracelm replay --json` report")
+    sp.add_argument("--port", type=int, default=0, help="view: port on 127.0.0.1 (default: any free one)")
+    sp.add_argument("--out", metavar="FILE", help="plot: the image to write (.png, .svg, .pdf)")
+    sp.add_argument("--token", type=int, help="plot: the pass whose grid is drawn (default: the first decode pass)")
+    sp.add_argument("--stat", choices=("rms", "maxabs", "dur_us"), default="rms", help="plot: the grid's statistic")
     sp.set_defaults(fn=cmd_trace)
 
     sp = sub.add_parser("check", help="structured-output: issue 15's acceptance check -- `tracelm serve` on the model, "
                         "one json_schema chat request per seed 1..N at temperature 0.8, each reply validated by "
-                        "jsonschema (exit 0: all valid, 1: not)")
+                        "jsonschema; then with the openai client a weather tool request (its call's arguments "
+                        "validated) and an n=3 request (three choices, one prefill) (exit 0: all valid, 1: not)")
     sp.add_argument("what", choices=("structured-output",))
     sp.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     sp.add_argument("--seeds", type=int, default=20)
@@ -436,20 +528,26 @@ def _add_audit_commands(sub: Any) -> None:
     sp.add_argument("--allow-model-change", action="store_true",
                     help="replay even if the model's sha256 differs from the recorded one")
     sp.add_argument("--key-env", metavar="NAME", help="check the trace's HMAC first, key from env var NAME")
+    sp.add_argument("--json", action="store_true", help="print the report as JSON (`tracelm trace view TRACE "
+                    "--replay REPORT` shows it on the trace's grid)")
     sp.set_defaults(fn=cmd_replay)
 
 
 def _add_bench_command(sub: Any) -> None:
     sp = sub.add_parser("bench", help="load time, prefill and decode rates, peak RSS, against the machine's limits "
                         "(`bench tokenizer`: encode/decode throughput; `bench server`: N streams decoded together; "
+                        "`bench batch`: --items prompts as one `tracelm batch` vs separate runs, and on Ray; "
                         "`bench speculative`: prompt-lookup decoding "
                         "vs plain; `bench kernels`: dequantization and "
                         "weight-product rates at the model's shapes)")
-    sp.add_argument("what", nargs="?", choices=("model", "tokenizer", "kernels", "speculative", "server"),
+    sp.add_argument("what", nargs="?", choices=("model", "tokenizer", "kernels", "speculative", "server", "batch"),
                     default="model")
     sp.add_argument("--streams", default="1,2,4,8", metavar="N1,N2,...",
                     help="bench server: concurrent streams decoded together through the server's engine (1..8 each); "
                     "aggregate decode tok/s and the ratio to the first")
+    sp.add_argument("--items", type=int, default=64,
+                    help="bench batch: prompts run as one `tracelm batch` and as separate `tracelm run` calls")
+    sp.add_argument("--actors", type=int, default=2, help="bench batch: the Ray engine's actors")
     sp.add_argument("--draft-tokens", type=int, default=15,
                     help="bench speculative: most tokens guessed per pass (prompt lookup)")
     sp.add_argument("--input-file", metavar="FILE", help="bench tokenizer: the text to encode (default: English prose)")

@@ -18,17 +18,20 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 
 from tracelm.io.chat_template import encode_chat
+from tracelm.io.grammar import closed as closed_schema
+from tracelm.io.grammar import unspellable
 from tracelm.io.loader import LoadedModel, ModelFile
 from tracelm.io.registry import home, path_sha256
 from tracelm.io.run_config import load_run_config
 from tracelm.io.session_file import SUFFIX, SavedSession, check_session, config_dict, read_session, write_session
+from tracelm.pipeline.bounds import check_run
 from tracelm.pipeline.runner import (
     Generation,
     GenerationStats,
@@ -44,8 +47,9 @@ from tracelm.stages.sample import top_logprobs
 
 # what the server, replay and the tools use of the engine, through the front door
 __all__ = ["SUFFIX", "Generation", "GenerationStats", "Runner", "Session", "ThreadLimits", "Tracer", "chat_prompt",
-           "load_conversation", "numerics", "run_config", "save_conversation", "shift_chat", "top_logprobs",
-           "trace_key", "write_footer"]
+           "check_sampling", "closed_schema", "encode_chat", "load_conversation", "numerics", "run_config",
+           "save_conversation", "shift_chat", "top_logprobs",
+           "trace_key", "unspellable", "write_footer"]
 from tracelm.state.errors import SessionIncompatible, TracelmError
 from tracelm.state.records import SamplingParams
 from tracelm.state.run_config import ACTIVATION_MODES, RunConfig, TraceOptions
@@ -215,6 +219,8 @@ class Session:
             self.limits = ThreadLimits(self.cfg.threads, self.cfg.compute)
             self.source = ModelFile(self.cfg.model, self.cfg.tokenizer)
             self.path, self.tokenizer = self.source.path, self.source.tokenizer
+            check_run(self.source.cfg, self.cfg.context, self.cfg.rope_scale,  # before any weight is allocated
+                      self.source.weights_bytes(self.cfg.weights, self.cfg.compute), self.path.name)
         self.messages: list[dict[str, str]] = self._new_conversation()
         self.trace_chain: str | None = None  # the last line hash of this conversation's latest trace
         self.last_trace_hash: str | None = None  # ... of the last call's trace (None: it wrote none)
@@ -224,8 +230,8 @@ class Session:
     @property
     def model(self) -> LoadedModel:
         if self._model is None:
-            self._model = with_activations(self.source.load(self.progress, self.cfg.weights, self.cfg.compute),
-                                           self.cfg)
+            self._model = with_activations(self.source.load(self.progress, self.cfg.weights, self.cfg.compute,
+                                                            self.cfg.rope_scale), self.cfg)
         return self._model
 
     @property
@@ -271,14 +277,16 @@ class Session:
 
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int | None = None, stop: Sequence[str] | None = None,
                trace: str | os.PathLike | Tracer | None = None, trace_key_env: str | None = None,
-               trace_continues: str | None = None, **sampling: Any) -> Iterator[str]:
+               trace_continues: str | None = None, cancel: Callable[[], bool] | None = None,
+               **sampling: Any) -> Iterator[str]:
         """Text as it is decoded from `prompt` (text, or token ids as they are). Keyword arguments override
         the config: max_tokens, stop, any SamplingParams field (temperature, top_k, top_p, min_p, seed, logit_bias,
         constraint: a Constraint or a mapping of its fields),
         and `trace`, a file that gets this call's trace (the config's trace.file when not given), signed
         with the key in the environment variable `trace_key_env`, whose header names `trace_continues` (the last
         hash of the trace it follows; `last_trace_hash` is then this one's); or an open Tracer that records the
-        call's events only (replay's comparer)."""
+        call's events only (replay's comparer). `cancel()`, asked before each token, ends the call early when True
+        (a traced one's footer then says `status: interrupted`, as after a KeyboardInterrupt)."""
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
         max_tokens = self.cfg.max_tokens if max_tokens is None else max_tokens
         self.check(len(ids), max_tokens)
@@ -289,18 +297,27 @@ class Session:
         self.check_sampling(params)
         stop = self.cfg.stop if stop is None else tuple(stop)
         text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
-        cfg = attrs.evolve(self.cfg, prompt=text, max_tokens=max_tokens, stop=stop, sampling=params)
+        try:
+            cfg = attrs.evolve(self.cfg, prompt=text, max_tokens=max_tokens, stop=stop, sampling=params)
+        except (TypeError, ValueError) as e:
+            raise TracelmError(str(e)) from None
         if isinstance(trace, Tracer):
-            yield from self.runner.generate(ids, max_tokens, params, stop, tracer=trace)
+            yield from self.runner.generate(ids, max_tokens, params, stop, tracer=trace, cancel=cancel)
             return
         self.last_trace_hash = None
         with self.open_trace(ids, trace, trace_key_env, cfg, continues=trace_continues) as tracer:
             out = []
-            for piece in self.runner.generate(ids, max_tokens, params, stop, tracer=tracer):
-                out.append(piece)
-                yield piece
+            try:
+                for piece in self.runner.generate(ids, max_tokens, params, stop, tracer=tracer, cancel=cancel):
+                    out.append(piece)
+                    yield piece
+            except KeyboardInterrupt:
+                if tracer is not None:  # the events up to the interruption, closed by a footer that says so
+                    write_footer(tracer, self.runner.stats, "".join(out), status="interrupted")
+                raise
             if tracer is not None:
-                write_footer(tracer, self.runner.stats, "".join(out))
+                cancelled = cancel is not None and self.runner.stats.finish_reason == "cancelled"
+                write_footer(tracer, self.runner.stats, "".join(out), status="interrupted" if cancelled else "complete")
                 self.last_trace_hash = tracer.prev
 
     def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> str:

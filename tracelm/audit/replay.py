@@ -25,8 +25,8 @@ import attrs
 from tracelm.audit.verify import Trace, read_trace, verify
 from tracelm.io.registry import path_sha256
 from tracelm.io.run_config import record_from_dict, run_config_from_dict
-from tracelm.pipeline.runner import common_prefix
-from tracelm.pipeline.trace import CHAIN_FIELDS, Tracer, is_timing_field
+from tracelm.pipeline.runner import GenerationStats, common_prefix
+from tracelm.pipeline.trace import CHAIN_FIELDS, Tracer, is_timing_field, tokenizer_sha256
 from tracelm.session import Session
 from tracelm.state.errors import TracelmError
 from tracelm.state.records import SamplingParams
@@ -41,6 +41,10 @@ REPRODUCED, DIVERGED = 0, 1  # exit statuses; 2 (cannot replay) is a TracelmErro
 
 class _Diverged(Exception):
     pass
+
+
+class _Reached(Exception):
+    """The replay passed the last recorded event of an interrupted run: everything recorded was compared."""
 
 
 @attrs.define
@@ -68,9 +72,16 @@ class Difference:
         rep = {k: v for k, v in (self.replayed or {}).items() if k in _SHOWN}
         return f"{', '.join(where)}: {self.reason}\n  recorded {json.dumps(rec)}\n  replayed {json.dumps(rep)}"
 
+    def as_dict(self) -> dict[str, Any]:
+        """The difference as `tracelm replay --json` reports it (the compared fields of both events)."""
+        shown = lambda e: {k: v for k, v in (e or {}).items() if k in _SHOWN}  # noqa: E731
+        return {"line": self.line, "kind": self.kind, "token": self.token, "layer": self.layer, "stage": self.stage,
+                "reason": self.reason, "recorded": shown(self.recorded), "replayed": shown(self.replayed)}
+
 
 _SHOWN = ("start", "n", "shape", "dtype", "mean", "rms", "maxabs", "digest", "id", "piece", "prob", "event",
-          "prompt_ids", "sampling")
+          "prompt_ids", "prompt_text", "sampling", "status", "last_token", "output_ids", "output_text", "n_generated",
+          "finish_reason")
 
 
 @attrs.define
@@ -82,12 +93,17 @@ class ReplayReport:
     first_bit_difference: Difference | None = None
     divergence: Difference | None = None
     notes: list[str] = attrs.Factory(list)
+    checked: list[str] = attrs.Factory(list)  # what was recomputed and compared with the recording
+    interrupted_at: int | None = None  # a trace of an interrupted run: replayed up to its last complete token
 
     def describe(self) -> str:
         lines = list(self.notes)
+        if self.checked:
+            lines.append("checked: " + "; ".join(self.checked))
         if self.divergence is None:
             exact = self.first_bit_difference is None
-            lines.append(f"reproduced: {self.compared} events compared, "
+            upto = "" if self.interrupted_at is None else f" up to the interruption at token {self.interrupted_at}"
+            lines.append(f"reproduced{upto}: {self.compared} events compared, "
                          + ("every stage output bit-identical" if exact else
                             f"{self.bit_exact} stage outputs bit-identical, {self.within_tolerance} differ in bits "
                             f"but agree within rtol {STATS_RTOL}"))
@@ -98,6 +114,14 @@ class ReplayReport:
             lines.append("first bit-level difference (within tolerance):")
             lines.append("  " + self.first_bit_difference.describe().replace("\n", "\n  "))
         return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        """`tracelm replay --json`: the verdict, the counts, and where the runs part (null when they do not)."""
+        part = lambda d: d.as_dict() if d is not None else None  # noqa: E731
+        return {"status": "reproduced" if self.status == REPRODUCED else "diverged", "exit_status": self.status,
+                "compared": self.compared, "bit_exact": self.bit_exact, "within_tolerance": self.within_tolerance,
+                "divergence": part(self.divergence), "first_bit_difference": part(self.first_bit_difference),
+                "notes": list(self.notes), "message": self.describe()}
 
 
 def _close(a: Any, b: Any, scale: float) -> bool:
@@ -125,9 +149,10 @@ def _stats_agree(rec: dict[str, Any], rep: dict[str, Any]) -> str | None:
 class _Comparer:
     """A text stream for a Tracer: parses each line the replay writes and compares it with the recording."""
 
-    def __init__(self, trace: Trace, report: ReplayReport):
+    def __init__(self, trace: Trace, report: ReplayReport, interrupted: bool = False):
         self.trace = trace
         self.report = report
+        self.interrupted = interrupted  # the recorded run stopped early: its events end before the replay's
         self.i = 1  # the next recorded line to compare (0 is the header)
         self._buf = ""
 
@@ -156,6 +181,8 @@ class _Comparer:
         while self.i < len(events) and (events[self.i] or {}).get("event") not in REPLAYED:
             self.i += 1  # an annotation the caller wrote (e.g. a server's request event): nothing to compare
         if self.i >= len(events) or (events[self.i] or {}).get("event") == "footer":
+            if self.interrupted:
+                raise _Reached
             self.diverge({}, rep, "the replay produced an event the recorded run does not have")
         rec = events[self.i] or {}
         plain = lambda e: {k: v for k, v in e.items()  # noqa: E731
@@ -170,6 +197,10 @@ class _Comparer:
             self.diverge(rec, rep, "different " + ", ".join(keys))
         if rec.get("event") == "stage":
             if "digest" in rec and rec.get("digest") == rep.get("digest"):
+                edited = [k for k in STATS if rec.get(k) != rep.get(k)]
+                if edited:  # the same bits give the same statistics: the recorded ones were not computed from them
+                    self.diverge(rec, rep, f"{', '.join(edited)} differ from the statistics of the identical output "
+                                           "bits (the recorded statistics were edited)")
                 self.report.bit_exact += 1
             else:
                 bad = _stats_agree(rec, rep)
@@ -185,10 +216,12 @@ class _Comparer:
 
 def replay(path: str | Path, model: str | None = None, allow_model_change: bool = False,
            key: bytes | None = None) -> ReplayReport:
-    """Re-run the trace at `path` and compare event by event. TracelmError when it cannot be replayed.
+    """Re-run the trace at `path` and compare event by event, then the header's and the footer's recomputable
+    fields. TracelmError when it cannot be replayed.
 
     The run is opened as recorded: a Session on the header's config (its compute, weights, context,
-    speculation and thread count), against `model` when given instead of the recorded file."""
+    speculation and thread count), against `model` when given instead of the recorded file. A trace of an
+    interrupted run (footer status "interrupted") is replayed up to its last recorded event."""
     trace = read_trace(path)
     verdict = verify(trace, key)
     if not verdict.intact:
@@ -200,21 +233,91 @@ def replay(path: str | Path, model: str | None = None, allow_model_change: bool 
     calls = [(i, e) for i, e in enumerate(trace.events) if e is not None and e.get("event") == "generate"]
     if not calls:
         raise TracelmError(f"{trace.path}: the trace has no generate event: nothing to replay")
+    footer_line = len(trace.events) - 1
+    footer = trace.events[footer_line] or {}
     with Session(model, cfg) as session:
-        report = ReplayReport(REPRODUCED, notes=_model_notes(trace, session.path, allow_model_change))
-        comparer = _Comparer(trace, report)
+        report = ReplayReport(REPRODUCED, notes=_model_notes(trace, session.path, allow_model_change),
+                              interrupted_at=verdict.interrupted_at)
+        same_model = not report.notes
+        if not verdict.signed:
+            report.notes.append("the trace is unsigned: its hash chain shows it is whole, not who wrote it; every "
+                                "value below was recomputed and compared with the recorded one")
+        comparer = _Comparer(trace, report, interrupted=verdict.interrupted_at is not None)
         tracer = Tracer(comparer, level)  # type: ignore[arg-type]
         tracer.seq = 1
         try:
+            _check_header(trace, session, calls[0][1], comparer, same_model)
+            text = ""
             for line, call in calls:
-                _replay_call(session, trace, line, call, tracer, report.notes)
+                text = _replay_call(session, trace, line, call, tracer, report.notes)
         except _Diverged:
             return report
-    rest = trace.events[comparer.i]
-    if rest is not None and rest.get("event") != "footer":
-        report.divergence = comparer._diff(rest, None, "the recorded run has more events than the replay")
-        report.status = DIVERGED
+        except _Reached:
+            pass
+        report.checked.append("every generate, stage and token event: kind, token, layer, stage, positions, shape, "
+                              "dtype, statistics, digests, token ids, pieces, texts, probabilities")
+        rest = trace.events[min(comparer.i, footer_line)]
+        if rest is not None and rest.get("event") != "footer":
+            report.divergence = comparer._diff(rest, None, "the recorded run has more events than the replay")
+            report.status = DIVERGED
+            return report
+        comparer.i = footer_line
+        try:
+            if verdict.interrupted_at is None:
+                _check_footer(footer, session.runner.stats, text, tracer.counts, comparer)
+            else:
+                _check_interrupted_footer(trace, footer, comparer)
+        except _Diverged:
+            pass
     return report
+
+
+def _check_header(trace: Trace, session: Session, first_call: dict[str, Any], comparer: _Comparer,
+                  same_model: bool) -> None:
+    """The header's recomputable fields: its prompt (ids as the first generate call's, text as they decode) and,
+    on the recorded model, the ModelConfig and the tokenizer hash."""
+    h, comparer.i = trace.header, 0
+    recomputed: dict[str, Any] = {"prompt_ids": first_call.get("prompt_ids")}
+    try:
+        recomputed["prompt_text"] = session.tokenizer.decode([int(i) for i in h.get("prompt_ids") or []])
+    except (TracelmError, TypeError, ValueError):
+        recomputed["prompt_text"] = None
+    if same_model:
+        recomputed["model_config"] = json.loads(json.dumps(attrs.asdict(session.model.cfg)))
+        recomputed["tokenizer_sha256"] = tokenizer_sha256(session.model.tokenizer_path or session.model.path)
+    for k, v in recomputed.items():
+        if h.get(k) != v:
+            comparer.diverge(h, {**h, k: v}, f"header {k} differs from the recomputed one")
+    comparer.report.checked.append("header " + ", ".join(recomputed))
+    comparer.i = 1
+
+
+def _check_footer(footer: dict[str, Any], stats: GenerationStats, text: str, counts: dict[str, int],
+                  comparer: _Comparer) -> None:
+    """The footer's recomputable fields against the replay's last call (as `write_footer` records them)."""
+    recomputed: dict[str, Any] = {
+        "status": "complete", "output_ids": list(stats.tokens), "n_prompt": stats.n_prompt,
+        "n_reused": stats.n_reused, "n_generated": stats.n_generated, "finish_reason": stats.finish_reason,
+        "decode_passes": stats.n_passes, "draft_tokens": stats.n_drafted, "draft_accepted": stats.n_accepted,
+        **{f"counts.{k}": counts.get(k, 0) for k in REPLAYED},
+    }
+    if footer.get("output_text") is not None:  # a server's footer holds none
+        recomputed["output_text"] = text
+    recorded = {**footer, "status": footer.get("status", "complete"),
+                **{f"counts.{k}": (footer.get("counts") or {}).get(k, 0) for k in REPLAYED}}
+    for k, v in recomputed.items():
+        if recorded.get(k) != v:
+            comparer.diverge(footer, {**footer, k: v}, f"footer {k} differs from the replay's")
+    comparer.report.checked.append("footer " + ", ".join(recomputed))
+
+
+def _check_interrupted_footer(trace: Trace, footer: dict[str, Any], comparer: _Comparer) -> None:
+    """An interrupted run's footer: its last_token is the last token event recorded (all of which were replayed)."""
+    tokens = [e for e in trace.events if e is not None and e.get("event") == "token"]
+    last = tokens[-1].get("tok") if tokens else None
+    if footer.get("last_token") != last:
+        comparer.diverge(footer, {**footer, "last_token": last}, "footer last_token is not the last token recorded")
+    comparer.report.checked.append("footer status, last_token")
 
 
 def _recorded_config(trace: Trace) -> tuple[RunConfig, str]:
@@ -245,8 +348,8 @@ def _model_notes(trace: Trace, path: Path, allow_model_change: bool) -> list[str
 
 
 def _replay_call(session: Session, trace: Trace, line: int, call: dict[str, Any], tracer: Tracer,
-                 notes: list[str]) -> None:
-    """One recorded generate call, run again with its events going to the comparer."""
+                 notes: list[str]) -> str:
+    """One recorded generate call, run again with its events going to the comparer; the text it streamed."""
     sampling = record_from_dict(SamplingParams, call.get("sampling"), f"line {line + 1}: sampling.")
     try:
         ids = [int(i) for i in call["prompt_ids"]]
@@ -262,6 +365,6 @@ def _replay_call(session: Session, trace: Trace, line: int, call: dict[str, Any]
         notes.append(f"line {line + 1}: computed the {reused} prompt tokens the recorded run had cached, "
                      f"untraced (their chunking may round differently)")
     fields = attrs.asdict(sampling, recurse=False)  # the constraint stays a record
-    for _ in session.stream(ids, max_tokens=max_tokens, stop=stop, trace=tracer, **fields):
-        pass
+    text = "".join(session.stream(ids, max_tokens=max_tokens, stop=stop, trace=tracer, **fields))
     tracer.flush()
+    return text

@@ -12,7 +12,7 @@ from typing import Any
 
 import attrs
 
-from tracelm.pipeline.trace import FORMAT, GENESIS, TRACE_VERSION
+from tracelm.pipeline.trace import FOOTER_STATUSES, FORMAT, GENESIS, READABLE_VERSIONS, TRACE_VERSION
 from tracelm.state.errors import TracelmError
 
 _LINE = re.compile(rb'^(\{.*),"hash":"([0-9a-f]{64})"(?:,"mac":"([0-9a-f]{64})")?\}$', re.DOTALL)
@@ -30,6 +30,7 @@ class Verdict:
     bad_line: int | None = None  # 1-based
     signed: bool = False  # the header says the lines carry a mac
     mac_checked: bool = False
+    interrupted_at: int | None = None  # an intact trace of an interrupted run: its last complete token (-1: none)
 
 
 @attrs.define
@@ -52,6 +53,11 @@ def read_trace(path: str | Path) -> Trace:
         data = p.read_bytes()
     except OSError as e:
         raise TracelmError(f"{p}: cannot read trace: {e.strerror or e}") from None
+    return parse_trace(data, p)
+
+
+def parse_trace(data: bytes, p: Path) -> Trace:
+    """A trace from the bytes of a file named `p` (read_trace's checks; an uploaded trace has no file)."""
     if not data.strip():
         raise TracelmError(f"{p}: empty file, not a tracelm trace")
     lines = data.split(b"\n")
@@ -62,7 +68,7 @@ def read_trace(path: str | Path) -> Trace:
     for raw in lines:
         try:
             obj = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: JSON nested too deeply
             obj = None
         events.append(obj if isinstance(obj, dict) else None)
     head = events[0]
@@ -76,7 +82,7 @@ def read_trace(path: str | Path) -> Trace:
     if version > TRACE_VERSION:
         raise TracelmError(f"{p}: trace format version {version} is newer than this tracelm reads "
                            f"(up to {TRACE_VERSION}); upgrade tracelm to read it")
-    if version < 2 or head.get("format") != FORMAT:
+    if version < min(READABLE_VERSIONS) or head.get("format") != FORMAT:
         raise TracelmError(f"{p}: trace format version {version} has no hash chain and cannot be verified or "
                            f"replayed (this tracelm reads format {FORMAT!r} version {TRACE_VERSION})")
     return Trace(p, lines, events, truncated_tail)
@@ -128,13 +134,32 @@ def verify(trace: Trace, key: bytes | None = None) -> Verdict:
             footer_at = i
             if event.get("events") != i + 1:
                 return bad(i, f"the footer counts {event.get('events')} events but it is event {i + 1}")
+            if footer_status(event) not in FOOTER_STATUSES:
+                return bad(i, f"the footer's status {event.get('status')!r} is not one of {FOOTER_STATUSES}")
         prev = h
     if footer_at is None:
         return Verdict(False, n, f"line {n}: the trace ends without a footer: it is truncated after line {n}",
                        n, signed, key is not None)
     how = ("signed; every signature checked with the key" if key is not None
            else "signed; signatures NOT checked (give --key-env)" if signed else "unsigned")
-    return Verdict(True, n, f"intact: {n} lines, hash chain unbroken, {how}", None, signed, key is not None)
+    footer = trace.events[footer_at] or {}
+    last = interrupted_at(footer)
+    end = "" if last is None else f"; the run was interrupted at token {last} (its last complete token)"
+    return Verdict(True, n, f"intact: {n} lines, hash chain unbroken, {how}{end}", None, signed, key is not None,
+                   last)
+
+
+def footer_status(footer: dict[str, Any]) -> str:
+    """A footer's status: "complete" (also a version 2 footer, which has none) or "interrupted"."""
+    return footer.get("status", "complete")
+
+
+def interrupted_at(footer: dict[str, Any]) -> int | None:
+    """The last complete token of an interrupted run's footer (-1 when it stopped before the first), else None."""
+    if footer_status(footer) != "interrupted":
+        return None
+    last = footer.get("last_token")
+    return last if isinstance(last, int) and not isinstance(last, bool) else -1
 
 
 def summary(trace: Trace, top_layers: int = 5) -> str:

@@ -2,7 +2,9 @@
 
 The environment matches the one Hugging Face's `apply_chat_template` gives templates (trim_blocks,
 lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII),
-so a GGUF's `tokenizer.chat_template` renders here exactly as it does there.
+so a GGUF's `tokenizer.chat_template` renders here exactly as it does there. Tools are passed as transformers
+passes them: `tools=[...]` (OpenAI's tool objects) as a variable of the render, and an assistant message's
+`tool_calls` with each function's arguments as an object.
 """
 
 from __future__ import annotations
@@ -171,11 +173,12 @@ _SENTINEL = "\U000f0000{}\U000f0001"  # private-use code points around a message
 
 def _content_spans(template: str, messages: list[dict], text: str, kwargs: dict) -> list[tuple[int, int]] | None:
     """Where in the rendered `text` the messages' contents are. The template is rendered a second time with
-    each content replaced by a sentinel; the text between sentinels is the template's own, and each content
+    each non-empty content replaced by a sentinel (an empty one, as an assistant turn of tool calls has, stays:
+    templates test it for truth); the text between sentinels is the template's own, and each content
     (as given, or stripped as templates often do) must sit between them. None if the two renders cannot be
     lined up (a template that looks into the content)."""
     marked = [
-        {**m, "content": _SENTINEL.format(i)} if isinstance(m.get("content"), str) else m
+        {**m, "content": _SENTINEL.format(i)} if isinstance(m.get("content"), str) and m["content"] else m
         for i, m in enumerate(messages)
     ]
     try:

@@ -3,6 +3,7 @@ memory-mapped by name and dequantized to f32 on request (tracelm.io.dequant)."""
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -14,9 +15,10 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
+from tracelm.io import checks
 from tracelm.io.dequant import CHUNK_VALUES, dequantize
 from tracelm.io.families import BY_ARCH
-from tracelm.state.errors import TracelmError
+from tracelm.state.errors import ModelFormatError, TracelmError
 from tracelm.state.model_config import ModelConfig
 
 GGUF_MAGIC = b"GGUF"
@@ -24,6 +26,12 @@ GGUF_MAGIC = b"GGUF"
 # GGUF metadata value types -> struct format (8 string, 9 array are handled apart).
 _SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _U64 = struct.Struct("<Q")
+# the fewest bytes a value of each type takes (a string: its length; an array: its type and count)
+_MIN_SIZE = {**{t: struct.calcsize("<" + f) for t, f in _SCALAR.items()}, 8: 8, 9: 12}
+_MIN_KV = 8 + 4 + 1  # a key's length, its value type, the smallest value
+_MIN_TENSOR_INFO = 8 + 4 + 4 + 8  # a name's length, n_dims, type, offset
+MAX_ARRAY_DEPTH = 8  # arrays of arrays: GGUF files nest none; a deep nest is corrupt (and would exhaust the stack)
+MAX_DIMS = 4  # GGML_MAX_DIMS
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
           7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 
@@ -78,13 +86,14 @@ class _Cursor:
             self.string()
         return out
 
-    def value(self, vtype: int) -> Any:
+    def value(self, vtype: int, depth: int = 0) -> Any:
         if vtype in _SCALAR:
             return self.take(_SCALAR[vtype])
         if vtype == 8:
             return self.string()
         if vtype == 9:
             etype, count = self.take("I"), self.take("Q")
+            self._fits(count, _MIN_SIZE.get(etype, 1), "array")
             if etype in _NUMPY:
                 dt = np.dtype(_NUMPY[etype]).newbyteorder("<")
                 self._need(count * dt.itemsize)
@@ -95,8 +104,19 @@ class _Cursor:
                 return arr
             if etype == 8:
                 return self.strings(count)
-            return [self.value(etype) for _ in range(count)]
-        raise TracelmError(f"{self.name}: corrupt GGUF file (unknown metadata value type {vtype} at byte {self.pos})")
+            if depth >= MAX_ARRAY_DEPTH:
+                raise ModelFormatError(f"{self.name}: corrupt GGUF file (arrays nested more than {MAX_ARRAY_DEPTH} "
+                                       f"deep at byte {self.pos})")
+            return [self.value(etype, depth + 1) for _ in range(count)]
+        raise ModelFormatError(f"{self.name}: corrupt GGUF file (unknown metadata value type {vtype} at byte "
+                               f"{self.pos})")
+
+    def _fits(self, count: int, min_size: int, what: str) -> None:
+        """A count read from the file: its items, at least `min_size` bytes each, must fit in the bytes left."""
+        left = len(self.buf) - self.pos
+        if count * min_size > left:
+            raise ModelFormatError(f"{self.name}: truncated or corrupt GGUF file ({what} of {count} items at byte "
+                                   f"{self.pos} needs at least {count * min_size} bytes, {left} are left)")
 
 
 class GGUFFile:
@@ -125,35 +145,24 @@ class GGUFFile:
         if version not in (2, 3):
             raise TracelmError(f"{name}: unsupported GGUF version {version} (tracelm reads 2 and 3, little-endian)")
         n_tensors, n_kv = cur.take("Q"), cur.take("Q")
+        cur._fits(n_kv, _MIN_KV, "metadata")
         self.metadata: dict[str, Any] = {}
         for _ in range(n_kv):
             key = cur.string()
+            if key in self.metadata:
+                raise ModelFormatError(f"{name}: metadata key {key} appears twice")
             self.metadata[key] = cur.value(cur.take("I"))
-        infos = []
-        for _ in range(n_tensors):
-            tname = cur.string()
-            dims = [cur.take("Q") for _ in range(cur.take("I"))]
-            infos.append((tname, dims, cur.take("I"), cur.take("Q")))
-        align = int(self.metadata.get("general.alignment", 32))
+        cur._fits(n_tensors, _MIN_TENSOR_INFO, "tensor table")
+        infos = [_tensor_info(cur) for _ in range(n_tensors)]
+        align = checks.power_of_two(self.metadata.get("general.alignment", 32), f"{name}: general.alignment", 8)
         data_start = -(-cur.pos // align) * align
         if self._map is not None and hasattr(mmap, "MADV_DONTNEED"):
             self._map.madvise(mmap.MADV_DONTNEED, 0, cur.pos)  # the header is read: let its pages go
         self.tensors: dict[str, TensorInfo] = {}
         for tname, dims, tcode, offset in infos:
-            try:
-                qtype = QType(tcode)
-                block, type_size = GGML_QUANT_SIZES[qtype]
-            except (ValueError, KeyError):
-                raise TracelmError(f"{name}: tensor {tname} has unknown type {tcode}") from None
-            n = int(np.prod(dims))
-            if n % block:
-                raise TracelmError(f"{name}: tensor {tname}: {n} values is not a whole number of "
-                                   f"{qtype.name} blocks of {block}")
-            info = TensorInfo(tname, tuple(reversed(dims)), qtype, data_start + offset, n // block * type_size)
-            if info.offset + info.n_bytes > size:
-                raise TracelmError(f"{name}: truncated GGUF file: tensor {tname} ends at byte "
-                                   f"{info.offset + info.n_bytes}, file has {size}")
-            self.tensors[tname] = info
+            if tname in self.tensors:
+                raise ModelFormatError(f"{name}: tensor {tname} appears twice in the tensor table")
+            self.tensors[tname] = _tensor(name, tname, dims, tcode, offset, align, data_start, size)
         self._buf = buf
 
     def info(self, name: str) -> TensorInfo:
@@ -221,6 +230,40 @@ class GGUFFile:
             raise TracelmError(f"{self.name}: tensor {name}: {e}") from None
 
 
+def _tensor_info(cur: _Cursor) -> tuple[str, list[int], int, int]:
+    """One entry of the tensor table: name, dims (GGUF order), type code, offset from the data start."""
+    tname = cur.string()
+    n_dims = cur.take("I")
+    if not 1 <= n_dims <= MAX_DIMS:
+        raise ModelFormatError(f"{cur.name}: tensor {tname} has {n_dims} dimensions (GGUF allows 1 to {MAX_DIMS})")
+    dims = [cur.take("Q") for _ in range(n_dims)]
+    return tname, dims, cur.take("I"), cur.take("Q")
+
+
+def _tensor(file: str, tname: str, dims: list[int], tcode: int, offset: int, align: int, data_start: int,
+            size: int) -> TensorInfo:
+    """A tensor table entry checked: a known type, positive dims of whole blocks, its offset aligned, its bytes
+    inside the file."""
+    try:
+        qtype = QType(tcode)
+        block, type_size = GGML_QUANT_SIZES[qtype]
+    except (ValueError, KeyError):
+        raise ModelFormatError(f"{file}: tensor {tname} has unknown type {tcode}") from None
+    if min(dims) < 1:
+        raise ModelFormatError(f"{file}: tensor {tname} has shape {list(reversed(dims))}: dimensions must be positive")
+    n = math.prod(dims)
+    if n % block:
+        raise ModelFormatError(f"{file}: tensor {tname}: {n} values is not a whole number of "
+                               f"{qtype.name} blocks of {block}")
+    if offset % align:
+        raise ModelFormatError(f"{file}: tensor {tname}: offset {offset} is not a multiple of the alignment {align}")
+    info = TensorInfo(tname, tuple(reversed(dims)), qtype, data_start + offset, n // block * type_size)
+    if info.offset + info.n_bytes > size:
+        raise ModelFormatError(f"{file}: truncated GGUF file: tensor {tname} ends at byte "
+                               f"{info.offset + info.n_bytes}, file has {size}")
+    return info
+
+
 def _get(meta: Mapping[str, Any], key: str, file: str, default: Any = None) -> Any:
     if key in meta:
         return meta[key]
@@ -229,48 +272,74 @@ def _get(meta: Mapping[str, Any], key: str, file: str, default: Any = None) -> A
     return default
 
 
+# Optional metadata of an architecture -> (ModelConfig field, its check): values of the file override the family's
+_OPTIONS = {
+    "attention.sliding_window": ("sliding_window", lambda v, w: checks.integer(v, w, lo=0)),
+    "attention.sliding_window_pattern": ("swa_pattern", lambda v, w: checks.integer(v, w, lo=0)),
+    "rope.freq_base_swa": ("rope_base_swa", lambda v, w: checks.number(v, w, lo=0.0, lo_open=True)),
+    "attention.scale": ("attn_scale", lambda v, w: checks.number(v, w, lo=0.0)),
+}
+
+
 def model_config(gf: GGUFFile) -> ModelConfig:
+    """The ModelConfig the metadata describes, every field it reads checked by type and range first."""
     meta, name = gf.metadata, gf.name
     arch = meta.get("general.architecture")
     if arch is None:
-        raise TracelmError(f"{name}: missing metadata field general.architecture")
+        raise ModelFormatError(f"{name}: missing metadata field general.architecture")
+    checks.string(arch, f"{name}: general.architecture")
     if arch not in BY_ARCH:
-        raise TracelmError(f"{name}: unknown architecture {arch!r} (supported: {', '.join(BY_ARCH)})")
+        raise ModelFormatError(f"{name}: unknown architecture {arch!r} (supported: {', '.join(BY_ARCH)})")
     if "token_embd.weight" not in gf.tensors:
-        raise TracelmError(f"{name}: missing tensor token_embd.weight (a vocabulary-only GGUF has no model)")
-    a = lambda key, default=None: _get(meta, f"{arch}.{key}", name, default)  # noqa: E731
-    n_embd = int(a("embedding_length"))
-    n_head = int(a("attention.head_count"))
-    head_dim = int(a("attention.key_length", n_embd // n_head))
-    n_vocab = int(gf.tensors["token_embd.weight"].shape[0])
+        raise ModelFormatError(f"{name}: missing tensor token_embd.weight (a vocabulary-only GGUF has no model)")
+
+    def positive(key: str, default: int | None = None) -> int:
+        return checks.integer(_get(meta, f"{arch}.{key}", name, default), f"{name}: {arch}.{key}", lo=1)
+
+    def real(key: str, default: float) -> float:
+        return checks.number(_get(meta, f"{arch}.{key}", name, default), f"{name}: {arch}.{key}", lo=0.0, lo_open=True)
+
+    n_embd, n_head = positive("embedding_length"), positive("attention.head_count")
+    if f"{arch}.attention.key_length" not in meta and n_embd % n_head:
+        raise ModelFormatError(f"{name}: {arch}.embedding_length {n_embd} is not a multiple of "
+                               f"{arch}.attention.head_count {n_head} (and no attention.key_length is given)")
+    head_dim = positive("attention.key_length", n_embd // n_head)
+    n_head_kv = positive("attention.head_count_kv", n_head)
+    if n_head % n_head_kv:
+        raise ModelFormatError(f"{name}: {arch}.attention.head_count {n_head} is not a multiple of "
+                               f"{arch}.attention.head_count_kv {n_head_kv}")
+    embd = gf.tensors["token_embd.weight"]
+    if len(embd.shape) != 2 or embd.shape[1] != n_embd:
+        raise ModelFormatError(f"{name}: tensor token_embd.weight has shape {list(embd.shape)}, expected "
+                               f"[vocabulary, {n_embd}]")
     opts = BY_ARCH[arch].gguf_options(n_embd)
-    for key, field, conv in (("attention.sliding_window", "sliding_window", int),
-                             ("attention.sliding_window_pattern", "swa_pattern", int),
-                             ("rope.freq_base_swa", "rope_base_swa", float),
-                             ("attention.scale", "attn_scale", float)):
+    for key, (field, check) in _OPTIONS.items():
         if f"{arch}.{key}" in meta:
-            opts[field] = conv(meta[f"{arch}.{key}"])
+            opts[field] = check(meta[f"{arch}.{key}"], f"{name}: {arch}.{key}")
     if "rope_freqs.weight" in gf.tensors:
-        opts["rope_freq_factors"] = tuple(float(f) for f in gf.tensor_f32("rope_freqs.weight").ravel())
+        factors = gf.tensor_f32("rope_freqs.weight").ravel()
+        if not (np.isfinite(factors).all() and (factors > 0).all()):
+            raise ModelFormatError(f"{name}: tensor rope_freqs.weight holds values that are not finite and positive")
+        opts["rope_freq_factors"] = tuple(float(f) for f in factors)
     try:
         return ModelConfig(
             arch=arch,
-            n_vocab=n_vocab,
+            n_vocab=embd.shape[0],
             n_embd=n_embd,
-            n_layer=int(a("block_count")),
+            n_layer=positive("block_count"),
             n_head=n_head,
-            n_head_kv=int(a("attention.head_count_kv", n_head)),
+            n_head_kv=n_head_kv,
             head_dim=head_dim,
-            n_ff=int(a("feed_forward_length")),
-            rope_base=float(a("rope.freq_base", 10000.0)),
-            rope_dim=int(a("rope.dimension_count", head_dim)),
-            rms_eps=float(a("attention.layer_norm_rms_epsilon", 1e-5)),
-            n_ctx_train=int(a("context_length")),
+            n_ff=positive("feed_forward_length"),
+            rope_base=real("rope.freq_base", 10000.0),
+            rope_dim=positive("rope.dimension_count", head_dim),
+            rms_eps=real("attention.layer_norm_rms_epsilon", 1e-5),
+            n_ctx_train=positive("context_length"),
             tied_head="output.weight" not in gf.tensors,
             **opts,
         )
     except ValueError as e:
-        raise TracelmError(f"{name}: {e}") from None
+        raise ModelFormatError(f"{name}: {e}") from None
 
 
 def bytes_into(path: str | os.PathLike, offset: int, n: int, out: np.ndarray, what: str) -> np.ndarray:

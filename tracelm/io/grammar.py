@@ -41,12 +41,14 @@ def _llguidance() -> Any:
 
 def vocabulary(tok: Tokenizer) -> list[bytes]:
     """Every token's bytes as llguidance takes them: tokens no text may spell get a leading 0xFF byte."""
-    out = []
-    for i in range(tok.n_vocab):
-        b, kind = tok.token_bytes(i), tok.token_type(i)
-        special = kind in (CONTROL, UNKNOWN, UNUSED) or (kind == USER_DEFINED and b[:1] == b"<" and b[-1:] == b">")
-        out.append(b"\xff" + b if special else b)
-    return out
+    return [b"\xff" + tok.token_bytes(i) if unspellable(tok, i) else tok.token_bytes(i) for i in range(tok.n_vocab)]
+
+
+def unspellable(tok: Tokenizer, i: int) -> bool:
+    """Whether token i is one no text may spell (control, unknown, unused, a user-defined <...> marker): a grammar
+    names it by id (`<[i]>`)."""
+    b, kind = tok.token_bytes(i), tok.token_type(i)
+    return kind in (CONTROL, UNKNOWN, UNUSED) or (kind == USER_DEFINED and b[:1] == b"<" and b[-1:] == b">")
 
 
 def end_ids(tok: Tokenizer) -> list[int]:

@@ -3,6 +3,7 @@ the file's blocks, or in f32 for the numpy reference; resident, or streamed from
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ class LoadedModel:
     metadata: dict[str, Any]  # GGUF metadata without the vocabulary arrays
     load_seconds: float
     tokenizer_path: Path | None = None  # where the tokenizer came from when not the model file itself
+    rope_scale: float = 1.0  # the linear RoPE scaling applied to cfg (see `scaled_rope`)
 
     @property
     def chat_template(self) -> str | None:
@@ -77,7 +79,19 @@ class ModelFile:
             raise TracelmError(f"{self.tokenizer.source or tokenizer}: tokenizer has {self.tokenizer.n_vocab} "
                                f"tokens, the model only {self.cfg.n_vocab}")
 
-    def load(self, progress: bool = True, weights: str = "resident", compute: str = "kernels") -> LoadedModel:
+    def weights_bytes(self, weights: str = "resident", compute: str = "kernels") -> int:
+        """About how much memory loading the weights takes: none streamed (the file stays mapped), the file's
+        bytes for the kernels (its own blocks), 4 bytes a value for the f32 reference."""
+        if weights == "streamed":
+            return 0
+        if compute == "kernels" or self.kind == "llama2c":
+            files = self.path.iterdir() if self.path.is_dir() else [self.path]
+            return sum(f.stat().st_size for f in files if f.is_file())
+        tensors = self.gguf.tensors if self.kind == "gguf" else self.hf.tensors
+        return 4 * sum(math.prod(t.shape) for t in tensors.values())
+
+    def load(self, progress: bool = True, weights: str = "resident", compute: str = "kernels",
+             rope_scale: float = 1.0) -> LoadedModel:
         """`compute="kernels"`: the matrices as the file's own blocks (QMatrix) for the compiled kernels -- a
         GGUF's quantized blocks, copied into one arena (resident) or read from the mapped file (streamed);
         f32 ones for the other formats. `compute="reference"`: every weight resident in f32, or streamed (a
@@ -108,8 +122,17 @@ class ModelFile:
         if compute == "kernels" and self.kind == "llama2c":
             weights_ = f32_kernel_weights(weights_)
         meta = {k: v for k, v in self.metadata.items() if not isinstance(v, list | np.ndarray) or len(v) < 256}
-        return LoadedModel(self.path, self.cfg, weights_, self.tokenizer, meta, time.perf_counter() - self.t0,
-                           self.tokenizer_path)
+        return LoadedModel(self.path, scaled_rope(self.cfg, rope_scale), weights_, self.tokenizer, meta,
+                           time.perf_counter() - self.t0, self.tokenizer_path, rope_scale)
+
+
+def scaled_rope(cfg: ModelConfig, scale: float) -> ModelConfig:
+    """The config with linear RoPE scaling (position interpolation): every frequency divided by `scale`, on top of
+    the model's own per-pair factors (llama 3's)."""
+    if scale == 1.0:
+        return cfg
+    factors = cfg.rope_freq_factors or (1.0,) * (cfg.rope_dim // 2)
+    return attrs.evolve(cfg, rope_freq_factors=tuple(f * scale for f in factors))
 
 
 def f32_kernel_weights(w: ModelWeights) -> ModelWeights:

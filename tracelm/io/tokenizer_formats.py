@@ -27,6 +27,7 @@ import numpy as np
 from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from tracelm.io import checks
 from tracelm.io.tokenizer import (
     BYTE,
     CONTROL,
@@ -40,7 +41,7 @@ from tracelm.io.tokenizer import (
     Tokenizer,
     source_prefix,
 )
-from tracelm.state.errors import TracelmError
+from tracelm.state.errors import ModelFormatError, TracelmError
 
 SPACE = "\u2581"  # SentencePiece's visible space
 
@@ -232,33 +233,43 @@ def _add_special(bpe: HFTokenizer, tokens: Sequence[str], types: Sequence[int]) 
 
 
 def from_gguf_metadata(meta: Mapping[str, Any], source: str = "") -> Tokenizer:
-    """From GGUF `tokenizer.ggml.*` metadata: `gpt2` (byte-level BPE) or `llama` (SentencePiece BPE)."""
+    """From GGUF `tokenizer.ggml.*` metadata: `gpt2` (byte-level BPE) or `llama` (SentencePiece BPE), every field
+    checked by type (and count) first."""
     where = source_prefix(source)
     model = meta.get("tokenizer.ggml.model")
     tokens = meta.get("tokenizer.ggml.tokens")
+    field = lambda key: f"{where}tokenizer.ggml.{key}"  # noqa: E731
+    model = None if model is None else checks.string(model, field("model"))
+    tokens = [] if tokens is None else checks.strings(tokens, field("tokens"))
     if model in (None, "none", "no") or not tokens:
         raise TracelmError(f"{where}the GGUF has no vocabulary (tokenizer.ggml.model {model!r}, "
-                           f"{len(tokens or [])} tokens)")
+                           f"{len(tokens)} tokens)")
     types = meta.get("tokenizer.ggml.token_type")  # (numbers read from a GGUFFile are a numpy array)
-    types = _as_list(types) if types is not None and len(types) else [NORMAL] * len(tokens)
-    if len(types) != len(tokens):
-        raise TracelmError(f"{where}{len(types)} token types for {len(tokens)} tokens")
-    ids = {k: meta.get(f"tokenizer.ggml.{k}") for k in (*SPECIAL_ID_KEYS, "unknown_token_id")}
+    if types is not None:
+        types = checks.integers(types, field("token_type"), len(tokens)).tolist()
+    else:
+        types = [NORMAL] * len(tokens)
+    ids = {k: _optional(meta, k, lambda v, w: checks.integer(v, w, lo=0), where)
+           for k in (*SPECIAL_ID_KEYS, "unknown_token_id")}
+    flag = lambda key, default: _optional(meta, key, checks.boolean, where, default)  # noqa: E731
     template = meta.get("tokenizer.chat_template")
+    if template is not None:
+        checks.string(template, f"{where}tokenizer.chat_template")
     template = template if isinstance(template, str) and template.strip() else None
-    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    add_eos = flag("add_eos_token", False)
     if model == "gpt2":
         return _byte_level(meta, tokens, types, ids, add_eos, template, source)
     if model == "llama":
         scores = meta.get("tokenizer.ggml.scores")
         if scores is None or len(scores) != len(tokens):
-            raise TracelmError(f"{where}tokenizer.ggml.scores has {0 if scores is None else len(scores)} "
-                               f"values for {len(tokens)} tokens")
+            raise ModelFormatError(f"{where}tokenizer.ggml.scores has {0 if scores is None else len(scores)} "
+                                   f"values for {len(tokens)} tokens")
+        scores = checks.numbers(scores, field("scores"), len(tokens))
         return from_scored_vocab(
             tokens, scores, types, ids,
-            add_bos=meta.get("tokenizer.ggml.add_bos_token", True),
+            add_bos=flag("add_bos_token", True),
             add_eos=add_eos,
-            add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
+            add_space_prefix=flag("add_space_prefix", True),
             # Gemma's scores rank its user-defined tokens (runs of spaces, HTML tags) at -1000 while its
             # merges made them early: rank by position (which orders its normal tokens as their scores do),
             # as transformers' GGUF loader does for Gemma.
@@ -268,9 +279,16 @@ def from_gguf_metadata(meta: Mapping[str, Any], source: str = "") -> Tokenizer:
     raise TracelmError(f"{where}tokenizer.ggml.model {model!r} is not supported (supported: 'gpt2', 'llama')")
 
 
+def _optional(meta: Mapping[str, Any], key: str, check: Callable[[Any, str], Any], where: str,
+              default: Any = None) -> Any:
+    """`tokenizer.ggml.<key>` checked, or `default` when absent."""
+    value = meta.get(f"tokenizer.ggml.{key}")
+    return default if value is None else check(value, f"{where}tokenizer.ggml.{key}")
+
+
 def _byte_level(meta, tokens, types, ids, add_eos, template, source) -> Tokenizer:
     where = source_prefix(source)
-    pre = meta.get("tokenizer.ggml.pre", "default")
+    pre = checks.string(meta.get("tokenizer.ggml.pre", "default"), f"{where}tokenizer.ggml.pre")
     spec = PRE_TOKENIZERS.get(pre)
     if spec is None:
         known = ", ".join(PRE_TOKENIZERS)
@@ -278,6 +296,7 @@ def _byte_level(meta, tokens, types, ids, add_eos, template, source) -> Tokenize
     merges = meta.get("tokenizer.ggml.merges")
     if merges is None:
         raise TracelmError(f"{where}the GGUF has no tokenizer.ggml.merges")
+    merges = checks.strings(merges, f"{where}tokenizer.ggml.merges")
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)  # a repeated text keeps its first id, as llama.cpp does
@@ -292,7 +311,7 @@ def _byte_level(meta, tokens, types, ids, add_eos, template, source) -> Tokenize
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )
     _add_special(bpe, tokens, types)
-    add_bos = meta.get("tokenizer.ggml.add_bos_token")
+    add_bos = _optional(meta, "add_bos_token", checks.boolean, where)
     return Tokenizer(
         pieces=tokens, types=types,
         token_bytes=map(_byte_level_bytes, tokens, types),

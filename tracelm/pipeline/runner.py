@@ -12,6 +12,8 @@ import numpy as np
 
 from tracelm.io.grammar import Matcher, mask_digest
 from tracelm.io.loader import LoadedModel, load_model
+from tracelm.pipeline.bounds import check_context, check_memory
+from tracelm.pipeline.finite import check_logits
 from tracelm.pipeline.graph import Part, forward, forward_batch, new_cache, plain_call
 from tracelm.pipeline.speculative import lookup_draft, model_draft
 from tracelm.pipeline.trace import Tracer
@@ -107,7 +109,10 @@ class Runner:
     def __init__(self, model: LoadedModel, n_ctx: int, draft_tokens: int = 0, draft_ngram: int = 8,
                  draft_model: LoadedModel | None = None):
         self.model = model
-        self.cache = new_cache(model.cfg, n_ctx, max(RING_SLACK, draft_tokens))  # a KV ring takes back guesses
+        slack = max(RING_SLACK, draft_tokens)  # a KV ring takes back guesses
+        check_context(model.cfg, n_ctx, model.rope_scale, model.path.name)
+        check_memory(model.cfg, n_ctx, slack=slack)
+        self.cache = new_cache(model.cfg, n_ctx, slack)
         self.draft_tokens = draft_tokens  # prompt-lookup speculation: tokens guessed per pass (0 = off)
         self.draft_ngram = draft_ngram
         self.draft: Runner | None = None  # a draft model's own runner (None: drafts from prompt lookup)
@@ -124,7 +129,10 @@ class Runner:
 
     def _forward(self, ids: Sequence[int], all_logits: bool = False, tracer: Tracer | None = None) -> Logits:
         call = tracer.call if tracer is not None else plain_call
-        return forward(self.model.cfg, self.model.weights, self.cache, ids, all_logits, call)
+        with np.errstate(all="ignore"):  # a non-finite value is reported by check_logits, not warned about
+            logits = forward(self.model.cfg, self.model.weights, self.cache, ids, all_logits, call)
+        check_logits(logits.values, self.model.cfg, self.model.weights, self.cache.tokens, logits.start)
+        return logits
 
     def prefill(self, ids: Sequence[int], all_logits: bool = False, tracer: Tracer | None = None) -> Logits:
         """Bring the Cache to hold exactly `ids`, computing only positions past the common prefix (each stage
@@ -312,6 +320,8 @@ def feed_together(gens: Sequence[Generation]) -> None:
         return
     model = waiting[0].runner.model
     parts = [g.runner.part(g.feed, g.tracer) for g in waiting]
-    for g, logits in zip(waiting, forward_batch(model.cfg, model.weights, parts, any(len(g.feed) > 1 for g in waiting)),
-                         strict=True):
+    with np.errstate(all="ignore"):  # a non-finite value is reported by check_logits, not warned about
+        out = forward_batch(model.cfg, model.weights, parts, any(len(g.feed) > 1 for g in waiting))
+    for g, logits in zip(waiting, out, strict=True):
+        check_logits(logits.values, model.cfg, model.weights, g.runner.cache.tokens, logits.start)
         g.take(logits)

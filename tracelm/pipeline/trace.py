@@ -1,6 +1,6 @@
 """Trace events: one JSON line per stage call, per sampled token, per generate call, with a hash chain.
 
-The format is described in docs/trace.md (format "tracelm-trace", version 2). In short:
+The format is described in docs/trace.md (format "tracelm-trace", version 3). In short:
 
 - line 1 is a `header` (resolved config, model and tokenizer hashes, versions, platform, BLAS, RNG, seed,
   prompt ids); then `generate` (one per generate call), `stage` (one per stage call) and `token` (one per
@@ -48,13 +48,15 @@ from tracelm.state.records import Hidden
 
 LEVELS = ("off", "summary", "digest")
 FORMAT = "tracelm-trace"
-TRACE_VERSION = 2
+TRACE_VERSION = 3  # 3: the footer says whether the run completed (`status`, `last_token`)
+READABLE_VERSIONS = (2, 3)  # version 2 traces (footers without a status: complete) still verify and replay
 GENESIS = "0" * 64  # the `prev` of line 1
 PACKAGES = ("tracelm", "numpy", "numexpr", "gguf", "tokenizers", "sentencepiece", "attrs", "structlog", "jinja2",
             "PyYAML", "llguidance")
 BATCH_ELEMENTS = 1 << 20  # output elements held (4 MiB) that force a batch: bounds the memory a prefill holds
 TIMING_SUFFIXES = ("_us", "_seconds")
 CHAIN_FIELDS = ("prev", "hash", "mac")
+FOOTER_STATUSES = ("complete", "interrupted")
 F32 = np.dtype(np.float32)
 
 
@@ -234,8 +236,9 @@ class Tracer:
         self._check_at = 1
         self._templates: dict[tuple[Any, ...], str] = {}
         self._stream = stream
-        self._log = structlog.wrap_logger(structlog.WriteLogger(stream), processors=[self._render],
-                                          context_class=dict)
+        self.written = (0, GENESIS)  # seq and prev after the last line written: where an interrupted chain resumes
+        self._batch = ("", 0)  # the kind and number of the lines being rendered, counted once written
+        self._log = structlog.wrap_logger(_LineWriter(self, stream), processors=[self._render], context_class=dict)
 
     # -- the hot path -------------------------------------------------------------------------------
     def call(self, stage: str, layer: int | None, fn: Callable[..., Any], *args: Any) -> Any:
@@ -266,13 +269,23 @@ class Tracer:
         if kind == "token":
             fields = {"tok": self.n_tokens, **fields}
         self._log.msg(kind, **fields)
-        self.counts[kind] = self.counts.get(kind, 0) + 1
         if kind == "token":
             self.n_tokens += 1
 
     def flush(self) -> None:
         self._drain()
         self._stream.flush()
+
+    def _commit(self) -> None:
+        """A rendered batch is written: count its lines and move the resume point past them."""
+        kind, n = self._batch
+        self.counts[kind] = self.counts.get(kind, 0) + n
+        self.written = (self.seq, self.prev)
+
+    def resync(self) -> None:
+        """After an interruption (KeyboardInterrupt at any point): continue the chain from the last line written,
+        forgetting any batch rendered but not written. Stage events still held are written by the next flush."""
+        self.seq, self.prev = self.written
 
     def _drain(self) -> None:
         """Render the pending stage events: float32 outputs in one batch, any other output a batch of its own."""
@@ -296,7 +309,10 @@ class Tracer:
     # -- rendering and chaining (structlog processor) -------------------------------------------------
     def _render(self, _logger: Any, _name: str, event: dict[str, Any]) -> str:
         if event.get("event") == "stages" and "rows" in event:
-            return "\n".join(self._stage_lines(event["rows"], event["held"]))
+            lines = self._stage_lines(event["rows"], event["held"])
+            self._batch = ("stage", len(lines))
+            return "\n".join(lines)
+        self._batch = (event["event"], 1)
         body = {"seq": self.seq, "event": event.pop("event"), **event, "prev": self.prev}
         return self._chain(json.dumps(body, ensure_ascii=False, separators=(",", ":"), default=_jsonable)[:-1])
 
@@ -377,8 +393,21 @@ class Tracer:
             else:
                 append(f'{body},"hash":"{prev}","mac":"{hmac.new(key_, prev.encode(), "sha256").hexdigest()}"}}')
         self.seq, self.prev = seq + len(rows), prev
-        self.counts["stage"] = self.counts.get("stage", 0) + len(rows)
         return lines
+
+
+class _LineWriter:
+    """The Tracer's structlog logger: writes and flushes each rendered batch of lines, then commits it."""
+
+    def __init__(self, tracer: Tracer, stream: IO[str]):
+        self._tracer, self._stream = tracer, stream
+
+    def msg(self, message: str) -> None:
+        self._stream.write(message + "\n")
+        self._stream.flush()
+        self._tracer._commit()
+
+    info = msg  # what structlog's bound logger calls for `msg`
 
 
 def _stage_template(stage: str, layer: int | None, shapes: tuple[tuple[int, ...], ...], dtype: str,
@@ -445,12 +474,20 @@ def write_header(tracer: Tracer, run_config: Any, model: Any, prompt_ids: list[i
     )
 
 
-def write_footer(tracer: Tracer, stats: Any, text: str | None = None) -> None:
-    """The closing event: counts of every kind of event, the output, and timing totals."""
+def write_footer(tracer: Tracer, stats: Any, text: str | None = None, status: str = "complete") -> None:
+    """The closing event: whether the run completed, counts of every kind of event, the output, and timing totals.
+    `status` "interrupted": the run was stopped (Ctrl-C) after the token `last_token`; the chain resumes from
+    the last line written, so the trace still verifies."""
+    if status not in FOOTER_STATUSES:
+        raise ValueError(f"footer status {status!r} is not one of {FOOTER_STATUSES}")
+    if status == "interrupted":
+        tracer.resync()
     tracer.flush()
     counts = dict(sorted(tracer.counts.items()))
     tracer.event(
         "footer",
+        status=status,
+        last_token=counts.get("token", 0) - 1 if counts.get("token") else None,
         events=tracer.seq + 1,
         counts=counts,
         n_prompt=stats.n_prompt,

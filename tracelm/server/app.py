@@ -1,6 +1,9 @@
 """The HTTP side: an OpenAI-compatible API on Starlette, served by uvicorn.
 
 Routes: GET /health, GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions.
+A generation request naming any model is served by the one loaded model (as llama-server and Ollama do), and the
+reply's `model` is the served model's id; with `server.strict_model` (`tracelm serve --strict-model`) another name
+is a 404. `n` choices are sampled from one prefill; tools are rendered, constrained and parsed (server/tools.py).
 Answers are one JSON body (`stream: false`), Server-Sent Events ending in `data: [DONE]` (`stream: true`),
 or JSON lines when the client accepts `application/x-ndjson` and asks to stream.
 
@@ -30,10 +33,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from tracelm.server.params import ApiError, GenerationRequest, bad, parse_json, parse_request
+from tracelm.server.errors import ApiError, bad
+from tracelm.server.pages import page_routes
+from tracelm.server.params import GenerationRequest, parse_json, parse_request
 from tracelm.server.queue import Engine, Job, QueueFull
-from tracelm.session import Session, chat_prompt, shift_chat
+from tracelm.server.tools import ToolCallSplitter, function_grammar, split_reply, template_tool_format, tool_grammar
+from tracelm.session import Session, chat_prompt, encode_chat, shift_chat
 from tracelm.state.errors import TracelmError
+from tracelm.state.records import Constraint
 from tracelm.state.run_config import RunConfig
 from tracelm.version import __version__
 
@@ -56,6 +63,7 @@ class Server:
         self.cfg = cfg = session.cfg
         self.model_id = model_id_of(cfg)
         self.model_names = {self.model_id, cfg.model}
+        self.strict_model = cfg.server.strict_model  # another model name is a 404 (else the loaded model serves it)
         self.api_key = api_key or None
         self.session = session
         self.engine = Engine(session)
@@ -76,6 +84,7 @@ class Server:
             Route("/v1/models/{model_id:path}", self.model_info, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            *page_routes(self),  # the chat page at / and the trace viewer at /trace (pages.py)
         ]
         handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error}
         return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)  # type: ignore[arg-type]
@@ -147,6 +156,22 @@ class Server:
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, "chat")
 
+    def _chat_ids(self, req: GenerationRequest, messages: list[dict[str, Any]]) -> list[int]:
+        """The conversation's prompt ids, the request's tools rendered by the template unless tool_choice is none."""
+        tools = req.tools if req.tools is not None and req.tools.active else None
+        if tools is None:
+            return chat_prompt(self.model, messages)
+        why = template_tool_format(self.model.chat_template)
+        if why is not None:
+            raise bad(f"'tools': {why}", "tools")
+        # the template writes tools and calls outside the messages' contents: none may spell a control token
+        written = json.dumps([tools.tools, [m.get("tool_calls") for m in messages]], ensure_ascii=False)
+        for text in self.model.tokenizer.control_tokens():
+            if text in written:
+                raise bad(f"'tools' or a message's tool_calls spell the control token {text!r}", "tools")
+        return encode_chat(self.model.tokenizer, self.model.chat_template, messages, add_generation_prompt=True,
+                           tools=list(tools.tools))
+
     def _encode(self, req: GenerationRequest) -> tuple[list[int], str]:
         """Prompt token ids and text (worker-free: runs in a thread of the pool)."""
         tok = self.model.tokenizer
@@ -155,7 +180,7 @@ class Server:
             if self.cfg.system and not any(m["role"] == "system" for m in messages):
                 messages.insert(0, {"role": "system", "content": self.cfg.system})
             try:
-                ids = chat_prompt(self.model, messages)
+                ids = self._chat_ids(req, messages)
                 asked = self.cfg.max_tokens if req.max_tokens is None else req.max_tokens
                 ids = shift_chat(self.model, self.cfg, messages, ids, asked)  # context_policy: shift
             except TracelmError as e:
@@ -175,6 +200,14 @@ class Server:
             self.session.check_sampling(attrs.evolve(sampling, constraint=None))
         except TracelmError as e:
             raise bad(f"logit_bias: {e}", "logit_bias") from None
+        if req.constraint_param == "tools":  # each function's schema alone first, so an error names it
+            for i, fn in enumerate(req.tools.functions):
+                try:
+                    self.session.check_sampling(attrs.evolve(sampling, constraint=Constraint("lark",
+                                                                                             function_grammar(fn))))
+                except TracelmError as e:
+                    param = f"tools[{i}].function.parameters"
+                    raise bad(f"{param}: {e}", param) from None
         try:
             self.session.check_sampling(sampling)
         except TracelmError as e:
@@ -200,11 +233,17 @@ class Server:
     async def _generate(self, request: Request, kind: str) -> Response:
         self._check_key(request)
         req = parse_request(parse_json(await self._body(request)), kind)
-        if req.model not in self.model_names:
+        if self.strict_model and req.model not in self.model_names:
             raise self._no_model(req.model)
+        if req.n > self.engine.max_batch:
+            raise bad(f"'n' must be at most {self.engine.max_batch} on this server (server.max_batch: a request's "
+                      f"choices decode together), got {req.n}", "n")
         ids, prompt_text = await run_in_threadpool(self._encode, req)
         max_tokens = self._max_tokens(req, len(ids))
         seed = req.seed if req.seed is not None else secrets.randbits(63)
+        if req.tools is not None and req.tools.active:  # the reply under the tools' grammar
+            req = attrs.evolve(req, sampling={**req.sampling, "constraint": Constraint(
+                "lark", tool_grammar(req.tools, self.model.tokenizer))}, constraint_param="tools")
         try:
             sampling = attrs.evolve(self.cfg.sampling, **req.sampling, seed=seed)
         except (TypeError, ValueError) as e:
@@ -213,7 +252,7 @@ class Server:
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         job = Job(request_id=rid, prompt_ids=ids, prompt_text=prompt_text, max_tokens=max_tokens, sampling=sampling,
                   stop=req.stop, deadline=time.monotonic() + self.cfg.server.request_timeout,
-                  loop=asyncio.get_running_loop(), session_id=req.session_id, logprobs=req.logprobs)
+                  loop=asyncio.get_running_loop(), session_id=req.session_id, logprobs=req.logprobs, n=req.n)
         try:
             self.engine.submit(job)
         except QueueFull as e:
@@ -265,17 +304,21 @@ class Shape:
         self.tok = server.model.tokenizer
         self.created = int(time.time())
         self.chat = req.kind == "chat"
-        self.offset = 0  # characters of completion text so far (completions' text_offset)
+        tools = req.tools if self.chat and req.tools is not None and req.tools.active else None
+        self.tool_names = {f.name for f in tools.functions} if tools is not None else None  # None: no tool calls
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.server.model_id,
                 "system_fingerprint": FINGERPRINT}
 
-    @staticmethod
-    def usage(done: dict[str, Any]) -> dict[str, Any]:
-        return {"prompt_tokens": done["prompt_tokens"], "completion_tokens": done["completion_tokens"],
-                "total_tokens": done["prompt_tokens"] + done["completion_tokens"],
-                "prompt_tokens_details": {"cached_tokens": done["cached_tokens"]}}
+    def usage(self, dones: list[dict[str, Any]]) -> dict[str, Any]:
+        """OpenAI's usage of all the choices: the prompt counted once, the completions' tokens summed; and
+        `prefill_passes`, a tracelm extension: how many times the prompt went through the model for this request
+        (1 for any n: the other choices start from a copy of the first one's Cache)."""
+        prompt, completion = dones[0]["prompt_tokens"], sum(d["completion_tokens"] for d in dones)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": dones[0]["cached_tokens"]},
+                "prefill_passes": sum(d["prefilled"] for d in dones)}
 
     def _token_text(self, token: int) -> str:
         return self.tok.token_bytes(token).decode("utf-8", "replace")
@@ -302,72 +345,140 @@ class Shape:
                 "text_offset": offsets}
 
     async def _events(self) -> AsyncIterator[tuple[Any, ...]]:
-        while True:
+        """The job's events until every choice is done (or an error, or the client gone)."""
+        left = self.req.n
+        while left:
             event = await self.job.events.get()
             yield event
-            if event[0] in ("done", "error", "gone"):
+            if event[0] in ("error", "gone"):
                 return
+            left -= event[0] == "done"
+
+    def _message(self, text: str, done: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        """A chat choice's message and finish_reason: with tools, the reply's calls as tool_calls."""
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        finish = done["finish_reason"]
+        if self.tool_names is not None:
+            message["content"], calls = split_reply(text, self.tool_names)
+            if calls:
+                message["tool_calls"] = [c.openai() for c in calls]
+                finish = "tool_calls" if finish == "stop" else finish
+        return message, finish
 
     async def collect(self) -> dict[str, Any]:
-        text: list[str] = []
-        entries: list[dict[str, Any]] = []
+        n = self.req.n
+        texts: list[list[str]] = [[] for _ in range(n)]
+        entries: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+        dones: list[dict[str, Any]] = [{} for _ in range(n)]
         async for event in self._events():
             if event[0] == "piece":
-                text.append(event[1])
-                entries.extend(event[2])
+                texts[event[3]].append(event[1])
+                entries[event[3]].extend(event[2])
             elif event[0] == "error":
                 raise event[1]
             elif event[0] == "gone":
                 raise ApiError(499, "client closed the request")
             elif event[0] == "done":
-                done = event[1]
-        logprobs = self._logprobs(entries, 0)
-        body = "".join(text)
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": body, "refusal": None},
-                      "logprobs": logprobs, "finish_reason": done["finish_reason"]}
-            return {**self._head("chat.completion"), "choices": [choice], "usage": self.usage(done)}
-        choice = {"index": 0, "text": body, "logprobs": logprobs, "finish_reason": done["finish_reason"]}
-        return {**self._head("text_completion"), "choices": [choice], "usage": self.usage(done)}
+                dones[event[2]] = event[1]
+        choices = []
+        for i in range(n):
+            logprobs, body = self._logprobs(entries[i], 0), "".join(texts[i])
+            if self.chat:
+                message, finish = self._message(body, dones[i])
+                choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
+            else:
+                choices.append({"index": i, "text": body, "logprobs": logprobs,
+                                "finish_reason": dones[i]["finish_reason"]})
+        head = self._head("chat.completion" if self.chat else "text_completion")
+        return {**head, "choices": choices, "usage": self.usage(dones)}
 
-    def _chunk(self, piece: str | None, finish: str | None, logprobs: Any, first: bool = False) -> dict[str, Any]:
+    def _chunk(self, index: int, delta: dict[str, Any] | str, finish: str | None = None,
+               logprobs: Any = None) -> dict[str, Any]:
+        """One streamed chunk of choice `index`: a chat delta, or a completion's text."""
         if self.chat:
-            delta: dict[str, Any] = {}
-            if first:
-                delta = {"role": "assistant", "content": ""}
-            elif piece is not None:
-                delta = {"content": piece}
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             chunk = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
-            choice = {"index": 0, "text": piece or "", "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish}
             chunk = {**self._head("text_completion"), "choices": [choice]}
         if self.req.include_usage:
             chunk["usage"] = None
         return chunk
+
+    def _deltas(self, index: int, items: list[tuple[str, Any]]) -> list[dict[str, Any]]:
+        """Chat deltas of a reply's content and calls (ToolCallSplitter's items): a call as OpenAI streams one, its
+        id and name first, then its arguments."""
+        out: list[dict[str, Any]] = []
+        for kind, x in items:
+            if kind == "content":
+                out.append({"content": x})
+                continue
+            k = self.calls[index]
+            self.calls[index] += 1
+            out.append({"tool_calls": [{"index": k, "id": x.id, "type": "function",
+                                        "function": {"name": x.name, "arguments": ""}}]})
+            out.append({"tool_calls": [{"index": k, "function": {"arguments": x.arguments}}]})
+        return out
+
+    def _piece_chunks(self, index: int, text: str, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The chunks of one piece of choice `index`; its logprobs ride on the next chunk that goes out."""
+        self.pending[index].extend(entries)
+        if not self.chat:
+            deltas: list[Any] = [text]
+        elif self.splitters is None:
+            deltas = [{"content": text}]
+        else:
+            deltas = self._deltas(index, self.splitters[index].push(text))
+        chunks = []
+        for delta in deltas:
+            chunks.append(self._chunk(index, delta, None, self._logprobs(self.pending[index], self.offsets[index])))
+            self.offsets[index] += sum(len(self._token_text(e["id"])) for e in self.pending[index])
+            self.pending[index] = []
+        return chunks
+
+    def _done_chunks(self, index: int, done: dict[str, Any]) -> list[dict[str, Any]]:
+        finish = done["finish_reason"]
+        chunks = []
+        if self.splitters is not None:
+            for delta in self._deltas(index, self.splitters[index].finish()):
+                chunks.append(self._chunk(index, delta, None, self._logprobs(self.pending[index], 0)))
+                self.pending[index] = []
+            if self.calls[index] and finish == "stop":
+                finish = "tool_calls"
+        chunks.append(self._chunk(index, {} if self.chat else "", finish, None))
+        return chunks
 
     async def stream(self, ndjson: bool) -> AsyncIterator[bytes]:
         def frame(obj: dict[str, Any]) -> bytes:
             data = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
             return (data + "\n").encode() if ndjson else f"data: {data}\n\n".encode()
 
+        n = self.req.n
+        self.pending: list[list[dict[str, Any]]] = [[] for _ in range(n)]  # logprobs not yet sent
+        self.offsets, self.calls = [0] * n, [0] * n  # completions' text_offset; tool calls sent, per choice
+        self.splitters = ([ToolCallSplitter(self.tool_names) for _ in range(n)]
+                          if self.chat and self.tool_names is not None else None)
+        dones: list[dict[str, Any]] = [{} for _ in range(n)]
         finished = False
         try:
             if self.chat:
-                yield frame(self._chunk(None, None, None, first=True))
+                for i in range(n):
+                    yield frame(self._chunk(i, {"role": "assistant", "content": ""}))
             async for event in self._events():
                 if event[0] == "piece":
-                    yield frame(self._chunk(event[1], None, self._logprobs(event[2], self.offset)))
-                    self.offset += sum(len(self._token_text(e["id"])) for e in event[2])
+                    for chunk in self._piece_chunks(event[3], event[1], event[2]):
+                        yield frame(chunk)
                 elif event[0] == "error":
                     yield frame(event[1].body())
+                    self.job.gone.set()  # the other choices stop too
                     finished = True
                     return
                 elif event[0] == "done":
-                    done = event[1]
-                    yield frame(self._chunk(None, done["finish_reason"], None))
-                    if self.req.include_usage:
-                        yield frame({**self._chunk(None, None, None), "choices": [], "usage": self.usage(done)})
+                    dones[event[2]] = event[1]
+                    for chunk in self._done_chunks(event[2], event[1]):
+                        yield frame(chunk)
+            if self.req.include_usage and all(dones):
+                yield frame({**self._chunk(0, {}), "choices": [], "usage": self.usage(dones)})
             finished = True
             if not ndjson:
                 yield b"data: [DONE]\n\n"

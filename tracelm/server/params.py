@@ -1,8 +1,13 @@
 """OpenAI request bodies -> checked generation requests; every client mistake becomes an `ApiError` (4xx).
 
 The checks follow the OpenAI API: unknown arguments are rejected, `null` means "not given", booleans
-are not numbers, and values the engine cannot honour (n > 1, tools, ...) get a 400 that names the argument
-rather than being silently ignored.
+are not numbers, and values the engine cannot honour (best_of > 1, echo, the legacy `functions`, ...) get a 400
+that names the argument rather than being silently ignored.
+
+`n`: that many choices sampled from one prefill of the prompt (checked against server.max_batch by the server).
+Tools: `tools`, `tool_choice`, `parallel_tool_calls` (server/tools.py), and the conversation's tool turns: an
+assistant message's `tool_calls` (its function.arguments a JSON object as text, given to the template as the
+object, as transformers' templates expect) and `tool` messages answering them (`tool_call_id`).
 
 Constrained output: `response_format` ({"type": "json_object"} or {"type": "json_schema", "json_schema": {"name",
 "schema", "strict"}}) and, as vLLM spells them, `guided_regex` (the whole output matches the pattern) and
@@ -19,6 +24,8 @@ from typing import Any
 
 import attrs
 
+from tracelm.server.errors import bad, kind_of
+from tracelm.server.tools import ToolRequest, parse_tools
 from tracelm.state.records import Constraint
 
 # Arguments every generation endpoint takes, plus tracelm's extensions (top_k, min_p, repetition_penalty,
@@ -33,36 +40,15 @@ _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                    "function_call", "parallel_tool_calls", "store", "metadata"}
 # Arguments accepted only at their neutral value (what the engine does anyway).
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "tools": ([],),
-    "functions": ([],), "tool_choice": ("none",), "function_call": ("none",), "parallel_tool_calls": (True, False),
+    "best_of": (1,), "echo": (False,), "suffix": ("",), "functions": ([],), "function_call": ("none",),
     "store": (False,),
 }
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+MAX_N = 128  # choices per request (OpenAI's bound; the server's is server.max_batch)
 SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1024
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
-
-
-class ApiError(Exception):
-    """A request the server will not serve, as the OpenAI error body and an HTTP status."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 kind: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-
-def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param, code=code)
 
 
 @attrs.frozen
@@ -72,7 +58,8 @@ class GenerationRequest:
     kind: str  # "completion" | "chat"
     model: str
     prompt: str | list[int] | None = None  # completions: text or token ids
-    messages: list[dict[str, str]] | None = None  # chat: [{"role", "content"}] with text content
+    messages: list[dict[str, Any]] | None = None  # chat: [{"role", "content", ...}] with text content, for the template
+    n: int = 1  # choices, sampled from one prefill
     max_tokens: int | None = None
     sampling: dict[str, Any] = attrs.Factory(dict)  # SamplingParams fields the request sets
     seed: int | None = None
@@ -82,6 +69,7 @@ class GenerationRequest:
     logprobs: int | None = None  # top alternatives per token (0..), None = no logprobs
     session_id: str | None = None
     constraint_param: str | None = None  # the argument sampling["constraint"] came from (for its errors)
+    tools: ToolRequest | None = None  # chat: tools, tool_choice, parallel_tool_calls
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -100,26 +88,12 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     except ValueError as e:
         raise bad(f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
-        raise bad(f"the request body must be a JSON object, not {_kind(body)}")
+        raise bad(f"the request body must be a JSON object, not {kind_of(body)}")
     return body
 
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
-
-
-def _kind(x: Any) -> str:
-    if x is None:
-        return "null"
-    if isinstance(x, bool):
-        return "a boolean"
-    if isinstance(x, int | float):
-        return "a number"
-    if isinstance(x, str):
-        return "a string"
-    if isinstance(x, list):
-        return "an array"
-    return "an object"
 
 
 def _integer(body: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
@@ -129,7 +103,7 @@ def _integer(body: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
     if isinstance(x, float) and x.is_integer():
         x = int(x)
     if isinstance(x, bool) or not isinstance(x, int):
-        raise bad(f"'{key}' must be an integer, got {_kind(x)}", key)
+        raise bad(f"'{key}' must be an integer, got {kind_of(x)}", key)
     if not lo <= x <= hi:
         raise bad(f"'{key}' must be between {lo} and {hi}, got {x}", key)
     return x
@@ -140,7 +114,7 @@ def _number(body: dict[str, Any], key: str, lo: float, hi: float, lo_open: bool 
     if x is None:
         return None
     if isinstance(x, bool) or not isinstance(x, int | float):
-        raise bad(f"'{key}' must be a number, got {_kind(x)}", key)
+        raise bad(f"'{key}' must be a number, got {kind_of(x)}", key)
     x = float(x)
     if not math.isfinite(x) or x > hi or x < lo or (lo_open and x == lo):
         low = f"greater than {lo:g}" if lo_open else f"at least {lo:g}"
@@ -151,14 +125,14 @@ def _number(body: dict[str, Any], key: str, lo: float, hi: float, lo_open: bool 
 def _boolean(body: dict[str, Any], key: str) -> bool | None:
     x = body.get(key)
     if x is not None and not isinstance(x, bool):
-        raise bad(f"'{key}' must be a boolean, got {_kind(x)}", key)
+        raise bad(f"'{key}' must be a boolean, got {kind_of(x)}", key)
     return x
 
 
 def _string(body: dict[str, Any], key: str) -> str | None:
     x = body.get(key)
     if x is not None and not isinstance(x, str):
-        raise bad(f"'{key}' must be a string, got {_kind(x)}", key)
+        raise bad(f"'{key}' must be a string, got {kind_of(x)}", key)
     return x
 
 
@@ -197,7 +171,7 @@ def _response_format(x: Any) -> Constraint | None:
         raise bad("'response_format.json_schema.name' is required (a string)", "response_format.json_schema.name")
     schema = spec.get("schema", {})
     if not isinstance(schema, dict):
-        raise bad(f"'response_format.json_schema.schema' must be an object, got {_kind(schema)}",
+        raise bad(f"'response_format.json_schema.schema' must be an object, got {kind_of(schema)}",
                   "response_format.json_schema.schema")
     strict = _boolean(spec, "strict")
     return Constraint("json_schema", json.dumps(schema, ensure_ascii=False), strict=bool(strict))
@@ -227,7 +201,7 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
     if x is None:
         return {}
     if not isinstance(x, dict):
-        raise bad(f"'logit_bias' must be an object of token ids to biases, got {_kind(x)}", "logit_bias")
+        raise bad(f"'logit_bias' must be an object of token ids to biases, got {kind_of(x)}", "logit_bias")
     if len(x) > MAX_LOGIT_BIAS:
         raise bad(f"'logit_bias' takes at most {MAX_LOGIT_BIAS} tokens, got {len(x)}", "logit_bias")
     out = {}
@@ -271,33 +245,104 @@ def _content(m: dict[str, Any], i: int) -> str:
                           f"messages[{i}].content")
             texts.append(part["text"])
         return "".join(texts)
-    raise bad(f"messages[{i}].content must be a string or an array of text parts, got {_kind(c)}",
+    raise bad(f"messages[{i}].content must be a string or an array of text parts, got {kind_of(c)}",
               f"messages[{i}].content")
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def _tool_calls(x: Any, i: int) -> list[dict[str, Any]]:
+    """An assistant message's tool_calls, their arguments parsed (templates render them as JSON objects)."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(x, list) or not x:
+        raise bad(f"'{where}' must be a non-empty array of tool calls, got {kind_of(x)}", where)
+    out = []
+    for j, call in enumerate(x):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments"), str)
+                and call.get("type", "function") == "function" and isinstance(call.get("id", ""), str)):
+            raise bad(f"'{where}[{j}]' must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+                      f"\"arguments\": a JSON string}}}}", f"{where}[{j}]")
+        try:
+            arguments = json.loads(fn["arguments"], parse_constant=_no_constant)
+        except ValueError:
+            raise bad(f"'{where}[{j}].function.arguments' is not valid JSON", f"{where}[{j}].function.arguments") \
+                from None
+        out.append({"id": call.get("id", ""), "type": "function",
+                    "function": {"name": fn["name"], "arguments": arguments}})
+    return out
+
+
+def _message(m: Any, i: int) -> dict[str, Any]:
+    if not isinstance(m, dict):
+        raise bad(f"messages[{i}] must be an object, got {kind_of(m)}", f"messages[{i}]")
+    role = m.get("role")
+    if role not in _ROLES:
+        raise bad(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}", f"messages[{i}].role")
+    allowed = {"role", "content", "name"} | {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}.get(role, set())
+    if m.get("annotations") == []:  # as the openai client echoes an assistant message back
+        allowed.add("annotations")
+    extra = {k for k in m if m[k] is not None} - allowed
+    if extra:
+        raise bad(f"messages[{i}]: unsupported field {sorted(extra)[0]!r} (this server takes role, text content, "
+                  "an assistant's tool_calls and a tool's tool_call_id)", f"messages[{i}]")
+    out: dict[str, Any] = {"role": _ROLES[role], "content": _content(m, i)}
+    if role == "assistant" and m.get("tool_calls") is not None:
+        out["tool_calls"] = _tool_calls(m["tool_calls"], i)
+    if role == "tool":
+        if not isinstance(m.get("tool_call_id"), str):
+            raise bad(f"messages[{i}].tool_call_id is required (a string) in a tool message",
+                      f"messages[{i}].tool_call_id")
+        out["tool_call_id"] = m["tool_call_id"]
+        if isinstance(m.get("name"), str):
+            out["name"] = m["name"]
+    return out
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     x = body.get("messages")
     if x is None:
         raise bad("'messages' is required", "messages")
     if not isinstance(x, list) or not x:
         raise bad("'messages' must be a non-empty array of messages", "messages")
-    out = []
-    for i, m in enumerate(x):
-        if not isinstance(m, dict):
-            raise bad(f"messages[{i}] must be an object, got {_kind(m)}", f"messages[{i}]")
-        extra = set(m) - {"role", "content", "name"}
-        if extra:
-            raise bad(f"messages[{i}]: unsupported field {sorted(extra)[0]!r} (this server takes role and text "
-                      "content)", f"messages[{i}]")
-        role = m.get("role")
-        if role not in _ROLES:
-            raise bad(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}", f"messages[{i}].role")
-        out.append({"role": _ROLES[role], "content": _content(m, i)})
-    return out
+    return [_message(m, i) for i, m in enumerate(x)]
 
 
 def parse_request(body: dict[str, Any], kind: str) -> GenerationRequest:
     """Check a /v1/completions ("completion") or /v1/chat/completions ("chat") body."""
+    _check_arguments(body, kind)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("'model' is required: a model id from GET /v1/models", "model")
+    sampling, constraint_param = _sampling(body)
+    max_tokens, logprobs = _length_and_logprobs(body, kind)
+    stream, include_usage = _stream(body)
+    session_id, n = _session_and_n(body)
+    tools = None
+    if kind == "chat":
+        tools = parse_tools(body)
+        if tools is not None and tools.active and "constraint" in sampling:
+            raise bad(f"'{constraint_param}' and 'tools' both constrain the reply: give tool_choice \"none\" or "
+                      f"drop '{constraint_param}'", constraint_param)
+    return GenerationRequest(
+        kind=kind,
+        model=model,
+        prompt=_prompt(body) if kind == "completion" else None,
+        messages=_messages(body) if kind == "chat" else None,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        seed=_integer(body, "seed", 0, (1 << 63) - 1),
+        stop=_stops(body),
+        stream=stream,
+        include_usage=include_usage,
+        logprobs=logprobs,
+        session_id=session_id,
+        constraint_param=constraint_param,
+        n=n,
+        tools=tools,
+    )
+
+
+def _check_arguments(body: dict[str, Any], kind: str) -> None:
+    """Unknown arguments, and arguments at a value the engine cannot honour, are 400s that name them."""
     known = _COMPLETION if kind == "completion" else _CHAT
     for key in body:
         if key not in known:
@@ -305,10 +350,10 @@ def parse_request(body: dict[str, Any], kind: str) -> GenerationRequest:
     for key, neutral in _NEUTRAL.items():
         if key in body and body[key] is not None and body[key] not in neutral:
             raise bad(f"'{key}' = {json.dumps(body[key])[:60]} is not supported by this server", key, "unsupported")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad("'model' is required: a model id from GET /v1/models", "model")
 
+
+def _sampling(body: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """The SamplingParams fields the body sets, and the argument a constraint came from."""
     sampling: dict[str, Any] = {}
     for key, field, lo, hi, lo_open in (("temperature", "temperature", 0.0, 2.0, False),
                                         ("top_p", "top_p", 0.0, 1.0, True),
@@ -329,48 +374,47 @@ def parse_request(body: dict[str, Any], kind: str) -> GenerationRequest:
         sampling["constraint"] = constraint
     if bias := _logit_bias(body):
         sampling["logit_bias"] = bias
+    return sampling, constraint_param
 
+
+def _length_and_logprobs(body: dict[str, Any], kind: str) -> tuple[int | None, int | None]:
+    """max_tokens (chat: or max_completion_tokens) and the top alternatives per token (None: no logprobs)."""
     max_tokens = _integer(body, "max_tokens", 1, 1 << 30)
-    logprobs = None
-    if kind == "chat":
-        mct = _integer(body, "max_completion_tokens", 1, 1 << 30)
-        if mct is not None:
-            if max_tokens is not None and max_tokens != mct:
-                raise bad("give one of 'max_tokens' and 'max_completion_tokens'", "max_completion_tokens")
-            max_tokens = mct
-        top = _integer(body, "top_logprobs", 0, 20)
-        if _boolean(body, "logprobs"):
-            logprobs = top or 0
-        elif top is not None:
-            raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    else:
-        logprobs = _integer(body, "logprobs", 0, 5)
+    if kind != "chat":
+        return max_tokens, _integer(body, "logprobs", 0, 5)
+    mct = _integer(body, "max_completion_tokens", 1, 1 << 30)
+    if mct is not None:
+        if max_tokens is not None and max_tokens != mct:
+            raise bad("give one of 'max_tokens' and 'max_completion_tokens'", "max_completion_tokens")
+        max_tokens = mct
+    top = _integer(body, "top_logprobs", 0, 20)
+    if _boolean(body, "logprobs"):
+        return max_tokens, top or 0
+    if top is not None:
+        raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return max_tokens, None
 
+
+def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
+    """stream, and stream_options.include_usage."""
     stream = bool(_boolean(body, "stream"))
     options = body.get("stream_options")
-    include_usage = False
-    if options is not None:
-        if not stream:
-            raise bad("'stream_options' is only allowed with 'stream': true", "stream_options")
-        if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise bad("'stream_options' takes one key, include_usage", "stream_options")
-        include_usage = bool(_boolean(options, "include_usage"))
+    if options is None:
+        return stream, False
+    if not stream:
+        raise bad("'stream_options' is only allowed with 'stream': true", "stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise bad("'stream_options' takes one key, include_usage", "stream_options")
+    return stream, bool(_boolean(options, "include_usage"))
+
+
+def _session_and_n(body: dict[str, Any]) -> tuple[str | None, int]:
     _string(body, "user")
     session_id = _string(body, "session_id")
     if session_id is not None and not SESSION_ID.fullmatch(session_id):
         raise bad("'session_id' must be 1-128 characters of letters, digits and . _ : -", "session_id")
-    return GenerationRequest(
-        kind=kind,
-        model=model,
-        prompt=_prompt(body) if kind == "completion" else None,
-        messages=_messages(body) if kind == "chat" else None,
-        max_tokens=max_tokens,
-        sampling=sampling,
-        seed=_integer(body, "seed", 0, (1 << 63) - 1),
-        stop=_stops(body),
-        stream=stream,
-        include_usage=include_usage,
-        logprobs=logprobs,
-        session_id=session_id,
-        constraint_param=constraint_param,
-    )
+    n = _integer(body, "n", 1, MAX_N) or 1
+    if n > 1 and session_id is not None:
+        raise bad("'n' > 1 cannot continue a session (which choice would it keep?): give n = 1 with 'session_id'",
+                  "n")
+    return session_id, n

@@ -10,15 +10,21 @@ forward pass (one read of the weights for all of them). A sequence's numbers do 
 (`forward_batch`), so a request gets the text it would get alone. Alone in the batch a sequence may
 speculate (`speculative.draft_tokens`); with company it does not.
 
-What happens is posted back to the job's asyncio queue: `("start",)`, `("piece", text, logprobs)` per
-piece of text, then `("done", result)` or `("error", ApiError)`. A job ends early when its client is gone
-(`Job.gone`) or its time limit passes: it is asked before every token, so generation stops within one token.
+A job asking for n choices (`Job.n`) is prefilled once: choice 0 on its runner, then each other choice forks it
+(`_fork`): a scratch runner whose Cache is a copy of choice 0's, sampling from the same last logits row with its
+own seed (`choice_seed`) and its own grammar state. The n sequences then decode in the batch like any others; the
+job starts only once the batch has room for all n.
+
+What happens is posted back to the job's asyncio queue: `("start",)`, `("piece", text, logprobs, choice)` per
+piece of text, `("done", result, choice)` per choice, or `("error", ApiError)`. A job ends early when its client
+is gone (`Job.gone`) or its time limit passes: it is asked before every token, so generation stops within one token.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import queue
 import threading
@@ -30,9 +36,18 @@ from typing import Any
 import attrs
 import numpy as np
 
-from tracelm.server.params import ApiError
+from tracelm.server.errors import ApiError
 from tracelm.server.sessions import SessionFiles, SessionStore
-from tracelm.session import Generation, Runner, Session, numerics, top_logprobs, write_footer
+from tracelm.session import (
+    Generation,
+    GenerationStats,
+    Runner,
+    Session,
+    check_sampling,
+    numerics,
+    top_logprobs,
+    write_footer,
+)
 from tracelm.state.errors import TracelmError
 from tracelm.state.records import Choice, SamplingParams
 from tracelm.state.run_config import TraceOptions
@@ -58,6 +73,8 @@ class Job:
     loop: asyncio.AbstractEventLoop
     session_id: str | None = None
     logprobs: int | None = None  # top alternatives per token; None = no logprobs
+    n: int = 1  # choices, sampled from one prefill
+    remaining: int = 0  # its choices started and not yet ended (worker thread only)
     events: asyncio.Queue = attrs.Factory(asyncio.Queue)
     gone: threading.Event = attrs.Factory(threading.Event)  # the client went away
 
@@ -81,6 +98,15 @@ class Counters:
     peak_batch: int = 0  # most sequences that shared one pass
     step_seconds: float = 0.0  # wall time of decode steps (sampling every active sequence + their shared pass)
     step_cpu_seconds: float = 0.0  # the worker thread's CPU time in them (BLAS helper threads not included)
+    forks: int = 0  # choices beyond the first of n > 1 requests, each from a copy of the first's prefilled Cache
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request seeded `seed`: the seed itself for choice 0 (so n = 1 is as before),
+    else 63 bits of sha256 of "seed:index" -- a run with a seed is reproducible choice by choice."""
+    if index == 0:
+        return seed
+    return int.from_bytes(hashlib.sha256(f"{seed}:{index}".encode()).digest()[:8], "little") >> 1
 
 
 @attrs.define(eq=False)
@@ -89,6 +115,8 @@ class Active:
 
     job: Job
     started: float  # time.monotonic() when it left the waiting line
+    index: int = 0  # which of the job's choices
+    prefilled: bool = False  # its runner prefilled the prompt (the other choices fork from that one)
     runner: Runner | None = None
     gen: Generation | None = None
     tracer: Any = None
@@ -209,7 +237,7 @@ class Engine:
         batch waits for it (one Cache serves one request at a time)."""
         busy = {a.job.session_id for a in self.active} - {None}
         for job in list(self._waiting):
-            if len(self.active) >= self.max_batch:
+            if len(self.active) + job.n > self.max_batch:  # all of a job's choices start together
                 return
             if job.session_id is not None:
                 if job.session_id in busy:
@@ -229,15 +257,44 @@ class Engine:
                                             "(server.request_timeout)", headers={"Retry-After": "1"}))
             return self._release()
         a = Active(job, t0)
+        job.remaining = 1
+        forks: list[Active] = []
         try:
             a.runner = self._runner_for(job)
             job.post("start")
             a.tracer = self._open_trace(job, a.closing)
             a.gen = a.runner.start(job.prompt_ids, job.max_tokens, job.sampling, job.stop, cancel=a.cancelled,
                                    on_token=a.logprob if job.logprobs is not None else None, tracer=a.tracer)
+            a.prefilled = True
+            if job.n > 1:
+                snapshot = a.runner.cache.snapshot()
+                if a.tracer is not None:  # the trace follows choice 0; the others are named by their seeds
+                    a.tracer.event("fork", choices=job.n, seeds=[choice_seed(job.sampling.seed, i)
+                                                                 for i in range(job.n)])
+                for i in range(1, job.n):
+                    forks.append(Active(job, t0, index=i))
+                    self._fork(forks[-1], a, snapshot)
         except Exception as e:  # noqa: BLE001 -- mapped to the job's error answer
+            for f in forks:
+                self._end(f)
             return self._fail(a, e)
-        self.active.append(a)
+        self.active += [a, *forks]
+
+    def _fork(self, f: Active, first: Active, snapshot: Any) -> None:
+        """Choice f.index of first's job: a scratch runner holding `snapshot` (first's prefilled Cache), decoding
+        from first's last logits row with the choice's own seed and grammar state."""
+        job = f.job
+        job.remaining += 1  # from here on f's _end releases its share
+        f.runner = self._scratch.pop() if self._scratch else self.session.new_runner()
+        f.runner.cache.restore(snapshot)
+        sampling = attrs.evolve(job.sampling, seed=choice_seed(job.sampling.seed, f.index))
+        n_prompt = len(job.prompt_ids)
+        f.runner.stats = GenerationStats(n_prompt=n_prompt, n_reused=n_prompt, finish_reason="length")
+        matcher = check_sampling(sampling, f.runner.model.tokenizer)
+        f.gen = Generation(f.runner, list(job.prompt_ids), np.array(first.gen.rows[0]), job.max_tokens, sampling,
+                           np.random.default_rng(sampling.seed), job.stop, f.cancelled,
+                           f.logprob if job.logprobs is not None else None, None, matcher)
+        self.counters.forks += 1
 
     def _step(self) -> None:
         """One token of every active sequence; those that finish leave; one pass computes the rest."""
@@ -246,7 +303,7 @@ class Engine:
             try:
                 text = a.gen.step(draft)
                 if text:
-                    a.job.post("piece", text, a.entries[:])
+                    a.job.post("piece", text, a.entries[:], a.index)
                     a.entries.clear()
                 if a.gen.done:
                     self._finish(a)
@@ -265,7 +322,7 @@ class Engine:
     def _finish(self, a: Active) -> None:
         text = a.gen.close()
         if text:
-            a.job.post("piece", text, a.entries[:])
+            a.job.post("piece", text, a.entries[:], a.index)
         stats = a.runner.stats
         if a.tracer is not None:
             write_footer(a.tracer, stats)
@@ -277,13 +334,16 @@ class Engine:
             else:  # the time limit: what was generated is returned, cut short as by max_tokens
                 self.counters.timed_out += 1
                 finish = "length"
-        self.counters.served += 1
-        self.counters.prompt_tokens += stats.n_prompt
-        self.counters.reused_tokens += stats.n_reused
+        if a.index == 0:  # the prompt is counted once for all of a request's choices
+            self.counters.served += 1
+            self.counters.prompt_tokens += stats.n_prompt
+            self.counters.reused_tokens += stats.n_reused
         self.counters.generated_tokens += stats.n_generated
         a.job.post("done", {"finish_reason": finish, "prompt_tokens": stats.n_prompt,
                             "cached_tokens": stats.n_reused, "completion_tokens": stats.n_generated,
-                            "prefill_seconds": stats.prefill_seconds, "decode_seconds": stats.decode_seconds})
+                            "prefill_seconds": stats.prefill_seconds, "decode_seconds": stats.decode_seconds,
+                            "prefilled": a.prefilled},
+                   a.index)
         if a.job.session_id is not None:  # with server.sessions_dir: its file, once the answer is out
             self.sessions.save(a.job.session_id)
 
@@ -313,7 +373,9 @@ class Engine:
         a.closing.close()
         if a.runner is not None and a.job.session_id is None:
             self._scratch.append(a.runner)
-        self._release(a.started)
+        a.job.remaining -= 1
+        if a.job.remaining == 0:  # the job's last choice: it leaves the queue's count
+            self._release(a.started)
 
     def _release(self, started: float | None = None) -> None:
         with self._lock:

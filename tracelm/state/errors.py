@@ -25,3 +25,21 @@ class SessionModelMismatch(SessionFileError):
 class SessionIncompatible(SessionFileError):
     """The file was made by another tracelm version, session format or compute mode, or holds more positions
     than the context: its keys and values are not the ones this engine would compute."""
+
+
+class ModelFormatError(TracelmError):
+    """A model, tokenizer or config file whose field has the wrong type or a value out of its range (named with the
+    file, key or tensor), or whose structure breaks its format's rules."""
+
+
+class NonFiniteError(TracelmError):
+    """A pass produced NaN or infinity: the message names the first layer, stage and token that did."""
+
+
+class ResourceError(TracelmError):
+    """A run that would exceed a bound decided before allocating: the model's trained context, or the memory
+    available (the message holds the estimate)."""
+
+
+class TraceFormatError(TracelmError):
+    """A trace line that cannot be read as a trace event (e.g. JSON nested too deeply)."""

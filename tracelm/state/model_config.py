@@ -36,6 +36,13 @@ class ModelConfig:
     rope_freq_factors: tuple[float, ...] | None = None  # per-pair divisors of the RoPE frequencies (llama 3)
 
     def __attrs_post_init__(self) -> None:
+        for field in ("n_vocab", "n_embd", "n_layer", "n_head", "n_head_kv", "head_dim", "n_ff", "n_ctx_train"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{field} {value!r} is not a positive integer")
+        for field in ("sliding_window", "swa_pattern"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"{field} {getattr(self, field)} is negative")
         if self.n_head % self.n_head_kv:
             raise ValueError(f"head_count {self.n_head} is not a multiple of head_count_kv {self.n_head_kv}")
         if self.rope_dim > self.head_dim or self.rope_dim % 2:

@@ -11,6 +11,24 @@ WEIGHT_MODES = ("resident", "streamed")
 COMPUTE_MODES = ("kernels", "reference")
 CONTEXT_POLICIES = ("stop", "shift")
 ACTIVATION_MODES = {"int8": 1, "int16": 2}  # -> int8 blocks per weight block (QMatrix.halves)
+# bounds the server also applies to a request (tracelm/server/params.py), so a config and a request agree
+MAX_STOPS = 16
+MAX_STOP_CHARS = 1024
+MAX_SEED = (1 << 63) - 1
+
+
+def _check_stops(_cfg: object, _field: object, stops: tuple[str, ...]) -> None:
+    if len(stops) > MAX_STOPS:
+        raise ValueError(f"stop takes at most {MAX_STOPS} strings, got {len(stops)}")
+    for s in stops:
+        if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_CHARS:
+            raise ValueError(f"stop strings must have 1 to {MAX_STOP_CHARS} characters, got {s!r}")
+
+
+def _check_seed(_cfg: object, _field: object, sampling: SamplingParams) -> None:
+    seed = sampling.seed
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"sampling.seed {seed!r} is not an integer from 0 to {MAX_SEED}")
 
 
 @attrs.frozen(slots=True)
@@ -38,6 +56,8 @@ class ServerOptions:
     # session_id conversations also saved here (tracelm/io/session_file.py): they survive a restart
     sessions_dir: str | None = None
     sessions_max_mb: int = attrs.field(default=2048, validator=v.ge(1))  # disk the saved ones may take (LRU out)
+    # a request naming another model than the loaded one is a 404 (by default the loaded model serves any name)
+    strict_model: bool = False
 
 
 @attrs.frozen(slots=True)
@@ -71,10 +91,14 @@ class RunConfig:
     shift_keep: int = attrs.field(default=0, validator=v.ge(0))  # shift: tokens kept; 0 = half the context
     threads: int = attrs.field(default=0, validator=v.ge(0))  # kernel (and BLAS) threads; 0 = all cores
     max_tokens: int = attrs.field(default=128, validator=v.ge(0))
-    stop: tuple[str, ...] = attrs.field(default=(), converter=tuple)  # stop strings
+    stop: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_check_stops)  # stop strings
     system: str | None = None  # chat: system prompt (None: the template's default)
     prompt: str = "The capital of France is"
-    sampling: SamplingParams = SamplingParams()
+    sampling: SamplingParams = attrs.field(default=SamplingParams(), validator=_check_seed)
+    # linear RoPE scaling (position interpolation): every RoPE frequency divided by this. A context beyond the
+    # model's trained one is refused unless this stretches the trained context to hold it (context <= trained x
+    # rope_scale); 1.0 = the model as trained
+    rope_scale: float = attrs.field(default=1.0, validator=v.ge(1.0))
     trace: TraceOptions = TraceOptions()
     speculative: SpeculativeOptions = SpeculativeOptions()
     server: ServerOptions = ServerOptions()

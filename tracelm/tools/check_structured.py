@@ -2,8 +2,12 @@
 in a child process, then one OpenAI chat request per seed (seeds 1..N, temperature 0.8) with a `response_format`
 json_schema (an object with required string, integer and enum fields and a nested array), each reply parsed and
 validated by the `jsonschema` package (an independent validator, in the test extra), not by the grammar engine
-that produced it. It takes ~90 s for 20 seeds on Qwen2.5-Coder-0.5B on a 2-core machine: too long for the test
-suite, which runs the same function on three seeds (tests/test_server_constrain.py).
+that produced it. Then, through the official `openai` client (also in the test extra): a `tools` request with a
+weather function (tool_choice auto: the model decides to call it), whose tool_calls entry must name the function
+with arguments that validate against its parameters schema; and an `n=3` request, which must return three choices
+(indexes 0, 1, 2) from one prefill (`usage.prefill_passes` == 1). It takes ~90 s for 20 seeds on
+Qwen2.5-Coder-0.5B on a 2-core machine: too long for the test suite, which runs the same function on three seeds
+(tests/test_server_constrain.py).
 """
 
 from __future__ import annotations
@@ -18,6 +22,17 @@ from typing import Any
 
 from tracelm.state.errors import TracelmError
 from tracelm.tools.bench_grammar import PROMPT, SCHEMA
+
+WEATHER_PROMPT = "What is the weather like in Paris right now? Give me the temperature in celsius."
+WEATHER_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "description": "The city, e.g. San Francisco"},
+                   "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+}
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Get the current weather in a "
+                                                 "city", "parameters": WEATHER_SCHEMA}}
+N_CHOICES = 3
 
 
 def _free_port() -> int:
@@ -67,6 +82,50 @@ def _validator() -> Any:
     return jsonschema
 
 
+def _openai_client(port: int) -> Any:
+    try:
+        import openai
+    except ImportError:
+        raise TracelmError("check structured-output asks with the official openai client: "
+                           "pip install 'tracelm[test]'") from None
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def _tool_run(client: Any, model_id: str, jsonschema: Any) -> dict[str, Any]:
+    """The weather tool offered (tool_choice auto): the reply must call it, its arguments valid under its schema."""
+    reply = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": WEATHER_PROMPT}],
+                                           tools=[WEATHER_TOOL], tool_choice="auto", temperature=0.0, seed=1)
+    choice = reply.choices[0]
+    calls = choice.message.tool_calls or []
+    why, name, arguments = None, None, None
+    if not calls:
+        why = f"no tool call; the reply was {choice.message.content!r}"
+    else:
+        name, arguments = calls[0].function.name, calls[0].function.arguments
+        try:
+            jsonschema.validate(json.loads(arguments), WEATHER_SCHEMA)
+            if name != "get_weather":
+                why = f"called {name!r}, not get_weather"
+        except (ValueError, jsonschema.ValidationError) as e:
+            why = str(e).splitlines()[0]
+    return {"valid": why is None, "finish_reason": choice.finish_reason, "calls": len(calls), "name": name,
+            "arguments": arguments, "why": why}
+
+
+def _n_run(client: Any, model_id: str) -> dict[str, Any]:
+    """n = 3 sampled choices: three of them, indexed 0..2, and the usage says the prompt was prefilled once."""
+    reply = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "Name a fruit."}],
+                                           n=N_CHOICES, temperature=0.8, seed=1, max_tokens=16)
+    usage = reply.usage.model_dump()
+    indexes = [c.index for c in reply.choices]
+    why = None
+    if indexes != list(range(N_CHOICES)):
+        why = f"choices {indexes}, expected {list(range(N_CHOICES))}"
+    elif usage.get("prefill_passes") != 1:
+        why = f"usage.prefill_passes = {usage.get('prefill_passes')}, expected 1"
+    return {"valid": why is None, "choices": [c.message.content for c in reply.choices], "usage": usage, "why": why}
+
+
 def _one(port: int, model_id: str, seed: int, temperature: float, jsonschema: Any) -> dict[str, Any]:
     body = {"model": model_id, "messages": [{"role": "user", "content": PROMPT}], "temperature": temperature,
             "seed": seed, "response_format": {"type": "json_schema",
@@ -93,6 +152,8 @@ def structured_output_check(model: str = "qwen2.5-coder-0.5b-instruct", seeds: i
     try:
         model_id = _request(port, "GET", "/v1/models")[1]["data"][0]["id"]
         runs = [_one(port, model_id, seed, temperature, jsonschema) for seed in range(1, seeds + 1)]
+        with _openai_client(port) as client:
+            tools, n = _tool_run(client, model_id, jsonschema), _n_run(client, model_id)
     finally:
         proc.terminate()
         try:
@@ -101,4 +162,5 @@ def structured_output_check(model: str = "qwen2.5-coder-0.5b-instruct", seeds: i
             proc.kill()
     valid = sum(r["valid"] for r in runs)
     return {"model": model_id, "schema": SCHEMA, "temperature": temperature, "valid": f"{valid}/{seeds}",
-            "passed": valid == seeds, "seconds": round(time.monotonic() - t0, 1), "runs": runs}
+            "passed": valid == seeds and tools["valid"] and n["valid"], "seconds": round(time.monotonic() - t0, 1),
+            "runs": runs, "tools": tools, "n": n}
