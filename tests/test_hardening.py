@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import write_tiny_gguf
+from tests.conftest import finish_gguf, write_tiny_gguf
 from tests.test_formats_safetensors import tiny_folder, write_safetensors
 from tracelm.cli import main
 from tracelm.io.loader import ModelFile
@@ -69,11 +69,7 @@ def rewrite_gguf(src: Path, dst: Path, changes: dict[str, Any] | None = None,
             w.add_key_value(name, *change)
     for t in r.tensors:
         w.add_tensor(t.name, tensors.get(t.name, np.array(t.data)))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
+    return finish_gguf(w, dst)
 
 
 @pytest.fixture(scope="module")
