@@ -78,7 +78,7 @@ def test_trace_content(tiny_gguf, traced) -> None:
     _, lines = traced
     events = [json.loads(x) for x in lines]
     header, footer = events[0], events[-1]
-    assert header["format"] == "tracelm-trace" and header["trace_version"] == 3 and header["level"] == "digest"
+    assert header["format"] == "tracelm-trace" and header["trace_version"] == 4 and header["level"] == "digest"
     assert header["model_sha256"] == hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
     assert len(header["tokenizer_sha256"]) == 64 and header["packages"]["numpy"] == np.__version__
     assert header["rng"]["generator"] == "PCG64" and header["seed"] == 3 == header["config"]["sampling"]["seed"]
@@ -161,7 +161,7 @@ def test_verify_rejects_what_is_not_a_trace(tmp_path, traced, capsys) -> None:
     cases = {
         "empty": "",
         "garbage": "hello\nworld\n",
-        "newer": lines[0].replace('"trace_version":3', '"trace_version":4') + "".join(lines[1:]),
+        "newer": lines[0].replace('"trace_version":4', '"trace_version":5') + "".join(lines[1:]),
         "no_header": "".join(lines[1:]),
         "cut_header": lines[0][:200],
     }
@@ -172,7 +172,7 @@ def test_verify_rejects_what_is_not_a_trace(tmp_path, traced, capsys) -> None:
         assert code == 2, (name, out)
         assert out.startswith("tracelm: error: ") and len(out.strip().splitlines()) == 1, out
     _, out = verify(tmp_path / "newer.jsonl", capsys)
-    assert "version 4 is newer" in out
+    assert "version 5 is newer" in out
     assert "truncated inside its header" in verify(tmp_path / "cut_header.jsonl", capsys)[1]
     code, out = verify(tmp_path / "missing.jsonl", capsys)
     assert code == 2 and "cannot read trace" in out

@@ -34,7 +34,12 @@ def _load_config(args: argparse.Namespace) -> Any:
             overrides.append(f"{key}={json.dumps(value)}")
     if getattr(args, "trace", None):
         overrides.append(f"trace.file={json.dumps(args.trace)}")
+    if getattr(args, "sign_key", None):
+        overrides.append(f"trace.sign_key={json.dumps(os.path.abspath(args.sign_key))}")
     cfg = run_config(None, args.config, overrides)
+    from tracelm.audit.keys import check_sign_key
+
+    check_sign_key(cfg.trace.sign_key)  # a bad key file: one line now, not after the model loads
     constraint = _constraint(args)
     if constraint is None:
         return cfg
@@ -264,16 +269,24 @@ def _streams(text: str) -> tuple[int, ...]:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
+    from tracelm.audit.keys import keygen, public_key
     from tracelm.audit.verify import read_trace, summary, verify
     from tracelm.session import trace_key
 
+    if args.action == "keygen":
+        if not args.out:
+            raise TracelmError("trace keygen: give --out FILE (the private key; FILE.pub gets the public key)")
+        print(keygen(args.out))
+        return 0
+    if args.trace is None:
+        raise TracelmError(f"trace {args.action}: give the TRACE file")
     if args.action in ("view", "plot"):
         return _trace_view_or_plot(args)
     trace = read_trace(args.trace)
     if args.action == "show":
         print(summary(trace))
         return 0
-    verdict = verify(trace, trace_key(args.key_env) if args.key_env else None)
+    verdict = verify(trace, trace_key(args.key_env) if args.key_env else None, public_key(args.public_key))
     if verdict.intact:
         print(f"{args.trace}: {verdict.message}")
         return 0
@@ -300,11 +313,12 @@ def _trace_view_or_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    from tracelm.audit.keys import public_key
     from tracelm.audit.replay import replay
     from tracelm.session import trace_key
 
     key = trace_key(args.key_env) if args.key_env else None
-    report = replay(args.trace, args.model, args.allow_model_change, key)
+    report = replay(args.trace, args.model, args.allow_model_change, key, public_key(args.public_key))
     print(json.dumps({"trace": args.trace, **report.as_dict()}, indent=1) if args.json else report.describe())
     return report.status
 
@@ -320,7 +334,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from tracelm.server import serve
 
-    for flag, key in (("sessions", "sessions_dir"), ("sessions_max_mb", "sessions_max_mb")):
+    for flag, key in (("sessions", "sessions_dir"), ("sessions_max_mb", "sessions_max_mb"),
+                      ("header_timeout", "header_timeout"), ("max_header_bytes", "max_header_bytes"),
+                      ("request_cpu_seconds", "request_cpu_seconds")):
         value = getattr(args, flag)
         if value is not None:
             args.set = [*(args.set or []), f"server.{key}={json.dumps(value)}"]
@@ -328,6 +344,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.set = [*(args.set or []), "server.strict_model=true"]
     serve(_load_config(args), args.host, args.port)  # the server's Session sets the config's thread limits
     return 0
+
+
+def cmd_soak(args: argparse.Namespace) -> int:
+    from tracelm.tools.soak import describe, soak
+
+    report = soak(_load_config(args), args.clients, args.requests, args.sessions, args.trace_requests,
+                  args.max_tokens or 16, args.seed or 0)
+    print(json.dumps(report, indent=1) if args.json else describe(report))
+    return 0 if report["verdict"] == "PASS" else 1
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -347,6 +372,19 @@ def cmd_check(args: argparse.Namespace) -> int:
               f"(prefill_passes {n['usage'].get('prefill_passes')})")
         print(f"{report['model']}: {report['valid']} replies validate against the schema ({report['seconds']} s)")
     return 0 if report["passed"] else 1
+
+
+def cmd_fuzz(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    from tracelm.tools.fuzz import FuzzOptions, run_fuzz, summary
+
+    opts = FuzzOptions(args.target, args.count, args.seed, args.timeout_s, Path(args.crash_dir), args.memory_mb)
+    t0 = time.perf_counter()
+    reports = run_fuzz(opts)
+    print(summary(reports, opts, time.perf_counter() - t0))
+    return 1 if any(r.failed for r in reports) else 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -383,6 +421,12 @@ def _run_options(sp: argparse.ArgumentParser) -> None:
     g.add_argument("--grammar", metavar="FILE", help="constrain the output to this Lark grammar (llguidance's "
                    "dialect, rule `start`); a FILE ending in .regex holds a regular expression instead")
     g.add_argument("--regex", metavar="TEXT", help="constrain the output to match this regular expression, whole")
+    _sign_key_option(sp)
+
+
+def _sign_key_option(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--sign-key", metavar="FILE", help="sign each trace's footer with this Ed25519 private key (PEM, "
+                    "`tracelm trace keygen`); `trace verify --public-key FILE.pub` checks it (trace.sign_key)")
 
 
 def _add_run_commands(sub: Any) -> None:
@@ -418,7 +462,30 @@ def _add_run_commands(sub: Any) -> None:
                     "recently used deleted first (server.sessions_max_mb, default 2048)")
     sp.add_argument("--strict-model", action="store_true", help="answer 404 to a request naming another model than "
                     "the loaded one (by default any name is served by it, as llama-server and Ollama do)")
+    sp.add_argument("--header-timeout", type=float, metavar="S", help="close a connection that has not sent a "
+                    "complete request head S seconds after opening or after its last response (server.header_timeout, "
+                    "default 10)")
+    sp.add_argument("--max-header-bytes", type=int, metavar="N", help="answer 431 to a request head (request line "
+                    "and headers) over N bytes (server.max_header_bytes, default 65536)")
+    sp.add_argument("--request-cpu-seconds", type=float, metavar="S", help="stop a request after S CPU seconds "
+                    "(finish_reason length, or 400 before its first token; server.request_cpu_seconds, default 600, "
+                    "0 = no limit)")
+    _sign_key_option(sp)
     sp.set_defaults(fn=cmd_serve)
+
+    sp = sub.add_parser("soak", help="a server (in a child process) under concurrent chat clients over many session "
+                        "ids: 5xx count, errors, RSS at start/peak/end against session_memory_mb + model + 200 MB")
+    sp.add_argument("config", nargs="?", help=CONFIG_HELP + "; its server: section sets the limits")
+    sp.add_argument("--model", help="registry name or model path (overrides the config)")
+    sp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key")
+    sp.add_argument("--clients", type=int, default=8, help="concurrent clients (default 8)")
+    sp.add_argument("--requests", type=int, default=100, help="chat completions per client (default 100)")
+    sp.add_argument("--sessions", type=int, default=40, help="session ids the requests draw from (default 40)")
+    sp.add_argument("--trace", dest="trace_requests", action="store_true", help="a trace file per request")
+    sp.add_argument("--max-tokens", type=int, help="max_tokens of each request (default 16)")
+    sp.add_argument("--seed", type=int, help="the clients' random choices (default 0)")
+    sp.add_argument("--json", action="store_true", help="the figures as JSON")
+    sp.set_defaults(fn=cmd_soak)
 
 
 def _add_batch_command(sub: Any) -> None:
@@ -497,15 +564,19 @@ def _add_audit_commands(sub: Any) -> None:
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_validate)
 
-    sp = sub.add_parser("trace", help="check a trace's hash chain (verify), summarise it (show), open it in the "
-                        "web viewer (view) or draw its stage grid and tokens/s (plot), without the model")
-    sp.add_argument("action", choices=("verify", "show", "view", "plot"))
-    sp.add_argument("trace", metavar="TRACE")
+    sp = sub.add_parser("trace", help="check a trace's hash chain and signature (verify), summarise it (show), open it "
+                        "in the web viewer (view) or draw its stage grid and tokens/s (plot), without the model; "
+                        "keygen: a new Ed25519 key pair for --sign-key")
+    sp.add_argument("action", choices=("verify", "show", "view", "plot", "keygen"))
+    sp.add_argument("trace", metavar="TRACE", nargs="?")
     sp.add_argument("--key-env", metavar="NAME", help="verify, view: also check every line's HMAC, key from env var "
                     "NAME")
+    sp.add_argument("--public-key", metavar="FILE", help="verify: check the footer's Ed25519 signature with this "
+                    "public key (PEM, keygen's FILE.pub)")
     sp.add_argument("--replay", metavar="REPORT", help="view: also show this `tracelm replay --json` report")
     sp.add_argument("--port", type=int, default=0, help="view: port on 127.0.0.1 (default: any free one)")
-    sp.add_argument("--out", metavar="FILE", help="plot: the image to write (.png, .svg, .pdf)")
+    sp.add_argument("--out", metavar="FILE", help="plot: the image to write (.png, .svg, .pdf); keygen: the private "
+                    "key to write (mode 0600; FILE.pub gets the public key; never overwrites)")
     sp.add_argument("--token", type=int, help="plot: the pass whose grid is drawn (default: the first decode pass)")
     sp.add_argument("--stat", choices=("rms", "maxabs", "dur_us"), default="rms", help="plot: the grid's statistic")
     sp.set_defaults(fn=cmd_trace)
@@ -522,12 +593,26 @@ def _add_audit_commands(sub: Any) -> None:
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_check)
 
+    sp = sub.add_parser("fuzz", help="mutation-fuzz a reader of untrusted input: each input must be accepted or "
+                        "refused with tracelm's one-line error; prints the counts, crashes by type, hangs and peak "
+                        "RSS (exit 1 on any crash or hang)")
+    sp.add_argument("target", choices=("gguf", "safetensors", "llama2c", "tokenizer", "trace", "template", "all"))
+    sp.add_argument("--count", type=int, default=1000, help="inputs (per target with `all`)")
+    sp.add_argument("--seed", type=int, default=0, help="the inputs depend on it alone")
+    sp.add_argument("--timeout-s", type=float, default=10.0, help="an input not read within this is a HANG")
+    sp.add_argument("--crash-dir", default="fuzz-crashes", help="where each crash or hang input is written")
+    sp.add_argument("--memory-mb", type=int, default=2048, help="the reader process's private memory cap "
+                    "(RLIMIT_DATA; 0: none): an allocation past it is a MemoryError crash")
+    sp.set_defaults(fn=cmd_fuzz)
+
     sp = sub.add_parser("replay", help="re-run a trace and report the first stage or token where the runs part")
     sp.add_argument("trace", metavar="TRACE")
     sp.add_argument("--model", help="model file or registry name (default: the recorded one)")
     sp.add_argument("--allow-model-change", action="store_true",
                     help="replay even if the model's sha256 differs from the recorded one")
     sp.add_argument("--key-env", metavar="NAME", help="check the trace's HMAC first, key from env var NAME")
+    sp.add_argument("--public-key", metavar="FILE", help="check the trace's Ed25519 signature first with this public "
+                    "key (PEM)")
     sp.add_argument("--json", action="store_true", help="print the report as JSON (`tracelm trace view TRACE "
                     "--replay REPORT` shows it on the trace's grid)")
     sp.set_defaults(fn=cmd_replay)

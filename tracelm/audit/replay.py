@@ -22,7 +22,7 @@ from typing import Any
 
 import attrs
 
-from tracelm.audit.verify import Trace, read_trace, verify
+from tracelm.audit.verify import Trace, Verdict, read_trace, verify
 from tracelm.io.registry import path_sha256
 from tracelm.io.run_config import record_from_dict, run_config_from_dict
 from tracelm.pipeline.runner import GenerationStats, common_prefix
@@ -215,15 +215,16 @@ class _Comparer:
 
 
 def replay(path: str | Path, model: str | None = None, allow_model_change: bool = False,
-           key: bytes | None = None) -> ReplayReport:
+           key: bytes | None = None, public_key: Any = None) -> ReplayReport:
     """Re-run the trace at `path` and compare event by event, then the header's and the footer's recomputable
     fields. TracelmError when it cannot be replayed.
 
     The run is opened as recorded: a Session on the header's config (its compute, weights, context,
     speculation and thread count), against `model` when given instead of the recorded file. A trace of an
-    interrupted run (footer status "interrupted") is replayed up to its last recorded event."""
+    interrupted run (footer status "interrupted") is replayed up to its last recorded event. `key` (HMAC) and
+    `public_key` (Ed25519) authenticate the trace first, as `verify` does."""
     trace = read_trace(path)
-    verdict = verify(trace, key)
+    verdict = verify(trace, key, public_key)
     if not verdict.intact:
         raise TracelmError(f"{trace.path}: cannot replay a trace that is not intact ({verdict.message})")
     cfg, level = _recorded_config(trace)
@@ -239,9 +240,7 @@ def replay(path: str | Path, model: str | None = None, allow_model_change: bool 
         report = ReplayReport(REPRODUCED, notes=_model_notes(trace, session.path, allow_model_change),
                               interrupted_at=verdict.interrupted_at)
         same_model = not report.notes
-        if not verdict.signed:
-            report.notes.append("the trace is unsigned: its hash chain shows it is whole, not who wrote it; every "
-                                "value below was recomputed and compared with the recorded one")
+        report.notes += _signing_notes(verdict)
         comparer = _Comparer(trace, report, interrupted=verdict.interrupted_at is not None)
         tracer = Tracer(comparer, level)  # type: ignore[arg-type]
         tracer.seq = 1
@@ -270,6 +269,19 @@ def replay(path: str | Path, model: str | None = None, allow_model_change: bool 
         except _Diverged:
             pass
     return report
+
+
+def _signing_notes(verdict: Verdict) -> list[str]:
+    """What the trace's signing says about who wrote it."""
+    if verdict.signature_algorithm is not None:
+        how = "checked with the public key" if verdict.signature_checked else ("checked only against the key its "
+                                                                                "header names (give --public-key)")
+        return [f"the trace is signed ({verdict.signature_algorithm}, key {str(verdict.key_fingerprint)[:16]}); its "
+                f"signature was {how}"]
+    if not verdict.signed:
+        return ["the trace is unsigned: its hash chain shows it is whole, not who wrote it; every value below was "
+                "recomputed and compared with the recorded one"]
+    return []
 
 
 def _check_header(trace: Trace, session: Session, first_call: dict[str, Any], comparer: _Comparer,

@@ -16,6 +16,10 @@ import numpy as np
 
 from tracelm.state.errors import ModelFormatError, TracelmError
 
+# the widest attention head a reader accepts (real models: 64 to 512): a larger one is corrupt, and the RoPE tables
+# computed from it before any tensor is read would be allocated from it
+MAX_HEAD_DIM = 1 << 16
+
 
 def kind(value: Any) -> str:
     """What a value is, in words, for an error message."""

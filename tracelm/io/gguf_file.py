@@ -303,7 +303,8 @@ def model_config(gf: GGUFFile) -> ModelConfig:
     if f"{arch}.attention.key_length" not in meta and n_embd % n_head:
         raise ModelFormatError(f"{name}: {arch}.embedding_length {n_embd} is not a multiple of "
                                f"{arch}.attention.head_count {n_head} (and no attention.key_length is given)")
-    head_dim = positive("attention.key_length", n_embd // n_head)
+    head_dim = checks.integer(positive("attention.key_length", n_embd // n_head),
+                              f"{name}: {arch}.attention.key_length", hi=checks.MAX_HEAD_DIM)
     n_head_kv = positive("attention.head_count_kv", n_head)
     if n_head % n_head_kv:
         raise ModelFormatError(f"{name}: {arch}.attention.head_count {n_head} is not a multiple of "

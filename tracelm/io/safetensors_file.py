@@ -249,7 +249,7 @@ def config_from_hf(c: dict[str, Any], tensors: dict[str, STensor], where: Path) 
     arch, opts = BY_HF_MODEL_TYPE[model_type].arch, BY_HF_MODEL_TYPE[model_type].hf_options(d)
     if not c.get("head_dim") and d % n_head:
         raise ModelFormatError(f"{where}: hidden_size {d} is not a multiple of num_attention_heads {n_head}")
-    head_dim = positive("head_dim", d // n_head)
+    head_dim = checks.integer(positive("head_dim", d // n_head), f"{where}: head_dim", hi=checks.MAX_HEAD_DIM)
     n_head_kv = positive("num_key_value_heads", n_head)
     if n_head % n_head_kv:
         raise ModelFormatError(f"{where}: num_attention_heads {n_head} is not a multiple of num_key_value_heads "

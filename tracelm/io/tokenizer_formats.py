@@ -249,8 +249,8 @@ def from_gguf_metadata(meta: Mapping[str, Any], source: str = "") -> Tokenizer:
         types = checks.integers(types, field("token_type"), len(tokens)).tolist()
     else:
         types = [NORMAL] * len(tokens)
-    ids = {k: _optional(meta, k, lambda v, w: checks.integer(v, w, lo=0), where)
-           for k in (*SPECIAL_ID_KEYS, "unknown_token_id")}
+    ids = {k: _optional(meta, k, lambda v, w: checks.integer(v, w, lo=0, hi=len(tokens) - 1), where)
+           for k in (*SPECIAL_ID_KEYS, "unknown_token_id")}  # ids of the vocabulary's tokens
     flag = lambda key, default: _optional(meta, key, checks.boolean, where, default)  # noqa: E731
     template = meta.get("tokenizer.chat_template")
     if template is not None:

@@ -48,9 +48,8 @@ def layer_plan(gf: Any, cfg: ModelConfig, i: int) -> LayerPlan:
         plan["post_ffn_norm"] = ((p + "post_ffw_norm.weight",), (d,))
     for names, shape in plan.values():
         parts = [_info(gf, n) for n in names]
-        if len(parts) == 1 and parts[0].shape != shape:
-            raise TracelmError(f"{gf.name}: tensor {names[0]} has shape {list(parts[0].shape)}, "
-                               f"expected {list(shape)}")
+        if len(parts) == 1:
+            _expect_shape(gf, names[0], shape)
         for t in parts:
             if t.shape[1:] != shape[1:]:
                 want = f"[rows, {shape[1]}]" if len(shape) > 1 else "a vector"
@@ -60,6 +59,12 @@ def layer_plan(gf: Any, cfg: ModelConfig, i: int) -> LayerPlan:
                                + ", ".join(f"{t.name} {list(t.shape)}" for t in parts)
                                + f": {sum(t.shape[0] for t in parts)} rows, expected {shape[0]})")
     return plan
+
+
+def _expect_shape(gf: Any, name: str, shape: tuple[int, ...]) -> None:
+    """A TracelmError naming the tensor unless its header gives it `shape` (no data read)."""
+    if _info(gf, name).shape != shape:
+        raise TracelmError(f"{gf.name}: tensor {name} has shape {list(_info(gf, name).shape)}, expected {list(shape)}")
 
 
 def _info(gf: Any, name: str) -> Any:
@@ -174,6 +179,8 @@ def kernel_weights(gf: Any, cfg: ModelConfig, streamed: bool = False, progress: 
     vectors = [{f: _stack(gf, names, shape) for f, (names, shape) in plan.items() if len(shape) == 1} for plan in plans]
     output_norm = np.array(_checked(gf, "output_norm.weight", (d,)))
     heads = ["token_embd.weight"] + ([] if cfg.tied_head else ["output.weight"])
+    for name in heads:  # the f32 path checks them as it reads them (`_checked`); here before any is read
+        _expect_shape(gf, name, (cfg.n_vocab, d))
     names = [n for plan in plans for names, shape in plan.values() if len(shape) == 2 for n in names] + heads
     parts = _kernel_parts(gf, names, streamed, progress)
 

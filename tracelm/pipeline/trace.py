@@ -1,6 +1,6 @@
 """Trace events: one JSON line per stage call, per sampled token, per generate call, with a hash chain.
 
-The format is described in docs/trace.md (format "tracelm-trace", version 3). In short:
+The format is described in docs/trace.md (format "tracelm-trace", version 4). In short:
 
 - line 1 is a `header` (resolved config, model and tokenizer hashes, versions, platform, BLAS, RNG, seed,
   prompt ids); then `generate` (one per generate call), `stage` (one per stage call) and `token` (one per
@@ -8,6 +8,9 @@ The format is described in docs/trace.md (format "tracelm-trace", version 3). In
 - Every line is `{BODY,"hash":"H"}` or `{BODY,"hash":"H","mac":"M"}` where BODY ends with `"prev":"P"`:
   H = sha256(BODY as UTF-8 bytes), P = the previous line's H (64 zeros on line 1), M = HMAC-SHA256(key, H)
   when the trace is signed. Editing, deleting, inserting or reordering a line breaks the chain.
+- A trace signed with an Ed25519 key (`--sign-key FILE`, version 4) names the algorithm and the public key in its
+  header, and its footer line ends `,"sig":"S"}`: S = Ed25519 over the footer's H, which commits to every line
+  (tracelm/io/trace_keys.py). One signature per trace, not per line (~200 lines a token, tens of us each).
 - Fields whose names end in `_us` or `_seconds` are timing: they differ between two runs of the same config
   and seed (and so do the chain fields that cover them); everything else is deterministic.
 
@@ -48,14 +51,14 @@ from tracelm.state.records import Hidden
 
 LEVELS = ("off", "summary", "digest")
 FORMAT = "tracelm-trace"
-TRACE_VERSION = 3  # 3: the footer says whether the run completed (`status`, `last_token`)
-READABLE_VERSIONS = (2, 3)  # version 2 traces (footers without a status: complete) still verify and replay
+TRACE_VERSION = 4  # 3: the footer says whether the run completed (`status`, `last_token`); 4: Ed25519 signatures
+READABLE_VERSIONS = (2, 3, 4)  # version 2 traces (footers without a status: complete) still verify and replay
 GENESIS = "0" * 64  # the `prev` of line 1
 PACKAGES = ("tracelm", "numpy", "numexpr", "gguf", "tokenizers", "sentencepiece", "attrs", "structlog", "jinja2",
             "PyYAML", "llguidance")
 BATCH_ELEMENTS = 1 << 20  # output elements held (4 MiB) that force a batch: bounds the memory a prefill holds
 TIMING_SUFFIXES = ("_us", "_seconds")
-CHAIN_FIELDS = ("prev", "hash", "mac")
+CHAIN_FIELDS = ("prev", "hash", "mac", "sig")
 FOOTER_STATUSES = ("complete", "interrupted")
 F32 = np.dtype(np.float32)
 
@@ -213,18 +216,29 @@ def trace_key(env_name: str) -> bytes:
     return value.encode("utf-8")
 
 
+def trace_signer(path: str | None) -> Any:
+    """The Ed25519 private key in the PEM file `path` (a config's trace.sign_key), or None without one."""
+    if path is None:
+        return None
+    from tracelm.io.trace_keys import load_private_key
+
+    return load_private_key(path)
+
+
 class Tracer:
     """Times stage calls and writes the trace's JSON lines to `stream` (see the module docstring).
 
-    `key`: HMAC key bytes; when given every line carries a `mac`. `seq` and `prev` continue a chain
-    (a fresh trace starts at 0 and GENESIS).
+    `key`: HMAC key bytes; when given every line carries a `mac`. `signer`: an Ed25519 private key; when given the
+    footer carries a `sig` over its chain hash. `seq` and `prev` continue a chain (a fresh trace starts at 0 and
+    GENESIS).
     """
 
-    def __init__(self, stream: IO[str], level: str = "digest", key: bytes | None = None):
+    def __init__(self, stream: IO[str], level: str = "digest", key: bytes | None = None, signer: Any = None):
         if level not in LEVELS[1:]:
             raise ValueError(f"trace level must be 'summary' or 'digest', not {level!r}")
         self.level = level
         self.key = key
+        self.signer = signer
         self.seq = 0
         self.prev = GENESIS
         self.n_tokens = 0  # token events so far: the index of the token the next forward pass computes
@@ -314,17 +328,22 @@ class Tracer:
             return "\n".join(lines)
         self._batch = (event["event"], 1)
         body = {"seq": self.seq, "event": event.pop("event"), **event, "prev": self.prev}
-        return self._chain(json.dumps(body, ensure_ascii=False, separators=(",", ":"), default=_jsonable)[:-1])
+        line = json.dumps(body, ensure_ascii=False, separators=(",", ":"), default=_jsonable)[:-1]
+        return self._chain(line, sign=body["event"] == "footer")
 
-    def _chain(self, body: str) -> str:
-        """Close one line: hash its body (and sign the hash); advance seq and prev."""
+    def _chain(self, body: str, sign: bool = False) -> str:
+        """Close one line: hash its body (and mac the hash; `sign`: the footer, also signed); advance seq and prev."""
         h = hashlib.sha256(body.encode("utf-8")).hexdigest()
         self.seq += 1
         self.prev = h
-        if self.key is None:
-            return f'{body},"hash":"{h}"}}'
-        mac = hmac.new(self.key, h.encode("ascii"), "sha256").hexdigest()
-        return f'{body},"hash":"{h}","mac":"{mac}"}}'
+        tail = f',"hash":"{h}"'
+        if self.key is not None:
+            tail += f',"mac":"{hmac.new(self.key, h.encode("ascii"), "sha256").hexdigest()}"'
+        if sign and self.signer is not None:
+            from tracelm.io.trace_keys import sign as ed25519_sign
+
+            tail += f',"sig":"{ed25519_sign(self.signer, h)}"'
+        return body + tail + "}"
 
     def _stage_lines(self, rows: list[tuple[str, int | None, Any, int]], held: list[tuple[np.ndarray, ...]]
                      ) -> list[str]:
@@ -454,6 +473,7 @@ def write_header(tracer: Tracer, run_config: Any, model: Any, prompt_ids: list[i
         digest_algorithm="sha256-128" if tracer.level == "digest" else None,
         hash_algorithm="sha256",
         mac_algorithm="hmac-sha256" if tracer.key is not None else None,
+        **signature_fields(tracer.signer),
         tracelm_version=__version__,
         config=config_as_dict(run_config),
         model_file=str(Path(model.path).resolve()),
@@ -472,6 +492,18 @@ def write_header(tracer: Tracer, run_config: Any, model: Any, prompt_ids: list[i
         **({"continues": continues} if continues else {}),
         created_unix_seconds=round(time.time(), 3),
     )
+
+
+def signature_fields(signer: Any) -> dict[str, Any]:
+    """The header's signature fields: the algorithm (null when unsigned) and, when signed, the public key (raw, hex)
+    and its fingerprint (sha256 of the raw key)."""
+    if signer is None:
+        return {"signature_algorithm": None}
+    from tracelm.io.trace_keys import ALGORITHM, fingerprint, public_hex
+
+    public = signer.public_key()
+    return {"signature_algorithm": ALGORITHM, "public_key": public_hex(public),
+            "public_key_sha256": fingerprint(public)}
 
 
 def write_footer(tracer: Tracer, stats: Any, text: str | None = None, status: str = "complete") -> None:

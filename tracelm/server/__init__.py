@@ -3,7 +3,8 @@
 - app.py: the Starlette application (routes, request checks, response shapes, SSE / JSON lines);
 - params.py: OpenAI request bodies -> checked requests, and the OpenAI error shape;
 - queue.py: the engine: one worker thread serving a bounded queue in arrival order;
-- sessions.py: conversations whose KV cache is kept between requests (bounded, least recently used out).
+- sessions.py: conversations whose KV cache is kept between requests (bounded, least recently used out);
+- guard.py: uvicorn's h11 protocol with a time and a size limit on the request head (408 / 431).
 
 Starlette + uvicorn: a small, well-kept ASGI pair whose streaming response notices a client that hangs
 up; request bodies are checked by hand (params.py) so every mistake gets the OpenAI error shape.
@@ -39,6 +40,19 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def uvicorn_config(app: Any, opts: Any) -> Any:
+    """uvicorn's settings for the app under `opts` (ServerOptions): its h11 protocol with the request head's time
+    and size limits (server/guard.py)."""
+    import uvicorn
+
+    from tracelm.server.guard import guarded_protocol
+
+    return uvicorn.Config(app, log_level="info", limit_concurrency=4 * (opts.queue_size + 1) + 16,
+                          timeout_keep_alive=5, timeout_graceful_shutdown=5, server_header=False,
+                          http=guarded_protocol(opts.header_timeout, opts.max_header_bytes),
+                          h11_max_incomplete_event_size=opts.max_header_bytes + 1024)
+
+
 def serve(cfg: Any, host: str | None = None, port: int | None = None) -> None:
     """Load the config's model (a Session: its thread limits, its runners) and serve it until interrupted
     (SIGINT / SIGTERM)."""
@@ -64,8 +78,7 @@ def serve(cfg: Any, host: str | None = None, port: int | None = None) -> None:
             print(f"tracelm: warning: listening on {host} without an API key; set {cfg.server.api_key_env}",
                   file=sys.stderr, flush=True)
         logging.getLogger("tracelm.server").addHandler(logging.StreamHandler(sys.stderr))
-        config = uvicorn.Config(server.app(), log_level="info", limit_concurrency=4 * (cfg.server.queue_size + 1) + 16,
-                                timeout_keep_alive=5, timeout_graceful_shutdown=5, server_header=False)
+        config = uvicorn_config(server.app(), cfg.server)
         uvicorn.Server(config).run(sockets=[sock])
         session.close()
     finally:

@@ -38,7 +38,7 @@ from tracelm.server.pages import page_routes
 from tracelm.server.params import GenerationRequest, parse_json, parse_request
 from tracelm.server.queue import Engine, Job, QueueFull
 from tracelm.server.tools import ToolCallSplitter, function_grammar, split_reply, template_tool_format, tool_grammar
-from tracelm.session import Session, chat_prompt, encode_chat, shift_chat
+from tracelm.session import Session, chat_prompt, encode_chat, shift_chat, template_budget
 from tracelm.state.errors import TracelmError
 from tracelm.state.records import Constraint
 from tracelm.state.run_config import RunConfig
@@ -101,6 +101,7 @@ class Server:
             "max_batch": e.max_batch,
             "sessions": len(e.sessions),
             "session_capacity": e.sessions.capacity,
+            "memory": e.memory(),
             "counters": attrs.asdict(e.counters),
         })
 
@@ -159,8 +160,9 @@ class Server:
     def _chat_ids(self, req: GenerationRequest, messages: list[dict[str, Any]]) -> list[int]:
         """The conversation's prompt ids, the request's tools rendered by the template unless tool_choice is none."""
         tools = req.tools if req.tools is not None and req.tools.active else None
+        budget = template_budget(self.cfg)
         if tools is None:
-            return chat_prompt(self.model, messages)
+            return chat_prompt(self.model, messages, budget)
         why = template_tool_format(self.model.chat_template)
         if why is not None:
             raise bad(f"'tools': {why}", "tools")
@@ -170,7 +172,7 @@ class Server:
             if text in written:
                 raise bad(f"'tools' or a message's tool_calls spell the control token {text!r}", "tools")
         return encode_chat(self.model.tokenizer, self.model.chat_template, messages, add_generation_prompt=True,
-                           tools=list(tools.tools))
+                           budget=budget, tools=list(tools.tools))
 
     def _encode(self, req: GenerationRequest) -> tuple[list[int], str]:
         """Prompt token ids and text (worker-free: runs in a thread of the pool)."""
@@ -252,7 +254,8 @@ class Server:
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         job = Job(request_id=rid, prompt_ids=ids, prompt_text=prompt_text, max_tokens=max_tokens, sampling=sampling,
                   stop=req.stop, deadline=time.monotonic() + self.cfg.server.request_timeout,
-                  loop=asyncio.get_running_loop(), session_id=req.session_id, logprobs=req.logprobs, n=req.n)
+                  loop=asyncio.get_running_loop(), session_id=req.session_id, logprobs=req.logprobs, n=req.n,
+                  cpu_limit=self.cfg.server.request_cpu_seconds)
         try:
             self.engine.submit(job)
         except QueueFull as e:
@@ -279,6 +282,12 @@ class Server:
         return StreamingResponse(shape.stream(ndjson), media_type="application/x-ndjson" if ndjson else
                                  "text/event-stream", headers={"x-request-id": rid, "Cache-Control": "no-cache",
                                                                "X-Accel-Buffering": "no"})
+
+
+def _add_note(choice: dict[str, Any], done: dict[str, Any]) -> None:
+    """A tracelm extension: why a choice was cut short by a server limit (`finish_note`), when one was."""
+    if done.get("note"):
+        choice["finish_note"] = done["note"]
 
 
 def _wants_ndjson(request: Request) -> bool:
@@ -389,6 +398,7 @@ class Shape:
             else:
                 choices.append({"index": i, "text": body, "logprobs": logprobs,
                                 "finish_reason": dones[i]["finish_reason"]})
+            _add_note(choices[-1], dones[i])
         head = self._head("chat.completion" if self.chat else "text_completion")
         return {**head, "choices": choices, "usage": self.usage(dones)}
 
@@ -446,6 +456,7 @@ class Shape:
             if self.calls[index] and finish == "stop":
                 finish = "tool_calls"
         chunks.append(self._chunk(index, {} if self.chat else "", finish, None))
+        _add_note(chunks[-1]["choices"][0], done)
         return chunks
 
     async def stream(self, ndjson: bool) -> AsyncIterator[bytes]:

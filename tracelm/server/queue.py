@@ -17,7 +17,8 @@ job starts only once the batch has room for all n.
 
 What happens is posted back to the job's asyncio queue: `("start",)`, `("piece", text, logprobs, choice)` per
 piece of text, `("done", result, choice)` per choice, or `("error", ApiError)`. A job ends early when its client
-is gone (`Job.gone`) or its time limit passes: it is asked before every token, so generation stops within one token.
+is gone (`Job.gone`), its time limit passes or its CPU budget is spent (`Job.cpu_used`: its prefill's CPU time and its
+share of each step's): it is asked before every token, so generation stops within one token.
 """
 
 from __future__ import annotations
@@ -44,7 +45,10 @@ from tracelm.session import (
     Runner,
     Session,
     check_sampling,
+    held_bytes,
+    map_large_allocations,
     numerics,
+    release_memory,
     top_logprobs,
     write_footer,
 )
@@ -74,6 +78,8 @@ class Job:
     session_id: str | None = None
     logprobs: int | None = None  # top alternatives per token; None = no logprobs
     n: int = 1  # choices, sampled from one prefill
+    cpu_limit: float = 0.0  # CPU seconds it may use (server.request_cpu_seconds; 0: no limit)
+    cpu_used: float = 0.0  # its prefill's, and its share of each batched step's (worker thread only)
     remaining: int = 0  # its choices started and not yet ended (worker thread only)
     events: asyncio.Queue = attrs.Factory(asyncio.Queue)
     gone: threading.Event = attrs.Factory(threading.Event)  # the client went away
@@ -83,12 +89,17 @@ class Job:
         with contextlib.suppress(RuntimeError):  # the loop is closed: the server is shutting down
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
+    @property
+    def over_cpu(self) -> bool:
+        return 0 < self.cpu_limit < self.cpu_used
+
 
 @attrs.define
 class Counters:
     served: int = 0
     cancelled: int = 0  # client gone before or during generation
     timed_out: int = 0
+    cpu_limited: int = 0  # stopped by server.request_cpu_seconds
     rejected: int = 0  # 429
     failed: int = 0
     prompt_tokens: int = 0
@@ -125,7 +136,7 @@ class Active:
     ended: bool = False
 
     def cancelled(self) -> bool:
-        return self.job.gone.is_set() or time.monotonic() > self.job.deadline
+        return self.job.gone.is_set() or time.monotonic() > self.job.deadline or self.job.over_cpu
 
     def logprob(self, choice: Choice, logits: np.ndarray) -> None:
         if self.job.logprobs is not None and choice.token not in self.runner.model.tokenizer.eog_ids:
@@ -141,12 +152,13 @@ class Engine:
         self.cfg = cfg = session.cfg
         opts = cfg.server
         self.max_batch = opts.max_batch
+        map_large_allocations()  # freed session caches go back to the OS, kept ones are resident as they fill
         # runners for requests without a session, at most max_batch of them; each emptied before use
         self._scratch = [session.new_runner()]
         files = (SessionFiles(opts.sessions_dir, opts.sessions_max_mb << 20, session.model_sha256, numerics(cfg))
                  if opts.sessions_dir else None)
         self.sessions = SessionStore(session.new_runner, opts.max_sessions, opts.session_memory_mb << 20,
-                                     self._scratch[0].cache.nbytes, files)
+                                     held_bytes(self._scratch[0]), files, measure=held_bytes, release=release_memory)
         self.trace_dir = Path(opts.trace_dir) if opts.trace_dir else None
         self.trace_level = cfg.trace.level if cfg.trace.level != "off" else "digest"
         if self.trace_dir is not None:
@@ -174,6 +186,13 @@ class Engine:
             a.job.gone.set()
         self._jobs.put(None)
         self._thread.join(timeout)
+
+    def memory(self) -> dict[str, int]:
+        """What the engine's arrays hold, in bytes: the stored sessions' (against their bound), the scratch runners'
+        (sequences without a session, and forked choices), and the model's weights."""
+        return {"sessions_bytes": self.sessions.nbytes, "session_memory_bytes": self.sessions.max_bytes,
+                "sessions_evicted": self.sessions.evicted, "model_bytes": self.model.weights.nbytes,
+                "scratch_bytes": sum(held_bytes(r) for r in list(self._scratch))}
 
     @property
     def running(self) -> int:
@@ -263,6 +282,7 @@ class Engine:
             a.runner = self._runner_for(job)
             job.post("start")
             a.tracer = self._open_trace(job, a.closing)
+            cpu0 = time.process_time()
             a.gen = a.runner.start(job.prompt_ids, job.max_tokens, job.sampling, job.stop, cancel=a.cancelled,
                                    on_token=a.logprob if job.logprobs is not None else None, tracer=a.tracer)
             a.prefilled = True
@@ -274,6 +294,7 @@ class Engine:
                 for i in range(1, job.n):
                     forks.append(Active(job, t0, index=i))
                     self._fork(forks[-1], a, snapshot)
+            job.cpu_used += time.process_time() - cpu0
         except Exception as e:  # noqa: BLE001 -- mapped to the job's error answer
             for f in forks:
                 self._end(f)
@@ -299,6 +320,7 @@ class Engine:
     def _step(self) -> None:
         """One token of every active sequence; those that finish leave; one pass computes the rest."""
         draft = self.active[0].runner.draft_tokens if len(self.active) == 1 else 0  # alone, it may speculate
+        stepping, cpu0 = list(self.active), time.process_time()
         for a in list(self.active):
             try:
                 text = a.gen.step(draft)
@@ -318,6 +340,9 @@ class Engine:
         except Exception as e:  # noqa: BLE001 -- the shared pass failed: every sequence in it fails
             for a in [a for a in self.active if a.gen.feed]:
                 self._fail(a, e)
+        share = (time.process_time() - cpu0) / max(len(stepping), 1)  # each sequence's part of the step
+        for a in stepping:
+            a.job.cpu_used += share
 
     def _finish(self, a: Active) -> None:
         text = a.gen.close()
@@ -327,10 +352,16 @@ class Engine:
         if a.tracer is not None:
             write_footer(a.tracer, stats)
         self._end(a)
-        finish = stats.finish_reason
+        finish, note = stats.finish_reason, None
         if finish == "cancelled":
             if a.job.gone.is_set():
                 self.counters.cancelled += 1
+            elif a.job.over_cpu:  # what was generated is returned, cut short as by max_tokens; nothing: a 400
+                self.counters.cpu_limited += 1
+                note = f"stopped after its CPU budget of {a.job.cpu_limit:g} s (server.request_cpu_seconds)"
+                if stats.n_generated == 0:
+                    return self._over_cpu(a, note)
+                finish = "length"
             else:  # the time limit: what was generated is returned, cut short as by max_tokens
                 self.counters.timed_out += 1
                 finish = "length"
@@ -342,10 +373,20 @@ class Engine:
         a.job.post("done", {"finish_reason": finish, "prompt_tokens": stats.n_prompt,
                             "cached_tokens": stats.n_reused, "completion_tokens": stats.n_generated,
                             "prefill_seconds": stats.prefill_seconds, "decode_seconds": stats.decode_seconds,
-                            "prefilled": a.prefilled},
+                            "prefilled": a.prefilled, "note": note},
                    a.index)
         if a.job.session_id is not None:  # with server.sessions_dir: its file, once the answer is out
             self.sessions.save(a.job.session_id)
+            self._bound_sessions()
+
+    def _over_cpu(self, a: Active, note: str) -> None:
+        """A job stopped by its CPU budget before its first token: a 400 saying so (its prompt was too costly)."""
+        a.job.post("error", ApiError(400, f"the request was {note}, before its first token",
+                                     code="cpu_budget_exceeded"))
+
+    def _bound_sessions(self) -> None:
+        """Keep the stored sessions within their count and bytes (a Cache grows masks and buffers as it is used)."""
+        self.sessions.bound({a.job.session_id for a in self.active} - {None})
 
     def _fail(self, a: Active, e: Exception) -> None:
         """End a job with the error answer its exception calls for (a session's Cache may be half-written)."""
@@ -355,6 +396,7 @@ class Engine:
         else:
             if job.session_id is not None:
                 self.sessions.drop(job.session_id)
+                release_memory()
             if isinstance(e, TracelmError):  # a user-caused error the checks before admission did not catch
                 job.post("error", ApiError(400, str(e)))
             else:  # never let one request take the worker down; the client gets a plain 500
@@ -386,7 +428,7 @@ class Engine:
     def _runner_for(self, job: Job) -> Runner:
         if job.session_id is not None:
             try:
-                return self.sessions.get(job.session_id)
+                return self.sessions.get(job.session_id, frozenset({a.job.session_id for a in self.active}))
             except TracelmError as e:
                 raise ApiError(400, str(e), param="session_id") from None
         runner = self._scratch.pop() if self._scratch else self.session.new_runner()
@@ -400,7 +442,8 @@ class Engine:
             return None
         path = self.trace_dir / f"{job.request_id}.jsonl"
         cfg = attrs.evolve(self.cfg, prompt=job.prompt_text, max_tokens=job.max_tokens, stop=job.stop,
-                           sampling=job.sampling, trace=TraceOptions(level=self.trace_level, file=str(path)))
+                           sampling=job.sampling, trace=TraceOptions(level=self.trace_level, file=str(path),
+                                                                     sign_key=self.cfg.trace.sign_key))
         tracer = closing.enter_context(self.session.open_trace(job.prompt_ids, cfg=cfg))
         tracer.event("request", request_id=job.request_id, session_id=job.session_id)
         return tracer

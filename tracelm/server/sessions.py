@@ -2,9 +2,10 @@
 
 A session is one `Runner` (so one `Cache`) on the shared, read-only `LoadedModel`. A follow-up request
 on the same session reuses the common prefix of what that Cache already holds, so only the new tokens
-are prefilled. Sessions never share a Cache. The store is bounded by a count and by the KV memory the
-caches may hold (each Cache is allocated whole for the context); the least recently used session is
-dropped to make room. Used from the one worker thread only.
+are prefilled. Sessions never share a Cache. The store is bounded by a count and by the bytes of every array
+the sessions' runners hold (`session.held_bytes`: each Cache's keys and values allocated whole for the context, its
+RoPE tables, masks and pass buffers); the least recently used session not decoding is dropped to make room, and
+the freed memory is handed back to the OS. Used from the one worker thread only (`nbytes` also from /health).
 
 With `server.sessions_dir` (`tracelm serve --sessions DIR`) each session is also a session file in that
 folder (tracelm/io/session_file.py), written atomically after each of its requests and read when a request
@@ -110,12 +111,21 @@ def _touch(path: Path) -> None:
 
 
 class SessionStore:
+    """Session runners by id, least recently used first. Bounded by a count (`capacity`: max_sessions, and as many
+    new runners as max_bytes holds) and by the bytes their arrays really hold (`measure`, a runner's: its Cache
+    grows masks and pass buffers as it is used): `bound` evicts the least recently used until both hold, then
+    `release` (malloc_trim) gives the freed memory back to the OS."""
+
     def __init__(self, new_runner: Callable[[], Runner], max_sessions: int, max_bytes: int, bytes_per_session: int,
-                 files: SessionFiles | None = None):
+                 files: SessionFiles | None = None, measure: Callable[[Runner], int] | None = None,
+                 release: Callable[[], None] = lambda: None):
         self._new = new_runner
         self.files = files  # where sessions are also saved (None: in memory only)
         self.bytes_per_session = bytes_per_session
+        self.max_bytes = max_bytes
         self.capacity = min(max_sessions, max_bytes // max(bytes_per_session, 1))
+        self._measure = measure or (lambda _runner: bytes_per_session)
+        self._release = release
         self._runners: OrderedDict[str, Runner] = OrderedDict()
         self.evicted = 0
 
@@ -127,10 +137,12 @@ class SessionStore:
 
     @property
     def nbytes(self) -> int:
-        return len(self._runners) * self.bytes_per_session
+        """The bytes the stored sessions' arrays hold now."""
+        return sum(self._measure(r) for r in list(self._runners.values()))
 
-    def get(self, session_id: str) -> Runner:
-        """The session's Runner (created empty if new), now the most recently used; may evict the least."""
+    def get(self, session_id: str, busy: frozenset[str] = frozenset()) -> Runner:
+        """The session's Runner (created empty if new), now the most recently used; may evict the least recently
+        used that is not `busy` (decoding: its Runner stays in use, so dropping it would free nothing)."""
         runner = self._runners.get(session_id)
         if runner is not None:
             self._runners.move_to_end(session_id)
@@ -138,13 +150,29 @@ class SessionStore:
         if self.capacity == 0:
             raise TracelmError("sessions are off on this server (server.max_sessions or server.session_memory_mb "
                                "allows none)")
-        while len(self._runners) >= self.capacity:
-            self._runners.popitem(last=False)
-            self.evicted += 1
+        self.bound(busy, room=1)
         runner = self._runners[session_id] = self._new()
         if self.files is not None:
             self.files.load(session_id, runner)
         return runner
+
+    def bound(self, busy: frozenset[str] | set[str] = frozenset(), room: int = 0) -> int:
+        """Evict the least recently used sessions not `busy` until `room` more fit the count and the stored ones'
+        bytes (plus `room` new runners) are within max_bytes; memory is then released. Returns how many went."""
+        evicted = 0
+        while self._runners:
+            over = self.nbytes + room * self.bytes_per_session > self.max_bytes
+            if len(self._runners) + room <= self.capacity and not over:
+                break
+            victim = next((sid for sid in self._runners if sid not in busy), None)
+            if victim is None:
+                break
+            del self._runners[victim]
+            evicted += 1
+        if evicted:
+            self.evicted += evicted
+            self._release()
+        return evicted
 
     def save(self, session_id: str) -> None:
         """Save the session's Cache to its file (when the store has a folder and still holds the session)."""

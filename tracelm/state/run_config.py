@@ -35,6 +35,7 @@ def _check_seed(_cfg: object, _field: object, sampling: SamplingParams) -> None:
 class TraceOptions:
     level: str = attrs.field(default="off", validator=v.in_(("off", "summary", "digest")))
     file: str | None = None
+    sign_key: str | None = None  # an Ed25519 private key (PEM, `tracelm trace keygen`): each trace's footer is signed
 
 
 @attrs.frozen(slots=True)
@@ -58,6 +59,10 @@ class ServerOptions:
     sessions_max_mb: int = attrs.field(default=2048, validator=v.ge(1))  # disk the saved ones may take (LRU out)
     # a request naming another model than the loaded one is a 404 (by default the loaded model serves any name)
     strict_model: bool = False
+    header_timeout: float = attrs.field(default=10.0, validator=v.gt(0))  # seconds to send a request head, else closed
+    max_header_bytes: int = attrs.field(default=65536, validator=v.ge(1024))  # a larger request head gets 431
+    # CPU seconds (the process's, shared among the sequences of a pass) a request may use; then it stops (0 = no limit)
+    request_cpu_seconds: float = attrs.field(default=600.0, validator=v.ge(0))
 
 
 @attrs.frozen(slots=True)
@@ -99,6 +104,10 @@ class RunConfig:
     # model's trained one is refused unless this stretches the trained context to hold it (context <= trained x
     # rope_scale); 1.0 = the model as trained
     rope_scale: float = attrs.field(default=1.0, validator=v.ge(1.0))
+    # a chat template renders in a worker process under these (tracelm/io/chat_template.py): CPU seconds, and
+    # characters of its output or of any string or list it builds
+    template_cpu_seconds: float = attrs.field(default=2.0, validator=v.gt(0))
+    template_max_chars: int = attrs.field(default=1_000_000, validator=v.ge(1))
     trace: TraceOptions = TraceOptions()
     speculative: SpeculativeOptions = SpeculativeOptions()
     server: ServerOptions = ServerOptions()

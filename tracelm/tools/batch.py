@@ -51,7 +51,7 @@ ITEM_FIELDS = ("id", "prompt", "messages", "max_tokens", "stop", *SAMPLING_FIELD
 ROLES = ("system", "developer", "user", "assistant")
 MAX_BATCH = 8  # the engine's limit: rows of a pass stay bitwise what they are alone (ServerOptions.max_batch)
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
-_FINAL_HASH = re.compile(rb'"hash":"([0-9a-f]{64})"(?:,"mac":"[0-9a-f]{64}")?\}\s*$')
+_FINAL_HASH = re.compile(rb'"hash":"([0-9a-f]{64})"(?:,"mac":"[0-9a-f]{64}")?(?:,"sig":"[0-9a-f]{128}")?\}\s*$')
 
 
 # -- records -------------------------------------------------------------------------------------------------

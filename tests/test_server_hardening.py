@@ -1,0 +1,152 @@
+"""The server under hostile or heavy use (issue 18, item 8): a request head sent a byte at a time is closed after
+server.header_timeout, a head over server.max_header_bytes gets a 431 (not a reset), the sessions' arrays stay
+within server.session_memory_mb as sessions are evicted, a request stops at server.request_cpu_seconds, a chat
+template over its budget is a 400 naming it; and a small soak passes."""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import time
+from pathlib import Path
+
+import gguf
+import pytest
+
+from tests.test_hardening import rewrite_gguf
+from tests.test_server_helpers import ServerProcess, assert_openai_error
+from tracelm.server.sessions import SessionStore
+
+CONTEXT = 4096  # the tiny model's sessions then hold ~2.6 MB of arrays each
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path):
+    work = tmp_path_factory.mktemp("hardened-server")
+    config = {"model": str(tiny_gguf), "context": CONTEXT, "max_tokens": 8, "threads": 1,
+              "sampling": {"temperature": 0.0},
+              "server": {"header_timeout": 1.5, "session_memory_mb": 6, "max_sessions": 16,
+                         "request_cpu_seconds": 0.3}}
+    s = ServerProcess(work, config)
+    yield s
+    s.stop()
+
+
+def chat(s: ServerProcess, content: str, **kw):
+    return s.request("POST", "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": content}],
+                                                      **kw})
+
+
+def test_a_head_sent_a_byte_at_a_time_is_closed_after_the_timeout(server):
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 1000
+    with socket.create_connection(("127.0.0.1", server.port)) as c:
+        c.settimeout(0.1)
+        t0, answer = time.monotonic(), None
+        for byte in head:
+            try:
+                c.sendall(bytes([byte]))
+                answer = c.recv(4096)
+                break  # the server answered (408) or closed
+            except TimeoutError:
+                pass
+            except OSError:  # reset: closed
+                answer = b""
+                break
+            assert time.monotonic() - t0 < 10, "the connection was never closed"
+    assert 1.4 < time.monotonic() - t0 < 4
+    assert answer == b"" or answer.startswith(b"HTTP/1.1 408 ")
+    assert server.health()["status"] == "ok"  # and the server goes on serving
+
+
+def test_a_200_kb_head_gets_431(server):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=20)
+    try:
+        conn.request("GET", "/health", headers={"X-Big": "a" * 200_000})
+        r = conn.getresponse()
+        body = r.read().decode()
+    finally:
+        conn.close()
+    assert r.status == 431 and "65536 bytes (server.max_header_bytes)" in body
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=20)
+    conn.request("GET", "/health", headers={"X-Big": "a" * 30_000})  # under the limit (h11 alone refused 16 KB)
+    assert conn.getresponse().status == 200
+
+
+def test_the_session_bound_holds_under_eviction(server):
+    for turn in range(2):
+        for i in range(6):
+            r = chat(server, f"turn {turn} of session {i}", session_id=f"s{i}")
+            assert r.status == 200, r.text
+    memory = server.health()["memory"]
+    assert memory["session_memory_bytes"] == 6 << 20
+    assert 0 < memory["sessions_bytes"] <= memory["session_memory_bytes"]
+    assert memory["sessions_evicted"] > 0
+
+
+def test_a_request_stops_at_its_cpu_budget(server):
+    r = chat(server, "go on", max_tokens=CONTEXT - 64)
+    assert r.status in (200, 400), r.text
+    if r.status == 400:  # the prompt alone used the budget
+        assert_openai_error(r, 400, code="cpu_budget_exceeded")
+        return
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] < CONTEXT - 64
+    assert "CPU budget of 0.3 s (server.request_cpu_seconds)" in choice["finish_note"]
+    assert server.health()["counters"]["cpu_limited"] >= 1
+    assert "finish_note" not in chat(server, "short").json()["choices"][0]  # a request within it: as before
+
+
+def test_session_store_bound_counts_what_the_runners_hold():
+    sizes: dict[object, int] = {}
+
+    def new() -> object:
+        runner = object()
+        sizes[runner] = 100
+        return runner
+
+    released = []
+    store = SessionStore(new, max_sessions=10, max_bytes=300, bytes_per_session=100, measure=sizes.__getitem__,
+                         release=lambda: released.append(1))
+    a = store.get("a")
+    store.get("b")
+    sizes[a] = 250  # a's Cache grew (masks, pass buffers)
+    assert store.bound(busy={"a"}) == 1 and store.ids() == ["a"]  # b went: a is in use
+    assert store.nbytes == 250 and released == [1]
+    store.get("c")  # a new one needs 100 more: a (least recently used, idle now) goes
+    assert store.ids() == ["c"] and store.evicted == 2
+
+
+@pytest.fixture(scope="module")
+def hostile_server(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path):
+    work = tmp_path_factory.mktemp("hostile-template")
+    template = ("{% if messages[0]['content'] == 'loop' %}{% for i in range(100000) %}{% for j in range(100000) %}"
+                "{% endfor %}{% endfor %}{% elif messages[0]['content'] == 'big' %}{{ 'x' * 10**9 }}"
+                "{% else %}{{ messages[0]['content'] }}{% endif %}")
+    model = rewrite_gguf(tiny_gguf, work / "hostile.gguf",
+                         {"tokenizer.chat_template": (template, gguf.GGUFValueType.STRING)})
+    config = {"model": str(model), "context": 128, "max_tokens": 4, "threads": 1, "template_cpu_seconds": 0.5,
+              "template_max_chars": 10_000}
+    s = ServerProcess(work, config)
+    yield s
+    s.stop()
+
+
+def test_a_template_over_its_budget_is_a_400_naming_it(hostile_server):
+    t0 = time.monotonic()
+    err = assert_openai_error(chat(hostile_server, "loop"), 400, param="messages")
+    assert "chat template: rendering exceeded 0.5 s of CPU (template_cpu_seconds)" in err["message"]
+    assert time.monotonic() - t0 < 10
+    err = assert_openai_error(chat(hostile_server, "big"), 400, param="messages")
+    assert "output over 10000 characters (template_max_chars)" in err["message"]
+    assert chat(hostile_server, "hello").status == 200  # and it keeps serving
+
+
+def test_a_small_soak_passes(tiny_gguf: Path):
+    from tracelm.session import run_config
+    from tracelm.tools.soak import soak
+
+    cfg = run_config(str(tiny_gguf), None, [f"context={CONTEXT}", "threads=1", "server.session_memory_mb=6"])
+    report = soak(cfg, clients=2, requests=10, sessions=5, trace=True, max_tokens=8)
+    assert report["verdict"] == "PASS", report
+    assert report["requests"] == 20 and report["ok"] == 20 and report["5xx"] == 0
+    assert report["sessions_evicted"] > 0 and report["sessions_bytes_mb"] <= 6

@@ -1,0 +1,110 @@
+"""uvicorn's h11 protocol with two guards on the request head: a time limit and a size limit.
+
+uvicorn (0.54) has neither: its keep-alive timer is cancelled by the first byte that arrives, so a client sending
+a head a byte at a time holds its connection forever; and h11 refuses a head past `h11_max_incomplete_event_size`
+with a 400 written just before the connection is closed with the rest of the head unread, which the kernel turns
+into a reset the client sees instead of the answer. `guarded_protocol` returns a subclass that
+
+- closes a connection (after a 408) when no complete request head has arrived `header_timeout` seconds after the
+  connection opened or the previous response ended;
+- answers 431 to a head over `max_header_bytes` and then closes gracefully: the response is written, the sending
+  side shut down, and what the client still sends is read and dropped (up to DRAIN_BYTES, for at most
+  LINGER_SECONDS), so the client reads the 431 rather than a reset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+LINGER_SECONDS = 5.0
+DRAIN_BYTES = 16 << 20
+
+
+def _response(status: int, reason: str, message: str, code: str) -> bytes:
+    """A complete HTTP/1.1 response with an OpenAI error body that closes the connection."""
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": code}}).encode()
+    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            "connection: close\r\n\r\n")
+    return head.encode() + body
+
+
+class GuardedH11Protocol(H11Protocol):
+    header_timeout = 10.0
+    max_header_bytes = 65536
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_bytes = 0  # bytes received since the current request head began
+        self._drained: int | None = None  # after a 431: bytes read and dropped (None: not draining)
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._drained is not None:
+            self._drained += len(data)
+            if self._drained > DRAIN_BYTES:
+                self.transport.close()
+            return
+        if self.conn.their_state is h11.IDLE:  # still reading a request head
+            self._head_bytes += len(data)
+            if self._head_bytes > self.max_header_bytes:
+                return self._refuse_head()
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:  # the head is complete: the request is the app's now
+            self._disarm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():  # a kept-alive connection waits for the next head, in time
+            self._head_bytes = 0
+            self._arm()
+
+    def eof_received(self) -> bool | None:
+        if self._drained is not None:
+            self.transport.close()
+        return super().eof_received()
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._head_timer = self.loop.call_later(self.header_timeout, self._head_timed_out)
+
+    def _disarm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            message = f"no complete request head within {self.header_timeout:g} s (server.header_timeout)"
+            self.transport.write(_response(408, "Request Timeout", message, "request_timeout"))
+            self.transport.close()
+
+    def _refuse_head(self) -> None:
+        self._disarm()
+        message = (f"the request head (request line and headers) is larger than {self.max_header_bytes} bytes "
+                   "(server.max_header_bytes)")
+        self.transport.write(_response(431, "Request Header Fields Too Large", message, "request_header_too_large"))
+        self._drained = 0
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(LINGER_SECONDS, self.transport.close)
+
+
+def guarded_protocol(header_timeout: float, max_header_bytes: int) -> type[GuardedH11Protocol]:
+    """The protocol class for uvicorn.Config(http=...), with these limits."""
+    return type("GuardedH11Protocol", (GuardedH11Protocol,),
+                {"header_timeout": header_timeout, "max_header_bytes": max_header_bytes})
