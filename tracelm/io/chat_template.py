@@ -274,7 +274,8 @@ class _Worker:
         env = {k: os.environ[k] for k in ("TZ", "LANG", "LC_ALL", "LC_TIME") if k in os.environ}  # no secrets
         try:
             self.proc = subprocess.Popen([sys.executable, "-I", "-c", code, *roots], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, bufsize=0, env=env, close_fds=True)
+                                         stdout=subprocess.PIPE, bufsize=0, env=env, close_fds=True,
+                                         start_new_session=True)  # a terminal's Ctrl-C is the parent's, not its
         except OSError as e:
             raise TracelmError(f"chat template: cannot start the render worker: {e.strerror or e}") from None
 
@@ -364,6 +365,7 @@ def serve_renders() -> None:
     stdout ({"text"} or {"error", "fatal"}), until stdin closes."""
     import resource
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when a render stops (it kills the worker)
     page = os.sysconf("SC_PAGE_SIZE")
     size = int(Path("/proc/self/statm").read_text().split()[0]) * page
     resource.setrlimit(resource.RLIMIT_AS, (size + (WORKER_MEMORY_MB << 20), resource.RLIM_INFINITY))
