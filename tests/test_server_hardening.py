@@ -6,6 +6,7 @@ template over its budget is a 400 naming it; and a small soak passes."""
 from __future__ import annotations
 
 import http.client
+import json
 import socket
 import time
 from pathlib import Path
@@ -70,6 +71,16 @@ def test_a_200_kb_head_gets_431(server):
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=20)
     conn.request("GET", "/health", headers={"X-Big": "a" * 30_000})  # under the limit (h11 alone refused 16 KB)
     assert conn.getresponse().status == 200
+
+
+def test_a_body_read_with_its_head_is_not_counted_as_head(server):
+    body = json.dumps({"model": "m", "prompt": "x" * 150_000, "max_tokens": 1}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=20) as c:
+        c.sendall(head.encode() + body)  # one write: the server reads the head and much of the body together
+        status = c.recv(4096).split(b"\r\n", 1)[0]
+    assert b" 431 " not in status, status
 
 
 def test_the_session_bound_holds_under_eviction(server):

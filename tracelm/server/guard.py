@@ -41,7 +41,8 @@ class GuardedH11Protocol(H11Protocol):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._head_timer: asyncio.TimerHandle | None = None
-        self._head_bytes = 0  # bytes received since the current request head began
+        self._head_bytes = 0  # bytes of the current request head received so far
+        self._tail = b""  # the last 3 of them: the blank line that ends a head may span two reads
         self._drained: int | None = None  # after a 431: bytes read and dropped (None: not draining)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -58,10 +59,8 @@ class GuardedH11Protocol(H11Protocol):
             if self._drained > DRAIN_BYTES:
                 self.transport.close()
             return
-        if self.conn.their_state is h11.IDLE:  # still reading a request head
-            self._head_bytes += len(data)
-            if self._head_bytes > self.max_header_bytes:
-                return self._refuse_head()
+        if self.conn.their_state is h11.IDLE and self._head_over(data):  # still reading a request head
+            return self._refuse_head()
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE:  # the head is complete: the request is the app's now
             self._disarm()
@@ -69,8 +68,17 @@ class GuardedH11Protocol(H11Protocol):
     def on_response_complete(self) -> None:
         super().on_response_complete()
         if not self.transport.is_closing():  # a kept-alive connection waits for the next head, in time
-            self._head_bytes = 0
+            self._head_bytes, self._tail = 0, b""
             self._arm()
+
+    def _head_over(self, data: bytes) -> bool:
+        """Count the head's bytes in `data` (up to its blank line: a body read with it is not the head's); True
+        when the head is over the limit."""
+        seen = self._tail + data
+        end = seen.find(b"\r\n\r\n")
+        self._head_bytes += len(data) if end < 0 else end + 4 - len(self._tail)
+        self._tail = seen[-3:]
+        return self._head_bytes > self.max_header_bytes
 
     def eof_received(self) -> bool | None:
         if self._drained is not None:
