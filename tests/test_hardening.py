@@ -274,11 +274,11 @@ def test_memory_is_checked_with_the_estimate(tiny, tmp_path, capsys, monkeypatch
     import tracelm.pipeline.bounds as bounds
 
     meminfo = tmp_path / "meminfo"
-    meminfo.write_text("MemTotal: 1000000 kB\nMemAvailable: 20480 kB\n")  # 20 MiB
+    meminfo.write_text("MemTotal: 1000000 kB\nMemAvailable: 10240 kB\n")  # 10 MiB
     monkeypatch.setattr(bounds, "MEMINFO", str(meminfo))
     code, err = run(capsys, tiny, "--set", "context=40000", "--set", "rope_scale=10")
     kv = bounds.kv_cache_bytes(ModelFile(str(tiny)).cfg, 40000)
-    assert_one_line(code, err, f"context 40000 needs about {bounds.mib(kv)} of KV cache", "20 MiB of memory available")
+    assert_one_line(code, err, f"context 40000 needs about {bounds.mib(kv)} of KV cache", "10 MiB of memory available")
     meminfo.write_text("MemAvailable: 8000000 kB\n")
     assert run(capsys, tiny, "--set", "context=1000")[0] == 0  # within both bounds: runs
 

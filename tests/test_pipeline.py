@@ -46,7 +46,8 @@ def test_decode_step_by_step_equals_batched_prefill(tiny) -> None:
 def test_cache_reset_nbytes_and_masks(tiny) -> None:
     cache = new_cache(tiny.cfg, 16)
     c = tiny.cfg
-    assert cache.nbytes >= 2 * c.n_layer * c.n_head_kv * 16 * c.head_dim * 4
+    assert cache.nbytes >= 2 * c.n_layer * c.n_head_kv * 16 * c.head_dim * 2  # f16 keys and values
+    assert new_cache(c, 16, kv_dtype="f32").kv_nbytes == 2 * cache.kv_nbytes
     forward(c, tiny.weights, cache, [1, 2, 3])
     assert cache.tokens == [1, 2, 3]
     lo, mask = cache.window_mask(3, 2, 0)  # window 0: causal only
@@ -145,3 +146,27 @@ def test_bench_kernels_reports_every_type_and_shape(tiny_gguf) -> None:
         for m in (1, 4):
             row = report[f"{kind}_M{m}"]
             assert row["ms"] > 0 and row["gb_s"] > 0 and row["gflop_s"] > 0
+
+
+@pytest.mark.parametrize("kv", ["f16", "f32"])
+def test_kv_cache_dtype_holds_rounded_keys_and_steps_equal_a_pass(tiny, kv) -> None:
+    """kv_cache f16 stores each key and value rounded to nearest f16 (what the Cache holds is k.astype(f16)), a
+    pass reads its own keys as later steps do, and the logits stay close to the f32 Cache's."""
+    ids = [1, 5, 9, 3, 7, 2]
+    whole = Runner(tiny, 32, kv_dtype=kv)
+    logits = whole.logits(ids)
+    steps = Runner(tiny, 32, kv_dtype=kv)
+    rows = [steps.logits(ids[: i + 1])[-1] for i in range(len(ids))]
+    np.testing.assert_array_equal(np.stack(rows), logits)
+    assert whole.cache.k[0].dtype == np.dtype(np.float16 if kv == "f16" else np.float32)
+    exact = Runner(tiny, 32, kv_dtype="f32").logits(ids)
+    np.testing.assert_allclose(logits, exact, rtol=0, atol=2e-2 * np.abs(exact).max())
+
+
+def test_a_snapshot_resumes_only_in_a_cache_of_its_dtype(tiny) -> None:
+    r16 = Runner(tiny, 32, kv_dtype="f16")
+    r16.logits([1, 2, 3])
+    r32 = Runner(tiny, 32, kv_dtype="f32")
+    with pytest.raises(TracelmError, match="float16, this Cache in float32"):
+        r32.cache.restore(r16.cache.snapshot())
+    assert r32.cache.n_past == 0

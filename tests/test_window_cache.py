@@ -62,7 +62,7 @@ def test_ring_gives_the_unbounded_logits_bit_for_bit(mistral, slack, mixed) -> N
 
 def test_ring_bounds_the_kv_bytes(mistral) -> None:
     cfg = mistral.cfg
-    per_position = 2 * cfg.n_layer * cfg.n_head_kv * cfg.head_dim * 4  # k and v, f32
+    per_position = 2 * cfg.n_layer * cfg.n_head_kv * cfg.head_dim * 2  # k and v, f16 (kv_cache's default)
     kv = {n: new_cache(cfg, n).kv_nbytes for n in (512, 32768)}
     assert kv[512] == kv[32768] == 2 * (WINDOW - 1 + 64) * per_position
     full = new_cache(cfg, 32768, 32768)

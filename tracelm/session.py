@@ -113,9 +113,10 @@ def run_config(model: str | None = None, config: str | os.PathLike | RunConfig |
 
 
 def numerics(cfg: RunConfig) -> str:
-    """What decides a run's numbers besides the model: the compute mode, and on the kernels the activations
-    ("kernels/int16"); a saved Cache is only resumed by a run with the same."""
-    return f"{cfg.compute}/{cfg.activations}" if cfg.compute == "kernels" else cfg.compute
+    """What decides a run's numbers besides the model: the compute mode, on the kernels the activations, and the
+    KV cache's dtype ("kernels/int16/kv-f16"); a saved Cache is only resumed by a run with the same."""
+    mode = f"{cfg.compute}/{cfg.activations}" if cfg.compute == "kernels" else cfg.compute
+    return f"{mode}/kv-{cfg.kv_cache}"
 
 
 def with_activations(model: LoadedModel, cfg: RunConfig) -> LoadedModel:
@@ -285,7 +286,7 @@ class Session:
             self.source = ModelFile(self.cfg.model, self.cfg.tokenizer)
             self.path, self.tokenizer = self.source.path, self.source.tokenizer
             check_run(self.source.cfg, self.cfg.context, self.cfg.rope_scale,  # before any weight is allocated
-                      self.source.weights_bytes(self.cfg.weights, self.cfg.compute), self.path.name)
+                      self.source.weights_bytes(self.cfg.weights, self.cfg.compute), self.path.name, self.cfg.kv_cache)
         self.messages: list[dict[str, str]] = self._new_conversation()
         self.trace_chain: str | None = None  # the last line hash of this conversation's latest trace
         self.last_trace_hash: str | None = None  # ... of the last call's trace (None: it wrote none)
@@ -316,7 +317,7 @@ class Session:
     def new_runner(self, context: int | None = None) -> Runner:
         """Another Runner on this session's model (its own Cache of `context` positions, the config's by
         default, and the config's speculation): one per sequence when several are decoded together."""
-        return Runner(self.model, context or self.cfg.context, **speculation(self.cfg))
+        return Runner(self.model, context or self.cfg.context, **speculation(self.cfg), kv_dtype=self.cfg.kv_cache)
 
     @staticmethod
     def feed(generations: Sequence[Generation]) -> None:

@@ -3,22 +3,25 @@ stretches it to), and a KV cache plus weights within the memory the machine has 
 
 from __future__ import annotations
 
-from tracelm.state.cache import RING_SLACK
+import numpy as np
+
+from tracelm.state.cache import KV_DTYPES, RING_SLACK
 from tracelm.state.errors import ResourceError
 from tracelm.state.model_config import ModelConfig
 
 MEMINFO = "/proc/meminfo"
 
 
-def kv_cache_bytes(cfg: ModelConfig, n_ctx: int, slack: int = RING_SLACK) -> int:
+def kv_cache_bytes(cfg: ModelConfig, n_ctx: int, slack: int = RING_SLACK, kv_dtype: str = "f16") -> int:
     """The bytes a Cache of n_ctx positions allocates up front: keys and values of every layer (a windowed layer's
-    ring of 2 x (window - 1 + slack) slots when that is smaller), plus the RoPE tables of each base."""
+    ring of 2 x (window - 1 + slack) slots when that is smaller) in `kv_dtype`, plus the RoPE tables of each base."""
+    width = np.dtype(KV_DTYPES[kv_dtype]).itemsize
     total = 0
     for layer in range(cfg.n_layer):
         window = cfg.window(layer)
         ring = window - 1 + max(1, slack) if window else 0
         slots = 2 * ring if 0 < 2 * ring < n_ctx else n_ctx
-        total += 2 * cfg.n_head_kv * cfg.head_dim * slots * 4
+        total += 2 * cfg.n_head_kv * cfg.head_dim * slots * width
     bases = {cfg.layer_rope_base(i) for i in range(cfg.n_layer)}
     return total + len(bases) * 2 * n_ctx * cfg.rope_dim * 4
 
@@ -50,20 +53,22 @@ def check_context(cfg: ModelConfig, n_ctx: int, rope_scale: float = 1.0, model: 
                             "linearly (the model then runs beyond what it was trained on)")
 
 
-def check_memory(cfg: ModelConfig, n_ctx: int, weights_bytes: int = 0, slack: int = RING_SLACK) -> None:
+def check_memory(cfg: ModelConfig, n_ctx: int, weights_bytes: int = 0, slack: int = RING_SLACK,
+                 kv_dtype: str = "f16") -> None:
     """A ResourceError, with the estimate, unless the KV cache of n_ctx positions plus `weights_bytes` still to be
     allocated fit in MemAvailable (no check where the machine does not say)."""
     free = available_memory()
     if free is None:
         return
-    kv = kv_cache_bytes(cfg, n_ctx, slack)
+    kv = kv_cache_bytes(cfg, n_ctx, slack, kv_dtype)
     if kv + weights_bytes > free:
         weights = f" + {mib(weights_bytes)} of weights" if weights_bytes else ""
         raise ResourceError(f"context {n_ctx} needs about {mib(kv)} of KV cache{weights}, more than the "
                             f"{mib(free)} of memory available (MemAvailable); use a smaller context")
 
 
-def check_run(cfg: ModelConfig, context: int, rope_scale: float, weights_bytes: int, model: str) -> None:
+def check_run(cfg: ModelConfig, context: int, rope_scale: float, weights_bytes: int, model: str,
+              kv_dtype: str = "f16") -> None:
     """Before a model's weights load: its context against the trained one and, with the weights, against memory."""
     check_context(cfg, context, rope_scale, model)
-    check_memory(cfg, context, weights_bytes)
+    check_memory(cfg, context, weights_bytes, kv_dtype=kv_dtype)

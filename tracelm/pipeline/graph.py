@@ -66,13 +66,14 @@ def route(w: ModelWeights) -> Route:
     return KERNELS if isinstance(w.output, QMatrix) else REFERENCE
 
 
-def new_cache(cfg: ModelConfig, n_ctx: int, slack: int = RING_SLACK) -> Cache:
-    """A Cache for n_ctx positions (a window ring with `slack` when every layer has one window: see Cache)."""
+def new_cache(cfg: ModelConfig, n_ctx: int, slack: int = RING_SLACK, kv_dtype: str = "f16") -> Cache:
+    """A Cache for n_ctx positions (a window ring with `slack` when every layer has one window: see Cache), keys
+    and values held in `kv_dtype` ("f32" or "f16")."""
     tables = lambda base: rope_tables(n_ctx, cfg.rope_dim, base, cfg.rope_mode, cfg.rope_freq_factors)  # noqa: E731
     cos, sin = tables(cfg.rope_base)
     bases = {cfg.layer_rope_base(i) for i in range(cfg.n_layer)} - {cfg.rope_base}
     with small_pages():
-        return Cache(cfg, n_ctx, cos, sin, {b: tables(b) for b in bases}, slack)
+        return Cache(cfg, n_ctx, cos, sin, {b: tables(b) for b in bases}, slack, kv_dtype)
 
 
 @contextlib.contextmanager

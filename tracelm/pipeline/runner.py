@@ -107,18 +107,18 @@ class Runner:
     """A model and one Cache (one conversation). Later calls reuse the cached common prefix."""
 
     def __init__(self, model: LoadedModel, n_ctx: int, draft_tokens: int = 0, draft_ngram: int = 8,
-                 draft_model: LoadedModel | None = None):
+                 draft_model: LoadedModel | None = None, kv_dtype: str = "f16"):
         self.model = model
         slack = max(RING_SLACK, draft_tokens)  # a KV ring takes back guesses
         check_context(model.cfg, n_ctx, model.rope_scale, model.path.name)
-        check_memory(model.cfg, n_ctx, slack=slack)
-        self.cache = new_cache(model.cfg, n_ctx, slack)
+        check_memory(model.cfg, n_ctx, slack=slack, kv_dtype=kv_dtype)
+        self.cache = new_cache(model.cfg, n_ctx, slack, kv_dtype)
         self.draft_tokens = draft_tokens  # prompt-lookup speculation: tokens guessed per pass (0 = off)
         self.draft_ngram = draft_ngram
         self.draft: Runner | None = None  # a draft model's own runner (None: drafts from prompt lookup)
         if draft_model is not None:
             check_same_vocabulary(model, draft_model)
-            self.draft = Runner(draft_model, n_ctx)
+            self.draft = Runner(draft_model, n_ctx, kv_dtype=kv_dtype)
         self.stats = GenerationStats()
 
     def propose(self, history: Sequence[int], k: int) -> list[int]:

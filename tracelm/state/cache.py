@@ -13,6 +13,7 @@ from tracelm.state.records import frozen_array
 # positions is written and read in place, and a truncate may go back up to this many positions.
 RING_SLACK = 64
 MASK_KEEP_BYTES = 1 << 20  # masks up to this size are kept for the next pass that asks
+KV_DTYPES = {"f32": np.float32, "f16": np.float16}  # the run config's kv_cache
 BUFFER_KEEP_BYTES = 1 << 20  # scratch arrays of a pass up to this size are kept for the next pass (Cache.buffer)
 
 
@@ -57,8 +58,10 @@ class Cache:
     n_ctx) keep n_ctx positions (`rings[layer]` = 0)."""
 
     def __init__(self, cfg: ModelConfig, n_ctx: int, rope_cos: np.ndarray, rope_sin: np.ndarray,
-                 rope_extra: dict[float, tuple[np.ndarray, np.ndarray]] | None = None, slack: int = RING_SLACK):
+                 rope_extra: dict[float, tuple[np.ndarray, np.ndarray]] | None = None, slack: int = RING_SLACK,
+                 kv_dtype: str = "f16"):
         self.n_ctx = n_ctx
+        self.kv_dtype = np.dtype(KV_DTYPES[kv_dtype])  # keys and values are rounded to it as they are stored
         self.windows = [cfg.window(i) for i in range(cfg.n_layer)]
         rings = [w - 1 + max(1, slack) if w else 0 for w in self.windows]
         self.rings = [r if 0 < 2 * r < n_ctx else 0 for r in rings]  # per layer: ring slots; 0: positions in place
@@ -67,8 +70,8 @@ class Cache:
         self.k, self.v = [], []
         for r in self.rings:
             n = 2 * r if r else n_ctx
-            self.k.append(np.zeros((cfg.n_head_kv, cfg.head_dim, n), np.float32).transpose(0, 2, 1))
-            self.v.append(np.zeros((cfg.n_head_kv, n, cfg.head_dim), np.float32))
+            self.k.append(np.zeros((cfg.n_head_kv, cfg.head_dim, n), self.kv_dtype).transpose(0, 2, 1))
+            self.v.append(np.zeros((cfg.n_head_kv, n, cfg.head_dim), self.kv_dtype))
         self.held_from = [0] * cfg.n_layer  # per layer, the oldest position whose keys/values are still held
         self._joined: tuple | None = None  # a long pass's held + new keys/values of one layer, until read
         self.rope_cos, self.rope_sin = rope_cos, rope_sin  # [n_ctx, rope_dim], laid out for the rope mode
@@ -132,7 +135,8 @@ class Cache:
     def write(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
         """Store k, v [T, n_head_kv, head_dim] at positions start..start+T-1 of one layer."""
         T, ring = k.shape[0], self.rings[layer]
-        k, v = k.transpose(1, 0, 2), v.transpose(1, 0, 2)
+        # rounded to the Cache's dtype here, so that a pass reads its own keys as a later one will
+        k, v = k.transpose(1, 0, 2).astype(self.kv_dtype, copy=False), v.transpose(1, 0, 2).astype(self.kv_dtype, copy=False)
         if not ring:
             self.k[layer][:, start : start + T] = k
             self.v[layer][:, start : start + T] = v
@@ -238,6 +242,10 @@ class Cache:
         if partial:
             raise TracelmError(f"layer {partial[0]} keeps every position in this context of {self.n_ctx}, but only "
                                f"positions {snap.first[partial[0]]}.. were saved (a window ring's)")
+        held = {a.dtype for a in (*snap.keys, *snap.values)} - {self.kv_dtype}
+        if held:
+            raise TracelmError(f"the saved conversation holds keys/values in {held.pop().name}, this Cache in "
+                               f"{self.kv_dtype.name} (kv_cache): they would not give the same numbers")
         self.reset()
         for layer, lo in enumerate(snap.first):
             k, v = snap.keys[layer], snap.values[layer]

@@ -11,6 +11,7 @@ WEIGHT_MODES = ("resident", "streamed")
 COMPUTE_MODES = ("kernels", "reference")
 CONTEXT_POLICIES = ("stop", "shift")
 ACTIVATION_MODES = {"int8": 1, "int16": 2}  # -> int8 blocks per weight block (QMatrix.halves)
+KV_CACHE_DTYPES = ("f16", "f32")  # what the Cache holds keys and values in
 # bounds the server also applies to a request (tracelm/server/params.py), so a config and a request agree
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1024
@@ -89,6 +90,9 @@ class RunConfig:
     # blocks, hi and lo: ~15 bits, logits within 0.05 of transformers') or int8 (one int8 block: the precision of
     # llama.cpp's q8 activations, half the integer work: ~1.7x prefill, ~1.15x decode; logits ~1 off on SmolLM2)
     activations: str = attrs.field(default="int16", validator=v.in_(tuple(ACTIVATION_MODES)))
+    # the Cache's keys and values: f16 (llama.cpp's default: half the memory and the bytes attend reads per token;
+    # each key and value rounded to nearest f16 as it is stored) or f32 (as computed)
+    kv_cache: str = attrs.field(default="f16", validator=v.in_(KV_CACHE_DTYPES))
     context: int = attrs.field(default=2048, validator=v.gt(0))  # positions the Cache holds
     # chat, when a turn's prompt + max_tokens no longer fits the context: stop (an error; the reply cut to the
     # room left) or shift (keep the system prompt and the latest shift_keep tokens of the conversation, recompute)

@@ -26,6 +26,7 @@ from tracelm.state.errors import TracelmError
 from tracelm.state.records import Hidden
 
 COSINE_MIN = 0.9999  # every layer, every position
+KV = "f32"  # the math against the reference's: keys and values kept as computed (kv_cache f16 rounds them)
 # --compute kernels: positions whose argmax is the numpy reference's, at least (int16 activations, the default).
 # With int8 activations (llama.cpp's precision) the bar is llama.cpp's own on DEFAULT_PROMPTS, 32 greedy tokens
 # each (llama-cpp-python 0.3.36: SmolLM2-135M Q4_1 117 of 123 = 0.951, Gemma 3 270M 125 of 128).
@@ -98,7 +99,7 @@ def tracelm_states(model: Any, ids: Sequence[int]) -> tuple[list[np.ndarray], np
             states.append(np.array(out.x))
         return out
 
-    logits = forward(cfg, model.weights, new_cache(cfg, len(ids)), ids, True, call)
+    logits = forward(cfg, model.weights, new_cache(cfg, len(ids), kv_dtype=KV), ids, True, call)
     del states[-2]  # the last block's raw output: transformers reports it after the final norm
     return states, np.asarray(logits.values)
 
@@ -106,7 +107,7 @@ def tracelm_states(model: Any, ids: Sequence[int]) -> tuple[list[np.ndarray], np
 def greedy(model: Any, ids: Sequence[int], n: int) -> list[int]:
     """n greedy tokens (argmax, no stop on end-of-generation ids)."""
     cfg = model.cfg
-    cache = new_cache(cfg, len(ids) + n)
+    cache = new_cache(cfg, len(ids) + n, kv_dtype=KV)
     logits = forward(cfg, model.weights, cache, ids)
     out = []
     for step in range(n):
