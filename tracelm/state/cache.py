@@ -136,7 +136,7 @@ class Cache:
         """Store k, v [T, n_head_kv, head_dim] at positions start..start+T-1 of one layer."""
         T, ring = k.shape[0], self.rings[layer]
         # rounded to the Cache's dtype here, so that a pass reads its own keys as a later one will
-        k, v = k.transpose(1, 0, 2).astype(self.kv_dtype, copy=False), v.transpose(1, 0, 2).astype(self.kv_dtype, copy=False)
+        k, v = (a.transpose(1, 0, 2).astype(self.kv_dtype, copy=False) for a in (k, v))
         if not ring:
             self.k[layer][:, start : start + T] = k
             self.v[layer][:, start : start + T] = v
