@@ -18,6 +18,7 @@ void sha256_init(sha256_ctx *c, int ni);
 void sha256_update(sha256_ctx *c, const void *p, size_t n);
 void sha256_final(sha256_ctx *c, uint8_t out[32]);
 void sha256(const void *p, size_t n, uint8_t out[32], int ni);
+void sha256_x2(const void *a, size_t na, const void *b, size_t nb, uint8_t out_a[32], uint8_t out_b[32], int ni);
 void hmac_sha256(const uint8_t *key, size_t klen, const void *msg, size_t n, uint8_t out[32], int ni);
 int sha256_ni_available(void);
 void hex_of(const uint8_t *b, size_t n, char *out);   /* 2n lowercase hex digits, no terminator */

@@ -152,9 +152,11 @@ static int round_scaled(double v, int q, u128 *N) {
     if (s >= 0) {
         if (s > 126 - bitlen(num)) return -1;
         num <<= s;
-    } else if (den == 1) {
+    } else if (den == 1) {   /* num / 2^-s, by shifts */
         if (-s > 126) { *N = 0; return 0; }   /* num < 2^117: below one half */
-        den = (u128)1 << -s;
+        const u128 Q = num >> -s, R = num - (Q << -s), half = (u128)1 << (-s - 1);
+        *N = Q + (R > half || (R == half && (Q & 1)));
+        return 0;
     } else {
         if (-s > 126 - bitlen(den)) return -1;
         den <<= -s;
@@ -165,8 +167,8 @@ static int round_scaled(double v, int q, u128 *N) {
     return 0;
 }
 
-static int digits_of(u128 N, char *out) {   /* N >= 0 in decimal; returns the length */
-    char t[40];
+static int digits_of(uint64_t N, char *out) {   /* N in decimal; returns the length */
+    char t[24];
     int n = 0;
     do { t[n++] = (char)('0' + (int)(N % 10)); N /= 10; } while (N);
     for (int i = 0; i < n; i++) out[i] = t[n - 1 - i];
@@ -187,7 +189,7 @@ static int fmt_g7(double x, char *out) {
         else break;
     }
     char d[8], *o = out;
-    digits_of(N, d);
+    digits_of((uint64_t)N, d);
     int nd = 7;
     while (nd > 1 && d[nd - 1] == '0') nd--;
     if (x < 0) *o++ = '-';
@@ -213,12 +215,17 @@ static int fmt_stat(double x, char *out) {
     return fmt_g7(x, out);
 }
 
+static int fmt_int(int64_t v, char *out) {   /* "%d" */
+    if (v < 0) { out[0] = '-'; return 1 + digits_of(0 - (uint64_t)v, out + 1); }
+    return digits_of((uint64_t)v, out);
+}
+
 /* "%.1f" % (ns / 1000): microseconds, one decimal */
 static int fmt_us(int64_t ns, char *out) {
     double v = (double)ns / 1000.0;
     u128 N;
-    if (v < 0 || round_scaled(v, 1, &N)) return sprintf(out, "%.1f", v);
-    int n = N < 10 ? (out[0] = '0', 1) : digits_of(N / 10, out);
+    if (v < 0 || round_scaled(v, 1, &N) || N >> 64) return sprintf(out, "%.1f", v);
+    int n = N < 10 ? (out[0] = '0', 1) : digits_of((uint64_t)(N / 10), out);
     out[n] = '.';
     out[n + 1] = (char)('0' + (int)(N % 10));
     return n + 2;
@@ -234,29 +241,52 @@ static void copy_c_order(const char *src, const Py_ssize_t *shape, const Py_ssiz
     for (Py_ssize_t i = 0; i < shape[0]; i++) copy_c_order(src + i * strides[0], shape + 1, strides + 1, ndim - 1, dst);
 }
 
-/* trace_hold(arrays, arena, offset): each array's float32 elements (C order) into arena (uint8) from byte `offset`
- * on; the offset after them, or -1 if an array is not float32, -2 if they do not fit (nothing copied then) */
+/* the arrays' shapes into a row of meta: [end, k arrays, then per array ndim, its dims...]; 0 if they do not fit */
+static int shapes_row(const buf *v, Py_ssize_t k, int64_t *row, Py_ssize_t width) {
+    Py_ssize_t at = 2;
+    row[1] = k;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        if (at + 1 + v[i].v.ndim > width) return 0;
+        row[at++] = v[i].v.ndim;
+        for (int d = 0; d < v[i].v.ndim; d++) row[at++] = v[i].v.shape[d];
+    }
+    while (at < width) row[at++] = 0;
+    return 1;
+}
+
+/* trace_hold(arrays, arena, offset, meta, i): the float32 arrays' elements (C order) into arena (uint8) from byte
+ * `offset` on, and row i of meta (int64 [rows, width]) = [the offset after them, their shapes (shapes_row)]; returns
+ * that offset, or -1 if an array is not float32 or the shapes do not fit a row, -2 if there is no room in the arena
+ * or no row i (nothing is written then) */
 static PyObject *py_trace_hold(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 3 || !PyTuple_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "trace_hold(arrays: tuple, arena, offset)");
+    if (nargs != 5 || !PyTuple_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "trace_hold(arrays: tuple, arena, offset, meta, i)");
         return NULL;
     }
-    Py_ssize_t n = PyTuple_GET_SIZE(args[0]), off = PyLong_AsSsize_t(args[2]);
-    if (off < 0 && PyErr_Occurred()) return NULL;
-    buf arena = {0}, v[8] = {{{0}}};
+    Py_ssize_t n = PyTuple_GET_SIZE(args[0]), off = PyLong_AsSsize_t(args[2]), row = PyLong_AsSsize_t(args[4]);
+    if ((off < 0 || row < 0) && PyErr_Occurred()) return NULL;
+    if (n > 8) return PyLong_FromLong(-1);
+    buf arena = {0}, meta = {0}, v[8] = {{{0}}};
     PyObject *ret = NULL;
-    if (n > 8) { PyErr_SetString(PyExc_ValueError, "trace_hold: at most 8 arrays"); return NULL; }
     if (PyObject_GetBuffer(args[1], &arena.v, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) return NULL;
     arena.held = 1;
-    Py_ssize_t need = 0, status = 0;
+    if (PyObject_GetBuffer(args[3], &meta.v, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) goto done;
+    meta.held = 1;
+    if (meta.v.ndim != 2 || meta.v.itemsize != 8 || meta.v.shape[1] < 4) {
+        PyErr_SetString(PyExc_ValueError, "trace_hold: meta must be int64 [rows, width >= 4]");
+        goto done;
+    }
+    Py_ssize_t need = 0, status = 0, width = meta.v.shape[1];
     for (Py_ssize_t i = 0; i < n && !status; i++) {
         if (PyObject_GetBuffer(PyTuple_GET_ITEM(args[0], i), &v[i].v, PyBUF_STRIDES | PyBUF_FORMAT) != 0) goto done;
         v[i].held = 1;
         if (!fmt_is(&v[i].v, 'f') || v[i].v.itemsize != 4) status = -1;
         need += v[i].v.len;
     }
-    if (!status && (off > arena.v.len || need > arena.v.len - off)) status = -2;
+    if (!status && (row >= meta.v.shape[0] || off > arena.v.len || need > arena.v.len - off)) status = -2;
+    int64_t *r = (int64_t *)meta.v.buf + row * width;
+    if (!status && !shapes_row(v, n, r, width)) status = -1;
     if (!status) {
         float *dst = (float *)((char *)arena.v.buf + off);
         for (Py_ssize_t i = 0; i < n; i++) {
@@ -264,29 +294,53 @@ static PyObject *py_trace_hold(PyObject *self, PyObject *const *args, Py_ssize_t
             if (PyBuffer_IsContiguous(b, 'C')) { memcpy(dst, b->buf, (size_t)b->len); dst += b->len / 4; }
             else copy_c_order((const char *)b->buf, b->shape, b->strides, b->ndim, &dst);
         }
-        status = off + need;
+        status = r[0] = off + need;
     }
     ret = PyLong_FromSsize_t(status);
 done:
     for (Py_ssize_t i = 0; i < n; i++) release(&v[i]);
-    release(&arena);
+    release(&arena); release(&meta);
     return ret;
 }
 
-typedef struct { leaf_fn leaf8; int ni; const uint8_t *arena; const int64_t *offsets; double *stats; uint8_t *dig; } stats_job;
+typedef struct {
+    leaf_fn leaf8;
+    int ni;
+    const uint8_t *arena;
+    const int64_t *offsets, *order;   /* the events, largest first */
+    int64_t n;
+    double *stats;
+    uint8_t *dig;
+} stats_job;
 
-static void stats_tasks(void *ctx, int64_t e0, int64_t e1) {
+static void event_digests(const stats_job *j, int64_t a, int64_t b) {   /* events a and b (b < 0: a alone) */
+    const int64_t *o = j->offsets;
+    uint8_t ha[32], hb[32];
+    if (b < 0) sha256(j->arena + o[a], (size_t)(o[a + 1] - o[a]), ha, j->ni);
+    else sha256_x2(j->arena + o[a], (size_t)(o[a + 1] - o[a]), j->arena + o[b], (size_t)(o[b + 1] - o[b]), ha, hb, j->ni);
+    memcpy(j->dig + 16 * a, ha, 16);
+    if (b >= 0) memcpy(j->dig + 16 * b, hb, 16);
+}
+
+/* task t: the events order[2t] and order[2t + 1] (their digests hashed side by side) */
+static void stats_tasks(void *ctx, int64_t t0, int64_t t1) {
     const stats_job *j = (const stats_job *)ctx;
-    for (int64_t e = e0; e < e1; e++) {
-        const uint8_t *p = j->arena + j->offsets[e];
-        const int64_t nbytes = j->offsets[e + 1] - j->offsets[e];
-        event_stats(j->leaf8, (const float *)p, nbytes / 4, j->stats + 3 * e);
-        if (j->dig) {
-            uint8_t h[32];
-            sha256(p, (size_t)nbytes, h, j->ni);
-            memcpy(j->dig + 16 * e, h, 16);
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t a = j->order[2 * t], b = 2 * t + 1 < j->n ? j->order[2 * t + 1] : -1;
+        for (int k = 0; k < 2; k++) {
+            const int64_t e = k ? b : a;
+            if (e >= 0) event_stats(j->leaf8, (const float *)(j->arena + j->offsets[e]),
+                                    (j->offsets[e + 1] - j->offsets[e]) / 4, j->stats + 3 * e);
         }
+        if (j->dig) event_digests(j, a, b);
     }
+}
+
+static const int64_t *sizes_for_sort;
+static int larger_first(const void *x, const void *y) {
+    const int64_t a = *(const int64_t *)x, b = *(const int64_t *)y, *o = sizes_for_sort;
+    const int64_t sa = o[a + 1] - o[a], sb = o[b + 1] - o[b];
+    return sa != sb ? (sa < sb) - (sa > sb) : (a > b) - (a < b);
 }
 
 static int get_c(PyObject *o, const char *name, char fmt, Py_ssize_t itemsize, int writable, buf *b) {
@@ -325,11 +379,17 @@ static PyObject *py_trace_stats(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "trace_stats: stats [n, 3] / digests [n, 16] too small for the offsets");
         goto done;
     }
-    stats_job j = {current_leaf(), use_sha_ni(), (const uint8_t *)arena.v.buf, o, (double *)st.v.buf,
+    int64_t *order = malloc((size_t)(n + 1) * sizeof(int64_t));
+    if (!order) { PyErr_NoMemory(); goto done; }
+    for (int64_t e = 0; e < n; e++) order[e] = e;
+    sizes_for_sort = o;   /* under the GIL */
+    qsort(order, (size_t)n, sizeof(int64_t), larger_first);
+    stats_job j = {current_leaf(), use_sha_ni(), (const uint8_t *)arena.v.buf, o, order, n, (double *)st.v.buf,
                    dg.held ? (uint8_t *)dg.v.buf : NULL};
     Py_BEGIN_ALLOW_THREADS
-    pool_run(stats_tasks, &j, n, 4);
+    pool_run(stats_tasks, &j, (n + 1) / 2, 2);
     Py_END_ALLOW_THREADS
+    free(order);
     ret = Py_None;
     Py_INCREF(ret);
 done:
@@ -365,9 +425,9 @@ typedef struct {
 static void put_field(text *t, int field, const line_fields *f, int64_t e) {
     char *o = t->p + t->n;
     switch (field) {
-    case FIELD_SEQ: t->n += (size_t)sprintf(o, "%lld", (long long)(f->seq + e)); break;
-    case FIELD_TOK: t->n += (size_t)sprintf(o, "%lld", (long long)f->tok); break;
-    case FIELD_START: t->n += (size_t)sprintf(o, "%lld", (long long)f->starts[e]); break;
+    case FIELD_SEQ: t->n += (size_t)fmt_int(f->seq + e, o); break;
+    case FIELD_TOK: t->n += (size_t)fmt_int(f->tok, o); break;
+    case FIELD_START: t->n += (size_t)fmt_int(f->starts[e], o); break;
     case FIELD_MEAN: case FIELD_RMS: case FIELD_MAXABS:
         t->n += (size_t)fmt_stat(f->stats[3 * e + field - FIELD_MEAN], o); break;
     case FIELD_DIGEST: hex_of(f->digests + 16 * e, 16, o); t->n += 32; break;
@@ -396,7 +456,12 @@ static int render_lines(const char *tpl, size_t tlen, const line_fields *f, int6
     int64_t e = 0;
     size_t at = 0;
     for (size_t i = 0; i < tlen; i++) {
-        if (grow(t, 256)) return -1;
+        size_t j = i;   /* a run of literal bytes */
+        while (j < tlen && (unsigned char)tpl[j] > FIELD_DUR) j++;
+        if (grow(t, j - i + 256)) return -1;
+        memcpy(t->p + t->n, tpl + i, j - i);
+        t->n += j - i;
+        if ((i = j) == tlen) break;
         unsigned char c = (unsigned char)tpl[i];
         if (c == 0) {
             if (e >= n_events) return -2;
@@ -406,11 +471,9 @@ static int render_lines(const char *tpl, size_t tlen, const line_fields *f, int6
             t->p[t->n++] = '\n';
             at = t->n;
             e++;
-        } else if (c <= FIELD_DUR) {
-            if (e >= n_events) return -2;
-            put_field(t, c, f, e);
         } else {
-            t->p[t->n++] = (char)c;
+            if (e >= n_events || (c == FIELD_DIGEST && !f->digests)) return -2;
+            put_field(t, c, f, e);
         }
     }
     if (t->n) t->n--;   /* no newline after the last line */
@@ -443,11 +506,6 @@ static PyObject *py_trace_lines(PyObject *self, PyObject *args) {
                         "one row per event");
         goto done;
     }
-    for (Py_ssize_t i = 0; i < tlen; i++)
-        if (tpl[i] == FIELD_DIGEST && !dg.held) {
-            PyErr_SetString(PyExc_ValueError, "trace_lines: the template has digests but none were given");
-            goto done;
-        }
     line_fields f = {seq, tok, (const int64_t *)starts.v.buf, (const int64_t *)durs.v.buf,
                      (const double *)stats.v.buf, dg.held ? (const uint8_t *)dg.v.buf : NULL,
                      key.held ? (const uint8_t *)key.v.buf : NULL, key.held ? (size_t)key.v.len : 0, use_sha_ni()};
@@ -455,7 +513,8 @@ static PyObject *py_trace_lines(PyObject *self, PyObject *args) {
     memcpy(prev, prev_in, 64);
     int err = render_lines(tpl, (size_t)tlen, &f, n, prev, &t);
     if (err == -1) PyErr_NoMemory();
-    else if (err) PyErr_SetString(PyExc_ValueError, "trace_lines: the template's lines are not one per event");
+    else if (err) PyErr_SetString(PyExc_ValueError, "trace_lines: the template's lines are not one per event (or "
+                                  "it has digests and none were given)");
     else ret = Py_BuildValue("(s#s#)", t.p ? t.p : "", (Py_ssize_t)t.n, prev, (Py_ssize_t)64);
 done:
     free(t.p);
@@ -499,8 +558,8 @@ static PyObject *py_trace_format(PyObject *self, PyObject *args) {   /* trace_fo
 
 PyMethodDef trace_methods[] = {
     {"trace_hold", (PyCFunction)(void (*)(void))py_trace_hold, METH_FASTCALL,
-     "trace_hold(arrays, arena, offset): float32 arrays' elements (C order) into arena at offset; the new offset, "
-     "-1 not float32, -2 no room"},
+     "trace_hold(arrays, arena, offset, meta, i): float32 arrays' elements (C order) into arena at offset, their end "
+     "and shapes into meta[i]; the end, -1 not float32 (or too many dims), -2 no room"},
     {"trace_stats", py_trace_stats, METH_VARARGS,
      "trace_stats(arena, offsets, stats, digests): per event mean, rms, max|x| (and sha256-128)"},
     {"trace_lines", py_trace_lines, METH_VARARGS,

@@ -58,6 +58,7 @@ PACKAGES = ("tracelm", "numpy", "numexpr", "gguf", "tokenizers", "sentencepiece"
             "PyYAML", "llguidance")
 BATCH_ELEMENTS = 1 << 20  # output elements held (4 MiB) that force a batch: bounds the memory a prefill holds
 ARENA_BYTES = 4 * BATCH_ELEMENTS  # the float32 outputs' copies, held until their lines are rendered
+META_ROWS, META_WIDTH = 4096, 16  # stage events held at most; each one's arena end and shapes
 TIMING_SUFFIXES = ("_us", "_seconds")
 CHAIN_FIELDS = ("prev", "hash", "mac", "sig")
 FOOTER_STATUSES = ("complete", "interrupted")
@@ -246,13 +247,14 @@ class Tracer:
         self.counts: dict[str, int] = {}
         self.stage_ns = 0  # total duration of the stage calls
         self._digest = level == "digest"
-        # pending stage events: (stage, layer, start, shapes, dtype, dur_ns, end); their float32 outputs' bytes are
-        # copies in the arena, the first `_used` bytes (event i's end at `end`); `_own`: event index -> (mean, rms,
-        # maxabs, digest) of an output that is not float32, computed when it was held
+        # pending stage events: (stage, layer, start, dur_ns); event i's float32 outputs' bytes are copies in the
+        # arena (the first `_used` bytes are held), up to byte _meta[i, 0], their shapes in _meta[i, 1:] (shapes_row
+        # in trace_stats.c); `_own`: event index -> (mean, rms, maxabs, digest, dtype, shapes) of any other output
         self._pending: list[tuple[Any, ...]] = []
         self._arena = np.empty(ARENA_BYTES, np.uint8)
         self._used = 0
-        self._own: dict[int, tuple[float, float, float, bytes]] = {}
+        self._meta = np.zeros((META_ROWS, META_WIDTH), np.int64)
+        self._own: dict[int, tuple[Any, ...]] = {}
         self._mark = time.perf_counter_ns()  # when the last stage event was held: where a noted stage's time starts
         self._templates: dict[tuple[Any, ...], str] = {}
         self._stream = stream
@@ -265,37 +267,43 @@ class Tracer:
         t0 = time.perf_counter_ns()
         out = fn(*args)
         dur = time.perf_counter_ns() - t0
-        self._hold(stage, layer, getattr(out, "start", -1), output_arrays(out), dur)
+        arrays, start = output_arrays(out), getattr(out, "start", -1)
+        end = trace_hold(arrays, self._arena, self._used, self._meta, len(self._pending))
+        if end < 0:
+            end = self._hold_other(arrays, end)
+        self._pending.append((stage, layer, start, dur))
+        self._used = end
+        self._mark = time.perf_counter_ns()
         return out
 
     def note(self, stage: str, layer: int | None, start: int, arrays: tuple[np.ndarray, ...]) -> None:
         """A stage's output arrays as a pass computed them without `call` (graph.fused_layers, into buffers the
-        next stage overwrites): read at once; the stage's time is the time since the last event was held."""
-        self._hold(stage, layer, start, arrays, time.perf_counter_ns() - self._mark)
-
-    def _hold(self, stage: str, layer: int | None, start: int, arrays: tuple[np.ndarray, ...], dur: int) -> None:
-        """Copy the float32 outputs' bytes into the arena (drained first when they do not fit); any other output's
-        statistics and digest are computed now."""
-        end = trace_hold(arrays, self._arena, self._used)
-        if end == -2:  # no room: render what is held, then (an output larger than the arena) a larger arena
-            self._drain()
-            if sum(a.nbytes for a in arrays) > len(self._arena):
-                self._arena = np.empty(sum(a.nbytes for a in arrays), np.uint8)
-            end = trace_hold(arrays, self._arena, 0)
-        dtype = "float32"
-        if end == -1:
-            self._own[len(self._pending)] = self._own_stats(arrays)
-            end, dtype = self._used, arrays[0].dtype.name
-        self._pending.append((stage, layer, start, tuple([a.shape for a in arrays]), dtype, dur, end))
+        next stage overwrites): copied at once; the stage's time is the time since the last event was held."""
+        dur = time.perf_counter_ns() - self._mark
+        end = trace_hold(arrays, self._arena, self._used, self._meta, len(self._pending))
+        if end < 0:
+            end = self._hold_other(arrays, end)
+        self._pending.append((stage, layer, start, dur))
         self._used = end
         self._mark = time.perf_counter_ns()
 
-    def _own_stats(self, arrays: tuple[np.ndarray, ...]) -> tuple[float, float, float, bytes]:
-        """Statistics (in float64 when not floats) and digest of an output that is not all float32."""
+    def _hold_other(self, arrays: tuple[np.ndarray, ...], status: int) -> int:
+        """An output trace_hold did not take: no room (render what is held first; an output larger than the arena
+        gets a larger one), or not float32 (its statistics and digest now). The arena's end after it."""
+        if status == -2:
+            self._drain()
+            self._arena = np.empty(max(ARENA_BYTES, sum(a.nbytes for a in arrays)), np.uint8)
+            status = trace_hold(arrays, self._arena, 0, self._meta, 0)
+        if status >= 0:
+            return status
+        i = len(self._pending)
         buf = _flatten(list(arrays))
         mean, rms, maxabs = _batch_stats(buf, [buf.size])
         d = bytes.fromhex(digest(list(arrays))) if self._digest else b""
-        return float(mean[0]), float(rms[0]), float(maxabs[0]), d
+        self._own[i] = (mean[0], rms[0], maxabs[0], d, arrays[0].dtype.name, tuple([a.shape for a in arrays]))
+        self._meta[i] = 0
+        self._meta[i, 0] = self._used
+        return self._used
 
     # -- events -------------------------------------------------------------------------------------
     def event(self, kind: str, **fields: Any) -> None:
@@ -329,10 +337,10 @@ class Tracer:
         used, self._used = self._used, 0
         if not pending:
             return
-        arena = self._arena[:used]
+        held = (self._arena[:used], self._meta[: len(pending)], own)
         if len(self._arena) > ARENA_BYTES:  # the larger arena of one large output is not kept
             self._arena = np.empty(ARENA_BYTES, np.uint8)
-        self._log.msg("stages", rows=pending, held=(arena, own))
+        self._log.msg("stages", rows=pending, held=held)
 
     # -- rendering and chaining (structlog processor) -------------------------------------------------
     def _render(self, _logger: Any, _name: str, event: dict[str, Any]) -> str:
@@ -358,37 +366,46 @@ class Tracer:
             tail += f',"sig":"{ed25519_sign(self.signer, h)}"'
         return body + tail + "}"
 
-    def _stage_lines(self, rows: list[tuple[Any, ...]], arena: np.ndarray,
-                     own: dict[int, tuple[float, float, float, bytes]]) -> str:
+    def _stage_lines(self, rows: list[tuple[Any, ...]], arena: np.ndarray, meta: np.ndarray,
+                     own: dict[int, tuple[Any, ...]]) -> str:
         """Render, chain and sign a batch of stage events (~200 per decoded token, so kept lean), in the trace
-        kernels: `rows` are (stage, layer, start, shapes, dtype, dur_ns, end), the float32 outputs' bytes are in
-        `arena` (event i's from the previous event's end to its own), `own` the statistics and digests of any other
-        output. The template of the lines is cached per sequence of stages and shapes, which repeats every decode
-        step; trace_lines fills in each line's numbers, then closes and hashes each line in turn."""
-        stages, layers, starts, shapes, dtypes, durs, ends = zip(*rows, strict=True)
+        kernels: `rows` are (stage, layer, start, dur_ns); event i's float32 outputs' bytes are in `arena` up to
+        meta[i, 0] (from the previous event's end), their shapes in meta[i, 1:]; `own` holds the statistics,
+        digests, dtypes and shapes of any other output. The template of the lines is cached per sequence of
+        stages and shapes, which repeats every decode step; trace_lines fills in each line's numbers, then closes
+        and hashes each line in turn."""
+        stages, layers, starts, durs = zip(*rows, strict=True)
         n = len(rows)
         offsets = np.zeros(n + 1, np.int64)
-        offsets[1:] = ends
+        offsets[1:] = meta[:, 0]
         stats = np.empty((n, 3))
         digests = np.empty((n, 16), np.uint8) if self._digest else None
         trace_stats(arena, offsets, stats, digests)
-        for i, (mean, rms, maxabs, d) in own.items():
+        for i, (mean, rms, maxabs, d, *_) in own.items():
             stats[i] = mean, rms, maxabs
             if digests is not None:
                 digests[i] = np.frombuffer(d, np.uint8)
-        key = (stages, layers, shapes, dtypes)
+        key = (stages, layers, meta[:, 1:].tobytes(), tuple((i, o[4:]) for i, o in own.items()))
         template = self._templates.get(key)
         if template is None:
             if len(self._templates) >= 256:  # prefill batches rarely repeat: keep the cache bounded
                 self._templates.clear()
-            fields = LINE_FIELDS if self._digest else LINE_FIELDS[:6] + (None, LINE_FIELDS[7])
-            template = self._templates[key] = "".join(
-                _stage_head(st, ly, sh, dt, fields) + "\0" for st, ly, sh, dt in zip(*key, strict=True))
-        text, prev = trace_lines(template, self.seq, self.n_tokens, np.array(starts, np.int64), stats,
-                                       digests, np.array(durs, np.int64), self.prev, self.key)
+            template = self._templates[key] = self._template(stages, layers, meta, own)
+        text, prev = trace_lines(template, self.seq, self.n_tokens, np.array(starts, np.int64), stats, digests,
+                                 np.array(durs, np.int64), self.prev, self.key)
         self.stage_ns += sum(durs)
         self.seq, self.prev = self.seq + n, prev
         return text
+
+    def _template(self, stages: tuple[str, ...], layers: tuple[int | None, ...], meta: np.ndarray,
+                  own: dict[int, tuple[Any, ...]]) -> str:
+        """trace_lines' template of a batch: each event's line head (LINE_FIELDS for its numbers), ended by NUL."""
+        fields = LINE_FIELDS if self._digest else LINE_FIELDS[:6] + (None, LINE_FIELDS[7])
+        heads = []
+        for i, (stage, layer) in enumerate(zip(stages, layers, strict=True)):
+            dtype, shapes = own[i][4:] if i in own else ("float32", _shapes_of(meta[i, 1:].tolist()))
+            heads.append(_stage_head(stage, layer, shapes, dtype, fields) + "\0")
+        return "".join(heads)
 
 
 class _LineWriter:
@@ -403,6 +420,15 @@ class _LineWriter:
         self._tracer._commit()
 
     info = msg  # what structlog's bound logger calls for `msg`
+
+
+def _shapes_of(row: list[int]) -> tuple[tuple[int, ...], ...]:
+    """The shapes trace_hold wrote in a meta row (after its end): k, then each array's ndim and dims."""
+    shapes, at = [], 1
+    for _ in range(row[0]):
+        shapes.append(tuple(row[at + 1 : at + 1 + row[at]]))
+        at += 1 + row[at]
+    return tuple(shapes)
 
 
 LINE_FIELDS = tuple(chr(i) for i in range(1, 9))  # trace_lines' one-byte fields, in _stage_head's order
