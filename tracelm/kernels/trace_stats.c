@@ -241,10 +241,12 @@ static void copy_c_order(const char *src, const Py_ssize_t *shape, const Py_ssiz
     for (Py_ssize_t i = 0; i < shape[0]; i++) copy_c_order(src + i * strides[0], shape + 1, strides + 1, ndim - 1, dst);
 }
 
-/* the arrays' shapes into a row of meta: [end, k arrays, then per array ndim, its dims...]; 0 if they do not fit */
+/* the arrays' shapes into a row of meta from META_SHAPES on: k arrays, then per array ndim, its dims...; 0 if they do
+ * not fit */
+enum { META_END, META_START, META_DUR, META_SHAPES };
 static int shapes_row(const buf *v, Py_ssize_t k, int64_t *row, Py_ssize_t width) {
-    Py_ssize_t at = 2;
-    row[1] = k;
+    Py_ssize_t at = META_SHAPES + 1;
+    row[META_SHAPES] = k;
     for (Py_ssize_t i = 0; i < k; i++) {
         if (at + 1 + v[i].v.ndim > width) return 0;
         row[at++] = v[i].v.ndim;
@@ -254,18 +256,19 @@ static int shapes_row(const buf *v, Py_ssize_t k, int64_t *row, Py_ssize_t width
     return 1;
 }
 
-/* trace_hold(arrays, arena, offset, meta, i): the float32 arrays' elements (C order) into arena (uint8) from byte
- * `offset` on, and row i of meta (int64 [rows, width]) = [the offset after them, their shapes (shapes_row)]; returns
- * that offset, or -1 if an array is not float32 or the shapes do not fit a row, -2 if there is no room in the arena
- * or no row i (nothing is written then) */
+/* trace_hold(arrays, arena, offset, meta, i, start, dur): the float32 arrays' elements (C order) into arena (uint8)
+ * from byte `offset` on, and row i of meta (int64 [rows, width]) = [the offset after them, start, dur, their shapes
+ * (shapes_row)]; returns that offset, or -1 if an array is not float32 or the shapes do not fit a row, -2 if there is
+ * no room in the arena or no row i (nothing is written then) */
 static PyObject *py_trace_hold(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 5 || !PyTuple_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "trace_hold(arrays: tuple, arena, offset, meta, i)");
+    if (nargs != 7 || !PyTuple_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "trace_hold(arrays: tuple, arena, offset, meta, i, start, dur)");
         return NULL;
     }
     Py_ssize_t n = PyTuple_GET_SIZE(args[0]), off = PyLong_AsSsize_t(args[2]), row = PyLong_AsSsize_t(args[4]);
-    if ((off < 0 || row < 0) && PyErr_Occurred()) return NULL;
+    long long start = PyLong_AsLongLong(args[5]), dur = PyLong_AsLongLong(args[6]);
+    if (PyErr_Occurred()) return NULL;
     if (n > 8) return PyLong_FromLong(-1);
     buf arena = {0}, meta = {0}, v[8] = {{{0}}};
     PyObject *ret = NULL;
@@ -273,8 +276,8 @@ static PyObject *py_trace_hold(PyObject *self, PyObject *const *args, Py_ssize_t
     arena.held = 1;
     if (PyObject_GetBuffer(args[3], &meta.v, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) goto done;
     meta.held = 1;
-    if (meta.v.ndim != 2 || meta.v.itemsize != 8 || meta.v.shape[1] < 4) {
-        PyErr_SetString(PyExc_ValueError, "trace_hold: meta must be int64 [rows, width >= 4]");
+    if (meta.v.ndim != 2 || meta.v.itemsize != 8 || meta.v.shape[1] < 6) {
+        PyErr_SetString(PyExc_ValueError, "trace_hold: meta must be int64 [rows, width >= 6]");
         goto done;
     }
     Py_ssize_t need = 0, status = 0, width = meta.v.shape[1];
@@ -294,7 +297,9 @@ static PyObject *py_trace_hold(PyObject *self, PyObject *const *args, Py_ssize_t
             if (PyBuffer_IsContiguous(b, 'C')) { memcpy(dst, b->buf, (size_t)b->len); dst += b->len / 4; }
             else copy_c_order((const char *)b->buf, b->shape, b->strides, b->ndim, &dst);
         }
-        status = r[0] = off + need;
+        status = r[META_END] = off + need;
+        r[META_START] = start;
+        r[META_DUR] = dur;
     }
     ret = PyLong_FromSsize_t(status);
 done:
@@ -558,8 +563,8 @@ static PyObject *py_trace_format(PyObject *self, PyObject *args) {   /* trace_fo
 
 PyMethodDef trace_methods[] = {
     {"trace_hold", (PyCFunction)(void (*)(void))py_trace_hold, METH_FASTCALL,
-     "trace_hold(arrays, arena, offset, meta, i): float32 arrays' elements (C order) into arena at offset, their end "
-     "and shapes into meta[i]; the end, -1 not float32 (or too many dims), -2 no room"},
+     "trace_hold(arrays, arena, offset, meta, i, start, dur): float32 arrays' elements (C order) into arena at "
+     "offset, their end, start, dur and shapes into meta[i]; the end, -1 not float32 (or too many dims), -2 no room"},
     {"trace_stats", py_trace_stats, METH_VARARGS,
      "trace_stats(arena, offsets, stats, digests): per event mean, rms, max|x| (and sha256-128)"},
     {"trace_lines", py_trace_lines, METH_VARARGS,

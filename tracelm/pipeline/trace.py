@@ -247,13 +247,14 @@ class Tracer:
         self.counts: dict[str, int] = {}
         self.stage_ns = 0  # total duration of the stage calls
         self._digest = level == "digest"
-        # pending stage events: (stage, layer, start, dur_ns); event i's float32 outputs' bytes are copies in the
-        # arena (the first `_used` bytes are held), up to byte _meta[i, 0], their shapes in _meta[i, 1:] (shapes_row
+        # pending stage events: (stage, layer); event i's float32 outputs' bytes are copies in the arena (the first
+        # `_used` bytes are held), up to byte _meta[i, 0]; _meta[i, 1:] is its start, dur_ns and shapes (shapes_row
         # in trace_stats.c); `_own`: event index -> (mean, rms, maxabs, digest, dtype, shapes) of any other output
-        self._pending: list[tuple[Any, ...]] = []
-        self._arena = np.empty(ARENA_BYTES, np.uint8)
+        self._pending: list[tuple[str, int | None]] = []
+        self._arena = bytearray(ARENA_BYTES)
         self._used = 0
-        self._meta = np.zeros((META_ROWS, META_WIDTH), np.int64)
+        meta = bytearray(8 * META_ROWS * META_WIDTH)
+        self._meta, self._meta_rows = memoryview(meta).cast("q", (META_ROWS, META_WIDTH)), _int64_rows(meta)
         self._own: dict[int, tuple[Any, ...]] = {}
         self._mark = time.perf_counter_ns()  # when the last stage event was held: where a noted stage's time starts
         self._templates: dict[tuple[Any, ...], str] = {}
@@ -268,10 +269,10 @@ class Tracer:
         out = fn(*args)
         dur = time.perf_counter_ns() - t0
         arrays, start = output_arrays(out), getattr(out, "start", -1)
-        end = trace_hold(arrays, self._arena, self._used, self._meta, len(self._pending))
+        end = trace_hold(arrays, self._arena, self._used, self._meta, len(self._pending), start, dur)
         if end < 0:
-            end = self._hold_other(arrays, end)
-        self._pending.append((stage, layer, start, dur))
+            end = self._hold_other(arrays, end, start, dur)
+        self._pending.append((stage, layer))
         self._used = end
         self._mark = time.perf_counter_ns()
         return out
@@ -280,20 +281,20 @@ class Tracer:
         """A stage's output arrays as a pass computed them without `call` (graph.fused_layers, into buffers the
         next stage overwrites): copied at once; the stage's time is the time since the last event was held."""
         dur = time.perf_counter_ns() - self._mark
-        end = trace_hold(arrays, self._arena, self._used, self._meta, len(self._pending))
+        end = trace_hold(arrays, self._arena, self._used, self._meta, len(self._pending), start, dur)
         if end < 0:
-            end = self._hold_other(arrays, end)
-        self._pending.append((stage, layer, start, dur))
+            end = self._hold_other(arrays, end, start, dur)
+        self._pending.append((stage, layer))
         self._used = end
         self._mark = time.perf_counter_ns()
 
-    def _hold_other(self, arrays: tuple[np.ndarray, ...], status: int) -> int:
+    def _hold_other(self, arrays: tuple[np.ndarray, ...], status: int, start: int, dur: int) -> int:
         """An output trace_hold did not take: no room (render what is held first; an output larger than the arena
         gets a larger one), or not float32 (its statistics and digest now). The arena's end after it."""
         if status == -2:
             self._drain()
-            self._arena = np.empty(max(ARENA_BYTES, sum(a.nbytes for a in arrays)), np.uint8)
-            status = trace_hold(arrays, self._arena, 0, self._meta, 0)
+            self._arena = bytearray(max(ARENA_BYTES, sum(a.nbytes for a in arrays)))
+            status = trace_hold(arrays, self._arena, 0, self._meta, 0, start, dur)
         if status >= 0:
             return status
         i = len(self._pending)
@@ -301,8 +302,8 @@ class Tracer:
         mean, rms, maxabs = _batch_stats(buf, [buf.size])
         d = bytes.fromhex(digest(list(arrays))) if self._digest else b""
         self._own[i] = (mean[0], rms[0], maxabs[0], d, arrays[0].dtype.name, tuple([a.shape for a in arrays]))
-        self._meta[i] = 0
-        self._meta[i, 0] = self._used
+        self._meta_rows[i] = 0
+        self._meta_rows[i, :3] = self._used, start, dur
         return self._used
 
     # -- events -------------------------------------------------------------------------------------
@@ -334,12 +335,12 @@ class Tracer:
         """Render the pending stage events in one batch."""
         pending, self._pending = self._pending, []
         own, self._own = self._own, {}
-        used, self._used = self._used, 0
+        self._used = 0
         if not pending:
             return
-        held = (self._arena[:used], self._meta[: len(pending)], own)
+        held = (self._arena, self._meta_rows[: len(pending)], own)
         if len(self._arena) > ARENA_BYTES:  # the larger arena of one large output is not kept
-            self._arena = np.empty(ARENA_BYTES, np.uint8)
+            self._arena = bytearray(ARENA_BYTES)
         self._log.msg("stages", rows=pending, held=held)
 
     # -- rendering and chaining (structlog processor) -------------------------------------------------
@@ -366,15 +367,14 @@ class Tracer:
             tail += f',"sig":"{ed25519_sign(self.signer, h)}"'
         return body + tail + "}"
 
-    def _stage_lines(self, rows: list[tuple[Any, ...]], arena: np.ndarray, meta: np.ndarray,
+    def _stage_lines(self, rows: list[tuple[str, int | None]], arena: bytearray, meta: np.ndarray,
                      own: dict[int, tuple[Any, ...]]) -> str:
         """Render, chain and sign a batch of stage events (~200 per decoded token, so kept lean), in the trace
-        kernels: `rows` are (stage, layer, start, dur_ns); event i's float32 outputs' bytes are in `arena` up to
-        meta[i, 0] (from the previous event's end), their shapes in meta[i, 1:]; `own` holds the statistics,
+        kernels: `rows` are (stage, layer); event i's float32 outputs' bytes are in `arena` up to meta[i, 0] (from
+        the previous event's end), its start, dur_ns and shapes in meta[i, 1:]; `own` holds the statistics,
         digests, dtypes and shapes of any other output. The template of the lines is cached per sequence of
         stages and shapes, which repeats every decode step; trace_lines fills in each line's numbers, then closes
         and hashes each line in turn."""
-        stages, layers, starts, durs = zip(*rows, strict=True)
         n = len(rows)
         offsets = np.zeros(n + 1, np.int64)
         offsets[1:] = meta[:, 0]
@@ -385,25 +385,24 @@ class Tracer:
             stats[i] = mean, rms, maxabs
             if digests is not None:
                 digests[i] = np.frombuffer(d, np.uint8)
-        key = (stages, layers, meta[:, 1:].tobytes(), tuple((i, o[4:]) for i, o in own.items()))
+        key = (tuple(rows), meta[:, 3:].tobytes(), tuple((i, o[4:]) for i, o in own.items()))
         template = self._templates.get(key)
         if template is None:
             if len(self._templates) >= 256:  # prefill batches rarely repeat: keep the cache bounded
                 self._templates.clear()
-            template = self._templates[key] = self._template(stages, layers, meta, own)
-        text, prev = trace_lines(template, self.seq, self.n_tokens, np.array(starts, np.int64), stats, digests,
-                                 np.array(durs, np.int64), self.prev, self.key)
-        self.stage_ns += sum(durs)
+            template = self._templates[key] = self._template(rows, meta, own)
+        starts, durs = meta[:, 1].copy(), meta[:, 2].copy()
+        text, prev = trace_lines(template, self.seq, self.n_tokens, starts, stats, digests, durs, self.prev, self.key)
+        self.stage_ns += int(durs.sum())
         self.seq, self.prev = self.seq + n, prev
         return text
 
-    def _template(self, stages: tuple[str, ...], layers: tuple[int | None, ...], meta: np.ndarray,
-                  own: dict[int, tuple[Any, ...]]) -> str:
+    def _template(self, rows: list[tuple[str, int | None]], meta: np.ndarray, own: dict[int, tuple[Any, ...]]) -> str:
         """trace_lines' template of a batch: each event's line head (LINE_FIELDS for its numbers), ended by NUL."""
         fields = LINE_FIELDS if self._digest else LINE_FIELDS[:6] + (None, LINE_FIELDS[7])
         heads = []
-        for i, (stage, layer) in enumerate(zip(stages, layers, strict=True)):
-            dtype, shapes = own[i][4:] if i in own else ("float32", _shapes_of(meta[i, 1:].tolist()))
+        for i, (stage, layer) in enumerate(rows):
+            dtype, shapes = own[i][4:] if i in own else ("float32", _shapes_of(meta[i, 3:].tolist()))
             heads.append(_stage_head(stage, layer, shapes, dtype, fields) + "\0")
         return "".join(heads)
 
@@ -420,6 +419,11 @@ class _LineWriter:
         self._tracer._commit()
 
     info = msg  # what structlog's bound logger calls for `msg`
+
+
+def _int64_rows(meta: bytearray) -> np.ndarray:
+    """The meta rows as numpy int64 [META_ROWS, META_WIDTH] (the same memory)."""
+    return np.frombuffer(meta, np.int64).reshape(META_ROWS, META_WIDTH)
 
 
 def _shapes_of(row: list[int]) -> tuple[tuple[int, ...], ...]:
