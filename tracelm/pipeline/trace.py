@@ -17,13 +17,14 @@ The format is described in docs/trace.md (format "tracelm-trace", version 4). In
 Levels: "off" (no events), "summary" (statistics, no digests), "digest" (also a sha256-128 digest of the
 output bytes, so two runs can be compared bit for bit).
 
-The hot path (`Tracer.call`) only times the stage and keeps a reference to its output record (stage outputs
-are fresh arrays, frozen by their records, so their bytes cannot change before they are read). Everything
-else -- finding the record's arrays, statistics, digests, JSON rendering, chaining and signing -- runs in
-batches: at each token event, at flush, or when the outputs held pass `BATCH_ELEMENTS`, through one
-structlog call per batch: the batch's float32 outputs are joined into one buffer (one bytes join), and every
-event's statistics come from a few vectorised passes over it. An output that is not float32 forms a batch of
-its own.
+The hot path (`Tracer.call`, or `Tracer.note` for a pass through graph.fused_layers, whose outputs are buffers the
+next stage overwrites) times the stage and copies its float32 output bytes into an arena (trace_hold, in the
+kernels), with its start, duration and shapes. Everything else runs in batches -- at each token event, at flush,
+or when the arena (4 * BATCH_ELEMENTS bytes) is full -- through one structlog call per batch, in the trace kernels
+(tracelm/kernels/trace_stats.c): every event's statistics (numpy's reduceat order, so `_batch_stats` below gives
+the same bits) and digest over the pool, then the lines from a template cached per sequence of stages and shapes
+(`_stage_head`), each closed, hashed and signed as `_chain` does. An output that is not float32 has its statistics
+and digest computed by `_batch_stats` and `digest` when it is held.
 """
 
 from __future__ import annotations
