@@ -28,8 +28,10 @@ setup(
         Extension(
             "tracelm.kernels._core",
             sources=["tracelm/kernels/core.c", "tracelm/kernels/portable.c", "tracelm/kernels/avx2.c",
-                     "tracelm/kernels/layer.c", "tracelm/kernels/layer_portable.c", "tracelm/kernels/layer_avx2.c"],
-            depends=["tracelm/kernels/kernels.h", "tracelm/kernels/layer_math.h", "tracelm/kernels/pyglue.h"],
+                     "tracelm/kernels/layer.c", "tracelm/kernels/layer_portable.c", "tracelm/kernels/layer_avx2.c",
+                     "tracelm/kernels/trace_stats.c", "tracelm/kernels/sha256.c"],
+            depends=["tracelm/kernels/kernels.h", "tracelm/kernels/layer_math.h", "tracelm/kernels/pyglue.h",
+                     "tracelm/kernels/sha256.h"],
             extra_compile_args=FLAGS,
             extra_link_args=["-pthread"],
             libraries=["m"],

@@ -203,7 +203,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.compare:  # each engine in its own child process, which sets its own threads
         from tracelm.tools.bench_compare import format_table, run_compare
 
-        report = run_compare(args.model, args.threads, args.prompt_tokens, args.decode_tokens, args.repeats,
+        report = run_compare(args.model, args.threads, args.prompt_tokens, args.decode_tokens, args.repeats or 3,
                              activations=args.activations)
         print(json.dumps(report, indent=2) if args.json else format_table(report))
         return 0
@@ -226,13 +226,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
             from tracelm.tools.bench_server import bench_server
 
             report = bench_server(args.model, _streams(args.streams), n_decode=args.decode_tokens,
-                                  repeats=args.repeats, **engine)
+                                  repeats=args.repeats or 3, **engine)
         elif args.trace_overhead:
-            report = trace_overhead(args.model, args.decode_tokens, args.repeats, **engine)
+            report = trace_overhead(args.model, args.decode_tokens, args.repeats or 7, **engine)
         elif args.grammar:
             from tracelm.tools.bench_grammar import grammar_overhead
 
-            report = grammar_overhead(args.model, args.grammar, args.decode_tokens, args.repeats, **engine)
+            report = grammar_overhead(args.model, args.grammar, args.decode_tokens, args.repeats or 3, **engine)
         elif args.positions:
             report = context_scaling(args.model, _positions(args.positions), **engine)
         else:
@@ -658,8 +658,9 @@ def _add_bench_command(sub: Any) -> None:
     sp.add_argument("--grammar", choices=("json", "schema"),
                     help="instead: decode tok/s plain vs constrained (json: any JSON object; schema: a JSON schema), "
                     "sampled, and the grammar stage's ms per token and share of decode time")
-    sp.add_argument("--repeats", type=int, default=3, help="--trace-overhead: repetitions of the lock-step decode; "
-                    "--grammar: plain and constrained runs; --compare: prefills timed per engine (the best counts)")
+    sp.add_argument("--repeats", type=int, help="--trace-overhead: runs of the lock-step decode (default 7; the "
+                    "overheads are the runs' median); --grammar: plain and constrained runs; --compare: prefills timed "
+                    "per engine (the best counts); default 3")
     sp.add_argument("--compare", action="store_true",
                     help="instead: tracelm, llama-cpp-python and transformers (each when installed) on the same GGUF, "
                     "prompt ids and threads, each in its own process; prints their rates, peak RSS and ratios")

@@ -45,6 +45,11 @@ threads = _core.threads
 path = _core.path  # "avx2" | "portable"
 use_path = _core.use_path  # use_path("portable" | "avx2"): for tests and comparisons
 paths = _core.paths  # the paths this CPU can run
+# the trace's kernels (trace_stats.c): a stage output's bytes held, the statistics and digests of a batch of them, the
+# batch's JSON lines and hash chain
+trace_hold = _core.trace_hold  # trace_hold(arrays, arena, offset) -> end (-1: not float32, -2: no room)
+trace_stats = _core.trace_stats  # trace_stats(arena, offsets, stats, digests)
+trace_lines = _core.trace_lines  # trace_lines(template, seq, tok, starts, stats, digests, durs, prev, key)
 quantize_rows = _core.quantize_rows  # quantize_rows(x, qtype, scratch, halves=2): x's int8 blocks as matmul
 # makes them (x row m -> block rows 2m = hi, 2m + 1 = lo; with halves=1, row m = hi), each
 # scratch_bytes(M, K, qtype, halves) // (halves M) bytes

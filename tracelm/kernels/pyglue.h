@@ -22,5 +22,6 @@ HIDDEN int fmt_is(const Py_buffer *v, char c);
 HIDDEN void shape_str(const Py_buffer *v, char *s, size_t n);
 
 extern HIDDEN PyMethodDef layer_methods[];   /* layer.c */
+extern HIDDEN PyMethodDef trace_methods[];   /* trace_stats.c */
 
 #endif

@@ -17,13 +17,14 @@ The format is described in docs/trace.md (format "tracelm-trace", version 4). In
 Levels: "off" (no events), "summary" (statistics, no digests), "digest" (also a sha256-128 digest of the
 output bytes, so two runs can be compared bit for bit).
 
-The hot path (`Tracer.call`) only times the stage and keeps a reference to its output record (stage outputs
-are fresh arrays, frozen by their records, so their bytes cannot change before they are read). Everything
-else -- finding the record's arrays, statistics, digests, JSON rendering, chaining and signing -- runs in
-batches: at each token event, at flush, or when the outputs held pass `BATCH_ELEMENTS`, through one
-structlog call per batch: the batch's float32 outputs are joined into one buffer (one bytes join), and every
-event's statistics come from a few vectorised passes over it. An output that is not float32 forms a batch of
-its own.
+The hot path (`Tracer.call`, or `Tracer.note` for a pass through graph.fused_layers, whose outputs are buffers the
+next stage overwrites) times the stage and copies its float32 output bytes into an arena (trace_hold, in the
+kernels), with its start, duration and shapes. Everything else runs in batches -- at each token event, at flush,
+or when the arena (4 * BATCH_ELEMENTS bytes) is full -- through one structlog call per batch, in the trace kernels
+(tracelm/kernels/trace_stats.c): every event's statistics (numpy's reduceat order, so `_batch_stats` below gives
+the same bits) and digest over the pool, then the lines from a template cached per sequence of stages and shapes
+(`_stage_head`), each closed, hashed and signed as `_chain` does. An output that is not float32 has its statistics
+and digest computed by `_batch_stats` and `digest` when it is held.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ import sys
 import time
 from collections.abc import Callable
 from importlib import metadata as importlib_metadata
-from itertools import chain
 from operator import attrgetter
 from pathlib import Path
 from typing import IO, Any
@@ -47,6 +47,7 @@ import attrs
 import numpy as np
 import structlog
 
+from tracelm.kernels import trace_hold, trace_lines, trace_stats
 from tracelm.state.records import Hidden
 
 LEVELS = ("off", "summary", "digest")
@@ -57,6 +58,8 @@ GENESIS = "0" * 64  # the `prev` of line 1
 PACKAGES = ("tracelm", "numpy", "numexpr", "gguf", "tokenizers", "sentencepiece", "attrs", "structlog", "jinja2",
             "PyYAML", "llguidance")
 BATCH_ELEMENTS = 1 << 20  # output elements held (4 MiB) that force a batch: bounds the memory a prefill holds
+ARENA_BYTES = 4 * BATCH_ELEMENTS  # the float32 outputs' copies, held until their lines are rendered
+META_ROWS, META_WIDTH = 4096, 16  # stage events held at most; each one's arena end and shapes
 TIMING_SUFFIXES = ("_us", "_seconds")
 CHAIN_FIELDS = ("prev", "hash", "mac", "sig")
 FOOTER_STATUSES = ("complete", "interrupted")
@@ -245,9 +248,16 @@ class Tracer:
         self.counts: dict[str, int] = {}
         self.stage_ns = 0  # total duration of the stage calls
         self._digest = level == "digest"
-        # pending stage events: (stage, layer, output, dur_ns); `_check_at`: the count that checks their size
-        self._pending: list[tuple[Any, ...]] = []
-        self._check_at = 1
+        # pending stage events: (stage, layer); event i's float32 outputs' bytes are copies in the arena (the first
+        # `_used` bytes are held), up to byte _meta[i, 0]; _meta[i, 1:] is its start, dur_ns and shapes (shapes_row
+        # in trace_stats.c); `_own`: event index -> (mean, rms, maxabs, digest, dtype, shapes) of any other output
+        self._pending: list[tuple[str, int | None]] = []
+        self._arena = bytearray(ARENA_BYTES)
+        self._used = 0
+        meta = bytearray(8 * META_ROWS * META_WIDTH)
+        self._meta, self._meta_rows = memoryview(meta).cast("q", (META_ROWS, META_WIDTH)), _int64_rows(meta)
+        self._own: dict[int, tuple[Any, ...]] = {}
+        self._mark = time.perf_counter_ns()  # when the last stage event was held: where a noted stage's time starts
         self._templates: dict[tuple[Any, ...], str] = {}
         self._stream = stream
         self.written = (0, GENESIS)  # seq and prev after the last line written: where an interrupted chain resumes
@@ -259,22 +269,43 @@ class Tracer:
         t0 = time.perf_counter_ns()
         out = fn(*args)
         dur = time.perf_counter_ns() - t0
-        pending = self._pending
-        pending.append((stage, layer, out, dur))
-        if len(pending) >= self._check_at:
-            self._bound_held()
+        arrays, start = output_arrays(out), getattr(out, "start", -1)
+        end = trace_hold(arrays, self._arena, self._used, self._meta, len(self._pending), start, dur)
+        if end < 0:
+            end = self._hold_other(arrays, end, start, dur)
+        self._pending.append((stage, layer))
+        self._used = end
+        self._mark = time.perf_counter_ns()
         return out
 
-    def _bound_held(self) -> None:
-        """Drain once the held outputs pass BATCH_ELEMENTS; otherwise check again after as many more events as
-        the average size so far says half the remaining room takes (a decode step's ~200 small events are
-        checked once; a long prompt's large ones often enough to keep near the bound)."""
-        n = len(self._pending)
-        held = sum(a.size for e in self._pending for a in output_arrays(e[2]))
-        if held > BATCH_ELEMENTS:
+    def note(self, stage: str, layer: int | None, start: int, arrays: tuple[np.ndarray, ...]) -> None:
+        """A stage's output arrays as a pass computed them without `call` (graph.fused_layers, into buffers the
+        next stage overwrites): copied at once; the stage's time is the time since the last event was held."""
+        dur = time.perf_counter_ns() - self._mark
+        end = trace_hold(arrays, self._arena, self._used, self._meta, len(self._pending), start, dur)
+        if end < 0:
+            end = self._hold_other(arrays, end, start, dur)
+        self._pending.append((stage, layer))
+        self._used = end
+        self._mark = time.perf_counter_ns()
+
+    def _hold_other(self, arrays: tuple[np.ndarray, ...], status: int, start: int, dur: int) -> int:
+        """An output trace_hold did not take: no room (render what is held first; an output larger than the arena
+        gets a larger one), or not float32 (its statistics and digest now). The arena's end after it."""
+        if status == -2:
             self._drain()
-        else:
-            self._check_at = n + max(1, n * (BATCH_ELEMENTS - held) // (2 * max(held, 1)))
+            self._arena = bytearray(max(ARENA_BYTES, sum(a.nbytes for a in arrays)))
+            status = trace_hold(arrays, self._arena, 0, self._meta, 0, start, dur)
+        if status >= 0:
+            return status
+        i = len(self._pending)
+        buf = _flatten(list(arrays))
+        mean, rms, maxabs = _batch_stats(buf, [buf.size])
+        d = bytes.fromhex(digest(list(arrays))) if self._digest else b""
+        self._own[i] = (mean[0], rms[0], maxabs[0], d, arrays[0].dtype.name, tuple([a.shape for a in arrays]))
+        self._meta_rows[i] = 0
+        self._meta_rows[i, :3] = self._used, start, dur
+        return self._used
 
     # -- events -------------------------------------------------------------------------------------
     def event(self, kind: str, **fields: Any) -> None:
@@ -302,30 +333,22 @@ class Tracer:
         self.seq, self.prev = self.written
 
     def _drain(self) -> None:
-        """Render the pending stage events: float32 outputs in one batch, any other output a batch of its own."""
-        pending, self._pending, self._check_at = self._pending, [], 1
+        """Render the pending stage events in one batch."""
+        pending, self._pending = self._pending, []
+        own, self._own = self._own, {}
+        self._used = 0
         if not pending:
             return
-        held = [output_arrays(e[2]) for e in pending]
-        if {a.dtype for arrays in held for a in arrays} <= {F32}:
-            self._log.msg("stages", rows=pending, held=held)
-            return
-        a = 0
-        for b, arrays in enumerate(held):
-            if any(x.dtype != F32 for x in arrays):  # the float32 run before it, then itself alone
-                if a < b:
-                    self._log.msg("stages", rows=pending[a:b], held=held[a:b])
-                self._log.msg("stages", rows=pending[b : b + 1], held=held[b : b + 1])
-                a = b + 1
-        if a < len(pending):
-            self._log.msg("stages", rows=pending[a:], held=held[a:])
+        held = (self._arena, self._meta_rows[: len(pending)], own)
+        if len(self._arena) > ARENA_BYTES:  # the larger arena of one large output is not kept
+            self._arena = bytearray(ARENA_BYTES)
+        self._log.msg("stages", rows=pending, held=held)
 
     # -- rendering and chaining (structlog processor) -------------------------------------------------
     def _render(self, _logger: Any, _name: str, event: dict[str, Any]) -> str:
         if event.get("event") == "stages" and "rows" in event:
-            lines = self._stage_lines(event["rows"], event["held"])
-            self._batch = ("stage", len(lines))
-            return "\n".join(lines)
+            self._batch = ("stage", len(event["rows"]))
+            return self._stage_lines(event["rows"], *event["held"])
         self._batch = (event["event"], 1)
         body = {"seq": self.seq, "event": event.pop("event"), **event, "prev": self.prev}
         line = json.dumps(body, ensure_ascii=False, separators=(",", ":"), default=_jsonable)[:-1]
@@ -345,74 +368,44 @@ class Tracer:
             tail += f',"sig":"{ed25519_sign(self.signer, h)}"'
         return body + tail + "}"
 
-    def _stage_lines(self, rows: list[tuple[str, int | None, Any, int]], held: list[tuple[np.ndarray, ...]]
-                     ) -> list[str]:
-        """Render, chain and sign a batch of stage events (~200 per decoded token, so kept lean): `rows` are
-        (stage, layer, output record, dur_ns), `held` each output's arrays. One %-format call renders every
-        line up to its `prev` (the format is cached per sequence of stages and shapes, which repeats every
-        decode step); then each line is closed and hashed in turn."""
-        stages, layers, outs, durs = zip(*rows, strict=True)
-        starts = [getattr(out, "start", -1) for out in outs]
-        toks = [self.n_tokens] * len(rows)
-        arrays = [a for arrs in held for a in arrs]
-        counts = [len(arrs) for arrs in held]
-        flat_shapes = tuple([a.shape for a in arrays])
-        ends = np.cumsum(counts)
-        total = np.cumsum([0, *[a.size for a in arrays]])
-        lo, hi = total[ends - counts], total[ends]  # where each event's elements start and end in the batch
-        sizes = (hi - lo).tolist()
-        # batches of several events are float32 (`_drain`); dtype.name is slow enough to matter here
-        dtypes = (held[0][0].dtype.name if held[0] else "float32",) if len(rows) == 1 else ("float32",) * len(rows)
-        digests: list[str] = []
-        if len(rows) == 1:  # possibly not float32: statistics in float64 when not floats, digest of its arrays
-            buf = _flatten(list(held[0])) if held[0] else np.empty(0, np.float32)
-            if self._digest:
-                digests.append(digest(list(held[0])))
-            mean, rms, maxabs = _batch_stats(buf, sizes)
-        else:  # all float32: every element, event after event, each array in C order (the bytes digested)
-            try:  # a copy to square in place; joining bytes costs a quarter of np.concatenate's per-array work
-                buf = np.frombuffer(bytearray().join(arrays), np.float32)
-            except (TypeError, BufferError):  # a view that is not C-contiguous (a prompt's q, k, v)
-                buf = np.concatenate(arrays, axis=None)
-            if self._digest:  # each event's bytes are a slice of the buffer
-                view, sha256 = memoryview(buf).cast("B"), hashlib.sha256
-                digests = [sha256(view[4 * a : 4 * b]).hexdigest()[:32] for a, b in zip(lo.tolist(), hi.tolist(),
-                                                                                        strict=True)]
-            mean, rms, maxabs = _batch_stats(buf, sizes, overwrite=True)
-        finite = bool(np.isfinite(mean).all() and np.isfinite(rms).all() and np.isfinite(maxabs).all())
-        if finite:
-            stats = (mean.tolist(), rms.tolist(), maxabs.tolist())
-        else:
-            stats = tuple([_num(v) for v in col.tolist()] for col in (mean, rms, maxabs))
-        # a decode step's lines differ from the last step's only in their numbers: their format is cached
-        key = (stages, layers, finite, flat_shapes, tuple(counts), dtypes)
+    def _stage_lines(self, rows: list[tuple[str, int | None]], arena: bytearray, meta: np.ndarray,
+                     own: dict[int, tuple[Any, ...]]) -> str:
+        """Render, chain and sign a batch of stage events (~200 per decoded token, so kept lean), in the trace
+        kernels: `rows` are (stage, layer); event i's float32 outputs' bytes are in `arena` up to meta[i, 0] (from
+        the previous event's end), its start, dur_ns and shapes in meta[i, 1:]; `own` holds the statistics,
+        digests, dtypes and shapes of any other output. The template of the lines is cached per sequence of
+        stages and shapes, which repeats every decode step; trace_lines fills in each line's numbers, then closes
+        and hashes each line in turn."""
+        n = len(rows)
+        offsets = np.zeros(n + 1, np.int64)
+        offsets[1:] = meta[:, 0]
+        stats = np.empty((n, 3))
+        digests = np.empty((n, 16), np.uint8) if self._digest else None
+        trace_stats(arena, offsets, stats, digests)
+        for i, (mean, rms, maxabs, d, *_) in own.items():
+            stats[i] = mean, rms, maxabs
+            if digests is not None:
+                digests[i] = np.frombuffer(d, np.uint8)
+        key = (tuple(rows), meta[:, 3:].tobytes(), tuple((i, o[4:]) for i, o in own.items()))
         template = self._templates.get(key)
         if template is None:
             if len(self._templates) >= 256:  # prefill batches rarely repeat: keep the cache bounded
                 self._templates.clear()
-            shapes = [flat_shapes[e - c : e] for e, c in zip(ends.tolist(), counts, strict=True)]
-            template = self._templates[key] = "\0".join(
-                _stage_template(st, ly, sh, dt, self._digest, finite)
-                for st, ly, sh, dt in zip(stages, layers, shapes, dtypes, strict=True))
-        seq = self.seq
-        self.stage_ns += sum(durs)
-        cols: list[Any] = [range(seq, seq + len(rows)), toks, starts, *stats]
-        if self._digest:
-            cols.append(digests)
-        cols.append([d / 1000 for d in durs])
-        heads = (template % tuple(chain.from_iterable(zip(*cols, strict=True)))).split("\0")
-        lines = []
-        append = lines.append
-        sha256, key_, prev = hashlib.sha256, self.key, self.prev
-        for head in heads:
-            body = f'{head}{prev}"'
-            prev = sha256(body.encode()).hexdigest()
-            if key_ is None:
-                append(f'{body},"hash":"{prev}"}}')
-            else:
-                append(f'{body},"hash":"{prev}","mac":"{hmac.new(key_, prev.encode(), "sha256").hexdigest()}"}}')
-        self.seq, self.prev = seq + len(rows), prev
-        return lines
+            template = self._templates[key] = self._template(rows, meta, own)
+        starts, durs = meta[:, 1].copy(), meta[:, 2].copy()
+        text, prev = trace_lines(template, self.seq, self.n_tokens, starts, stats, digests, durs, self.prev, self.key)
+        self.stage_ns += int(durs.sum())
+        self.seq, self.prev = self.seq + n, prev
+        return text
+
+    def _template(self, rows: list[tuple[str, int | None]], meta: np.ndarray, own: dict[int, tuple[Any, ...]]) -> str:
+        """trace_lines' template of a batch: each event's line head (LINE_FIELDS for its numbers), ended by NUL."""
+        fields = LINE_FIELDS if self._digest else LINE_FIELDS[:6] + (None, LINE_FIELDS[7])
+        heads = []
+        for i, (stage, layer) in enumerate(rows):
+            dtype, shapes = own[i][4:] if i in own else ("float32", _shapes_of(meta[i, 3:].tolist()))
+            heads.append(_stage_head(stage, layer, shapes, dtype, fields) + "\0")
+        return "".join(heads)
 
 
 class _LineWriter:
@@ -429,16 +422,36 @@ class _LineWriter:
     info = msg  # what structlog's bound logger calls for `msg`
 
 
-def _stage_template(stage: str, layer: int | None, shapes: tuple[tuple[int, ...], ...], dtype: str,
-                    with_digest: bool, finite: bool) -> str:
-    """A stage line up to its `prev` value, as a %-format: seq, tok, start, mean, rms, maxabs, [digest,] dur_us."""
+def _int64_rows(meta: bytearray) -> np.ndarray:
+    """The meta rows as numpy int64 [META_ROWS, META_WIDTH] (the same memory)."""
+    return np.frombuffer(meta, np.int64).reshape(META_ROWS, META_WIDTH)
+
+
+def _shapes_of(row: list[int]) -> tuple[tuple[int, ...], ...]:
+    """The shapes trace_hold wrote in a meta row (after its end): k, then each array's ndim and dims."""
+    shapes, at = [], 1
+    for _ in range(row[0]):
+        shapes.append(tuple(row[at + 1 : at + 1 + row[at]]))
+        at += 1 + row[at]
+    return tuple(shapes)
+
+
+LINE_FIELDS = tuple(chr(i) for i in range(1, 9))  # trace_lines' one-byte fields, in _stage_head's order
+
+
+def _stage_head(stage: str, layer: int | None, shapes: tuple[tuple[int, ...], ...], dtype: str,
+                fields: tuple[str | None, ...]) -> str:
+    """A stage line up to its `prev` value, its numbers given as text: `fields` are seq, tok, start, mean, rms,
+    maxabs, digest (None: level summary, no digest field) and dur_us -- as rendered (seq, tok and start as
+    integers, each statistic by `_num`, dur_us as "%.1f" of the microseconds), or LINE_FIELDS, trace_lines'
+    template of them."""
+    seq, tok, start, mean, rms, maxabs, dig, dur = fields
     shape = ",".join("[" + ",".join(map(str, sh)) + "]" for sh in shapes)
     n = shapes[0][0] if shapes and len(shapes[0]) > 1 else 1
-    fixed = (f'"stage":{json.dumps(stage)},"layer":{"null" if layer is None else layer}').replace("%", "%%")
-    num = "%.7g" if finite else "%s"
-    return (f'{{"seq":%d,"event":"stage","tok":%d,{fixed},"start":%d,"n":{n},"shape":[{shape}],"dtype":"{dtype}",'
-            f'"mean":{num},"rms":{num},"maxabs":{num}' + (',"digest":"%s"' if with_digest else "")
-            + ',"dur_us":%.1f,"prev":"')
+    layer_text = "null" if layer is None else layer
+    return (f'{{"seq":{seq},"event":"stage","tok":{tok},"stage":{json.dumps(stage)},"layer":{layer_text},'
+            f'"start":{start},"n":{n},"shape":[{shape}],"dtype":"{dtype}","mean":{mean},"rms":{rms},'
+            f'"maxabs":{maxabs}' + ("" if dig is None else f',"digest":"{dig}"') + f',"dur_us":{dur},"prev":"')
 
 
 def _jsonable(x: Any) -> Any:

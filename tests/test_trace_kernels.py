@@ -1,0 +1,232 @@
+"""The trace kernels (tracelm/kernels/trace_stats.c, sha256.c) against trace.py's Python statement of each piece:
+SHA-256 and HMAC against hashlib, the numbers against `_num` and "%.1f", the statistics against `_batch_stats`
+(numpy's reduceat) bit for bit, the lines against `_stage_head` + `Tracer._chain` byte for byte; and a traced pass
+through the fused layers writes the lines a stage-by-stage pass writes."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import io
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+
+import tracelm.kernels as kernels
+from tests.conftest import write_tiny_gguf
+from tracelm.kernels import _core
+from tracelm.pipeline import graph
+from tracelm.pipeline import trace as tm
+from tracelm.pipeline.trace import LINE_FIELDS, Tracer, _batch_stats, _num, _stage_head
+
+PATHS = kernels.paths()
+
+
+@pytest.fixture(params=PATHS)
+def path(request, kernels_restored) -> str:
+    kernels.use_path(request.param)
+    return request.param
+
+
+def test_sha256_and_hmac_are_hashlibs() -> None:
+    rng = np.random.default_rng(0)
+    for n in [*range(0, 200), 447, 448, 511, 512, 4095, 100_003]:
+        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        for ni in (False, True):
+            assert _core.trace_sha256(data, ni) == hashlib.sha256(data).digest(), (n, ni)
+        key = rng.integers(0, 256, int(rng.choice([0, 7, 64, 65, 200])), dtype=np.uint8).tobytes()
+        assert _core.trace_hmac(key, data, True) == hmac.new(key, data, "sha256").digest()
+        assert _core.trace_hmac(key, data, False) == hmac.new(key, data, "sha256").digest()
+
+
+def _awkward_doubles(rng: np.random.Generator) -> list[float]:
+    vals = list(rng.standard_normal(5000) * 10.0 ** rng.integers(-30, 36, 5000))
+    with np.errstate(over="ignore"):  # float32 overflows to infinity: welcome
+        vals += [float(np.float32(v)) for v in rng.standard_normal(5000) * 10.0 ** rng.integers(-45, 39, 5000)]
+    vals += [struct.unpack("d", rng.bytes(8))[0] for _ in range(5000)]  # any bits: NaNs, huge, denormal
+    vals += [float(struct.unpack("f", rng.bytes(4))[0]) for _ in range(5000)]
+    vals += [0.0, -0.0, float("nan"), float("-nan"), float("inf"), float("-inf"), 5e-324, -1e-310, 1e-45,
+             1.7976931348623157e308, 1234567.5, 1234566.5, 9999999.5, 9999998.5, 99999995.0, 0.00012345675, 1e-5,
+             9.9999995e-5, 1e7, 9999999.0, 1e16, 0.1, 0.5, 1.0, -2.5e-7, 3.4028234663852886e38]
+    return vals
+
+
+def test_numbers_are_written_as_python_writes_them() -> None:
+    """_num's "%.7g" (NaN and infinities as JSON strings) and dur_us's "%.1f" % (ns / 1000), character for character."""
+    rng = np.random.default_rng(1)
+    for x in _awkward_doubles(rng):
+        assert _core.trace_format(x, 0)[0] == _num(x), repr(x)
+    ns_values = [*range(0, 2000), *rng.integers(0, 10**15, 5000).tolist(), 2**53 + 1, 2**62, 2**63 - 1]
+    for ns in ns_values:
+        assert _core.trace_format(0.0, ns)[1] == "%.1f" % (ns / 1000), ns
+
+
+def _hold(arrays_per_event: list[tuple[np.ndarray, ...]]) -> tuple[bytearray, np.ndarray, list[int]]:
+    """The events' arrays held as the Tracer holds them: the arena, the offsets, the events trace_hold refused."""
+    arena = bytearray(sum(a.nbytes for arrs in arrays_per_event for a in arrs) + 64)
+    meta = np.zeros((len(arrays_per_event), 16), np.int64)
+    ends, refused = [0], []
+    for i, arrs in enumerate(arrays_per_event):
+        end = _core.trace_hold(arrs, arena, ends[-1], meta, i, 0, 0)
+        if end < 0:
+            refused.append(i)
+        ends.append(end if end >= 0 else ends[-1])
+    return arena, np.array(ends, np.int64), refused
+
+
+def _random_events(rng: np.random.Generator, n: int) -> list[tuple[np.ndarray, ...]]:
+    events = []
+    for _ in range(n):
+        k = int(rng.choice([1, 1, 1, 3]))
+        sizes = rng.integers(0, 700, k) if rng.random() < 0.9 else rng.integers(1, 150_000, k)
+        arrs = tuple((rng.standard_normal(int(s)) * 10.0 ** rng.integers(-20, 20)).astype(np.float32) for s in sizes)
+        for a in arrs:
+            if a.size and rng.random() < 0.2:
+                a[rng.integers(a.size)] = rng.choice([np.nan, np.inf, -np.inf, -0.0, 1e-42, 3e38])
+        events.append(arrs)
+    return events
+
+
+def test_statistics_and_digests_are_the_python_ones_bit_for_bit(path: str) -> None:
+    """Random batches (multi-array events, empty ones, NaN, infinities, denormals, a few large): each event's mean,
+    rms and max |x| are `_batch_stats`'s over the same groups, bit for bit, on either path; each digest is sha256's."""
+    rng = np.random.default_rng(2)
+    for trial in range(60):
+        events = _random_events(rng, int(rng.integers(1, 40)))
+        arena, offsets, refused = _hold(events)
+        assert not refused
+        stats, digests = np.empty((len(events), 3)), np.empty((len(events), 16), np.uint8)
+        _core.trace_stats(arena, offsets, stats, digests)
+        flat = [np.concatenate([a.ravel() for a in arrs]) if arrs else np.empty(0, np.float32) for arrs in events]
+        with np.errstate(all="ignore"):
+            ref = np.array(_batch_stats(np.concatenate(flat), [f.size for f in flat])).T
+        assert stats.tobytes() == ref.tobytes() or np.array_equal(stats, ref, equal_nan=True), trial
+        assert np.array_equal(np.isnan(stats), np.isnan(ref))
+        for f, d in zip(flat, digests, strict=True):
+            assert d.tobytes() == hashlib.sha256(f.tobytes()).digest()[:16]
+
+
+def test_hold_takes_views_in_c_order_and_refuses_what_it_cannot_hold() -> None:
+    x = np.random.default_rng(3).standard_normal((5, 30)).astype(np.float32)
+    q, k = x[:, :18].reshape(5, 3, 6), x[:, 18:].reshape(5, 2, 6)  # a prompt's q and k: strided views
+    arena, meta = bytearray(2000), np.zeros((2, 16), np.int64)
+    end = _core.trace_hold((q, k, x.T), arena, 0, meta, 0, 7, 123)
+    held = np.frombuffer(arena, np.float32, count=end // 4)
+    assert np.array_equal(held, np.concatenate([q.ravel(), k.ravel(), x.T.ravel()]))
+    assert meta[0, :3].tolist() == [end, 7, 123] and tm._shapes_of(meta[0, 3:].tolist()) == ((5, 3, 6), (5, 2, 6),
+                                                                                              (30, 5))
+    assert _core.trace_hold((np.zeros(3),), arena, 0, meta, 1, 0, 0) == -1  # float64
+    assert _core.trace_hold((x,), arena, 1500, meta, 1, 0, 0) == -2  # no room
+    assert _core.trace_hold((x,), arena, 0, meta, 2, 0, 0) == -2  # no row
+
+
+def _reference_lines(tracer: Tracer, events: list[tuple], stats: np.ndarray, digests: np.ndarray | None) -> str:
+    """The lines as trace.py states them: `_stage_head` with Python's numbers, closed by Tracer._chain."""
+    lines = []
+    for i, (stage, layer, start, shapes, dur) in enumerate(events):
+        dig = None if digests is None else digests[i].tobytes().hex()
+        fields = (str(tracer.seq), str(tracer.n_tokens), str(start), *(_num(v) for v in stats[i]), dig,
+                  "%.1f" % (dur / 1000))
+        lines.append(tracer._chain(_stage_head(stage, layer, shapes, "float32", fields) + tracer.prev + '"'))
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("key", [None, b"k" * 70])
+@pytest.mark.parametrize("level", ["summary", "digest"])
+def test_lines_are_the_python_ones_byte_for_byte(path: str, level: str, key: bytes | None) -> None:
+    rng = np.random.default_rng(4)
+    pool = _awkward_doubles(rng)[-27:] + list(rng.standard_normal(40))
+    for _ in range(20):
+        n = int(rng.integers(1, 50))
+        events = [(str(rng.choice(["qkv", "attn_norm", 'we"ird%s\\'])), None if rng.random() < 0.2 else int(i),
+                   int(rng.integers(-1, 5000)), tuple(tuple(rng.integers(0, 70, rng.integers(0, 4)).tolist())
+                                                      for _ in range(rng.integers(0, 4))), int(rng.integers(0, 10**9)))
+                  for i in range(n)]
+        stats = np.array([rng.choice(pool) for _ in range(3 * n)]).reshape(n, 3)
+        digests = rng.integers(0, 256, (n, 16), dtype=np.uint8) if level == "digest" else None
+        fields = LINE_FIELDS if digests is not None else LINE_FIELDS[:6] + (None, LINE_FIELDS[7])
+        template = "".join(_stage_head(st, ly, sh, "float32", fields) + "\0" for st, ly, _, sh, _ in events)
+        ref = Tracer(io.StringIO(), level, key)
+        ref.seq, ref.n_tokens, ref.prev = int(rng.integers(0, 10**6)), int(rng.integers(0, 100)), os.urandom(32).hex()
+        seq, prev = ref.seq, ref.prev
+        want = _reference_lines(ref, events, stats, digests)
+        starts, durs = np.array([e[2] for e in events], np.int64), np.array([e[4] for e in events], np.int64)
+        text, last = _core.trace_lines(template, seq, ref.n_tokens, starts, stats, digests, durs, prev, key)
+        assert text == want and last == ref.prev
+
+
+def test_a_tracer_batch_with_other_dtypes_and_a_large_output(path: str) -> None:
+    """Float16, float64 and int outputs (statistics by `_batch_stats` in their own type, digests of their bytes), a
+    bare array, and an output larger than the arena, between float32 ones: each line is the Python statement's,
+    chained and signed as Tracer._chain does."""
+    from tracelm.state.records import Heads, Hidden
+
+    rng = np.random.default_rng(5)
+    big = rng.standard_normal((tm.ARENA_BYTES // 4 // 1000 + 1, 1000)).astype(np.float32)
+    outs = [Hidden(rng.standard_normal((2, 8)).astype(np.float32), 3), rng.standard_normal((3, 4)).astype(np.float16),
+            Heads(*(rng.standard_normal((1, h, 4)).astype(np.float32) for h in (2, 1, 1)), 9),
+            np.arange(12, dtype=np.int64).reshape(3, 4), Hidden(big, 0), rng.standard_normal(5),
+            Hidden(np.full((1, 3), np.nan, np.float32), 1)]
+    stream = io.StringIO()
+    tr = Tracer(stream, "digest", b"key")
+    for i, out in enumerate(outs):
+        tr.call("stage", i, lambda out=out: out)
+    tr.event("token", id=1, piece="a", prob=0.5)
+    lines = stream.getvalue().splitlines()
+    ref = Tracer(io.StringIO(), "digest", b"key")
+    for i, (out, line) in enumerate(zip(outs, lines, strict=False)):
+        arrays = list(tm.output_arrays(out))
+        buf = tm._flatten(arrays)
+        with np.errstate(all="ignore"):
+            st = np.array(_batch_stats(buf, [buf.size])).T[0]
+        event = json.loads(line)
+        fields = (str(ref.seq), "0", str(getattr(out, "start", -1)), *(_num(v) for v in st), tm.digest(arrays),
+                  f"{event['dur_us']:.1f}")
+        assert line == ref._chain(_stage_head("stage", i, tuple(a.shape for a in arrays), arrays[0].dtype.name,
+                                              fields) + ref.prev + '"'), i
+    assert len(lines) == len(outs) + 1
+
+
+def _traced_run(model, fused: bool, monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    if not fused:
+        monkeypatch.setattr(graph, "layer_note", lambda parts: False if parts[0].call is graph.plain_call else None)
+    stream = io.StringIO()
+    tracer = Tracer(stream, "digest")
+    cache = graph.new_cache(model.cfg, 64)
+    ids = model.tokenizer.encode("hello, hello world, and a longer prompt")[:20]
+    logits = graph.forward(model.cfg, model.weights, cache, ids, call=tracer.call)
+    for _ in range(4):
+        tracer.event("token", id=1, piece="a", prob=0.5)
+        logits = graph.forward(model.cfg, model.weights, cache, [int(np.argmax(logits.values[-1]))], call=tracer.call)
+    tracer.flush()
+    monkeypatch.undo()
+    return [{k: v for k, v in json.loads(x).items() if not tm.is_timing_field(k) and k not in tm.CHAIN_FIELDS}
+            for x in stream.getvalue().splitlines()]
+
+
+@pytest.mark.parametrize("window", [0, 8])
+def test_a_traced_fused_pass_logs_what_a_staged_pass_logs(tmp_path, monkeypatch, window: int) -> None:
+    """The traced pass runs graph.fused_layers, the tracer noting each stage's output: every line (timing and chain
+    fields aside) is the stage-by-stage pass's, prompt and decode steps."""
+    import gguf
+
+    from tracelm import Session
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", qtype=gguf.GGMLQuantizationType.Q4_1, window=window, seed=3)
+    with Session(str(path)) as s:
+        fused, staged = _traced_run(s.model, True, monkeypatch), _traced_run(s.model, False, monkeypatch)
+    assert len(fused) == len(staged) > 40 and fused == staged
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma3-270m", "qwen2.5-coder-0.5b-instruct"])
+def test_real_models_traced_fused_pass_logs_what_a_staged_pass_logs(name, monkeypatch) -> None:
+    """The same on the real models: SmolLM2, Gemma 3 (q/k norms, post-norms, windows), Qwen2.5-Coder (q/k/v bias)."""
+    from tracelm import Session
+
+    with Session(name) as s:
+        fused, staged = _traced_run(s.model, True, monkeypatch), _traced_run(s.model, False, monkeypatch)
+    assert fused == staged

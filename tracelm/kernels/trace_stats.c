@@ -1,0 +1,576 @@
+/* tracelm.kernels._core, the trace's kernels: a stage output's statistics and digest, and the JSON lines of a batch
+ * of stage events with their hash chain (docs/trace.md; tracelm/pipeline/trace.py holds the Python statement of
+ * each, which tests/test_trace_kernels.py compares with these bit for bit and byte for byte).
+ *
+ * Statistics of an event's n float32 values x (its output arrays' elements, C order, one array after another), as
+ * numpy's np.add.reduceat gives them for a group (its first value, plus numpy's pairwise sum of the rest):
+ *     S  = x[0] + pw(x[1..n))          Q = x[0]*x[0] + pw(x[1..n)^2)        (float32; each square rounded first)
+ *     mean = S / n, rms = sqrt(Q / n)  (double)        maxabs = max |x|, NaN when any x is NaN
+ * pw(v, n) (numpy's FLOAT_pairwise_sum): n < 8: one chain from -0.0; n <= 128: 8 lanes, lane l = v[l], then
+ * lane l + v[i + l] for i = 8, 16, .. below n - n % 8, the tree ((0+1)+(2+3))+((4+5)+(6+7)), then the rest in order;
+ * n > 128: pw of the first n2 = n/2 - (n/2) % 8 values + pw of the others. The AVX2 path runs the 8 lanes as one
+ * vector (the same additions); n = 0 gives NaN for all three.
+ *
+ * Digest: sha256 over the event's bytes, the first 16 bytes as hex. Lines: a template per batch, one line head per
+ * event, each ended by '\0', with one-byte fields (the FIELD_* below) filled from the event's numbers; each line
+ * is then closed as trace.py's _chain closes it: BODY = head + prev + '"', H = sha256(BODY), line = BODY +
+ * ',"hash":"H"' [+ ',"mac":"HMAC(key, H)"'] + '}'.
+ */
+#include "pyglue.h"
+#include "sha256.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+/* ======================================================================================================
+ * statistics
+ * ==================================================================================================== */
+typedef struct { float s, q, mx; int nan; } sums;   /* sum, sum of squares, max |x|, a NaN seen */
+
+static void leaf_tail(const float *x, int64_t i, int64_t n, sums *a) {   /* values i..n-1 into a, in order */
+    for (; i < n; i++) {
+        float v = x[i], m = fabsf(v);
+        a->s = a->s + v;
+        a->q = a->q + v * v;
+        a->nan |= v != v;
+        a->mx = m > a->mx ? m : a->mx;
+    }
+}
+
+static float tree8(const float r[8]) { return ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7])); }
+
+/* 8 <= n <= 128, portable: lane l of r (sums) and q (squares) as numpy's loop has them */
+static void leaf8_c(const float *x, int64_t n, sums *a) {
+    float r[8], q[8];
+    const int64_t m = n - n % 8;
+    for (int l = 0; l < 8; l++) { r[l] = x[l]; q[l] = x[l] * x[l]; }
+    for (int64_t i = 8; i < m; i += 8)
+        for (int l = 0; l < 8; l++) { r[l] = r[l] + x[i + l]; q[l] = q[l] + x[i + l] * x[i + l]; }
+    for (int64_t i = 0; i < m; i++) {
+        float v = fabsf(x[i]);
+        a->nan |= v != v;
+        a->mx = v > a->mx ? v : a->mx;
+    }
+    a->s = tree8(r);
+    a->q = tree8(q);
+    leaf_tail(x, m, n, a);
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+/* the same, the 8 lanes as one vector (no FMA: a multiply, then an add) */
+__attribute__((target("avx2"))) static void leaf8_avx2(const float *x, int64_t n, sums *a) {
+    const int64_t m = n - n % 8;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 r = _mm256_loadu_ps(x), q = _mm256_mul_ps(r, r), mx = _mm256_andnot_ps(sign, r);
+    __m256 un = _mm256_cmp_ps(r, r, _CMP_UNORD_Q);
+    for (int64_t i = 8; i < m; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        r = _mm256_add_ps(r, v);
+        q = _mm256_add_ps(q, _mm256_mul_ps(v, v));
+        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v));
+        un = _mm256_or_ps(un, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    float rl[8], ql[8], ml[8];
+    _mm256_storeu_ps(rl, r); _mm256_storeu_ps(ql, q); _mm256_storeu_ps(ml, mx);
+    for (int l = 0; l < 8; l++) a->mx = ml[l] > a->mx ? ml[l] : a->mx;
+    a->nan |= _mm256_movemask_ps(un) != 0;
+    a->s = tree8(rl);
+    a->q = tree8(ql);
+    leaf_tail(x, m, n, a);
+}
+#endif
+
+typedef void (*leaf_fn)(const float *x, int64_t n, sums *a);
+
+/* pw of x[0..n) and of its squares into a->s, a->q (max and NaN accumulate) */
+static void pairwise(leaf_fn leaf8, const float *x, int64_t n, sums *a) {
+    if (n < 8) {
+        a->s = -0.0f; a->q = -0.0f;
+        leaf_tail(x, 0, n, a);
+    } else if (n <= 128) {
+        leaf8(x, n, a);
+    } else {
+        int64_t n2 = n / 2;
+        n2 -= n2 % 8;
+        sums b = {0, 0, a->mx, a->nan};
+        pairwise(leaf8, x, n2, a);
+        b.mx = a->mx; b.nan = a->nan;
+        pairwise(leaf8, x + n2, n - n2, &b);
+        a->s = a->s + b.s;
+        a->q = a->q + b.q;
+        a->mx = b.mx; a->nan = b.nan;
+    }
+}
+
+/* mean, rms, max |x| of x[0..n) as reduceat's group (the header) */
+static void event_stats(leaf_fn leaf8, const float *x, int64_t n, double out[3]) {
+    if (n == 0) { out[0] = out[1] = out[2] = NAN; return; }
+    sums a = {0, 0, fabsf(x[0]), x[0] != x[0]};
+    float s = x[0], q = x[0] * x[0];
+    if (n > 1) {
+        pairwise(leaf8, x + 1, n - 1, &a);
+        s = s + a.s;
+        q = q + a.q;
+    }
+    out[0] = (double)s / (double)n;
+    out[1] = sqrt((double)q / (double)n);
+    out[2] = a.nan ? NAN : (double)a.mx;
+}
+
+static leaf_fn current_leaf(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (strcmp(current_path()->name, "avx2") == 0) return leaf8_avx2;
+#endif
+    return leaf8_c;
+}
+
+static int use_sha_ni(void) { return strcmp(current_path()->name, "avx2") == 0 && sha256_ni_available(); }
+
+/* ======================================================================================================
+ * numbers as Python's %-format writes them
+ * ==================================================================================================== */
+typedef unsigned __int128 u128;
+
+static int bitlen(u128 v) { int b = 0; while (v) { b++; v >>= 1; } return b; }
+
+/* N = v * 10^q rounded half to even, exactly (v > 0 finite); -1 when it is out of this 128-bit reach */
+static int round_scaled(double v, int q, u128 *N) {
+    static const uint64_t P5[28] = {1ULL, 5ULL, 25ULL, 125ULL, 625ULL, 3125ULL, 15625ULL, 78125ULL, 390625ULL,
+        1953125ULL, 9765625ULL, 48828125ULL, 244140625ULL, 1220703125ULL, 6103515625ULL, 30517578125ULL,
+        152587890625ULL, 762939453125ULL, 3814697265625ULL, 19073486328125ULL, 95367431640625ULL,
+        476837158203125ULL, 2384185791015625ULL, 11920928955078125ULL, 59604644775390625ULL,
+        298023223876953125ULL, 1490116119384765625ULL, 7450580596923828125ULL};
+    if (q > 27 || q < -27) return -1;
+    int e;
+    double f = frexp(v, &e);
+    u128 num = (u128)(uint64_t)ldexp(f, 53), den = 1;   /* v = num 2^(e - 53), exactly */
+    int s = e - 53 + q;                                  /* v 10^q = num 5^q 2^s (q >= 0), num 2^s / 5^-q (q < 0) */
+    if (q >= 0) num *= P5[q];
+    else den = P5[-q];
+    if (s >= 0) {
+        if (s > 126 - bitlen(num)) return -1;
+        num <<= s;
+    } else if (den == 1) {   /* num / 2^-s, by shifts */
+        if (-s > 126) { *N = 0; return 0; }   /* num < 2^117: below one half */
+        const u128 Q = num >> -s, R = num - (Q << -s), half = (u128)1 << (-s - 1);
+        *N = Q + (R > half || (R == half && (Q & 1)));
+        return 0;
+    } else {
+        if (-s > 126 - bitlen(den)) return -1;
+        den <<= -s;
+    }
+    u128 Q = num / den, R = num - Q * den;
+    if (2 * R > den || (2 * R == den && (Q & 1))) Q++;
+    *N = Q;
+    return 0;
+}
+
+static int digits_of(uint64_t N, char *out) {   /* N in decimal; returns the length */
+    char t[24];
+    int n = 0;
+    do { t[n++] = (char)('0' + (int)(N % 10)); N /= 10; } while (N);
+    for (int i = 0; i < n; i++) out[i] = t[n - 1 - i];
+    return n;
+}
+
+/* "%.7g" % x for finite x: 7 significant digits d, exponent X after rounding; X in [-4, 7): fixed, else d.ddddddde+XX,
+ * trailing zeros (and a bare '.') dropped */
+static int fmt_g7(double x, char *out) {
+    if (x == 0) return sprintf(out, signbit(x) ? "-0" : "0");
+    double v = fabs(x);
+    int k = (int)floor(log10(v));
+    u128 N;
+    for (int tries = 0;; tries++) {
+        if (tries > 3 || round_scaled(v, 6 - k, &N)) return sprintf(out, "%.7g", x);
+        if (N >= 10000000) k++;
+        else if (N < 1000000) k--;
+        else break;
+    }
+    char d[8], *o = out;
+    digits_of((uint64_t)N, d);
+    int nd = 7;
+    while (nd > 1 && d[nd - 1] == '0') nd--;
+    if (x < 0) *o++ = '-';
+    if (k < -4 || k >= 7) {
+        *o++ = d[0];
+        if (nd > 1) { *o++ = '.'; memcpy(o, d + 1, nd - 1); o += nd - 1; }
+        o += sprintf(o, "e%c%02d", k < 0 ? '-' : '+', k < 0 ? -k : k);
+    } else if (k < 0) {
+        *o++ = '0'; *o++ = '.';
+        for (int i = 0; i < -k - 1; i++) *o++ = '0';
+        memcpy(o, d, nd); o += nd;
+    } else {
+        memcpy(o, d, k + 1); o += k + 1;
+        if (nd > k + 1) { *o++ = '.'; memcpy(o, d + k + 1, nd - k - 1); o += nd - k - 1; }
+    }
+    return (int)(o - out);
+}
+
+/* a statistic as trace.py's _num writes it: %.7g, or "nan" / "inf" / "-inf" as JSON strings */
+static int fmt_stat(double x, char *out) {
+    if (x != x) return sprintf(out, "\"nan\"");
+    if (isinf(x)) return sprintf(out, x > 0 ? "\"inf\"" : "\"-inf\"");
+    return fmt_g7(x, out);
+}
+
+static int fmt_int(int64_t v, char *out) {   /* "%d" */
+    if (v < 0) { out[0] = '-'; return 1 + digits_of(0 - (uint64_t)v, out + 1); }
+    return digits_of((uint64_t)v, out);
+}
+
+/* "%.1f" % (ns / 1000): microseconds, one decimal */
+static int fmt_us(int64_t ns, char *out) {
+    double v = (double)ns / 1000.0;
+    u128 N;
+    if (v < 0 || round_scaled(v, 1, &N) || N >> 64) return sprintf(out, "%.1f", v);
+    int n = N < 10 ? (out[0] = '0', 1) : digits_of((uint64_t)(N / 10), out);
+    out[n] = '.';
+    out[n + 1] = (char)('0' + (int)(N % 10));
+    return n + 2;
+}
+
+/* ======================================================================================================
+ * Python face
+ * ==================================================================================================== */
+/* an array (any strides) of float32, its elements in C order to dst */
+static void copy_c_order(const char *src, const Py_ssize_t *shape, const Py_ssize_t *strides, int ndim, float **dst) {
+    if (ndim == 0) { memcpy(*dst, src, 4); *dst += 1; return; }
+    if (ndim == 1 && strides[0] == 4) { memcpy(*dst, src, (size_t)shape[0] * 4); *dst += shape[0]; return; }
+    for (Py_ssize_t i = 0; i < shape[0]; i++) copy_c_order(src + i * strides[0], shape + 1, strides + 1, ndim - 1, dst);
+}
+
+/* the arrays' shapes into a row of meta from META_SHAPES on: k arrays, then per array ndim, its dims...; 0 if they do
+ * not fit */
+enum { META_END, META_START, META_DUR, META_SHAPES };
+static int shapes_row(const buf *v, Py_ssize_t k, int64_t *row, Py_ssize_t width) {
+    Py_ssize_t at = META_SHAPES + 1;
+    row[META_SHAPES] = k;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        if (at + 1 + v[i].v.ndim > width) return 0;
+        row[at++] = v[i].v.ndim;
+        for (int d = 0; d < v[i].v.ndim; d++) row[at++] = v[i].v.shape[d];
+    }
+    while (at < width) row[at++] = 0;
+    return 1;
+}
+
+/* trace_hold(arrays, arena, offset, meta, i, start, dur): the float32 arrays' elements (C order) into arena (uint8)
+ * from byte `offset` on, and row i of meta (int64 [rows, width]) = [the offset after them, start, dur, their shapes
+ * (shapes_row)]; returns that offset, or -1 if an array is not float32 or the shapes do not fit a row, -2 if there is
+ * no room in the arena or no row i (nothing is written then) */
+static PyObject *py_trace_hold(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 7 || !PyTuple_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "trace_hold(arrays: tuple, arena, offset, meta, i, start, dur)");
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(args[0]), off = PyLong_AsSsize_t(args[2]), row = PyLong_AsSsize_t(args[4]);
+    long long start = PyLong_AsLongLong(args[5]), dur = PyLong_AsLongLong(args[6]);
+    if (PyErr_Occurred()) return NULL;
+    if (n > 8) return PyLong_FromLong(-1);
+    buf arena = {0}, meta = {0}, v[8] = {{{0}}};
+    PyObject *ret = NULL;
+    if (PyObject_GetBuffer(args[1], &arena.v, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) return NULL;
+    arena.held = 1;
+    if (PyObject_GetBuffer(args[3], &meta.v, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) goto done;
+    meta.held = 1;
+    if (meta.v.ndim != 2 || meta.v.itemsize != 8 || meta.v.shape[1] < 6) {
+        PyErr_SetString(PyExc_ValueError, "trace_hold: meta must be int64 [rows, width >= 6]");
+        goto done;
+    }
+    Py_ssize_t need = 0, status = 0, width = meta.v.shape[1];
+    for (Py_ssize_t i = 0; i < n && !status; i++) {
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(args[0], i), &v[i].v, PyBUF_STRIDES | PyBUF_FORMAT) != 0) goto done;
+        v[i].held = 1;
+        if (!fmt_is(&v[i].v, 'f') || v[i].v.itemsize != 4) status = -1;
+        need += v[i].v.len;
+    }
+    if (!status && (row >= meta.v.shape[0] || off > arena.v.len || need > arena.v.len - off)) status = -2;
+    int64_t *r = (int64_t *)meta.v.buf + row * width;
+    if (!status && !shapes_row(v, n, r, width)) status = -1;
+    if (!status) {
+        float *dst = (float *)((char *)arena.v.buf + off);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const Py_buffer *b = &v[i].v;
+            if (PyBuffer_IsContiguous(b, 'C')) { memcpy(dst, b->buf, (size_t)b->len); dst += b->len / 4; }
+            else copy_c_order((const char *)b->buf, b->shape, b->strides, b->ndim, &dst);
+        }
+        status = r[META_END] = off + need;
+        r[META_START] = start;
+        r[META_DUR] = dur;
+    }
+    ret = PyLong_FromSsize_t(status);
+done:
+    for (Py_ssize_t i = 0; i < n; i++) release(&v[i]);
+    release(&arena); release(&meta);
+    return ret;
+}
+
+typedef struct {
+    leaf_fn leaf8;
+    int ni;
+    const uint8_t *arena;
+    const int64_t *offsets, *order;   /* the events, largest first */
+    int64_t n;
+    double *stats;
+    uint8_t *dig;
+} stats_job;
+
+static void event_digests(const stats_job *j, int64_t a, int64_t b) {   /* events a and b (b < 0: a alone) */
+    const int64_t *o = j->offsets;
+    uint8_t ha[32], hb[32];
+    if (b < 0) sha256(j->arena + o[a], (size_t)(o[a + 1] - o[a]), ha, j->ni);
+    else sha256_x2(j->arena + o[a], (size_t)(o[a + 1] - o[a]), j->arena + o[b], (size_t)(o[b + 1] - o[b]), ha, hb, j->ni);
+    memcpy(j->dig + 16 * a, ha, 16);
+    if (b >= 0) memcpy(j->dig + 16 * b, hb, 16);
+}
+
+/* task t: the events order[2t] and order[2t + 1] (their digests hashed side by side) */
+static void stats_tasks(void *ctx, int64_t t0, int64_t t1) {
+    const stats_job *j = (const stats_job *)ctx;
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t a = j->order[2 * t], b = 2 * t + 1 < j->n ? j->order[2 * t + 1] : -1;
+        for (int k = 0; k < 2; k++) {
+            const int64_t e = k ? b : a;
+            if (e >= 0) event_stats(j->leaf8, (const float *)(j->arena + j->offsets[e]),
+                                    (j->offsets[e + 1] - j->offsets[e]) / 4, j->stats + 3 * e);
+        }
+        if (j->dig) event_digests(j, a, b);
+    }
+}
+
+static const int64_t *sizes_for_sort;
+static int larger_first(const void *x, const void *y) {
+    const int64_t a = *(const int64_t *)x, b = *(const int64_t *)y, *o = sizes_for_sort;
+    const int64_t sa = o[a + 1] - o[a], sb = o[b + 1] - o[b];
+    return sa != sb ? (sa < sb) - (sa > sb) : (a > b) - (a < b);
+}
+
+static int get_c(PyObject *o, const char *name, char fmt, Py_ssize_t itemsize, int writable, buf *b) {
+    if (PyObject_GetBuffer(o, &b->v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) != 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "trace kernels: %s must be a C-contiguous%s array", name, writable ? " writable" : "");
+        return -1;
+    }
+    b->held = 1;
+    if ((fmt_is(&b->v, fmt) || (fmt == 'q' && fmt_is(&b->v, 'l'))) && b->v.itemsize == itemsize) return 0;
+    PyErr_Format(PyExc_ValueError, "trace kernels: %s has format '%s' (itemsize %zd)", name, fmt_name(&b->v),
+                 b->v.itemsize);
+    return -1;
+}
+
+/* trace_stats(arena, offsets, stats, digests): event e is the float32 values at byte offsets[e]..offsets[e+1] of
+ * arena; stats[e] = (mean, rms, maxabs), digests[e] = its sha256's first 16 bytes (digests None: none). Events run
+ * on the pool. */
+static PyObject *py_trace_stats(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *ao, *oo, *so, *dobj;
+    if (!PyArg_ParseTuple(args, "OOOO:trace_stats", &ao, &oo, &so, &dobj)) return NULL;
+    buf arena = {0}, offs = {0}, st = {0}, dg = {0};
+    PyObject *ret = NULL;
+    if (get_c(ao, "arena", 'B', 1, 0, &arena) || get_c(oo, "offsets", 'q', 8, 0, &offs) ||
+        get_c(so, "stats", 'd', 8, 1, &st) || (dobj != Py_None && get_c(dobj, "digests", 'B', 1, 1, &dg)))
+        goto done;
+    const int64_t n = offs.v.len / 8 - 1, *o = (const int64_t *)offs.v.buf;
+    for (int64_t e = 0; e < n; e++)
+        if (o[e] < 0 || o[e + 1] < o[e] || o[e + 1] > arena.v.len || (o[e + 1] - o[e]) % 4 || o[e] % 4) {
+            PyErr_Format(PyExc_ValueError, "trace_stats: event %lld's offsets are not whole floats in the arena",
+                         (long long)e);
+            goto done;
+        }
+    if (n < 0 || st.v.len < 24 * n || (dg.held && dg.v.len < 16 * n)) {
+        PyErr_SetString(PyExc_ValueError, "trace_stats: stats [n, 3] / digests [n, 16] too small for the offsets");
+        goto done;
+    }
+    int64_t *order = malloc((size_t)(n + 1) * sizeof(int64_t));
+    if (!order) { PyErr_NoMemory(); goto done; }
+    for (int64_t e = 0; e < n; e++) order[e] = e;
+    sizes_for_sort = o;   /* under the GIL */
+    qsort(order, (size_t)n, sizeof(int64_t), larger_first);
+    stats_job j = {current_leaf(), use_sha_ni(), (const uint8_t *)arena.v.buf, o, order, n, (double *)st.v.buf,
+                   dg.held ? (uint8_t *)dg.v.buf : NULL};
+    Py_BEGIN_ALLOW_THREADS
+    pool_run(stats_tasks, &j, (n + 1) / 2, 2);
+    Py_END_ALLOW_THREADS
+    free(order);
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    release(&arena); release(&offs); release(&st); release(&dg);
+    return ret;
+}
+
+/* the one-byte fields of a line template */
+enum { FIELD_SEQ = 1, FIELD_TOK, FIELD_START, FIELD_MEAN, FIELD_RMS, FIELD_MAXABS, FIELD_DIGEST, FIELD_DUR };
+
+typedef struct { char *p; size_t n, cap; } text;
+
+static int grow(text *t, size_t more) {
+    if (t->n + more <= t->cap) return 0;
+    size_t cap = (t->cap + more) * 2;
+    char *p = realloc(t->p, cap);
+    if (!p) return -1;
+    t->p = p; t->cap = cap;
+    return 0;
+}
+
+typedef struct {
+    int64_t seq, tok;
+    const int64_t *starts, *durs;
+    const double *stats;
+    const uint8_t *digests;   /* NULL: none */
+    const uint8_t *key;       /* NULL: unsigned */
+    size_t klen;
+    int ni;
+} line_fields;
+
+/* one field of event e into t (room for 64 bytes is there) */
+static void put_field(text *t, int field, const line_fields *f, int64_t e) {
+    char *o = t->p + t->n;
+    switch (field) {
+    case FIELD_SEQ: t->n += (size_t)fmt_int(f->seq + e, o); break;
+    case FIELD_TOK: t->n += (size_t)fmt_int(f->tok, o); break;
+    case FIELD_START: t->n += (size_t)fmt_int(f->starts[e], o); break;
+    case FIELD_MEAN: case FIELD_RMS: case FIELD_MAXABS:
+        t->n += (size_t)fmt_stat(f->stats[3 * e + field - FIELD_MEAN], o); break;
+    case FIELD_DIGEST: hex_of(f->digests + 16 * e, 16, o); t->n += 32; break;
+    case FIELD_DUR: t->n += (size_t)fmt_us(f->durs[e], o); break;
+    }
+}
+
+/* close the line whose body (head + prev + '"') starts at t->p + at: hash it, write the hash (and mac) and '}' */
+static void close_line(text *t, size_t at, const line_fields *f, char prev[64]) {
+    uint8_t h[32];
+    sha256(t->p + at, t->n - at, h, f->ni);
+    hex_of(h, 32, prev);
+    memcpy(t->p + t->n, ",\"hash\":\"", 9); t->n += 9;
+    memcpy(t->p + t->n, prev, 64); t->n += 64;
+    if (f->key) {
+        uint8_t m[32];
+        hmac_sha256(f->key, f->klen, prev, 64, m, f->ni);
+        memcpy(t->p + t->n, "\",\"mac\":\"", 9); t->n += 9;
+        hex_of(m, 32, t->p + t->n); t->n += 64;
+    }
+    memcpy(t->p + t->n, "\"}", 2); t->n += 2;
+}
+
+/* every line of the template (its heads each ended by '\0'), joined by '\n'; prev becomes the last line's hash */
+static int render_lines(const char *tpl, size_t tlen, const line_fields *f, int64_t n_events, char prev[64], text *t) {
+    int64_t e = 0;
+    size_t at = 0;
+    for (size_t i = 0; i < tlen; i++) {
+        size_t j = i;   /* a run of literal bytes */
+        while (j < tlen && (unsigned char)tpl[j] > FIELD_DUR) j++;
+        if (grow(t, j - i + 256)) return -1;
+        memcpy(t->p + t->n, tpl + i, j - i);
+        t->n += j - i;
+        if ((i = j) == tlen) break;
+        unsigned char c = (unsigned char)tpl[i];
+        if (c == 0) {
+            if (e >= n_events) return -2;
+            memcpy(t->p + t->n, prev, 64); t->n += 64;
+            t->p[t->n++] = '"';
+            close_line(t, at, f, prev);
+            t->p[t->n++] = '\n';
+            at = t->n;
+            e++;
+        } else {
+            if (e >= n_events || (c == FIELD_DIGEST && !f->digests)) return -2;
+            put_field(t, c, f, e);
+        }
+    }
+    if (t->n) t->n--;   /* no newline after the last line */
+    return e == n_events ? 0 : -2;
+}
+
+/* trace_lines(template, seq, tok, starts, stats, digests, durs, prev, key) -> (lines, last hash): the batch's lines
+ * (template as above; seq of the first line; starts, durs int64 [n]; stats float64 [n, 3]; digests uint8 [n, 16] or
+ * None; prev the hash before the first line; key the HMAC key or None) */
+static PyObject *py_trace_lines(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *tpl, *prev_in;
+    Py_ssize_t tlen, plen;
+    long long seq, tok;
+    PyObject *so, *sto, *dobj, *duo, *ko;
+    if (!PyArg_ParseTuple(args, "s#LLOOOOs#O:trace_lines", &tpl, &tlen, &seq, &tok, &so, &sto, &dobj, &duo, &prev_in,
+                          &plen, &ko))
+        return NULL;
+    buf starts = {0}, stats = {0}, dg = {0}, durs = {0}, key = {0};
+    PyObject *ret = NULL;
+    text t = {0};
+    if (get_c(so, "starts", 'q', 8, 0, &starts) || get_c(sto, "stats", 'd', 8, 0, &stats) ||
+        (dobj != Py_None && get_c(dobj, "digests", 'B', 1, 0, &dg)) || get_c(duo, "durs", 'q', 8, 0, &durs))
+        goto done;
+    if (ko != Py_None && PyObject_GetBuffer(ko, &key.v, PyBUF_SIMPLE) != 0) goto done;
+    key.held = ko != Py_None;
+    const int64_t n = starts.v.len / 8;
+    if (plen != 64 || durs.v.len / 8 != n || stats.v.len / 24 < n || (dg.held && dg.v.len / 16 < n)) {
+        PyErr_SetString(PyExc_ValueError, "trace_lines: prev must be 64 hex digits; starts, durs, stats, digests "
+                        "one row per event");
+        goto done;
+    }
+    line_fields f = {seq, tok, (const int64_t *)starts.v.buf, (const int64_t *)durs.v.buf,
+                     (const double *)stats.v.buf, dg.held ? (const uint8_t *)dg.v.buf : NULL,
+                     key.held ? (const uint8_t *)key.v.buf : NULL, key.held ? (size_t)key.v.len : 0, use_sha_ni()};
+    char prev[64];
+    memcpy(prev, prev_in, 64);
+    int err = render_lines(tpl, (size_t)tlen, &f, n, prev, &t);
+    if (err == -1) PyErr_NoMemory();
+    else if (err) PyErr_SetString(PyExc_ValueError, "trace_lines: the template's lines are not one per event (or "
+                                  "it has digests and none were given)");
+    else ret = Py_BuildValue("(s#s#)", t.p ? t.p : "", (Py_ssize_t)t.n, prev, (Py_ssize_t)64);
+done:
+    free(t.p);
+    release(&starts); release(&stats); release(&dg); release(&durs); release(&key);
+    return ret;
+}
+
+/* ---- for the tests: the pieces alone ---- */
+static PyObject *py_trace_sha256(PyObject *self, PyObject *args) {   /* trace_sha256(data, ni) -> 32 bytes */
+    (void)self;
+    Py_buffer v;
+    int ni;
+    if (!PyArg_ParseTuple(args, "y*p:trace_sha256", &v, &ni)) return NULL;
+    uint8_t h[32];
+    sha256(v.buf, (size_t)v.len, h, ni && sha256_ni_available());
+    PyBuffer_Release(&v);
+    return PyBytes_FromStringAndSize((const char *)h, 32);
+}
+
+static PyObject *py_trace_hmac(PyObject *self, PyObject *args) {   /* trace_hmac(key, msg, ni) -> 32 bytes */
+    (void)self;
+    Py_buffer k, v;
+    int ni;
+    if (!PyArg_ParseTuple(args, "y*y*p:trace_hmac", &k, &v, &ni)) return NULL;
+    uint8_t h[32];
+    hmac_sha256((const uint8_t *)k.buf, (size_t)k.len, v.buf, (size_t)v.len, h, ni && sha256_ni_available());
+    PyBuffer_Release(&k);
+    PyBuffer_Release(&v);
+    return PyBytes_FromStringAndSize((const char *)h, 32);
+}
+
+static PyObject *py_trace_format(PyObject *self, PyObject *args) {   /* trace_format(x, ns) -> (stat, dur_us) */
+    (void)self;
+    double x;
+    long long ns;
+    if (!PyArg_ParseTuple(args, "dL:trace_format", &x, &ns)) return NULL;
+    char a[64], b[400];
+    int na = fmt_stat(x, a), nb = fmt_us(ns, b);
+    return Py_BuildValue("(s#s#)", a, (Py_ssize_t)na, b, (Py_ssize_t)nb);
+}
+
+PyMethodDef trace_methods[] = {
+    {"trace_hold", (PyCFunction)(void (*)(void))py_trace_hold, METH_FASTCALL,
+     "trace_hold(arrays, arena, offset, meta, i, start, dur): float32 arrays' elements (C order) into arena at "
+     "offset, their end, start, dur and shapes into meta[i]; the end, -1 not float32 (or too many dims), -2 no room"},
+    {"trace_stats", py_trace_stats, METH_VARARGS,
+     "trace_stats(arena, offsets, stats, digests): per event mean, rms, max|x| (and sha256-128)"},
+    {"trace_lines", py_trace_lines, METH_VARARGS,
+     "trace_lines(template, seq, tok, starts, stats, digests, durs, prev, key) -> (lines, last hash)"},
+    {"trace_sha256", py_trace_sha256, METH_VARARGS, "trace_sha256(data, ni): sha256 (plain C or SHA-NI)"},
+    {"trace_hmac", py_trace_hmac, METH_VARARGS, "trace_hmac(key, msg, ni): HMAC-SHA256"},
+    {"trace_format", py_trace_format, METH_VARARGS, "trace_format(x, ns): (_num(x), '%.1f' % (ns / 1000))"},
+    {NULL, NULL, 0, NULL},
+};
