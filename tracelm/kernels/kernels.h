@@ -269,11 +269,23 @@ typedef struct {
 } attend_job;
 
 /* attend's scratch for one task (nh heads of one kv head, a span of n keys), in floats, each part 8-aligned:
- * qs [nh][hd8] | acc [nh][hd8] | a tile of 32 keys [hd][32] | scores [nh][n8] */
+ * qs [nh][hd8] | acc [nh][hd8] | a tile of 32 keys [hd][32] | scores [nh][n8] (a phase's task: no scores, they
+ * are shared -- layer.c) */
 #define ATT_TILE 32
 static inline int64_t up8(int64_t v) { return (v + 7) / 8 * 8; }
 static inline int64_t attend_scratch_floats(int64_t hd, int64_t n, int64_t nh) {
     return 2 * nh * up8(hd) + ATT_TILE * hd + nh * up8(n);
+}
+
+/* the max's 8 lanes over a run of keys (i0 a multiple of 8, so lane l holds the keys i = l mod 8): each lane's
+ * max(lane, s_i) from -inf in order, and whether a NaN met it */
+typedef struct { float mx[8]; int32_t nan[8]; } lanes8;
+
+/* lane l of the max over runs r = 0..: the lane after run r (len keys) from its value before. max(a, b) = a > b ?
+ * a : b keeps the last of equal values and forgets all before a NaN, so one run's fold from -inf, joined thus,
+ * is the fold over the whole span from -inf: a NaN in the run: its own fold; no key in the lane: unchanged */
+static inline void lanes8_join(float lane[8], const lanes8 *r, int64_t len) {
+    for (int l = 0; l < 8 && l < len; l++) lane[l] = r->nan[l] ? r->mx[l] : f1_max(lane[l], r->mx[l]);
 }
 
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1, FN_EXP = 2, FN_TANH = 3 };
@@ -282,7 +294,15 @@ typedef struct {
     float (*sumsq)(const float *x, int64_t d);    /* rms_norm's ss, in its order */
     void (*rms_row)(const float *x, const float *w, const float *res, float inv, int64_t d, float *out);
     void (*rope_row)(const rope_job *j, int64_t t);
-    void (*attend_task)(const attend_job *j, int64_t t, int64_t h0, int64_t nh, float *scratch);   /* heads h0.. */
+    /* attend, heads h0..h0+nh-1 (of one kv head) of row t, in parts (layer.c runs them as one task or as phases):
+     * the scores s_i of keys i0..i1-1 of its span (i0 a multiple of 8) at s + (h - h0) * s_s + i; */
+    void (*attend_scores)(const attend_job *j, int64_t t, int64_t h0, int64_t nh, int64_t i0, int64_t i1, float *s,
+                          int64_t s_s, float *scratch);
+    void (*lane_max)(const float *s, int64_t n, lanes8 *r);   /* the max's lanes over s[0..n) */
+    void (*exps)(float *s, int64_t n, float m);               /* s_i = exp(s_i - m) */
+    /* out dims d0..d1-1 of the heads: (sum_i p_i v_j[d], i in order) / sum, p at p + (h - h0) * p_s */
+    void (*weighted)(const attend_job *j, int64_t t, int64_t h0, int64_t nh, int64_t d0, int64_t d1, const float *p,
+                     int64_t p_s, float *scratch);
     /* act(a) * b over n values (b NULL: act(a) alone; act one of ACT_* / FN_*) */
     void (*map_row)(int act, const float *a, const float *b, int64_t n, float *out);
 } layer_ops;

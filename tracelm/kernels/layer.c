@@ -9,7 +9,8 @@
  *
  * attend's scratch: one buffer per thread (thread-local, grown to the largest task seen, freed when the thread
  * ends): per task of nh heads over a span of n keys, qs and acc [nh][hd], a key tile [hd][32] and the scores
- * [nh][n] (kernels.h, attend_scratch_floats) -- no allocation per call once warm.
+ * [nh][n] (kernels.h, attend_scratch_floats); in phases the scores of every row and head are one buffer of the
+ * calling thread's, grown alike -- no allocation per call once warm.
  */
 #include "pyglue.h"
 
@@ -18,6 +19,7 @@
 #include <stdlib.h>
 
 #define SERIAL_WORK (1 << 15)   /* fewer values (x dims) than this: run on the calling thread */
+#define PHASE_KEYS 1536         /* attend in phases from spans this long (the same bits either way) */
 
 /* ======================================================================================================
  * arrays
@@ -220,41 +222,109 @@ done:
 /* ======================================================================================================
  * attend
  * ==================================================================================================== */
-static pthread_key_t scratch_key;
+static pthread_key_t scratch_key[2];   /* a task's own; the phases' shared one (the calling thread's) */
 static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
-static void scratch_key_make(void) { pthread_key_create(&scratch_key, free); }
+static void scratch_key_make(void) { pthread_key_create(&scratch_key[0], free); pthread_key_create(&scratch_key[1], free); }
 
 typedef struct { int64_t cap; float f[]; } scratch_buf;
 
-/* this thread's scratch of at least n floats (NULL: out of memory) */
-static float *thread_scratch(int64_t n) {
+/* this thread's scratch (which: 0, or 1 the shared one) of at least n floats (NULL: out of memory) */
+static float *thread_scratch(int64_t n, int which) {
     pthread_once(&scratch_once, scratch_key_make);
-    scratch_buf *b = (scratch_buf *)pthread_getspecific(scratch_key);
+    scratch_buf *b = (scratch_buf *)pthread_getspecific(scratch_key[which]);
     if (b && b->cap >= n) return b->f;
     int64_t cap = n < 4096 ? 4096 : n + n / 4;
     scratch_buf *nb = (scratch_buf *)realloc(b, sizeof(scratch_buf) + (size_t)cap * sizeof(float));
     if (!nb) return NULL;
     nb->cap = cap;
-    pthread_setspecific(scratch_key, nb);
+    pthread_setspecific(scratch_key[which], nb);
     return nb->f;
 }
 
-/* a task: query row t, kv head kvh, its query heads sub * group .. (+ group, within the kv head's g) */
-typedef struct { const layer_ops *ops; attend_job j; int64_t group, subs, need; atomic_int no_memory; } attend_ctx;
+/* heads h0..h0+nh-1 (of one kv head) of row t in one go, the scores in this thread's scratch */
+static void attend_heads(const layer_ops *ops, const attend_job *j, int64_t t, int64_t h0, int64_t nh,
+                         float *scratch) {
+    const int64_t hd = j->hd, n = j->spans[2 * t + 1] - j->spans[2 * t], s_s = up8(n);
+    if (n == 0) {
+        memset(j->out + t * j->out_s + h0 * hd, 0, (size_t)(nh * hd) * sizeof(float));
+        return;
+    }
+    float *s = scratch + attend_scratch_floats(hd, 0, nh);
+    ops->attend_scores(j, t, h0, nh, 0, n, s, s_s, scratch);
+    for (int64_t h = 0; h < nh; h++) {
+        lanes8 r;
+        float lane[8];
+        for (int l = 0; l < 8; l++) lane[l] = -__builtin_inff();
+        ops->lane_max(s + h * s_s, n, &r);
+        lanes8_join(lane, &r, n);
+        ops->exps(s + h * s_s, n, lanes8_max(lane));
+    }
+    ops->weighted(j, t, h0, nh, 0, hd, s, s_s, scratch);
+}
+
+/* One task or phases. A task: query row t, kv head kvh, its query heads sub * group .. (+ group, within the kv
+ * head's g). Phases (phase 1..3), when the rows and kv heads are too few to keep every thread busy, all heads g of
+ * a kv head together, the scores of all rows in one shared buffer s [T][H][s_s]: 1, the scores and the max's
+ * lanes of a run of ck keys; 2, the run's exps, m joined from every run's lanes; 3, dims d0.. (db of them) of the
+ * outputs, each task summing the p itself (the same lanes, in order) -- every chain as in one task. */
+typedef struct {
+    const layer_ops *ops; attend_job j; int64_t group, subs, need; atomic_int no_memory;
+    int phase; int64_t ck, nch, db, ndb, s_s; float *s; lanes8 *lanes;
+} attend_ctx;
 
 static void attend_tasks(void *ctx, int64_t t0, int64_t t1) {
     attend_ctx *c = (attend_ctx *)ctx;
-    float *scratch = thread_scratch(c->need);
+    float *scratch = thread_scratch(c->need, 0);
     if (!scratch) {
         atomic_store(&c->no_memory, 1);
         return;
     }
-    const int64_t g = c->j.H / c->j.Hkv, per_row = c->j.Hkv * c->subs;
-    for (int64_t k = t0; k < t1; k++) {
+    const attend_job *j = &c->j;
+    const int64_t g = j->H / j->Hkv, per_row = j->Hkv * c->subs;
+    for (int64_t k = t0; k < t1 && !c->phase; k++) {
         const int64_t t = k / per_row, kvh = k % per_row / c->subs, sub = k % c->subs;
         const int64_t h0 = kvh * g + sub * c->group, nh = g - sub * c->group < c->group ? g - sub * c->group : c->group;
-        c->ops->attend_task(&c->j, t, h0, nh, scratch);
+        attend_heads(c->ops, j, t, h0, nh, scratch);
     }
+    const int64_t per = c->phase == 3 ? c->ndb : c->nch;
+    for (int64_t k = t0; k < t1 && c->phase; k++) {
+        const int64_t t = k / (j->Hkv * per), h0 = k / per % j->Hkv * g, part = k % per;
+        const int64_t n = j->spans[2 * t + 1] - j->spans[2 * t], i0 = part * c->ck, i1 = n < i0 + c->ck ? n : i0 + c->ck;
+        float *s = c->s + (t * j->H + h0) * c->s_s;
+        lanes8 *lanes = c->lanes + (t * j->H + h0) * c->nch;
+        if (c->phase == 1 && i0 < i1) {
+            c->ops->attend_scores(j, t, h0, g, i0, i1, s, c->s_s, scratch);
+            for (int64_t h = 0; h < g; h++) c->ops->lane_max(s + h * c->s_s + i0, i1 - i0, lanes + h * c->nch + part);
+        } else if (c->phase == 2 && i0 < i1) {
+            for (int64_t h = 0; h < g; h++) {
+                float lane[8];
+                for (int l = 0; l < 8; l++) lane[l] = -__builtin_inff();
+                for (int64_t r = 0; r * c->ck < n; r++) lanes8_join(lane, lanes + h * c->nch + r, n - r * c->ck);
+                c->ops->exps(s + h * c->s_s + i0, i1 - i0, lanes8_max(lane));
+            }
+        } else if (c->phase == 3) {
+            const int64_t d0 = part * c->db, d1 = j->hd < d0 + c->db ? j->hd : d0 + c->db;
+            float *o = j->out + t * j->out_s + h0 * j->hd;
+            if (n) c->ops->weighted(j, t, h0, g, d0, d1, s, c->s_s, scratch);
+            else
+                for (int64_t h = 0; h < g; h++) memset(o + h * j->hd + d0, 0, (size_t)(d1 - d0) * sizeof(float));
+        }
+    }
+}
+
+/* phases: -1 when they pay (above), 0 never, 1 always (for the tests: the bits are the same) */
+static int phases_mode = -1;
+
+static PyObject *py_attend_phases(PyObject *self, PyObject *args) {
+    (void)self;
+    int mode, old = phases_mode;
+    if (!PyArg_ParseTuple(args, "i:attend_phases", &mode)) return NULL;
+    if (mode < -1 || mode > 1) {
+        PyErr_Format(PyExc_ValueError, "attend_phases: mode must be -1 (when they pay), 0 (never) or 1, got %d", mode);
+        return NULL;
+    }
+    phases_mode = mode;
+    return PyLong_FromLong(old);
 }
 
 static PyObject *py_attend(PyObject *self, PyObject *args) {
@@ -320,8 +390,30 @@ static PyObject *py_attend(PyObject *self, PyObject *args) {
                     {T, H, Hkv, hd, L, rows_of(&q), k.b.v.buf, v.b.v.buf, k.b.v.itemsize == 2, k.s[0], k.s[1], k.s[2],
                      v.s[0], v.s[1], spans, (float)scale, (float *)out.b.v.buf, out.s[0]},
                     group, subs, attend_scratch_floats(hd, longest, group), 0};
+    const int phased = phases_mode >= 0 ? phases_mode
+                                        : threads > 1 && units < 2 * threads && units % threads && longest >= PHASE_KEYS;
+    if (phased && longest) {
+        const int64_t nch = (2 * threads + units - 1) / units;   /* ~2 runs a thread: more cost more than they even */
+        c.ck = up8((longest + nch - 1) / nch);
+        c.nch = (longest + c.ck - 1) / c.ck;
+        c.db = 64;
+        while (c.db > 8 && units * ((hd + c.db - 1) / c.db) < 2 * threads) c.db /= 2;
+        c.ndb = (hd + c.db - 1) / c.db;
+        c.s_s = up8(longest);
+        c.need = attend_scratch_floats(hd, 0, g);
+        const int64_t lanes_at = up8(T * H * c.s_s);
+        float *shared = thread_scratch(lanes_at + T * H * c.nch * (int64_t)(sizeof(lanes8) / sizeof(float)), 1);
+        if (!shared) {
+            PyErr_Format(PyExc_MemoryError, "attend: no memory for the scores of %lld rows", (long long)T);
+            goto done;
+        }
+        c.s = shared;
+        c.lanes = (lanes8 *)(shared + lanes_at);
+    }
     Py_BEGIN_ALLOW_THREADS
-    run(attend_tasks, &c, units * subs, keys_seen * H * hd);
+    if (!c.s) run(attend_tasks, &c, units * subs, keys_seen * H * hd);
+    else
+        for (c.phase = 1; c.phase <= 3; c.phase++) pool_run(attend_tasks, &c, units * (c.phase == 3 ? c.ndb : c.nch), 1);
     Py_END_ALLOW_THREADS
     if (atomic_load(&c.no_memory)) {
         PyErr_Format(PyExc_MemoryError, "attend: no memory for a scratch of %lld floats", (long long)c.need);
@@ -421,6 +513,8 @@ PyMethodDef layer_methods[] = {
      "rms_norm_add(x, w, eps, residual, out): out = (x * inv) * w + residual per row"},
     {"rope", py_rope, METH_VARARGS, "rope(x, cos, sin, mode, out): rotary embedding, mode 0 adjacent, 1 neox"},
     {"attend", py_attend, METH_VARARGS, "attend(q, keys, values, spans, scale, out): softmax(q k^T scale) v per span"},
+    {"attend_phases", py_attend_phases, METH_VARARGS,
+     "attend_phases(mode) -> the previous mode: attend in phases -1 when they pay, 0 never, 1 always (same bits)"},
     {"silu_mul", py_silu_mul, METH_VARARGS, "silu_mul(gate_up, n_ff, out): silu(gate) * up"},
     {"gelu_tanh_mul", py_gelu_tanh_mul, METH_VARARGS, "gelu_tanh_mul(gate_up, n_ff, out): gelu_tanh(gate) * up"},
     {"exp", py_exp, METH_VARARGS, "exp(x, out): the kernels' own e^x, value by value (1-D float32)"},

@@ -9,8 +9,8 @@
  *    time, the partial scores kept in memory between rows, the last n % 8 keys read masked; other layouts are
  *    first copied into a tile [hd][32] (8 x 8 transposes when the dims are adjacent). The max and the sum over the
  *    span in 8 lanes (vector i / 8 holds keys i..i+7; a partial last vector on the lanes stored to memory). The
- *    weighted sum of values 64 dims (8 vectors) at a time, one chain per dim over the keys, in blocks of keys
- *    that meet every head while in L1. */
+ *    weighted sum of values 64 dims (8 vectors; then 4, 1) at a time, one chain per dim over the keys, in blocks
+ *    of keys that meet every head while in L1. Each part takes a range (of keys, of dims) for layer.c's phases. */
 #include "kernels.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -271,8 +271,8 @@ INL void pack_keys(const attend_job *j, int64_t kb, int64_t k, int64_t nk, float
 
 /* s[h][i] = qs[h] . key k0 + i: adjacent positions streamed in place, other layouts through tiles */
 INL void scores(const attend_job *j, int64_t kvh, int64_t k0, int64_t n, int64_t nh, const float *qs, float *tile,
-                float *s) {
-    const int64_t hd = j->hd, kb = kvh * j->k_sh, qs_s = up8(hd), s_s = up8(n);
+                float *s, int64_t s_s) {
+    const int64_t hd = j->hd, kb = kvh * j->k_sh, qs_s = up8(hd);
     if (j->k_sl == 1) {   /* positions adjacent: streamed in place */
         const int64_t nv = n / 8 * 8;
         if (j->f16) stream_scores_uint16_t(qs, qs_s, nh, hd, (const uint16_t *)j->k + kb + k0, j->k_sd, nv, s, s_s);
@@ -293,45 +293,56 @@ INL void scores(const attend_job *j, int64_t kvh, int64_t k0, int64_t n, int64_t
     }
 }
 
-/* p_i = exp(s_i - m) in place; returns their sum (kernels.h: 8 lanes, i mod 8) */
-INL float softmax(float *s, int64_t n) {
+AVX2 static void lane_max(const float *s, int64_t n, lanes8 *r) {
+    const int64_t nv = n / 8 * 8;
+    __m256 mx = _mm256_set1_ps(-__builtin_inff()), nan = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nv; i += 8) {
+        const __m256 v = LD(s + i);
+        mx = _mm256_max_ps(mx, v);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    ST(r->mx, mx);
+    _mm256_storeu_si256((__m256i *)r->nan, _mm256_castps_si256(nan));
+    for (int64_t i = nv; i < n; i++) {
+        r->mx[i - nv] = f1_max(r->mx[i - nv], s[i]);
+        r->nan[i - nv] |= s[i] != s[i];
+    }
+}
+
+AVX2 static void exps(float *s, int64_t n, float m) {
+    const int64_t nv = n / 8 * 8;
+    const __m256 vm = _mm256_set1_ps(m);
+    for (int64_t i = 0; i < nv; i += 8) ST(s + i, v8_exp(_mm256_sub_ps(LD(s + i), vm)));
+    for (int64_t i = nv; i < n; i++) s[i] = f1_exp(s[i] - m);
+}
+
+/* sum_i p_i in 8 lanes (i mod 8), kernels.h's order */
+INL float lane_sum(const float *p, int64_t n) {
     const int64_t nv = n / 8 * 8;
     float lane[8];
-    __m256 mx = _mm256_set1_ps(-__builtin_inff());
-    for (int64_t i = 0; i < nv; i += 8) mx = _mm256_max_ps(mx, LD(s + i));
-    ST(lane, mx);
-    for (int64_t i = nv; i < n; i++) lane[i - nv] = f1_max(lane[i - nv], s[i]);
-    const float m = lanes8_max(lane);
-    const __m256 vm = _mm256_set1_ps(m);
     __m256 sum = _mm256_setzero_ps();
-    for (int64_t i = 0; i < nv; i += 8) {
-        __m256 p = v8_exp(_mm256_sub_ps(LD(s + i), vm));
-        ST(s + i, p);
-        sum = _mm256_add_ps(sum, p);
-    }
+    for (int64_t i = 0; i < nv; i += 8) sum = _mm256_add_ps(sum, LD(p + i));
     ST(lane, sum);
-    for (int64_t i = nv; i < n; i++) {
-        s[i] = f1_exp(s[i] - m);
-        lane[i - nv] = lane[i - nv] + s[i];
-    }
+    for (int64_t i = nv; i < n; i++) lane[i - nv] = lane[i - nv] + p[i];
     return lanes8_sum(lane);
 }
 
-/* acc[0..8V) = acc + sum_i p_i v_i[0..8V) over n keys in order (V = 8 or 1 vectors of dims); v: key 0's first dim */
+/* acc[0..8V) = acc + sum_i p_i v_i[0..8V) over n keys in order (V = 8, 4 or 1 vectors of dims); v: key 0's first
+ * dim */
 #define PV(V, T, LOAD)                                                                                        \
     INL void pv##V##_##T(const T *v, int64_t sl, const float *p, int64_t n, float *acc) {                     \
         __m256 a0 = LD(acc), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;                   \
-        if (V == 8) {                                                                                         \
-            a1 = LD(acc + 8); a2 = LD(acc + 16); a3 = LD(acc + 24);                                           \
-            a4 = LD(acc + 32); a5 = LD(acc + 40); a6 = LD(acc + 48); a7 = LD(acc + 56);                       \
-        }                                                                                                     \
+        if (V >= 4) { a1 = LD(acc + 8); a2 = LD(acc + 16); a3 = LD(acc + 24); }                                \
+        if (V == 8) { a4 = LD(acc + 32); a5 = LD(acc + 40); a6 = LD(acc + 48); a7 = LD(acc + 56); }            \
         for (int64_t i = 0; i < n; i++, v += sl) {                                                            \
             const __m256 w = _mm256_broadcast_ss(p + i);                                                      \
             a0 = _mm256_add_ps(a0, _mm256_mul_ps(w, LOAD(v)));                                                \
-            if (V == 8) {                                                                                     \
+            if (V >= 4) {                                                                                     \
                 a1 = _mm256_add_ps(a1, _mm256_mul_ps(w, LOAD(v + 8)));                                        \
                 a2 = _mm256_add_ps(a2, _mm256_mul_ps(w, LOAD(v + 16)));                                       \
                 a3 = _mm256_add_ps(a3, _mm256_mul_ps(w, LOAD(v + 24)));                                       \
+            }                                                                                                 \
+            if (V == 8) {                                                                                     \
                 a4 = _mm256_add_ps(a4, _mm256_mul_ps(w, LOAD(v + 32)));                                       \
                 a5 = _mm256_add_ps(a5, _mm256_mul_ps(w, LOAD(v + 40)));                                       \
                 a6 = _mm256_add_ps(a6, _mm256_mul_ps(w, LOAD(v + 48)));                                       \
@@ -339,40 +350,39 @@ INL float softmax(float *s, int64_t n) {
             }                                                                                                 \
         }                                                                                                     \
         ST(acc, a0);                                                                                          \
-        if (V == 8) {                                                                                         \
-            ST(acc + 8, a1); ST(acc + 16, a2); ST(acc + 24, a3);                                              \
-            ST(acc + 32, a4); ST(acc + 40, a5); ST(acc + 48, a6); ST(acc + 56, a7);                           \
-        }                                                                                                     \
+        if (V >= 4) { ST(acc + 8, a1); ST(acc + 16, a2); ST(acc + 24, a3); }                                   \
+        if (V == 8) { ST(acc + 32, a4); ST(acc + 40, a5); ST(acc + 48, a6); ST(acc + 56, a7); }                \
     }
 PV(8, float, LD)
+PV(4, float, LD)
 PV(1, float, LD)
 PV(8, uint16_t, ldh)
+PV(4, uint16_t, ldh)
 PV(1, uint16_t, ldh)
 #undef PV
 
-/* acc[h][d] = sum_i p[h][i] v_i[d], keys in order: blocks of VB keys, in a block 64 (then 8) dims at a time, each
- * meeting every head while the block's values are in L1 */
+/* acc[h][d] = sum_i p[h][i] v_i[d] for dims d0..d1-1, keys in order: blocks of VB keys, in a block 64 (then 32,
+ * then 8) dims at a time, each meeting every head while the block's values are in L1 */
 #define VB 64
-INL void weighted_values(const attend_job *j, int64_t kvh, int64_t k0, int64_t n, int64_t nh, const float *p,
-                         float *acc) {
-    const int64_t hd = j->hd, sl = j->v_sl, e = kvh * j->v_sh + k0 * sl, a_s = up8(hd), p_s = up8(n);
+#define PV_STEP(V)                                                                                            \
+    for (; d + 8 * V <= d1; d += 8 * V)                                                                       \
+        for (int64_t h = 0; h < nh; h++) {                                                                    \
+            if (j->f16) pv##V##_uint16_t(vh + b * sl + d, sl, p + h * p_s + b, nb, acc + h * a_s + d);        \
+            else pv##V##_float(vf + b * sl + d, sl, p + h * p_s + b, nb, acc + h * a_s + d);                  \
+        }
+INL void weighted_values(const attend_job *j, int64_t kvh, int64_t k0, int64_t n, int64_t nh, int64_t d0,
+                         int64_t d1, const float *p, int64_t p_s, float *acc) {
+    const int64_t sl = j->v_sl, e = kvh * j->v_sh + k0 * sl, a_s = up8(j->hd);
     const float *vf = (const float *)j->v + e;
     const uint16_t *vh = (const uint16_t *)j->v + e;
-    memset(acc, 0, (size_t)(nh * a_s) * sizeof(float));
+    for (int64_t h = 0; h < nh; h++) memset(acc + h * a_s + d0, 0, (size_t)(d1 - d0) * sizeof(float));
     for (int64_t b = 0; b < n; b += VB) {
         const int64_t nb = n - b < VB ? n - b : VB;
-        int64_t d = 0;
-        for (; d + 64 <= hd; d += 64)
-            for (int64_t h = 0; h < nh; h++) {
-                if (j->f16) pv8_uint16_t(vh + b * sl + d, sl, p + h * p_s + b, nb, acc + h * a_s + d);
-                else pv8_float(vf + b * sl + d, sl, p + h * p_s + b, nb, acc + h * a_s + d);
-            }
-        for (; d + 8 <= hd; d += 8)
-            for (int64_t h = 0; h < nh; h++) {
-                if (j->f16) pv1_uint16_t(vh + b * sl + d, sl, p + h * p_s + b, nb, acc + h * a_s + d);
-                else pv1_float(vf + b * sl + d, sl, p + h * p_s + b, nb, acc + h * a_s + d);
-            }
-        for (; d < hd; d++)
+        int64_t d = d0;
+        PV_STEP(8)
+        PV_STEP(4)
+        PV_STEP(1)
+        for (; d < d1; d++)
             for (int64_t h = 0; h < nh; h++) {
                 float a = acc[h * a_s + d];
                 for (int64_t i = b; i < b + nb; i++)
@@ -381,16 +391,12 @@ INL void weighted_values(const attend_job *j, int64_t kvh, int64_t k0, int64_t n
             }
     }
 }
+#undef PV_STEP
 
-AVX2 static void attend_task(const attend_job *j, int64_t t, int64_t h0, int64_t nh, float *scratch) {
-    const int64_t hd = j->hd, k0 = j->spans[2 * t], n = j->spans[2 * t + 1] - k0, kvh = h0 / (j->H / j->Hkv);
-    const int64_t hd8 = up8(hd), n8 = up8(n);
-    float *o = j->out + t * j->out_s + h0 * hd;   /* the nh heads' outputs, side by side */
-    if (n == 0) {
-        memset(o, 0, (size_t)(nh * hd) * sizeof(float));
-        return;
-    }
-    float *qs = scratch, *acc = qs + nh * hd8, *tile = acc + nh * hd8, *s = tile + ATT_TILE * hd;
+AVX2 static void attend_scores(const attend_job *j, int64_t t, int64_t h0, int64_t nh, int64_t i0, int64_t i1,
+                               float *s, int64_t s_s, float *scratch) {
+    const int64_t hd = j->hd, hd8 = up8(hd), kvh = h0 / (j->H / j->Hkv);
+    float *qs = scratch, *tile = qs + 2 * nh * hd8;
     const __m256 vscale = _mm256_set1_ps(j->scale);
     for (int64_t h = 0; h < nh; h++) {
         const float *q = j->q.p + t * j->q.s0 + (h0 + h) * j->q.s1;
@@ -398,17 +404,21 @@ AVX2 static void attend_task(const attend_job *j, int64_t t, int64_t h0, int64_t
         for (; d + 8 <= hd; d += 8) ST(qs + h * hd8 + d, _mm256_mul_ps(LD(q + d), vscale));
         for (; d < hd; d++) qs[h * hd8 + d] = q[d] * j->scale;
     }
-    scores(j, kvh, k0, n, nh, qs, tile, s);
-    float sum[nh];
-    for (int64_t h = 0; h < nh; h++) sum[h] = softmax(s + h * n8, n);
-    weighted_values(j, kvh, k0, n, nh, s, acc);
+    scores(j, kvh, j->spans[2 * t] + i0, i1 - i0, nh, qs, tile, s + i0, s_s);
+}
+
+AVX2 static void weighted(const attend_job *j, int64_t t, int64_t h0, int64_t nh, int64_t d0, int64_t d1,
+                          const float *p, int64_t p_s, float *scratch) {
+    const int64_t hd = j->hd, hd8 = up8(hd), k0 = j->spans[2 * t], n = j->spans[2 * t + 1] - k0;
+    float *acc = scratch + nh * hd8;
+    weighted_values(j, h0 / (j->H / j->Hkv), k0, n, nh, d0, d1, p, p_s, acc);
     for (int64_t h = 0; h < nh; h++) {   /* out = acc / sum */
-        const float *a = acc + h * hd8;
-        float *oh = o + h * hd;
-        const __m256 vs = _mm256_set1_ps(sum[h]);
-        int64_t d = 0;
-        for (; d + 8 <= hd; d += 8) ST(oh + d, _mm256_div_ps(LD(a + d), vs));
-        for (; d < hd; d++) oh[d] = a[d] / sum[h];
+        const float *a = acc + h * hd8, sum = lane_sum(p + h * p_s, n);
+        float *oh = j->out + t * j->out_s + (h0 + h) * hd;
+        const __m256 vs = _mm256_set1_ps(sum);
+        int64_t d = d0;
+        for (; d + 8 <= d1; d += 8) ST(oh + d, _mm256_div_ps(LD(a + d), vs));
+        for (; d < d1; d++) oh[d] = a[d] / sum;
     }
 }
 
@@ -431,7 +441,7 @@ AVX2 static void map_row(int act, const float *a, const float *b, int64_t n, flo
 }
 #undef MAP_LOOP
 
-const layer_ops avx2_layer = {sumsq, rms_row, rope_row, attend_task, map_row};
+const layer_ops avx2_layer = {sumsq, rms_row, rope_row, attend_scores, lane_max, exps, weighted, map_row};
 
 #else
 const layer_ops avx2_layer = {0};

@@ -34,57 +34,69 @@ static void rope_row(const rope_job *j, int64_t t) {
     }
 }
 
-/* ---- attention: query row t, head h ---- */
+/* ---- attention: query row t, heads h0.., in the parts layer.c runs ---- */
 static inline float kv_at(const void *base, int f16, int64_t i) {
     return f16 ? half_to_float(((const uint16_t *)base)[i]) : ((const float *)base)[i];
 }
 
 /* the loops run in the order memory is laid out (the Cache's keys: positions adjacent; values: dims adjacent), the
  * chains unchanged: each score over the dims in order, each output dim over the keys in order */
-static void attend_head(const attend_job *j, int64_t t, int64_t h, float *qs, float *acc, float *s) {
-    const int64_t hd = j->hd, k0 = j->spans[2 * t], n = j->spans[2 * t + 1] - k0, kvh = h / (j->H / j->Hkv);
-    float *o = j->out + t * j->out_s + h * hd;
-    if (n == 0) {
-        for (int64_t d = 0; d < hd; d++) o[d] = 0.0f;
-        return;
+static void attend_scores(const attend_job *j, int64_t t, int64_t h0, int64_t nh, int64_t i0, int64_t i1, float *s,
+                          int64_t s_s, float *scratch) {
+    const int64_t hd = j->hd, k0 = j->spans[2 * t], kvh = h0 / (j->H / j->Hkv);
+    const int64_t kb = kvh * j->k_sh + k0 * j->k_sl;   /* items */
+    float *qs = scratch;
+    for (int64_t h = 0; h < nh; h++) {
+        const float *q = j->q.p + t * j->q.s0 + (h0 + h) * j->q.s1;
+        float *sh = s + h * s_s;
+        for (int64_t d = 0; d < hd; d++) qs[d] = q[d] * j->scale;
+        for (int64_t i = i0; i < i1; i++) sh[i] = 0.0f;   /* s_i = s_i + qs[d] * k_j[d] for d = 0..hd-1 */
+        for (int64_t d = 0; d < hd; d++) {
+            const int64_t at = kb + d * j->k_sd;
+            if (!j->f16 && j->k_sl == 1)
+                for (int64_t i = i0; i < i1; i++) sh[i] = sh[i] + qs[d] * ((const float *)j->k)[at + i];
+            else
+                for (int64_t i = i0; i < i1; i++) sh[i] = sh[i] + qs[d] * kv_at(j->k, j->f16, at + i * j->k_sl);
+        }
     }
-    const float *q = j->q.p + t * j->q.s0 + h * j->q.s1;
-    for (int64_t d = 0; d < hd; d++) qs[d] = q[d] * j->scale;
-    const int64_t kb = kvh * j->k_sh + k0 * j->k_sl, vb = kvh * j->v_sh + k0 * j->v_sl;   /* items */
-    for (int64_t i = 0; i < n; i++) s[i] = 0.0f;   /* scores: s_i = s_i + qs[d] * k_j[d] for d = 0..hd-1 */
-    for (int64_t d = 0; d < hd; d++) {
-        const int64_t at = kb + d * j->k_sd;
-        if (!j->f16 && j->k_sl == 1)
-            for (int64_t i = 0; i < n; i++) s[i] = s[i] + qs[d] * ((const float *)j->k)[at + i];
-        else
-            for (int64_t i = 0; i < n; i++) s[i] = s[i] + qs[d] * kv_at(j->k, j->f16, at + i * j->k_sl);
-    }
-    float lane[8];
-    for (int l = 0; l < 8; l++) lane[l] = -__builtin_inff();
-    for (int64_t i = 0; i < n; i++) lane[i % 8] = f1_max(lane[i % 8], s[i]);
-    const float m = lanes8_max(lane);
-    for (int l = 0; l < 8; l++) lane[l] = 0.0f;
-    for (int64_t i = 0; i < n; i++) {
-        s[i] = f1_exp(s[i] - m);
-        lane[i % 8] = lane[i % 8] + s[i];
-    }
-    const float sum = lanes8_sum(lane);
-    for (int64_t d = 0; d < hd; d++) acc[d] = 0.0f;   /* acc[d] = acc[d] + p_i * v_j[d] for i = 0..n-1 */
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t at = vb + i * j->v_sl;
-        if (!j->f16)
-            for (int64_t d = 0; d < hd; d++) acc[d] = acc[d] + s[i] * ((const float *)j->v)[at + d];
-        else
-            for (int64_t d = 0; d < hd; d++) acc[d] = acc[d] + s[i] * kv_at(j->v, 1, at + d);
-    }
-    for (int64_t d = 0; d < hd; d++) o[d] = acc[d] / sum;   /* the division last */
 }
 
-/* scratch as kernels.h lays it out (the portable path uses one head's qs and acc, and the scores) */
-static void attend_task(const attend_job *j, int64_t t, int64_t h0, int64_t nh, float *scratch) {
-    const int64_t hd8 = up8(j->hd);
-    for (int64_t h = h0; h < h0 + nh; h++)
-        attend_head(j, t, h, scratch, scratch + nh * hd8, scratch + 2 * nh * hd8 + ATT_TILE * j->hd);
+static void lane_max(const float *s, int64_t n, lanes8 *r) {
+    for (int l = 0; l < 8; l++) r->mx[l] = -__builtin_inff(), r->nan[l] = 0;
+    for (int64_t i = 0; i < n; i++) {
+        r->mx[i % 8] = f1_max(r->mx[i % 8], s[i]);
+        r->nan[i % 8] |= s[i] != s[i];
+    }
+}
+
+static void exps(float *s, int64_t n, float m) {
+    for (int64_t i = 0; i < n; i++) s[i] = f1_exp(s[i] - m);
+}
+
+static float lane_sum(const float *p, int64_t n) {
+    float lane[8] = {0};
+    for (int64_t i = 0; i < n; i++) lane[i % 8] = lane[i % 8] + p[i];
+    return lanes8_sum(lane);
+}
+
+static void weighted(const attend_job *j, int64_t t, int64_t h0, int64_t nh, int64_t d0, int64_t d1, const float *p,
+                     int64_t p_s, float *scratch) {
+    const int64_t k0 = j->spans[2 * t], n = j->spans[2 * t + 1] - k0, kvh = h0 / (j->H / j->Hkv);
+    const int64_t vb = kvh * j->v_sh + k0 * j->v_sl;   /* items */
+    float *acc = scratch + nh * up8(j->hd);
+    for (int64_t h = 0; h < nh; h++) {
+        const float *ph = p + h * p_s, sum = lane_sum(ph, n);
+        for (int64_t d = d0; d < d1; d++) acc[d] = 0.0f;   /* acc[d] = acc[d] + p_i * v_j[d] for i = 0..n-1 */
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t at = vb + i * j->v_sl;
+            if (!j->f16)
+                for (int64_t d = d0; d < d1; d++) acc[d] = acc[d] + ph[i] * ((const float *)j->v)[at + d];
+            else
+                for (int64_t d = d0; d < d1; d++) acc[d] = acc[d] + ph[i] * kv_at(j->v, 1, at + d);
+        }
+        float *o = j->out + t * j->out_s + (h0 + h) * j->hd;
+        for (int64_t d = d0; d < d1; d++) o[d] = acc[d] / sum;   /* the division last */
+    }
 }
 
 /* ---- act(a) * b, value by value ---- */
@@ -93,4 +105,4 @@ static void map_row(int act, const float *a, const float *b, int64_t n, float *o
     for (int64_t k = 0; k < n; k++) out[k] = b ? f1_act(act, a[k]) * b[k] : f1_act(act, a[k]);
 }
 
-const layer_ops portable_layer = {sumsq, rms_row, rope_row, attend_task, map_row};
+const layer_ops portable_layer = {sumsq, rms_row, rope_row, attend_scores, lane_max, exps, weighted, map_row};
