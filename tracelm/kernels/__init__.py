@@ -197,9 +197,10 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, spans: np.ndarra
     (made when None). A task over the pool is a row's query heads of one kv head (split when there are fewer such
     groups than threads), so a key is read once for all of them; each thread keeps one scratch buffer (the task's
     scores: 4 bytes x heads x span), grown to the longest span seen, so a warm call allocates nothing. When such
-    groups are few and do not divide among the threads and a span is long, the threads share every kv head in three
-    phases (runs of keys: scores and the max's lanes; their exps; blocks of output dims, each summing p itself),
-    every chain in the order above: the same bits (_core.attend_phases(1 | 0) forces them on or off, for tests)."""
+    groups are few and do not divide among the threads and a span is long, the ones left over (groups % threads)
+    are shared by all threads in three phases (runs of keys: scores and the max's lanes; their exps; blocks of
+    output dims, each summing p itself), every chain in the order above: the same bits
+    (_core.attend_phases(1 | 0) forces phases for all or none, for tests)."""
     if out is None:
         out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), np.float32)
     return _core.attend(q, keys, values, spans, float(scale), out)

@@ -263,13 +263,14 @@ static void attend_heads(const layer_ops *ops, const attend_job *j, int64_t t, i
 }
 
 /* One task or phases. A task: query row t, kv head kvh, its query heads sub * group .. (+ group, within the kv
- * head's g). Phases (phase 1..3), when the rows and kv heads are too few to keep every thread busy, all heads g of
- * a kv head together, the scores of all rows in one shared buffer s [T][H][s_s]: 1, the scores and the max's
- * lanes of a run of ck keys; 2, the run's exps, m joined from every run's lanes; 3, dims d0.. (db of them) of the
- * outputs, each task summing the p itself (the same lanes, in order) -- every chain as in one task. */
+ * head's g). Phases, when the (row, kv head) units do not divide among the threads: the first `whole` units are a
+ * task each (all g heads), the rest are shared by every thread, all heads g of a unit together, their scores in one
+ * buffer s [T][H][s_s]: phase 1 (with the whole units' tasks), the scores and the max's lanes of a run of ck keys;
+ * 2, the run's exps, m joined from every run's lanes; 3, dims d0.. (db of them) of the outputs, each task summing
+ * the p itself (the same lanes, in order) -- every chain as in one task. */
 typedef struct {
     const layer_ops *ops; attend_job j; int64_t group, subs, need; atomic_int no_memory;
-    int phase; int64_t ck, nch, db, ndb, s_s; float *s; lanes8 *lanes;
+    int phase; int64_t whole, ck, nch, db, ndb, s_s; float *s; lanes8 *lanes;
 } attend_ctx;
 
 static void attend_tasks(void *ctx, int64_t t0, int64_t t1) {
@@ -280,15 +281,15 @@ static void attend_tasks(void *ctx, int64_t t0, int64_t t1) {
         return;
     }
     const attend_job *j = &c->j;
-    const int64_t g = j->H / j->Hkv, per_row = j->Hkv * c->subs;
-    for (int64_t k = t0; k < t1 && !c->phase; k++) {
+    const int64_t g = j->H / j->Hkv, per_row = j->Hkv * c->subs, whole = c->phase == 1 ? c->whole : 0;
+    for (int64_t k = t0; k < t1 && (!c->phase || k < whole); k++) {
         const int64_t t = k / per_row, kvh = k % per_row / c->subs, sub = k % c->subs;
         const int64_t h0 = kvh * g + sub * c->group, nh = g - sub * c->group < c->group ? g - sub * c->group : c->group;
         attend_heads(c->ops, j, t, h0, nh, scratch);
     }
     const int64_t per = c->phase == 3 ? c->ndb : c->nch;
-    for (int64_t k = t0; k < t1 && c->phase; k++) {
-        const int64_t t = k / (j->Hkv * per), h0 = k / per % j->Hkv * g, part = k % per;
+    for (int64_t k = t0 > whole ? t0 : whole; k < t1 && c->phase; k++) {
+        const int64_t u = c->whole + (k - whole) / per, t = u / j->Hkv, h0 = u % j->Hkv * g, part = (k - whole) % per;
         const int64_t n = j->spans[2 * t + 1] - j->spans[2 * t], i0 = part * c->ck, i1 = n < i0 + c->ck ? n : i0 + c->ck;
         float *s = c->s + (t * j->H + h0) * c->s_s;
         lanes8 *lanes = c->lanes + (t * j->H + h0) * c->nch;
@@ -392,28 +393,32 @@ static PyObject *py_attend(PyObject *self, PyObject *args) {
                     group, subs, attend_scratch_floats(hd, longest, group), 0};
     const int phased = phases_mode >= 0 ? phases_mode
                                         : threads > 1 && units < 2 * threads && units % threads && longest >= PHASE_KEYS;
-    if (phased && longest) {
-        const int64_t nch = (2 * threads + units - 1) / units;   /* ~2 runs a thread: more cost more than they even */
-        c.ck = up8((longest + nch - 1) / nch);
+    if (phased && longest) {   /* the last units % threads units shared (all of them when forced) */
+        c.whole = phases_mode == 1 ? 0 : units - units % threads;
+        c.group = g;
+        c.subs = 1;
+        const int64_t shared = units - c.whole;
+        c.ck = up8((longest + threads - 1) / threads);   /* a run a thread per unit */
         c.nch = (longest + c.ck - 1) / c.ck;
         c.db = 64;
-        while (c.db > 8 && units * ((hd + c.db - 1) / c.db) < 2 * threads) c.db /= 2;
+        while (c.db > 16 && shared * ((hd + c.db - 1) / c.db) < threads) c.db /= 2;
         c.ndb = (hd + c.db - 1) / c.db;
         c.s_s = up8(longest);
-        c.need = attend_scratch_floats(hd, 0, g);
+        c.need = attend_scratch_floats(hd, c.whole ? longest : 0, g);
         const int64_t lanes_at = up8(T * H * c.s_s);
-        float *shared = thread_scratch(lanes_at + T * H * c.nch * (int64_t)(sizeof(lanes8) / sizeof(float)), 1);
-        if (!shared) {
+        float *buf = thread_scratch(lanes_at + T * H * c.nch * (int64_t)(sizeof(lanes8) / sizeof(float)), 1);
+        if (!buf) {
             PyErr_Format(PyExc_MemoryError, "attend: no memory for the scores of %lld rows", (long long)T);
             goto done;
         }
-        c.s = shared;
-        c.lanes = (lanes8 *)(shared + lanes_at);
+        c.s = buf;
+        c.lanes = (lanes8 *)(buf + lanes_at);
     }
     Py_BEGIN_ALLOW_THREADS
     if (!c.s) run(attend_tasks, &c, units * subs, keys_seen * H * hd);
     else
-        for (c.phase = 1; c.phase <= 3; c.phase++) pool_run(attend_tasks, &c, units * (c.phase == 3 ? c.ndb : c.nch), 1);
+        for (c.phase = 1; c.phase <= 3; c.phase++)
+            pool_run(attend_tasks, &c, (c.phase == 1 ? c.whole : 0) + (units - c.whole) * (c.phase == 3 ? c.ndb : c.nch), 1);
     Py_END_ALLOW_THREADS
     if (atomic_load(&c.no_memory)) {
         PyErr_Format(PyExc_MemoryError, "attend: no memory for a scratch of %lld floats", (long long)c.need);
