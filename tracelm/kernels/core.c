@@ -673,7 +673,7 @@ PyMODINIT_FUNC PyInit__core(void) {
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     if (PyModule_AddFunctions(m, layer_methods) < 0) { Py_DECREF(m); return NULL; }
-    if (PyModule_AddFunctions(m, trace_methods) < 0) { Py_DECREF(m); return NULL; }
+    if (PyModule_AddFunctions(m, trace_methods) < 0 || add_trace_types(m) < 0) { Py_DECREF(m); return NULL; }
     const char *env = getenv("TRACELM_KERNELS");
     path = (env && strcmp(env, "portable") == 0) || !cpu_has_avx2() ? &portable_path : &avx2_path;
     const char *spin = getenv("TRACELM_SPIN_US");
