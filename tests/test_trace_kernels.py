@@ -160,8 +160,8 @@ def _reference_lines(tracer: Tracer, events: list[tuple], stats: np.ndarray, dig
 def test_lines_are_the_python_ones_byte_for_byte(path: str, level: str, key: bytes | None) -> None:
     rng = np.random.default_rng(4)
     pool = _awkward_doubles(rng)[-27:] + list(rng.standard_normal(40))
-    for _ in range(20):
-        n = int(rng.integers(1, 50))
+    for trial in range(20):
+        n = int(rng.integers(1, 50)) if trial else 400  # 400: lines rendered over the pool in many tasks
         events = [(str(rng.choice(["qkv", "attn_norm", 'we"ird%s\\'])), None if rng.random() < 0.2 else int(i),
                    int(rng.integers(-1, 5000)), tuple(tuple(rng.integers(0, 70, rng.integers(0, 4)).tolist())
                                                       for _ in range(rng.integers(0, 4))), int(rng.integers(0, 10**9)))
@@ -178,6 +178,8 @@ def test_lines_are_the_python_ones_byte_for_byte(path: str, level: str, key: byt
         meta[:, 1], meta[:, 2] = [e[2] for e in events], [e[4] for e in events]
         text, last = _core.trace_lines(template, seq, ref.n_tokens, meta, stats, digests, prev, key)
         assert text == want and last == ref.prev
+    assert _core.trace_lines("", 5, 0, np.zeros((0, 24), np.int64), np.zeros((0, 3)), None, "0" * 64, key) == (
+        "", "0" * 64)
 
 
 def test_a_tracer_batch_with_other_dtypes_and_a_large_output(path: str) -> None:

@@ -565,17 +565,6 @@ done:
 /* the one-byte fields of a line template */
 enum { FIELD_SEQ = 1, FIELD_TOK, FIELD_START, FIELD_MEAN, FIELD_RMS, FIELD_MAXABS, FIELD_DIGEST, FIELD_DUR };
 
-typedef struct { char *p; size_t n, cap; } text;
-
-static int grow(text *t, size_t more) {
-    if (t->n + more <= t->cap) return 0;
-    size_t cap = (t->cap + more) * 2;
-    char *p = realloc(t->p, cap);
-    if (!p) return -1;
-    t->p = p; t->cap = cap;
-    return 0;
-}
-
 typedef struct {
     int64_t seq, tok;
     const int64_t *meta;      /* start and dur_ns of event e: meta[e * width + META_START], META_DUR */
@@ -587,69 +576,151 @@ typedef struct {
     int ni;
 } line_fields;
 
-/* one field of event e into t (room for 64 bytes is there) */
-static void put_field(text *t, int field, const line_fields *f, int64_t e) {
-    char *o = t->p + t->n;
+enum { FIELD_ROOM = 64 };   /* the most bytes one field takes */
+
+/* one field of event e at o; returns its length */
+static int put_field(int field, const line_fields *f, int64_t e, char *o) {
     switch (field) {
-    case FIELD_SEQ: t->n += (size_t)fmt_int(f->seq + e, o); break;
-    case FIELD_TOK: t->n += (size_t)fmt_int(f->tok, o); break;
-    case FIELD_START: t->n += (size_t)fmt_int(f->meta[e * f->width + META_START], o); break;
-    case FIELD_MEAN: case FIELD_RMS: case FIELD_MAXABS:
-        t->n += (size_t)fmt_stat(f->stats[3 * e + field - FIELD_MEAN], o); break;
-    case FIELD_DIGEST: hex_of(f->digests + 16 * e, 16, o); t->n += 32; break;
-    case FIELD_DUR: t->n += (size_t)fmt_us(f->meta[e * f->width + META_DUR], o); break;
+    case FIELD_SEQ: return fmt_int(f->seq + e, o);
+    case FIELD_TOK: return fmt_int(f->tok, o);
+    case FIELD_START: return fmt_int(f->meta[e * f->width + META_START], o);
+    case FIELD_MEAN: case FIELD_RMS: case FIELD_MAXABS: return fmt_stat(f->stats[3 * e + field - FIELD_MEAN], o);
+    case FIELD_DIGEST: hex_of(f->digests + 16 * e, 16, o); return 32;
+    default: return fmt_us(f->meta[e * f->width + META_DUR], o);
     }
 }
 
-/* close the line whose body (head + prev + '"') starts at t->p + at: hash it, write the hash (and mac) and '}' */
-static void close_line(text *t, size_t at, const line_fields *f, char prev[64]) {
-    uint8_t h[32];
-    sha256(t->p + at, t->n - at, h, f->ni);
-    hex_of(h, 32, prev);
-    memcpy(t->p + t->n, ",\"hash\":\"", 9); t->n += 9;
-    memcpy(t->p + t->n, prev, 64); t->n += 64;
-    if (f->key) {
-        uint8_t m[32];
-        hmac_sha256(f->key, f->klen, prev, 64, m, f->ni);
-        memcpy(t->p + t->n, "\",\"mac\":\"", 9); t->n += 9;
-        hex_of(m, 32, t->p + t->n); t->n += 64;
-    }
-    memcpy(t->p + t->n, "\"}", 2); t->n += 2;
-}
+/* A batch's lines in three steps: every line's head (its fields filled in) and the sha256 of its whole blocks, on the
+ * pool; the chain, in order (each line's hash from there over the rest of its head, prev and '"'); every line
+ * written out with its hash (and mac), on the pool. */
+typedef struct {
+    const char *tpl;
+    const size_t *line_at;     /* line e's head: tpl[line_at[e] .. line_at[e + 1] - 1) (its NUL excluded) */
+    const line_fields *f;
+    char *heads;               /* line e's head as written: heads + e * room, head_len[e] bytes */
+    size_t room, *head_len;
+    sha256_ctx *ctx;           /* line e's sha256 after the whole blocks of its head */
+    char *hashes;              /* 64 hex digits per line, after the chain; hashes - 64: the prev of line 0 */
+    char *out;
+    const size_t *out_at;      /* line e from out + out_at[e] */
+} lines_job;
 
-/* every line of the template (its heads each ended by '\0'), joined by '\n'; prev becomes the last line's hash */
-static int render_lines(const char *tpl, size_t tlen, const line_fields *f, int64_t n_events, char prev[64], text *t) {
-    int64_t e = 0;
-    size_t at = 0;
-    for (size_t i = 0; i < tlen; i++) {
-        size_t j = i;   /* a run of literal bytes */
-        while (j < tlen && (unsigned char)tpl[j] > FIELD_DUR) j++;
-        if (grow(t, j - i + 256)) return -1;
-        memcpy(t->p + t->n, tpl + i, j - i);
-        t->n += j - i;
-        if ((i = j) == tlen) break;
-        unsigned char c = (unsigned char)tpl[i];
-        if (c == 0) {
-            if (e >= n_events) return -2;
-            memcpy(t->p + t->n, prev, 64); t->n += 64;
-            t->p[t->n++] = '"';
-            close_line(t, at, f, prev);
-            t->p[t->n++] = '\n';
-            at = t->n;
-            e++;
-        } else {
-            if (e >= n_events || (c == FIELD_DIGEST && !f->digests)) return -2;
-            put_field(t, c, f, e);
+static void head_tasks(void *ctx, int64_t e0, int64_t e1) {
+    const lines_job *j = (const lines_job *)ctx;
+    for (int64_t e = e0; e < e1; e++) {
+        const char *p = j->tpl + j->line_at[e], *end = j->tpl + j->line_at[e + 1] - 1;
+        char *o = j->heads + e * j->room;
+        while (p < end) {
+            const char *q = p;
+            while (q < end && (unsigned char)*q > FIELD_DUR) q++;
+            memcpy(o, p, (size_t)(q - p));
+            o += q - p;
+            if ((p = q) < end) o += put_field((unsigned char)*p++, j->f, e, o);
         }
+        const size_t n = (size_t)(o - (j->heads + e * j->room));
+        j->head_len[e] = n;
+        sha256_init(&j->ctx[e], j->f->ni);
+        sha256_update(&j->ctx[e], j->heads + e * j->room, n - n % 64);
     }
-    if (t->n) t->n--;   /* no newline after the last line */
-    return e == n_events ? 0 : -2;
+}
+
+static void chain(const lines_job *j, int64_t n) {
+    for (int64_t e = 0; e < n; e++) {
+        sha256_ctx c = j->ctx[e];
+        const size_t len = j->head_len[e];
+        uint8_t h[32];
+        sha256_update(&c, j->heads + e * j->room + len - len % 64, len % 64);
+        sha256_update(&c, j->hashes + 64 * (e - 1), 64);
+        sha256_update(&c, "\"", 1);
+        sha256_final(&c, h);
+        hex_of(h, 32, j->hashes + 64 * e);
+    }
+}
+
+static size_t line_len(size_t head_len, int mac) { return head_len + 65 + 9 + 64 + (mac ? 73 : 0) + 2; }
+
+static void write_tasks(void *ctx, int64_t e0, int64_t e1) {   /* BODY = head + prev + '"', ',"hash":"H"' [...] '}' */
+    const lines_job *j = (const lines_job *)ctx;
+    for (int64_t e = e0; e < e1; e++) {
+        char *o = j->out + j->out_at[e], *hash = j->hashes + 64 * e;
+        if (e) o[-1] = '\n';
+        memcpy(o, j->heads + e * j->room, j->head_len[e]); o += j->head_len[e];
+        memcpy(o, hash - 64, 64); o += 64;
+        memcpy(o, "\",\"hash\":\"", 10); o += 10;
+        memcpy(o, hash, 64); o += 64;
+        if (j->f->key) {
+            uint8_t m[32];
+            hmac_sha256(j->f->key, j->f->klen, hash, 64, m, j->f->ni);
+            memcpy(o, "\",\"mac\":\"", 9); o += 9;
+            hex_of(m, 32, o); o += 64;
+        }
+        memcpy(o, "\"}", 2);
+    }
+}
+
+/* the heads of the template's lines (each ended by '\0') into line_at; the number of lines, -1 if a digest field has
+ * no digests */
+static int64_t split_lines(const char *tpl, size_t tlen, int digests, size_t *line_at, int64_t most, size_t *longest) {
+    int64_t e = 0;
+    line_at[0] = 0;
+    *longest = 0;
+    for (const char *p = tpl, *end = tpl + tlen; p < end && e < most;) {
+        const char *z = memchr(p, '\0', (size_t)(end - p));
+        if (!z) break;
+        if (!digests && memchr(p, FIELD_DIGEST, (size_t)(z - p))) return -1;
+        size_t fields = 0;
+        for (const char *q = p; q < z; q++) fields += (unsigned char)*q <= FIELD_DUR;
+        if ((size_t)(z - p) + fields * FIELD_ROOM > *longest) *longest = (size_t)(z - p) + fields * FIELD_ROOM;
+        line_at[++e] = (size_t)(z + 1 - tpl);
+        p = z + 1;
+    }
+    return line_at[e] == tlen ? e : -1;
+}
+
+/* the lines of n events, joined by '\n' (no newline after the last); prev becomes the last line's hash */
+static PyObject *render_lines(const char *tpl, size_t tlen, const line_fields *f, int64_t n, char prev[64]) {
+    PyObject *ret = NULL;
+    size_t *line_at = malloc((size_t)(2 * n + 2) * sizeof(size_t)), longest = 0;
+    char *hashes = malloc((size_t)(n + 1) * 64);
+    sha256_ctx *ctx = malloc((size_t)(n ? n : 1) * sizeof(sha256_ctx));
+    char *heads = NULL, *out = NULL;
+    if (!line_at || !hashes || !ctx) { PyErr_NoMemory(); goto done; }
+    if (split_lines(tpl, tlen, f->digests != NULL, line_at, n, &longest) != n) {
+        PyErr_SetString(PyExc_ValueError, "trace_lines: the template's lines are not one per event (or it has digests "
+                        "and none were given)");
+        goto done;
+    }
+    size_t *head_len = line_at + n + 1;
+    if (!(heads = malloc((size_t)n * longest + 1))) { PyErr_NoMemory(); goto done; }
+    memcpy(hashes, prev, 64);
+    lines_job j = {tpl, line_at, f, heads, longest, head_len, ctx, hashes + 64, NULL, NULL};
+    Py_BEGIN_ALLOW_THREADS
+    pool_run(head_tasks, &j, n, 8);
+    chain(&j, n);
+    Py_END_ALLOW_THREADS
+    size_t total = 0;
+    size_t *out_at = line_at;   /* the template's offsets are no longer needed */
+    for (int64_t e = 0; e < n; e++) {
+        out_at[e] = total;
+        total += line_len(head_len[e], f->key != NULL) + 1;
+    }
+    total -= n > 0;
+    if (!(out = malloc(total + 1))) { PyErr_NoMemory(); goto done; }
+    j.out = out; j.out_at = out_at;
+    Py_BEGIN_ALLOW_THREADS
+    pool_run(write_tasks, &j, n, 8);
+    Py_END_ALLOW_THREADS
+    memcpy(prev, hashes + 64 * n, 64);
+    ret = PyUnicode_FromStringAndSize(out, (Py_ssize_t)total);
+done:
+    free(line_at); free(hashes); free(ctx); free(heads); free(out);
+    return ret;
 }
 
 /* trace_lines(template, seq, tok, meta, stats, digests, prev, key) -> (lines, last hash): the batch's lines
- * (template as above; seq of the first line; meta int64 [n, width], the holder's rows: start and dur_ns in columns
- * META_START, META_DUR; stats float64 [n, 3]; digests uint8 [n, 16] or None; prev the hash before the first line;
- * key the HMAC key or None) */
+ * (template: one line head per event, each ended by '\0', with one-byte fields FIELD_*; seq of the first line; meta
+ * int64 [n, width], the holder's rows: start and dur_ns in columns META_START, META_DUR; stats float64 [n, 3];
+ * digests uint8 [n, 16] or None; prev the hash before the first line; key the HMAC key or None) */
 static PyObject *py_trace_lines(PyObject *self, PyObject *args) {
     (void)self;
     const char *tpl, *prev_in;
@@ -661,7 +732,6 @@ static PyObject *py_trace_lines(PyObject *self, PyObject *args) {
         return NULL;
     buf meta = {0}, stats = {0}, dg = {0}, key = {0};
     PyObject *ret = NULL;
-    text t = {0};
     if (get_c(mo, "meta", 'q', 8, 0, &meta) || get_c(sto, "stats", 'd', 8, 0, &stats) ||
         (dobj != Py_None && get_c(dobj, "digests", 'B', 1, 0, &dg)))
         goto done;
@@ -673,19 +743,14 @@ static PyObject *py_trace_lines(PyObject *self, PyObject *args) {
                         "one row per event");
         goto done;
     }
-    const int64_t n = meta.v.shape[0];
     line_fields f = {seq, tok, (const int64_t *)meta.v.buf, meta.v.shape[1], (const double *)stats.v.buf,
                      dg.held ? (const uint8_t *)dg.v.buf : NULL, key.held ? (const uint8_t *)key.v.buf : NULL,
                      key.held ? (size_t)key.v.len : 0, use_sha_ni()};
     char prev[64];
     memcpy(prev, prev_in, 64);
-    int err = render_lines(tpl, (size_t)tlen, &f, n, prev, &t);
-    if (err == -1) PyErr_NoMemory();
-    else if (err) PyErr_SetString(PyExc_ValueError, "trace_lines: the template's lines are not one per event (or "
-                                  "it has digests and none were given)");
-    else ret = Py_BuildValue("(s#s#)", t.p ? t.p : "", (Py_ssize_t)t.n, prev, (Py_ssize_t)64);
+    PyObject *lines = render_lines(tpl, (size_t)tlen, &f, meta.v.shape[0], prev);
+    if (lines) ret = Py_BuildValue("(Ns#)", lines, prev, (Py_ssize_t)64);
 done:
-    free(t.p);
     release(&meta); release(&stats); release(&dg); release(&key);
     return ret;
 }
