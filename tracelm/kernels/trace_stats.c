@@ -590,6 +590,17 @@ static int put_field(int field, const line_fields *f, int64_t e, char *o) {
     }
 }
 
+/* the first field byte (<= FIELD_DUR: a field or the line's NUL) in [p, end): eight bytes at a time while none is
+ * below 9 (a byte b < 0x80 has b - 9 negative exactly when b < 9; a borrow only follows such a byte) */
+static const char *next_field(const char *p, const char *end) {
+    for (uint64_t w; end - p >= 8; p += 8) {
+        memcpy(&w, p, 8);
+        if ((w - 0x0909090909090909ULL) & ~w & 0x8080808080808080ULL) break;
+    }
+    while (p < end && (unsigned char)*p > FIELD_DUR) p++;
+    return p;
+}
+
 /* A batch's lines in three steps: every line's head (its fields filled in) and the sha256 of its whole blocks, on the
  * pool; the chain, in order (each line's hash from there over the rest of its head, prev and '"'); every line
  * written out with its hash (and mac), on the pool. */
@@ -611,8 +622,7 @@ static void head_tasks(void *ctx, int64_t e0, int64_t e1) {
         const char *p = j->tpl + j->line_at[e], *end = j->tpl + j->line_at[e + 1] - 1;
         char *o = j->heads + e * j->room;
         while (p < end) {
-            const char *q = p;
-            while (q < end && (unsigned char)*q > FIELD_DUR) q++;
+            const char *q = next_field(p, end);
             memcpy(o, p, (size_t)(q - p));
             o += q - p;
             if ((p = q) < end) o += put_field((unsigned char)*p++, j->f, e, o);
@@ -669,7 +679,7 @@ static int64_t split_lines(const char *tpl, size_t tlen, int digests, size_t *li
         if (!z) break;
         if (!digests && memchr(p, FIELD_DIGEST, (size_t)(z - p))) return -1;
         size_t fields = 0;
-        for (const char *q = p; q < z; q++) fields += (unsigned char)*q <= FIELD_DUR;
+        for (const char *q = next_field(p, z); q < z; q = next_field(q + 1, z)) fields++;
         if ((size_t)(z - p) + fields * FIELD_ROOM > *longest) *longest = (size_t)(z - p) + fields * FIELD_ROOM;
         line_at[++e] = (size_t)(z + 1 - tpl);
         p = z + 1;
