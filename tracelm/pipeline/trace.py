@@ -264,6 +264,7 @@ class Tracer:
         # last event was held
         self.note = self._holder.note
         self._templates: dict[tuple[Any, ...], str] = {}
+        self._last_template: tuple[Any, str] = ((), "")  # the last batch's key and template
         self._stream = stream
         self.written = (0, GENESIS)  # seq and prev after the last line written: where an interrupted chain resumes
         self._batch = ("", 0)  # the kind and number of the lines being rendered, counted once written
@@ -373,11 +374,14 @@ class Tracer:
             if digests is not None:
                 digests[i] = np.frombuffer(d, np.uint8)
         key = (meta[:, 3:].tobytes(), tuple((i, o[4:]) for i, o in own.items()))
-        template = self._templates.get(key)
-        if template is None:
-            if len(self._templates) >= 256:  # prefill batches rarely repeat: keep the cache bounded
-                self._templates.clear()
-            template = self._templates[key] = self._template(meta, own)
+        if key != self._last_template[0]:  # a decode step's batch is the last one's: compared, not hashed (~35 kB)
+            template = self._templates.get(key)
+            if template is None:
+                if len(self._templates) >= 256:  # prefill batches rarely repeat: keep the cache bounded
+                    self._templates.clear()
+                template = self._templates[key] = self._template(meta, own)
+            self._last_template = (key, template)
+        template = self._last_template[1]
         text, prev = trace_lines(template, self.seq, self.n_tokens, meta, stats, digests, self.prev, self.key)
         self.stage_ns += int(meta[:, 2].sum())
         self.seq, self.prev = self.seq + n, prev
