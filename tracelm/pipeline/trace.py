@@ -268,7 +268,9 @@ class Tracer:
         self._stream = stream
         self.written = (0, GENESIS)  # seq and prev after the last line written: where an interrupted chain resumes
         self._batch = ("", 0)  # the kind and number of the lines being rendered, counted once written
-        self._log = structlog.wrap_logger(_LineWriter(self, stream), processors=[self._render], context_class=dict)
+        # bound once: wrap_logger's lazy proxy binds a new logger at every call (two a token)
+        self._log = structlog.wrap_logger(_LineWriter(self, stream), processors=[self._render],
+                                          context_class=dict).bind()
 
     # -- the hot path -------------------------------------------------------------------------------
     def call(self, stage: str, layer: int | None, fn: Callable[..., Any], *args: Any) -> Any:
