@@ -135,12 +135,12 @@ class Cache:
     def write(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
         """Store k, v [T, n_head_kv, head_dim] at positions start..start+T-1 of one layer."""
         T, ring = k.shape[0], self.rings[layer]
-        # rounded to the Cache's dtype here, so that a pass reads its own keys as a later one will
-        k, v = (a.transpose(1, 0, 2).astype(self.kv_dtype, copy=False) for a in (k, v))
-        if not ring:
-            self.k[layer][:, start : start + T] = k
-            self.v[layer][:, start : start + T] = v
+        # rounded to the Cache's dtype as stored, so that a pass reads its own keys as a later one will
+        if not ring:  # (an assignment rounds as astype does, without the copy)
+            self.k[layer][:, start : start + T] = k.transpose(1, 0, 2)
+            self.v[layer][:, start : start + T] = v.transpose(1, 0, 2)
             return
+        k, v = (a.transpose(1, 0, 2).astype(self.kv_dtype, copy=False) for a in (k, v))
         lo, end = self.first_visible(layer, start), start + T
         self._joined = None
         if lo < self.held_from[layer]:
