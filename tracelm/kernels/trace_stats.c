@@ -290,6 +290,8 @@ typedef struct {
     Py_ssize_t n, used;   /* events and arena bytes held */
     int64_t mark;         /* the clock when the last event was held */
     int keep;
+    const kernel_path *path;   /* the path `leaf` is for (current_leaf without a strcmp per event) */
+    leaf_fn leaf;
 } holder;
 
 static int64_t now_ns(void) {   /* time.perf_counter_ns's clock */
@@ -353,7 +355,8 @@ static int hold(holder *h, PyObject *stage, PyObject *layer, int64_t start, PyOb
     else {
         const float *x = run && !copy ? (const float *)v[0].v.buf : (const float *)((char *)h->arena.v.buf + at);
         if (copy) copy_arrays(v, k, (float *)((char *)h->arena.v.buf + at));
-        event_stats(current_leaf(), x, need / 4, st);
+        if (h->path != current_path()) h->path = current_path(), h->leaf = current_leaf();
+        event_stats(h->leaf, x, need / 4, st);
         if (h->keep) h->used += need;
     }
     r[META_END] = h->used;
