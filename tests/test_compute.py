@@ -39,21 +39,23 @@ def test_tiny_kernel_logits_are_the_reference_within_rounding(tmp_path: Path, qt
 
 
 def test_kernel_weights_are_the_files_blocks(tmp_path: Path) -> None:
-    """Resident: every matrix's blocks copied once (the file's bytes, its types, q/k/v and gate/up one part per
-    tensor), packed for the kernels; streamed: views of the mapped file as they are. Their logits are the same,
-    bit for bit."""
+    """Resident: every matrix's blocks copied once (the file's bytes, its types; q/k/v and gate/up of one type one
+    part), packed for the kernels; streamed: views of the mapped file as they are, one part per tensor. Their
+    logits are the same, bit for bit."""
     path = write_tiny_gguf(tmp_path / "tiny.gguf", qtype=Q.Q4_0, tied=False, seed=2)
     gf = GGUFFile(path)
     resident = load_model(str(path), progress=False)
     streamed = load_model(str(path), progress=False, weights="streamed")
     lw, ls = resident.weights.layers[1], streamed.weights.layers[1]
-    assert [b.shape[0] for b, _ in lw.wqkv.parts] == [gf.info(f"blk.1.attn_{n}.weight").shape[0] for n in "qkv"]
+    assert [b.shape[0] for b, _ in ls.wqkv.parts] == [gf.info(f"blk.1.attn_{n}.weight").shape[0] for n in "qkv"]
+    assert [b.shape[0] for b, _ in lw.wqkv.parts] == [lw.wqkv.shape[0]]  # one type: one part
     assert lw.w_gate_up.packed and not ls.w_gate_up.packed
-    for (b, t), name in zip(lw.w_gate_up.parts, ("blk.1.ffn_gate.weight", "blk.1.ffn_up.weight"), strict=True):
-        assert t == Q.Q4_0 and b.tobytes() != gf.raw(name).tobytes()  # packed: the bytes reordered...
-        assert kernels.unpack_rows(b, t, np.arange(b.shape[0])).tobytes() == gf.raw(name).tobytes()  # ...all there
-        assert not np.shares_memory(b, gf.raw(name))
-    assert all(_mapped(b) and not _mapped(r) for (b, _), (r, _) in zip(ls.wqkv.parts, lw.wqkv.parts, strict=True))
+    (b, t), = lw.w_gate_up.parts
+    names = ("blk.1.ffn_gate.weight", "blk.1.ffn_up.weight")
+    assert t == Q.Q4_0 and b.tobytes() != b"".join(gf.raw(n).tobytes() for n in names)  # packed: reordered...
+    assert kernels.unpack_rows(b, t, np.arange(b.shape[0])).tobytes() == b"".join(gf.raw(n).tobytes() for n in names)
+    assert not any(np.shares_memory(b, gf.raw(n)) for n in names)  # ...all there, copied
+    assert all(_mapped(b) for b, _ in ls.wqkv.parts) and not _mapped(lw.wqkv.parts[0][0])
     matrices = sum(t.n_bytes for t in gf.tensors.values() if len(t.shape) == 2)
     assert resident.weights.nbytes - matrices < 64 * 1024  # the vectors in f32, nothing else
     prompt = resident.tokenizer.encode("hello world")

@@ -302,6 +302,29 @@ def test_same_bits_for_any_batch_thread_count_and_path(qt, halves):
                                               err_msg=f"{path} threads={threads} pass of {b}")
 
 
+@pytest.mark.parametrize("qt", QUANT32, ids=lambda q: q.name)
+def test_two_group_tiles_packed_or_not(qt):
+    """The many-row kernels of the 32-value types take two groups of 8 weight rows at a time: an odd number of
+    groups (a last one alone), a last group of fewer rows, packed weights (`kernels.pack`) -- the same bits as a
+    row alone, on either path, on 1 or 2 threads."""
+    K = 320
+    x = np.random.default_rng(3).standard_normal((70, K)).astype(np.float32)
+    for N in (40, 24, 21):
+        w = weights(qt, N, K, seed=N)
+        forms = [(w, False)] + ([(kernels.pack(w, qt), True)] if kernels.packable(qt, N) else [])
+        for halves in (1, 2):
+            ref = np.stack([kernels.matmul(x[i], w, qt, halves=halves) for i in range(x.shape[0])])
+            for path in PATHS:
+                kernels.use_path(path)
+                for threads in (1, 2):
+                    kernels.set_threads(threads)
+                    for wf, packed in forms:
+                        for lo, hi in ((0, 70), (3, 9), (5, 38)):
+                            got = kernels.matmul(x[lo:hi], wf, qt, halves=halves, packed=packed)
+                            np.testing.assert_array_equal(bits(got), bits(ref[lo:hi]), err_msg=(
+                                f"N={N} halves={halves} {path} threads={threads} packed={packed} rows {lo}..{hi}"))
+
+
 @pytest.mark.parametrize("qt", ALL, ids=lambda q: q.name)
 def test_out_with_a_row_stride(qt):
     """out may be a column slice of a wider array (the engine writes fused parts of different types side by side):

@@ -273,14 +273,15 @@ def test_statistics_of_multi_array_and_non_finite_outputs() -> None:
 
 def test_outputs_held_for_rendering_stay_bounded() -> None:
     """A long prompt's stage outputs are rendered in batches once they pass BATCH_ELEMENTS, not held to the
-    token event: at no call do the unrendered outputs hold more than twice the bound."""
+    token event: at no call do the unrendered outputs hold more than twice the bound (level digest: at level summary
+    an output's bytes are not held at all, only its statistics)."""
     import io
 
     from tracelm.pipeline.trace import BATCH_ELEMENTS, Tracer
     from tracelm.state.records import Hidden
 
     stream = io.StringIO()
-    tr = Tracer(stream, "summary")
+    tr = Tracer(stream, "digest")
     rows = BATCH_ELEMENTS // 16 // 100  # each output 1/16 of the bound
     most_held = 0
     for i in range(100):

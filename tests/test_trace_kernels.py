@@ -64,17 +64,23 @@ def test_numbers_are_written_as_python_writes_them() -> None:
         assert _core.trace_format(0.0, ns)[1] == "%.1f" % (ns / 1000), ns
 
 
-def _hold(arrays_per_event: list[tuple[np.ndarray, ...]]) -> tuple[bytearray, np.ndarray, list[int]]:
-    """The events' arrays held as the Tracer holds them: the arena, the offsets, the events trace_hold refused."""
-    arena = bytearray(sum(a.nbytes for arrs in arrays_per_event for a in arrs) + 64)
-    meta = np.zeros((len(arrays_per_event), 16), np.int64)
-    ends, refused = [0], []
+def _holder(n: int, arena_bytes: int, keep: bool = True) -> tuple[_core.TraceHolder, bytearray, np.ndarray,
+                                                                     np.ndarray, list]:
+    """A TraceHolder as the Tracer makes one (the events it refuses listed), with its arena, meta and stats."""
+    arena, meta, stats, refused = bytearray(arena_bytes), np.zeros((n, 24), np.int64), np.zeros((n, 3)), []
+    holder = _core.TraceHolder(arena, meta, stats, {}, lambda *a: refused.append(a), keep)
+    return holder, arena, meta, stats, refused
+
+
+def _hold(arrays_per_event: list[tuple[np.ndarray, ...]], keep: bool = True
+          ) -> tuple[bytearray, np.ndarray, np.ndarray, list]:
+    """The events' arrays held as the Tracer holds them: the arena, the offsets, the statistics computed as each was
+    held, the events refused."""
+    holder, arena, meta, stats, refused = _holder(len(arrays_per_event),
+                                                  sum(a.nbytes for arrs in arrays_per_event for a in arrs) + 64, keep)
     for i, arrs in enumerate(arrays_per_event):
-        end = _core.trace_hold(arrs, arena, ends[-1], meta, i, 0, 0)
-        if end < 0:
-            refused.append(i)
-        ends.append(end if end >= 0 else ends[-1])
-    return arena, np.array(ends, np.int64), refused
+        holder.note("stage", i, 0, arrs, 0)
+    return arena, np.array([0, *meta[:, 0]], np.int64), stats, refused
 
 
 def _random_events(rng: np.random.Generator, n: int) -> list[tuple[np.ndarray, ...]]:
@@ -92,14 +98,20 @@ def _random_events(rng: np.random.Generator, n: int) -> list[tuple[np.ndarray, .
 
 def test_statistics_and_digests_are_the_python_ones_bit_for_bit(path: str) -> None:
     """Random batches (multi-array events, empty ones, NaN, infinities, denormals, a few large): each event's mean,
-    rms and max |x| are `_batch_stats`'s over the same groups, bit for bit, on either path; each digest is sha256's."""
+    rms and max |x|, as the holder computes them when it holds the event (keeping its bytes or not) and as trace_stats
+    computes them from the arena, are `_batch_stats`'s over the same groups, bit for bit, on either path; each digest
+    is sha256's."""
     rng = np.random.default_rng(2)
     for trial in range(60):
         events = _random_events(rng, int(rng.integers(1, 40)))
-        arena, offsets, refused = _hold(events)
+        arena, offsets, held_stats, refused = _hold(events)
         assert not refused
         stats, digests = np.empty((len(events), 3)), np.empty((len(events), 16), np.uint8)
         _core.trace_stats(arena, offsets, stats, digests)
+        unkept = _hold(events, keep=False)
+        assert not unkept[3] and not unkept[1].any()  # nothing kept in the arena
+        for other in held_stats, unkept[2]:
+            assert other.tobytes() == stats.tobytes()
         flat = [np.concatenate([a.ravel() for a in arrs]) if arrs else np.empty(0, np.float32) for arrs in events]
         with np.errstate(all="ignore"):
             ref = np.array(_batch_stats(np.concatenate(flat), [f.size for f in flat])).T
@@ -112,15 +124,24 @@ def test_statistics_and_digests_are_the_python_ones_bit_for_bit(path: str) -> No
 def test_hold_takes_views_in_c_order_and_refuses_what_it_cannot_hold() -> None:
     x = np.random.default_rng(3).standard_normal((5, 30)).astype(np.float32)
     q, k = x[:, :18].reshape(5, 3, 6), x[:, 18:].reshape(5, 2, 6)  # a prompt's q and k: strided views
-    arena, meta = bytearray(2000), np.zeros((2, 16), np.int64)
-    end = _core.trace_hold((q, k, x.T), arena, 0, meta, 0, 7, 123)
+    holder, arena, meta, stats, refused = _holder(2, 2000)
+    holder.note("qkv", None, 7, (q, k, x.T), 123)
+    end = holder.used
     held = np.frombuffer(arena, np.float32, count=end // 4)
     assert np.array_equal(held, np.concatenate([q.ravel(), k.ravel(), x.T.ravel()]))
-    assert meta[0, :3].tolist() == [end, 7, 123] and tm._shapes_of(meta[0, 3:].tolist()) == ((5, 3, 6), (5, 2, 6),
-                                                                                              (30, 5))
-    assert _core.trace_hold((np.zeros(3),), arena, 0, meta, 1, 0, 0) == -1  # float64
-    assert _core.trace_hold((x,), arena, 1500, meta, 1, 0, 0) == -2  # no room
-    assert _core.trace_hold((x,), arena, 0, meta, 2, 0, 0) == -2  # no row
+    assert meta[0, :5].tolist() == [end, 7, 123, 0, -1] and holder.n == 1
+    assert tm._shapes_of(meta[0, 5:].tolist()) == ((5, 3, 6), (5, 2, 6), (30, 5))
+    holder.note("norm", 2, 0, (np.zeros(3),), 5)  # float64: held, its statistics left to the refused hook
+    assert holder.n == 2 and holder.used == end and meta[1, :5].tolist() == [end, 0, 5, 1, 2]
+    assert refused[-1][4:] == (5, -1) and np.isnan(stats[1]).all()
+    holder.note("qkv", 0, 0, (x,), 0)  # no row left
+    assert holder.n == 2 and refused[-1][-1] == -2
+    holder.reset()
+    holder.note("qkv", 0, 0, (x, x, x, x), 0)  # no room
+    assert holder.n == 0 and refused[-1][-1] == -2
+    holder.reset(bytearray(4000))
+    holder.note("qkv", 0, 0, (x, x), 0)
+    assert holder.n == 1 and holder.used == 2 * x.nbytes
 
 
 def _reference_lines(tracer: Tracer, events: list[tuple], stats: np.ndarray, digests: np.ndarray | None) -> str:
@@ -139,8 +160,8 @@ def _reference_lines(tracer: Tracer, events: list[tuple], stats: np.ndarray, dig
 def test_lines_are_the_python_ones_byte_for_byte(path: str, level: str, key: bytes | None) -> None:
     rng = np.random.default_rng(4)
     pool = _awkward_doubles(rng)[-27:] + list(rng.standard_normal(40))
-    for _ in range(20):
-        n = int(rng.integers(1, 50))
+    for trial in range(20):
+        n = int(rng.integers(1, 50)) if trial else 400  # 400: lines rendered over the pool in many tasks
         events = [(str(rng.choice(["qkv", "attn_norm", 'we"ird%s\\'])), None if rng.random() < 0.2 else int(i),
                    int(rng.integers(-1, 5000)), tuple(tuple(rng.integers(0, 70, rng.integers(0, 4)).tolist())
                                                       for _ in range(rng.integers(0, 4))), int(rng.integers(0, 10**9)))
@@ -153,9 +174,12 @@ def test_lines_are_the_python_ones_byte_for_byte(path: str, level: str, key: byt
         ref.seq, ref.n_tokens, ref.prev = int(rng.integers(0, 10**6)), int(rng.integers(0, 100)), os.urandom(32).hex()
         seq, prev = ref.seq, ref.prev
         want = _reference_lines(ref, events, stats, digests)
-        starts, durs = np.array([e[2] for e in events], np.int64), np.array([e[4] for e in events], np.int64)
-        text, last = _core.trace_lines(template, seq, ref.n_tokens, starts, stats, digests, durs, prev, key)
+        meta = np.zeros((n, 24), np.int64)
+        meta[:, 1], meta[:, 2] = [e[2] for e in events], [e[4] for e in events]
+        text, last = _core.trace_lines(template, seq, ref.n_tokens, meta, stats, digests, prev, key)
         assert text == want and last == ref.prev
+    assert _core.trace_lines("", 5, 0, np.zeros((0, 24), np.int64), np.zeros((0, 3)), None, "0" * 64, key) == (
+        "", "0" * 64)
 
 
 def test_a_tracer_batch_with_other_dtypes_and_a_large_output(path: str) -> None:

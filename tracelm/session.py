@@ -52,7 +52,7 @@ from tracelm.stages.sample import top_logprobs
 # what the server, replay and the tools use of the engine, through the front door
 __all__ = ["SUFFIX", "Generation", "GenerationStats", "RenderBudget", "Runner", "Session", "ThreadLimits", "Tracer",
            "chat_prompt", "check_sampling", "closed_schema", "encode_chat", "held_bytes", "load_conversation",
-           "map_large_allocations", "numerics", "release_memory", "run_config", "save_conversation", "shift_chat",
+           "numerics", "release_memory", "run_config", "save_conversation", "shift_chat",
            "template_budget", "top_logprobs", "trace_key", "unspellable", "write_footer"]
 from tracelm.state.errors import SessionIncompatible, TracelmError
 from tracelm.state.records import SamplingParams
@@ -148,10 +148,6 @@ def _arrays(x: Any) -> Iterator[np.ndarray]:
             yield from _arrays(value)
 
 
-M_MMAP_THRESHOLD = -3  # glibc mallopt's parameter number
-MMAP_THRESHOLD = 128 << 10  # glibc's own starting value
-
-
 @functools.cache
 def _libc(name: str) -> Callable[..., int] | None:
     """A glibc function by name (malloc_trim, mallopt), None without glibc."""
@@ -159,18 +155,6 @@ def _libc(name: str) -> Callable[..., int] | None:
         return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):
         return None
-
-
-def map_large_allocations() -> None:
-    """Have glibc give every allocation of MMAP_THRESHOLD bytes or more its own mapping, for good (a no-op without
-    glibc). By default glibc raises that threshold to the size of each mapped block freed (up to 32 MB); after the
-    first Cache is freed, the next ones' KV arrays come from the heap, where calloc zeroes them (every page resident
-    at once instead of as positions fill) and, freed, they fragment the heap instead of going back to the OS. A
-    server that makes and drops session caches grows without bound: 40 SmolLM2 caches made in turn, 10 kept, held
-    1,194 MB of RSS with the default and 438 MB with this (measured once)."""
-    mallopt = _libc("mallopt")
-    if mallopt is not None:
-        mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
 
 
 def release_memory() -> None:

@@ -181,11 +181,11 @@ def kernel_weights(gf: Any, cfg: ModelConfig, streamed: bool = False, progress: 
     heads = ["token_embd.weight"] + ([] if cfg.tied_head else ["output.weight"])
     for name in heads:  # the f32 path checks them as it reads them (`_checked`); here before any is read
         _expect_shape(gf, name, (cfg.n_vocab, d))
-    names = [n for plan in plans for names, shape in plan.values() if len(shape) == 2 for n in names] + heads
-    parts = _kernel_parts(gf, names, streamed, progress)
+    groups = [names for plan in plans for names, shape in plan.values() if len(shape) == 2] + [(n,) for n in heads]
+    parts = _kernel_parts(gf, groups, streamed, progress)
 
     def matrix(names: tuple[str, ...], shape: tuple[int, ...]) -> QMatrix:
-        return QMatrix(shape, tuple(parts[n] for n in names), packed=not streamed)
+        return QMatrix(shape, parts[names], packed=not streamed)
 
     layers = tuple(LayerWeights(**vec, **{f: matrix(n, shape) for f, (n, shape) in plan.items() if len(shape) == 2})
                    for plan, vec in zip(plans, vectors, strict=True))
@@ -194,35 +194,64 @@ def kernel_weights(gf: Any, cfg: ModelConfig, streamed: bool = False, progress: 
     return ModelWeights(token_embd=embd, layers=layers, output_norm=output_norm, output=output)
 
 
-def _kernel_parts(gf: Any, names: list[str], streamed: bool, progress: bool) -> dict[str, tuple[np.ndarray, int]]:
-    """name -> (blocks, qtype) of each matrix: views of the map (streamed), or copied by file reads into one arena
-    in the order given, each 64-byte aligned (resident; the map's pages let go before and after)."""
+def _kernel_parts(gf: Any, groups: list[tuple[str, ...]], streamed: bool, progress: bool
+                  ) -> dict[tuple[str, ...], tuple[tuple[np.ndarray, int], ...]]:
+    """names -> its parts (blocks, qtype) for each matrix, a group of tensors stacked row after row: views of the
+    map, one part per tensor (streamed), or copied by file reads into one arena in the order given, each group
+    64-byte aligned and its tensors end to end (resident; the map's pages let go before and after). Resident,
+    neighbours of one type join into one part (`joinable`): one kernel call for q, k and v instead of three, the
+    same bits, since every output row is its own product."""
     from tqdm import tqdm
 
     resident_gguf = not streamed and isinstance(gf, GGUFFile)
     if resident_gguf:
         gf.release_pages()
-    arena = None if streamed else aligned_bytes(sum(-(-_kernel_bytes(gf, n) // 64) * 64 for n in names))
-    pos, parts = 0, {}
-    with tqdm(total=len(names), desc="loading weights", leave=False, disable=None if progress else True) as bar:
-        for n in names:
-            t, size = _info(gf, n), _kernel_bytes(gf, n)
-            if t.qtype not in kernels.SUPPORTED:
-                blocks, qtype = gf.tensor_f32(n).view(np.uint8).reshape(t.shape[0], -1), QType.F32
-                if arena is not None:
-                    blocks = _copied(blocks, arena[pos : pos + size])
-            elif arena is None:
-                blocks, qtype = gf.raw_rows(n), t.qtype
-            else:
-                blocks, qtype = gf.read_into(n, arena[pos : pos + size]).reshape(t.shape[0], -1), t.qtype
-                if kernels.packable(qtype, blocks.shape[0]):
-                    kernels.pack(blocks, qtype, out=blocks)  # in place: the kernels' layout (QMatrix.packed)
-            parts[n] = (blocks, qtype)
-            pos += -(-size // 64) * 64
-            bar.update()
+    group_bytes = [-(-sum(_kernel_bytes(gf, n) for n in g) // 64) * 64 for g in groups]
+    arena = None if streamed else aligned_bytes(sum(group_bytes))
+    pos, out = 0, {}
+    with tqdm(total=sum(map(len, groups)), desc="loading weights", leave=False, disable=None if progress else True
+              ) as bar:
+        for names in groups:
+            parts: list[tuple[np.ndarray, int]] = []
+            for n in names:
+                size = _kernel_bytes(gf, n)
+                part = _kernel_part(gf, n, None if arena is None else arena[pos : pos + size])
+                if arena is not None and parts and joinable(parts[-1], part):
+                    a = pos - parts[-1][0].nbytes  # the previous part ends here
+                    part = (arena[a : pos + size].reshape(-1, part[0].shape[1]), part[1])
+                    parts.pop()
+                parts.append(part)
+                pos += size
+                bar.update()
+            out[names] = tuple(parts)
+            pos = -(-pos // 64) * 64
     if resident_gguf:
         gf.release_pages()
-    return parts
+    return out
+
+
+def _kernel_part(gf: Any, name: str, out: np.ndarray | None) -> tuple[np.ndarray, int]:
+    """(blocks, qtype) of one matrix: a view of the map (out None) or its bytes read into `out`, the 32-value types
+    packed (`kernels.pack`); a type the kernels lack as F32 rows."""
+    t = _info(gf, name)
+    if t.qtype not in kernels.SUPPORTED:
+        blocks = gf.tensor_f32(name).view(np.uint8).reshape(t.shape[0], -1)
+        return (blocks if out is None else _copied(blocks, out)), QType.F32
+    if out is None:
+        return gf.raw_rows(name), t.qtype
+    blocks = gf.read_into(name, out).reshape(t.shape[0], -1)
+    if kernels.packable(t.qtype, blocks.shape[0]):
+        kernels.pack(blocks, t.qtype, out=blocks)  # in place: the kernels' layout (QMatrix.packed)
+    return blocks, t.qtype
+
+
+def joinable(a: tuple[np.ndarray, int], b: tuple[np.ndarray, int]) -> bool:
+    """Whether two parts may be one: the same type and row size, and packed alike (a 32-value type packs whole
+    groups of 8 rows, so both parts must have been packed)."""
+    (wa, ta), (wb, tb) = a, b
+    packed_alike = int(ta) not in kernels.PACKABLE or (kernels.packable(ta, wa.shape[0])
+                                                       and kernels.packable(tb, wb.shape[0]))
+    return ta == tb and wa.shape[1] == wb.shape[1] and packed_alike
 
 
 def _kernel_bytes(gf: Any, name: str) -> int:

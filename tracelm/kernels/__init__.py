@@ -45,11 +45,11 @@ threads = _core.threads
 path = _core.path  # "avx2" | "portable"
 use_path = _core.use_path  # use_path("portable" | "avx2"): for tests and comparisons
 paths = _core.paths  # the paths this CPU can run
-# the trace's kernels (trace_stats.c): a stage output's bytes held, the statistics and digests of a batch of them, the
-# batch's JSON lines and hash chain
-trace_hold = _core.trace_hold  # trace_hold(arrays, arena, offset) -> end (-1: not float32, -2: no room)
+# the trace's kernels (trace_stats.c): stage events held as they come (each output's statistics then, its bytes for the
+# digests), the statistics and digests of a batch of them, the batch's JSON lines and hash chain
+TraceHolder = _core.TraceHolder  # TraceHolder(arena, meta, stats, stage_ids, refused, keep).note(stage, layer, ...)
 trace_stats = _core.trace_stats  # trace_stats(arena, offsets, stats, digests)
-trace_lines = _core.trace_lines  # trace_lines(template, seq, tok, starts, stats, digests, durs, prev, key)
+trace_lines = _core.trace_lines  # trace_lines(template, seq, tok, meta, stats, digests, prev, key)
 quantize_rows = _core.quantize_rows  # quantize_rows(x, qtype, scratch, halves=2): x's int8 blocks as matmul
 # makes them (x row m -> block rows 2m = hi, 2m + 1 = lo; with halves=1, row m = hi), each
 # scratch_bytes(M, K, qtype, halves) // (halves M) bytes

@@ -218,12 +218,12 @@ static int check_halves(const char *fn, int halves) {
     return -1;
 }
 
-typedef struct { const kernel_path *p; mm_job j; int64_t n_mtiles; } mm_ctx;
+typedef struct { const kernel_path *p; mm_job j; int64_t n_mtiles, n_gtasks; } mm_ctx;
 
 static void mm_tasks(void *ctx, int64_t t0, int64_t t1) {
     mm_ctx *c = (mm_ctx *)ctx;
     for (int64_t t = t0; t < t1; t++) {   /* tile-major: tasks next to each other share x rows */
-        int64_t tile = t / c->j.n_groups, group = t % c->j.n_groups;
+        int64_t tile = t / c->n_gtasks, group = t % c->n_gtasks * c->j.gstep;
         int64_t m0 = tile * c->j.mtile, m1 = m0 + c->j.mtile < c->j.M ? m0 + c->j.mtile : c->j.M;
         c->p->mm_task(&c->j, group, m0, m1);
     }
@@ -406,13 +406,15 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
         c.j.n_groups = (N + GROUP - 1) / GROUP;
         c.j.mtile = M < MTILE ? M : MTILE;
         c.n_mtiles = (M + c.j.mtile - 1) / c.j.mtile;
+        c.j.gstep = path->task_groups(qtype, c.j.mtile);
+        c.n_gtasks = (c.j.n_groups + c.j.gstep - 1) / c.j.gstep;
         Py_BEGIN_ALLOW_THREADS
         if (xrb) {
             quant_job q = {path, qtype, c.j.x, K, (char *)sc.v.buf, xrb, halves};
             if (M * K < (1 << 15)) quant_tasks(&q, 0, M);
             else pool_run(quant_tasks, &q, M, chunk_for(M));
         }
-        int64_t ntasks = c.n_mtiles * c.j.n_groups;
+        int64_t ntasks = c.n_mtiles * c.n_gtasks;
         pool_run(mm_tasks, &c, ntasks, chunk_for(ntasks));
         Py_END_ALLOW_THREADS
     }
@@ -673,7 +675,7 @@ PyMODINIT_FUNC PyInit__core(void) {
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     if (PyModule_AddFunctions(m, layer_methods) < 0) { Py_DECREF(m); return NULL; }
-    if (PyModule_AddFunctions(m, trace_methods) < 0) { Py_DECREF(m); return NULL; }
+    if (PyModule_AddFunctions(m, trace_methods) < 0 || add_trace_types(m) < 0) { Py_DECREF(m); return NULL; }
     const char *env = getenv("TRACELM_KERNELS");
     path = (env && strcmp(env, "portable") == 0) || !cpu_has_avx2() ? &portable_path : &avx2_path;
     const char *spin = getenv("TRACELM_SPIN_US");

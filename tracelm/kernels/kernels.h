@@ -95,7 +95,7 @@ typedef struct {
     int8_t q[256];
 } xblock256;         /* 292 bytes, for Q4_K Q5_K Q6_K */
 
-/* A job for one matmul: tasks are (tile of up to MTILE x rows) x (group of GROUP weight rows). */
+/* A job for one matmul: tasks are (tile of up to MTILE x rows) x (gstep groups of GROUP weight rows). */
 #define GROUP 8
 #define MTILE 64
 typedef struct {
@@ -111,6 +111,7 @@ typedef struct {
     int halves;             /* 1: hi only; 2: hi and lo */
     int packed;             /* w is packed (x8, above): group g at w + 8 g row_bytes */
     int64_t n_groups;       /* ceil(N / GROUP) */
+    int64_t gstep;          /* groups per task (the path's task_groups; the last task may have fewer) */
     int64_t mtile;          /* x rows per task */
 } mm_job;
 
@@ -319,7 +320,8 @@ static inline float rms_inv(float ss, int64_t d, float eps) {
 typedef struct {
     const char *name;
     void (*quantize_row)(int qtype, const float *x, int64_t K, void *xq, int halves);   /* x row -> hi (, lo) */
-    void (*mm_task)(const mm_job *job, int64_t group, int64_t m0, int64_t m1); /* rows 8g.. x rows m0..m1 */
+    void (*mm_task)(const mm_job *job, int64_t group, int64_t m0, int64_t m1); /* groups g.. x rows m0..m1 */
+    int (*task_groups)(int qtype, int64_t rows);   /* groups per task for tiles of `rows` x rows */
     const layer_ops *layer;
 } kernel_path;
 

@@ -208,7 +208,7 @@ static float dot_f(int t, const uint8_t *w, const float *x, int64_t K) {
 }
 
 /* out = acc_hi + acc_lo: the two halves' sums, each from 0 (kernels.h) */
-static void mm_task(const mm_job *j, int64_t group, int64_t m0, int64_t m1) {
+static void mm_group(const mm_job *j, int64_t group, int64_t m0, int64_t m1) {
     int t = j->qtype;
     int64_t n0 = group * GROUP, n1 = (group + 1) * GROUP < j->N ? (group + 1) * GROUP : j->N;
     const uint8_t *base = j->w + n0 * j->row_bytes;   /* the group's rows, as the file has them */
@@ -243,7 +243,13 @@ static void mm_task(const mm_job *j, int64_t group, int64_t m0, int64_t m1) {
     free(own);
 }
 
-const kernel_path portable_path = {"portable", quantize_row, mm_task, &portable_layer};
+static void mm_task(const mm_job *j, int64_t g0, int64_t m0, int64_t m1) {   /* groups g0.. (gstep of them) */
+    for (int64_t g = g0; g < g0 + j->gstep && g < j->n_groups; g++) mm_group(j, g, m0, m1);
+}
+
+static int task_groups(int qtype, int64_t rows) { (void)qtype; (void)rows; return 1; }
+
+const kernel_path portable_path = {"portable", quantize_row, mm_task, task_groups, &portable_layer};
 
 /* ---- dequantization, the same float operations as gguf.quants ---- */
 void dequantize_rows(int t, const uint8_t *w, int64_t row_bytes, int64_t K, float *out, int64_t r0, int64_t r1) {

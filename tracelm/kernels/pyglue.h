@@ -23,5 +23,6 @@ HIDDEN void shape_str(const Py_buffer *v, char *s, size_t n);
 
 extern HIDDEN PyMethodDef layer_methods[];   /* layer.c */
 extern HIDDEN PyMethodDef trace_methods[];   /* trace_stats.c */
+HIDDEN int add_trace_types(PyObject *m);     /* trace_stats.c: TraceHolder */
 
 #endif

@@ -22,6 +22,8 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <structmember.h>
+#include <time.h>
 
 /* ======================================================================================================
  * statistics
@@ -242,70 +244,242 @@ static void copy_c_order(const char *src, const Py_ssize_t *shape, const Py_ssiz
 }
 
 /* the arrays' shapes into a row of meta from META_SHAPES on: k arrays, then per array ndim, its dims...; 0 if they do
- * not fit */
-enum { META_END, META_START, META_DUR, META_SHAPES };
+ * not fit (k = 0 then) */
+enum { META_END, META_START, META_DUR, META_STAGE, META_LAYER, META_SHAPES };
 static int shapes_row(const buf *v, Py_ssize_t k, int64_t *row, Py_ssize_t width) {
     Py_ssize_t at = META_SHAPES + 1;
-    row[META_SHAPES] = k;
-    for (Py_ssize_t i = 0; i < k; i++) {
-        if (at + 1 + v[i].v.ndim > width) return 0;
-        row[at++] = v[i].v.ndim;
-        for (int d = 0; d < v[i].v.ndim; d++) row[at++] = v[i].v.shape[d];
+    int fits = 1;
+    for (Py_ssize_t i = 0; i < k && fits; i++) {
+        if (at + 1 + v[i].v.ndim > width) fits = 0;
+        else {
+            row[at++] = v[i].v.ndim;
+            for (int d = 0; d < v[i].v.ndim; d++) row[at++] = v[i].v.shape[d];
+        }
     }
+    if (!fits) at = META_SHAPES + 1;
+    row[META_SHAPES] = fits ? k : 0;
     while (at < width) row[at++] = 0;
+    return fits;
+}
+
+static int get_c(PyObject *o, const char *name, char fmt, Py_ssize_t itemsize, int writable, buf *b) {
+    if (PyObject_GetBuffer(o, &b->v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) != 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "trace kernels: %s must be a C-contiguous%s array", name, writable ? " writable" : "");
+        return -1;
+    }
+    b->held = 1;
+    if ((fmt_is(&b->v, fmt) || (fmt == 'q' && fmt_is(&b->v, 'l'))) && b->v.itemsize == itemsize) return 0;
+    PyErr_Format(PyExc_ValueError, "trace kernels: %s has format '%s' (itemsize %zd)", name, fmt_name(&b->v),
+                 b->v.itemsize);
+    return -1;
+}
+
+/* ======================================================================================================
+ * the holder: the Tracer's hot path, one call per stage event
+ * ==================================================================================================== */
+/* TraceHolder(arena, meta, stats, stage_ids, refused, keep): a batch of stage events as they come. Event i's row of
+ * meta (int64 [rows, width]) is [its end in the arena, start, dur_ns, stage id (stage_ids: name -> id, a new name
+ * gets the next id), layer (-1: None), its shapes (shapes_row)]; stats[i] (float64 [rows, 3]) its mean, rms, max |x|,
+ * computed as it is held, from the bytes just written. `keep`: its float32 bytes stay in the arena (uint8) up to its
+ * end, for the digests; otherwise the arena is scratch (for outputs not one contiguous run of floats). */
+typedef struct {
+    PyObject_HEAD
+    buf arena, meta, stats;
+    PyObject *stage_ids, *refused;
+    Py_ssize_t n, used;   /* events and arena bytes held */
+    int64_t mark;         /* the clock when the last event was held */
+    int keep;
+    const kernel_path *path;   /* the path `leaf` is for (current_leaf without a strcmp per event) */
+    leaf_fn leaf;
+} holder;
+
+static int64_t now_ns(void) {   /* time.perf_counter_ns's clock */
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* the float32 arrays' elements (C order) into dst */
+static void copy_arrays(const buf *v, Py_ssize_t k, float *dst) {
+    for (Py_ssize_t i = 0; i < k; i++) {
+        const Py_buffer *b = &v[i].v;
+        if (PyBuffer_IsContiguous(b, 'C')) { memcpy(dst, b->buf, (size_t)b->len); dst += b->len / 4; }
+        else copy_c_order((const char *)b->buf, b->shape, b->strides, b->ndim, &dst);
+    }
+}
+
+static int one_run(const buf *v, Py_ssize_t k) {   /* the arrays are one C-order run of memory, in order */
+    for (Py_ssize_t i = 0; i < k; i++)
+        if (!PyBuffer_IsContiguous(&v[i].v, 'C') || (i && (char *)v[i - 1].v.buf + v[i - 1].v.len != v[i].v.buf))
+            return 0;
     return 1;
 }
 
-/* trace_hold(arrays, arena, offset, meta, i, start, dur): the float32 arrays' elements (C order) into arena (uint8)
- * from byte `offset` on, and row i of meta (int64 [rows, width]) = [the offset after them, start, dur, their shapes
- * (shapes_row)]; returns that offset, or -1 if an array is not float32 or the shapes do not fit a row, -2 if there is
- * no room in the arena or no row i (nothing is written then) */
-static PyObject *py_trace_hold(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (nargs != 7 || !PyTuple_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "trace_hold(arrays: tuple, arena, offset, meta, i, start, dur)");
-        return NULL;
-    }
-    Py_ssize_t n = PyTuple_GET_SIZE(args[0]), off = PyLong_AsSsize_t(args[2]), row = PyLong_AsSsize_t(args[4]);
-    long long start = PyLong_AsLongLong(args[5]), dur = PyLong_AsLongLong(args[6]);
-    if (PyErr_Occurred()) return NULL;
-    if (n > 8) return PyLong_FromLong(-1);
-    buf arena = {0}, meta = {0}, v[8] = {{{0}}};
-    PyObject *ret = NULL;
-    if (PyObject_GetBuffer(args[1], &arena.v, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) return NULL;
-    arena.held = 1;
-    if (PyObject_GetBuffer(args[3], &meta.v, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) goto done;
-    meta.held = 1;
-    if (meta.v.ndim != 2 || meta.v.itemsize != 8 || meta.v.shape[1] < 6) {
-        PyErr_SetString(PyExc_ValueError, "trace_hold: meta must be int64 [rows, width >= 6]");
-        goto done;
-    }
-    Py_ssize_t need = 0, status = 0, width = meta.v.shape[1];
-    for (Py_ssize_t i = 0; i < n && !status; i++) {
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(args[0], i), &v[i].v, PyBUF_STRIDES | PyBUF_FORMAT) != 0) goto done;
+/* hold one event: 0; -1 an array is not float32 (or the shapes do not fit a row): its row holds no statistics; -2 no
+ * room in the arena or no row left (nothing held); -3 a Python error */
+static int hold(holder *h, PyObject *stage, PyObject *layer, int64_t start, PyObject *arrays, int64_t dur) {
+    Py_ssize_t k = PyTuple_GET_SIZE(arrays);
+    const Py_ssize_t width = h->meta.v.shape[1];
+    if (h->n >= h->meta.v.shape[0]) return -2;
+    if (k > 8) return -1;
+    buf v[8] = {{{0}}};
+    Py_ssize_t need = 0;
+    int status = 0;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(arrays, i), &v[i].v, PyBUF_STRIDES | PyBUF_FORMAT) != 0) {
+            status = -3;
+            k = i;
+            goto done;
+        }
         v[i].held = 1;
         if (!fmt_is(&v[i].v, 'f') || v[i].v.itemsize != 4) status = -1;
         need += v[i].v.len;
     }
-    if (!status && (row >= meta.v.shape[0] || off > arena.v.len || need > arena.v.len - off)) status = -2;
-    int64_t *r = (int64_t *)meta.v.buf + row * width;
-    if (!status && !shapes_row(v, n, r, width)) status = -1;
-    if (!status) {
-        float *dst = (float *)((char *)arena.v.buf + off);
-        for (Py_ssize_t i = 0; i < n; i++) {
-            const Py_buffer *b = &v[i].v;
-            if (PyBuffer_IsContiguous(b, 'C')) { memcpy(dst, b->buf, (size_t)b->len); dst += b->len / 4; }
-            else copy_c_order((const char *)b->buf, b->shape, b->strides, b->ndim, &dst);
-        }
-        status = r[META_END] = off + need;
-        r[META_START] = start;
-        r[META_DUR] = dur;
+    const int run = !status && one_run(v, k), copy = h->keep || !run;
+    const Py_ssize_t at = h->keep ? h->used : 0;
+    if (!status && copy && need > h->arena.v.len - at) { status = -2; goto done; }
+    int64_t *r = (int64_t *)h->meta.v.buf + h->n * width;
+    PyObject *id = PyDict_GetItemWithError(h->stage_ids, stage);
+    if (!id && !PyErr_Occurred() && (id = PyLong_FromSsize_t(PyDict_GET_SIZE(h->stage_ids)))) {
+        int err = PyDict_SetItem(h->stage_ids, stage, id);
+        Py_DECREF(id);
+        if (err) id = NULL;
     }
-    ret = PyLong_FromSsize_t(status);
+    const int64_t ly = layer == Py_None ? -1 : PyLong_AsLongLong(layer);
+    if (!id || PyErr_Occurred()) { status = -3; goto done; }
+    r[META_START] = start; r[META_DUR] = dur; r[META_STAGE] = PyLong_AsLongLong(id); r[META_LAYER] = ly;
+    if (!shapes_row(v, k, r, width)) status = -1;
+    double *st = (double *)h->stats.v.buf + 3 * h->n;
+    if (status) st[0] = st[1] = st[2] = NAN;
+    else {
+        const float *x = run && !copy ? (const float *)v[0].v.buf : (const float *)((char *)h->arena.v.buf + at);
+        if (copy) copy_arrays(v, k, (float *)((char *)h->arena.v.buf + at));
+        if (h->path != current_path()) h->path = current_path(), h->leaf = current_leaf();
+        event_stats(h->leaf, x, need / 4, st);
+        if (h->keep) h->used += need;
+    }
+    r[META_END] = h->used;
+    h->n++;
 done:
-    for (Py_ssize_t i = 0; i < n; i++) release(&v[i]);
-    release(&arena); release(&meta);
-    return ret;
+    for (Py_ssize_t i = 0; i < k; i++) release(&v[i]);
+    return status;
+}
+
+/* note(stage, layer, start, arrays[, dur]): hold the event (arrays: a tuple of arrays); its dur_ns is `dur`, or
+ * without it the time since the last event was held. An event not held as float32 (-1: held, its statistics left
+ * to Python) or not held (-2: no room) is handed to refused(stage, layer, start, arrays, dur, status). */
+static PyObject *holder_note(holder *h, PyObject *const *args, Py_ssize_t nargs) {
+    const int64_t t = now_ns();
+    if ((nargs != 4 && nargs != 5) || !PyTuple_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "note(stage, layer, start, arrays: tuple[, dur])");
+        return NULL;
+    }
+    const int64_t start = PyLong_AsLongLong(args[2]), dur = nargs == 5 ? PyLong_AsLongLong(args[4]) : t - h->mark;
+    if (PyErr_Occurred()) return NULL;
+    int status = hold(h, args[0], args[1], start, args[3], dur);
+    if (status == -3) return NULL;
+    if (status < 0) {
+        PyObject *r = PyObject_CallFunction(h->refused, "OOLOLi", args[0], args[1], (long long)start, args[3],
+                                            (long long)dur, status);
+        if (!r) return NULL;
+        Py_DECREF(r);
+    }
+    h->mark = now_ns();
+    Py_RETURN_NONE;
+}
+
+/* reset([arena]): forget the events held (a drain took them), holding into `arena` from now on if given */
+static PyObject *holder_reset(holder *h, PyObject *args) {
+    PyObject *ao = NULL;
+    if (!PyArg_ParseTuple(args, "|O:reset", &ao)) return NULL;
+    if (ao) {
+        buf a = {0};
+        if (PyObject_GetBuffer(ao, &a.v, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) return NULL;
+        a.held = 1;
+        release(&h->arena);
+        h->arena = a;
+    }
+    h->n = h->used = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *holder_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    (void)kw;
+    PyObject *ao, *mo, *so, *ids, *refused;
+    int keep;
+    if (!PyArg_ParseTuple(args, "OOOO!Op:TraceHolder", &ao, &mo, &so, &PyDict_Type, &ids, &refused, &keep))
+        return NULL;
+    holder *h = (holder *)type->tp_alloc(type, 0);
+    if (!h) return NULL;
+    h->stage_ids = Py_NewRef(ids);
+    h->refused = Py_NewRef(refused);
+    h->keep = keep;
+    h->mark = now_ns();
+    if (PyObject_GetBuffer(ao, &h->arena.v, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) goto fail;
+    h->arena.held = 1;
+    if (get_c(mo, "meta", 'q', 8, 1, &h->meta) || get_c(so, "stats", 'd', 8, 1, &h->stats)) goto fail;
+    if (h->meta.v.ndim != 2 || h->meta.v.shape[1] < META_SHAPES + 2 || h->stats.v.len < 24 * h->meta.v.shape[0]) {
+        PyErr_SetString(PyExc_ValueError, "TraceHolder: meta must be int64 [rows, width >= 7], stats float64 [rows, 3]");
+        goto fail;
+    }
+    return (PyObject *)h;
+fail:
+    Py_DECREF(h);
+    return NULL;
+}
+
+static int holder_traverse(holder *h, visitproc visit, void *arg) {
+    Py_VISIT(h->stage_ids);
+    Py_VISIT(h->refused);
+    return 0;
+}
+
+static int holder_clear(holder *h) {
+    Py_CLEAR(h->stage_ids);
+    Py_CLEAR(h->refused);
+    return 0;
+}
+
+static void holder_dealloc(holder *h) {
+    PyObject_GC_UnTrack(h);
+    holder_clear(h);
+    release(&h->arena); release(&h->meta); release(&h->stats);
+    Py_TYPE(h)->tp_free((PyObject *)h);
+}
+
+static PyMethodDef holder_methods[] = {
+    {"note", (PyCFunction)(void (*)(void))holder_note, METH_FASTCALL,
+     "note(stage, layer, start, arrays[, dur]): hold one stage event"},
+    {"reset", (PyCFunction)holder_reset, METH_VARARGS, "reset([arena]): forget the events held"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef holder_members[] = {
+    {"n", T_PYSSIZET, offsetof(holder, n), READONLY, "events held"},
+    {"used", T_PYSSIZET, offsetof(holder, used), READONLY, "arena bytes held"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject holder_type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "tracelm.kernels._core.TraceHolder",
+    .tp_basicsize = sizeof(holder),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "TraceHolder(arena, meta, stats, stage_ids, refused, keep): a batch of stage events as they come",
+    .tp_new = holder_new,
+    .tp_dealloc = (destructor)holder_dealloc,
+    .tp_traverse = (traverseproc)holder_traverse,
+    .tp_clear = (inquiry)holder_clear,
+    .tp_methods = holder_methods,
+    .tp_members = holder_members,
+};
+
+int add_trace_types(PyObject *m) {
+    if (PyType_Ready(&holder_type) < 0) return -1;
+    Py_INCREF(&holder_type);
+    if (PyModule_AddObject(m, "TraceHolder", (PyObject *)&holder_type) < 0) { Py_DECREF(&holder_type); return -1; }
+    return 0;
 }
 
 typedef struct {
@@ -334,7 +508,7 @@ static void stats_tasks(void *ctx, int64_t t0, int64_t t1) {
         const int64_t a = j->order[2 * t], b = 2 * t + 1 < j->n ? j->order[2 * t + 1] : -1;
         for (int k = 0; k < 2; k++) {
             const int64_t e = k ? b : a;
-            if (e >= 0) event_stats(j->leaf8, (const float *)(j->arena + j->offsets[e]),
+            if (e >= 0 && j->stats) event_stats(j->leaf8, (const float *)(j->arena + j->offsets[e]),
                                     (j->offsets[e + 1] - j->offsets[e]) / 4, j->stats + 3 * e);
         }
         if (j->dig) event_digests(j, a, b);
@@ -348,22 +522,10 @@ static int larger_first(const void *x, const void *y) {
     return sa != sb ? (sa < sb) - (sa > sb) : (a > b) - (a < b);
 }
 
-static int get_c(PyObject *o, const char *name, char fmt, Py_ssize_t itemsize, int writable, buf *b) {
-    if (PyObject_GetBuffer(o, &b->v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) != 0) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_ValueError, "trace kernels: %s must be a C-contiguous%s array", name, writable ? " writable" : "");
-        return -1;
-    }
-    b->held = 1;
-    if ((fmt_is(&b->v, fmt) || (fmt == 'q' && fmt_is(&b->v, 'l'))) && b->v.itemsize == itemsize) return 0;
-    PyErr_Format(PyExc_ValueError, "trace kernels: %s has format '%s' (itemsize %zd)", name, fmt_name(&b->v),
-                 b->v.itemsize);
-    return -1;
-}
 
 /* trace_stats(arena, offsets, stats, digests): event e is the float32 values at byte offsets[e]..offsets[e+1] of
- * arena; stats[e] = (mean, rms, maxabs), digests[e] = its sha256's first 16 bytes (digests None: none). Events run
- * on the pool. */
+ * arena; stats[e] = (mean, rms, maxabs), digests[e] = its sha256's first 16 bytes (stats or digests None: none).
+ * Events run on the pool. */
 static PyObject *py_trace_stats(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *ao, *oo, *so, *dobj;
@@ -371,7 +533,8 @@ static PyObject *py_trace_stats(PyObject *self, PyObject *args) {
     buf arena = {0}, offs = {0}, st = {0}, dg = {0};
     PyObject *ret = NULL;
     if (get_c(ao, "arena", 'B', 1, 0, &arena) || get_c(oo, "offsets", 'q', 8, 0, &offs) ||
-        get_c(so, "stats", 'd', 8, 1, &st) || (dobj != Py_None && get_c(dobj, "digests", 'B', 1, 1, &dg)))
+        (so != Py_None && get_c(so, "stats", 'd', 8, 1, &st)) ||
+        (dobj != Py_None && get_c(dobj, "digests", 'B', 1, 1, &dg)))
         goto done;
     const int64_t n = offs.v.len / 8 - 1, *o = (const int64_t *)offs.v.buf;
     for (int64_t e = 0; e < n; e++)
@@ -380,7 +543,7 @@ static PyObject *py_trace_stats(PyObject *self, PyObject *args) {
                          (long long)e);
             goto done;
         }
-    if (n < 0 || st.v.len < 24 * n || (dg.held && dg.v.len < 16 * n)) {
+    if (n < 0 || (st.held && st.v.len < 24 * n) || (dg.held && dg.v.len < 16 * n)) {
         PyErr_SetString(PyExc_ValueError, "trace_stats: stats [n, 3] / digests [n, 16] too small for the offsets");
         goto done;
     }
@@ -389,7 +552,7 @@ static PyObject *py_trace_stats(PyObject *self, PyObject *args) {
     for (int64_t e = 0; e < n; e++) order[e] = e;
     sizes_for_sort = o;   /* under the GIL */
     qsort(order, (size_t)n, sizeof(int64_t), larger_first);
-    stats_job j = {current_leaf(), use_sha_ni(), (const uint8_t *)arena.v.buf, o, order, n, (double *)st.v.buf,
+    stats_job j = {current_leaf(), use_sha_ni(), (const uint8_t *)arena.v.buf, o, order, n, st.held ? (double *)st.v.buf : NULL,
                    dg.held ? (uint8_t *)dg.v.buf : NULL};
     Py_BEGIN_ALLOW_THREADS
     pool_run(stats_tasks, &j, (n + 1) / 2, 2);
@@ -405,20 +568,10 @@ done:
 /* the one-byte fields of a line template */
 enum { FIELD_SEQ = 1, FIELD_TOK, FIELD_START, FIELD_MEAN, FIELD_RMS, FIELD_MAXABS, FIELD_DIGEST, FIELD_DUR };
 
-typedef struct { char *p; size_t n, cap; } text;
-
-static int grow(text *t, size_t more) {
-    if (t->n + more <= t->cap) return 0;
-    size_t cap = (t->cap + more) * 2;
-    char *p = realloc(t->p, cap);
-    if (!p) return -1;
-    t->p = p; t->cap = cap;
-    return 0;
-}
-
 typedef struct {
     int64_t seq, tok;
-    const int64_t *starts, *durs;
+    const int64_t *meta;      /* start and dur_ns of event e: meta[e * width + META_START], META_DUR */
+    Py_ssize_t width;
     const double *stats;
     const uint8_t *digests;   /* NULL: none */
     const uint8_t *key;       /* NULL: unsigned */
@@ -426,104 +579,192 @@ typedef struct {
     int ni;
 } line_fields;
 
-/* one field of event e into t (room for 64 bytes is there) */
-static void put_field(text *t, int field, const line_fields *f, int64_t e) {
-    char *o = t->p + t->n;
+enum { FIELD_ROOM = 64 };   /* the most bytes one field takes */
+
+/* one field of event e at o; returns its length */
+static int put_field(int field, const line_fields *f, int64_t e, char *o) {
     switch (field) {
-    case FIELD_SEQ: t->n += (size_t)fmt_int(f->seq + e, o); break;
-    case FIELD_TOK: t->n += (size_t)fmt_int(f->tok, o); break;
-    case FIELD_START: t->n += (size_t)fmt_int(f->starts[e], o); break;
-    case FIELD_MEAN: case FIELD_RMS: case FIELD_MAXABS:
-        t->n += (size_t)fmt_stat(f->stats[3 * e + field - FIELD_MEAN], o); break;
-    case FIELD_DIGEST: hex_of(f->digests + 16 * e, 16, o); t->n += 32; break;
-    case FIELD_DUR: t->n += (size_t)fmt_us(f->durs[e], o); break;
+    case FIELD_SEQ: return fmt_int(f->seq + e, o);
+    case FIELD_TOK: return fmt_int(f->tok, o);
+    case FIELD_START: return fmt_int(f->meta[e * f->width + META_START], o);
+    case FIELD_MEAN: case FIELD_RMS: case FIELD_MAXABS: return fmt_stat(f->stats[3 * e + field - FIELD_MEAN], o);
+    case FIELD_DIGEST: hex_of(f->digests + 16 * e, 16, o); return 32;
+    default: return fmt_us(f->meta[e * f->width + META_DUR], o);
     }
 }
 
-/* close the line whose body (head + prev + '"') starts at t->p + at: hash it, write the hash (and mac) and '}' */
-static void close_line(text *t, size_t at, const line_fields *f, char prev[64]) {
-    uint8_t h[32];
-    sha256(t->p + at, t->n - at, h, f->ni);
-    hex_of(h, 32, prev);
-    memcpy(t->p + t->n, ",\"hash\":\"", 9); t->n += 9;
-    memcpy(t->p + t->n, prev, 64); t->n += 64;
-    if (f->key) {
-        uint8_t m[32];
-        hmac_sha256(f->key, f->klen, prev, 64, m, f->ni);
-        memcpy(t->p + t->n, "\",\"mac\":\"", 9); t->n += 9;
-        hex_of(m, 32, t->p + t->n); t->n += 64;
+/* the first field byte (<= FIELD_DUR: a field or the line's NUL) in [p, end): eight bytes at a time while none is
+ * below 9 (a byte b < 0x80 has b - 9 negative exactly when b < 9; a borrow only follows such a byte) */
+static const char *next_field(const char *p, const char *end) {
+    for (uint64_t w; end - p >= 8; p += 8) {
+        memcpy(&w, p, 8);
+        if ((w - 0x0909090909090909ULL) & ~w & 0x8080808080808080ULL) break;
     }
-    memcpy(t->p + t->n, "\"}", 2); t->n += 2;
+    while (p < end && (unsigned char)*p > FIELD_DUR) p++;
+    return p;
 }
 
-/* every line of the template (its heads each ended by '\0'), joined by '\n'; prev becomes the last line's hash */
-static int render_lines(const char *tpl, size_t tlen, const line_fields *f, int64_t n_events, char prev[64], text *t) {
-    int64_t e = 0;
-    size_t at = 0;
-    for (size_t i = 0; i < tlen; i++) {
-        size_t j = i;   /* a run of literal bytes */
-        while (j < tlen && (unsigned char)tpl[j] > FIELD_DUR) j++;
-        if (grow(t, j - i + 256)) return -1;
-        memcpy(t->p + t->n, tpl + i, j - i);
-        t->n += j - i;
-        if ((i = j) == tlen) break;
-        unsigned char c = (unsigned char)tpl[i];
-        if (c == 0) {
-            if (e >= n_events) return -2;
-            memcpy(t->p + t->n, prev, 64); t->n += 64;
-            t->p[t->n++] = '"';
-            close_line(t, at, f, prev);
-            t->p[t->n++] = '\n';
-            at = t->n;
-            e++;
-        } else {
-            if (e >= n_events || (c == FIELD_DIGEST && !f->digests)) return -2;
-            put_field(t, c, f, e);
+/* A batch's lines in three steps: every line's head (its fields filled in) and the sha256 of its whole blocks, on the
+ * pool; the chain, in order (each line's hash from there over the rest of its head, prev and '"'); every line
+ * written out with its hash (and mac), on the pool. */
+typedef struct {
+    const char *tpl;
+    const size_t *line_at;     /* line e's head: tpl[line_at[e] .. line_at[e + 1] - 1) (its NUL excluded) */
+    const line_fields *f;
+    char *heads;               /* line e's head as written: heads + e * room, head_len[e] bytes */
+    size_t room, *head_len;
+    sha256_ctx *ctx;           /* line e's sha256 after the whole blocks of its head */
+    char *hashes;              /* 64 hex digits per line, after the chain; hashes - 64: the prev of line 0 */
+    char *out;
+    const size_t *out_at;      /* line e from out + out_at[e] */
+} lines_job;
+
+static void head_tasks(void *ctx, int64_t e0, int64_t e1) {
+    const lines_job *j = (const lines_job *)ctx;
+    for (int64_t e = e0; e < e1; e++) {
+        const char *p = j->tpl + j->line_at[e], *end = j->tpl + j->line_at[e + 1] - 1;
+        char *o = j->heads + e * j->room;
+        while (p < end) {
+            const char *q = next_field(p, end);
+            memcpy(o, p, (size_t)(q - p));
+            o += q - p;
+            if ((p = q) < end) o += put_field((unsigned char)*p++, j->f, e, o);
         }
+        const size_t n = (size_t)(o - (j->heads + e * j->room));
+        j->head_len[e] = n;
+        sha256_init(&j->ctx[e], j->f->ni);
+        sha256_update(&j->ctx[e], j->heads + e * j->room, n - n % 64);
     }
-    if (t->n) t->n--;   /* no newline after the last line */
-    return e == n_events ? 0 : -2;
 }
 
-/* trace_lines(template, seq, tok, starts, stats, digests, durs, prev, key) -> (lines, last hash): the batch's lines
- * (template as above; seq of the first line; starts, durs int64 [n]; stats float64 [n, 3]; digests uint8 [n, 16] or
- * None; prev the hash before the first line; key the HMAC key or None) */
+static void chain(const lines_job *j, int64_t n) {
+    for (int64_t e = 0; e < n; e++) {
+        sha256_ctx c = j->ctx[e];
+        const size_t len = j->head_len[e];
+        uint8_t h[32];
+        sha256_update(&c, j->heads + e * j->room + len - len % 64, len % 64);
+        sha256_update(&c, j->hashes + 64 * (e - 1), 64);
+        sha256_update(&c, "\"", 1);
+        sha256_final(&c, h);
+        hex_of(h, 32, j->hashes + 64 * e);
+    }
+}
+
+static size_t line_len(size_t head_len, int mac) { return head_len + 65 + 9 + 64 + (mac ? 73 : 0) + 2; }
+
+static void write_tasks(void *ctx, int64_t e0, int64_t e1) {   /* BODY = head + prev + '"', ',"hash":"H"' [...] '}' */
+    const lines_job *j = (const lines_job *)ctx;
+    for (int64_t e = e0; e < e1; e++) {
+        char *o = j->out + j->out_at[e], *hash = j->hashes + 64 * e;
+        if (e) o[-1] = '\n';
+        memcpy(o, j->heads + e * j->room, j->head_len[e]); o += j->head_len[e];
+        memcpy(o, hash - 64, 64); o += 64;
+        memcpy(o, "\",\"hash\":\"", 10); o += 10;
+        memcpy(o, hash, 64); o += 64;
+        if (j->f->key) {
+            uint8_t m[32];
+            hmac_sha256(j->f->key, j->f->klen, hash, 64, m, j->f->ni);
+            memcpy(o, "\",\"mac\":\"", 9); o += 9;
+            hex_of(m, 32, o); o += 64;
+        }
+        memcpy(o, "\"}", 2);
+    }
+}
+
+/* the heads of the template's lines (each ended by '\0') into line_at; the number of lines, -1 if a digest field has
+ * no digests */
+static int64_t split_lines(const char *tpl, size_t tlen, int digests, size_t *line_at, int64_t most, size_t *longest) {
+    int64_t e = 0;
+    line_at[0] = 0;
+    *longest = 0;
+    for (const char *p = tpl, *end = tpl + tlen; p < end && e < most;) {
+        const char *z = memchr(p, '\0', (size_t)(end - p));
+        if (!z) break;
+        if (!digests && memchr(p, FIELD_DIGEST, (size_t)(z - p))) return -1;
+        size_t fields = 0;
+        for (const char *q = next_field(p, z); q < z; q = next_field(q + 1, z)) fields++;
+        if ((size_t)(z - p) + fields * FIELD_ROOM > *longest) *longest = (size_t)(z - p) + fields * FIELD_ROOM;
+        line_at[++e] = (size_t)(z + 1 - tpl);
+        p = z + 1;
+    }
+    return line_at[e] == tlen ? e : -1;
+}
+
+/* the lines of n events, joined by '\n' (no newline after the last); prev becomes the last line's hash */
+static PyObject *render_lines(const char *tpl, size_t tlen, const line_fields *f, int64_t n, char prev[64]) {
+    PyObject *ret = NULL;
+    size_t *line_at = malloc((size_t)(2 * n + 2) * sizeof(size_t)), longest = 0;
+    char *hashes = malloc((size_t)(n + 1) * 64);
+    sha256_ctx *ctx = malloc((size_t)(n ? n : 1) * sizeof(sha256_ctx));
+    char *heads = NULL, *out = NULL;
+    if (!line_at || !hashes || !ctx) { PyErr_NoMemory(); goto done; }
+    if (split_lines(tpl, tlen, f->digests != NULL, line_at, n, &longest) != n) {
+        PyErr_SetString(PyExc_ValueError, "trace_lines: the template's lines are not one per event (or it has digests "
+                        "and none were given)");
+        goto done;
+    }
+    size_t *head_len = line_at + n + 1;
+    if (!(heads = malloc((size_t)n * longest + 1))) { PyErr_NoMemory(); goto done; }
+    memcpy(hashes, prev, 64);
+    lines_job j = {tpl, line_at, f, heads, longest, head_len, ctx, hashes + 64, NULL, NULL};
+    Py_BEGIN_ALLOW_THREADS
+    pool_run(head_tasks, &j, n, 8);
+    chain(&j, n);
+    Py_END_ALLOW_THREADS
+    size_t total = 0;
+    size_t *out_at = line_at;   /* the template's offsets are no longer needed */
+    for (int64_t e = 0; e < n; e++) {
+        out_at[e] = total;
+        total += line_len(head_len[e], f->key != NULL) + 1;
+    }
+    total -= n > 0;
+    if (!(out = malloc(total + 1))) { PyErr_NoMemory(); goto done; }
+    j.out = out; j.out_at = out_at;
+    Py_BEGIN_ALLOW_THREADS
+    pool_run(write_tasks, &j, n, 8);
+    Py_END_ALLOW_THREADS
+    memcpy(prev, hashes + 64 * n, 64);
+    ret = PyUnicode_FromStringAndSize(out, (Py_ssize_t)total);
+done:
+    free(line_at); free(hashes); free(ctx); free(heads); free(out);
+    return ret;
+}
+
+/* trace_lines(template, seq, tok, meta, stats, digests, prev, key) -> (lines, last hash): the batch's lines
+ * (template: one line head per event, each ended by '\0', with one-byte fields FIELD_*; seq of the first line; meta
+ * int64 [n, width], the holder's rows: start and dur_ns in columns META_START, META_DUR; stats float64 [n, 3];
+ * digests uint8 [n, 16] or None; prev the hash before the first line; key the HMAC key or None) */
 static PyObject *py_trace_lines(PyObject *self, PyObject *args) {
     (void)self;
     const char *tpl, *prev_in;
     Py_ssize_t tlen, plen;
     long long seq, tok;
-    PyObject *so, *sto, *dobj, *duo, *ko;
-    if (!PyArg_ParseTuple(args, "s#LLOOOOs#O:trace_lines", &tpl, &tlen, &seq, &tok, &so, &sto, &dobj, &duo, &prev_in,
-                          &plen, &ko))
+    PyObject *mo, *sto, *dobj, *ko;
+    if (!PyArg_ParseTuple(args, "s#LLOOOs#O:trace_lines", &tpl, &tlen, &seq, &tok, &mo, &sto, &dobj, &prev_in, &plen,
+                          &ko))
         return NULL;
-    buf starts = {0}, stats = {0}, dg = {0}, durs = {0}, key = {0};
+    buf meta = {0}, stats = {0}, dg = {0}, key = {0};
     PyObject *ret = NULL;
-    text t = {0};
-    if (get_c(so, "starts", 'q', 8, 0, &starts) || get_c(sto, "stats", 'd', 8, 0, &stats) ||
-        (dobj != Py_None && get_c(dobj, "digests", 'B', 1, 0, &dg)) || get_c(duo, "durs", 'q', 8, 0, &durs))
+    if (get_c(mo, "meta", 'q', 8, 0, &meta) || get_c(sto, "stats", 'd', 8, 0, &stats) ||
+        (dobj != Py_None && get_c(dobj, "digests", 'B', 1, 0, &dg)))
         goto done;
     if (ko != Py_None && PyObject_GetBuffer(ko, &key.v, PyBUF_SIMPLE) != 0) goto done;
     key.held = ko != Py_None;
-    const int64_t n = starts.v.len / 8;
-    if (plen != 64 || durs.v.len / 8 != n || stats.v.len / 24 < n || (dg.held && dg.v.len / 16 < n)) {
-        PyErr_SetString(PyExc_ValueError, "trace_lines: prev must be 64 hex digits; starts, durs, stats, digests "
+    if (plen != 64 || meta.v.ndim != 2 || meta.v.shape[1] <= META_DUR || stats.v.len / 24 < meta.v.shape[0] ||
+        (dg.held && dg.v.len / 16 < meta.v.shape[0])) {
+        PyErr_SetString(PyExc_ValueError, "trace_lines: prev must be 64 hex digits; meta [n, width], stats, digests "
                         "one row per event");
         goto done;
     }
-    line_fields f = {seq, tok, (const int64_t *)starts.v.buf, (const int64_t *)durs.v.buf,
-                     (const double *)stats.v.buf, dg.held ? (const uint8_t *)dg.v.buf : NULL,
-                     key.held ? (const uint8_t *)key.v.buf : NULL, key.held ? (size_t)key.v.len : 0, use_sha_ni()};
+    line_fields f = {seq, tok, (const int64_t *)meta.v.buf, meta.v.shape[1], (const double *)stats.v.buf,
+                     dg.held ? (const uint8_t *)dg.v.buf : NULL, key.held ? (const uint8_t *)key.v.buf : NULL,
+                     key.held ? (size_t)key.v.len : 0, use_sha_ni()};
     char prev[64];
     memcpy(prev, prev_in, 64);
-    int err = render_lines(tpl, (size_t)tlen, &f, n, prev, &t);
-    if (err == -1) PyErr_NoMemory();
-    else if (err) PyErr_SetString(PyExc_ValueError, "trace_lines: the template's lines are not one per event (or "
-                                  "it has digests and none were given)");
-    else ret = Py_BuildValue("(s#s#)", t.p ? t.p : "", (Py_ssize_t)t.n, prev, (Py_ssize_t)64);
+    PyObject *lines = render_lines(tpl, (size_t)tlen, &f, meta.v.shape[0], prev);
+    if (lines) ret = Py_BuildValue("(Ns#)", lines, prev, (Py_ssize_t)64);
 done:
-    free(t.p);
-    release(&starts); release(&stats); release(&dg); release(&durs); release(&key);
+    release(&meta); release(&stats); release(&dg); release(&key);
     return ret;
 }
 
@@ -562,13 +803,10 @@ static PyObject *py_trace_format(PyObject *self, PyObject *args) {   /* trace_fo
 }
 
 PyMethodDef trace_methods[] = {
-    {"trace_hold", (PyCFunction)(void (*)(void))py_trace_hold, METH_FASTCALL,
-     "trace_hold(arrays, arena, offset, meta, i, start, dur): float32 arrays' elements (C order) into arena at "
-     "offset, their end, start, dur and shapes into meta[i]; the end, -1 not float32 (or too many dims), -2 no room"},
     {"trace_stats", py_trace_stats, METH_VARARGS,
      "trace_stats(arena, offsets, stats, digests): per event mean, rms, max|x| (and sha256-128)"},
     {"trace_lines", py_trace_lines, METH_VARARGS,
-     "trace_lines(template, seq, tok, starts, stats, digests, durs, prev, key) -> (lines, last hash)"},
+     "trace_lines(template, seq, tok, meta, stats, digests, prev, key) -> (lines, last hash)"},
     {"trace_sha256", py_trace_sha256, METH_VARARGS, "trace_sha256(data, ni): sha256 (plain C or SHA-NI)"},
     {"trace_hmac", py_trace_hmac, METH_VARARGS, "trace_hmac(key, msg, ni): HMAC-SHA256"},
     {"trace_format", py_trace_format, METH_VARARGS, "trace_format(x, ns): (_num(x), '%.1f' % (ns / 1000))"},

@@ -18,8 +18,7 @@ traced sequence's hook sees exactly the events a lone pass would give (its rows 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -73,22 +72,7 @@ def new_cache(cfg: ModelConfig, n_ctx: int, slack: int = RING_SLACK, kv_dtype: s
     tables = lambda base: rope_tables(n_ctx, cfg.rope_dim, base, cfg.rope_mode, cfg.rope_freq_factors)  # noqa: E731
     cos, sin = tables(cfg.rope_base)
     bases = {cfg.layer_rope_base(i) for i in range(cfg.n_layer)} - {cfg.rope_base}
-    with small_pages():
-        return Cache(cfg, n_ctx, cos, sin, {b: tables(b) for b in bases}, slack, kv_dtype)
-
-
-@contextlib.contextmanager
-def small_pages() -> Iterator[None]:
-    """numpy advises transparent huge pages (2 MiB) for arrays of 4 MiB and more. A Cache's KV arrays are
-    written a few positions at a time in every (layer, kv head) slab, so with huge pages its first token
-    would make nearly all of it resident (SmolLM2 at 1,024 positions: 42 MB at once instead of ~1 MB):
-    allocate them with ordinary pages, resident as positions fill."""
-    from numpy._core.multiarray import _set_madvise_hugepage
-    before = _set_madvise_hugepage(False)
-    try:
-        yield
-    finally:
-        _set_madvise_hugepage(before)
+    return Cache(cfg, n_ctx, cos, sin, {b: tables(b) for b in bases}, slack, kv_dtype)
 
 
 @attrs.frozen

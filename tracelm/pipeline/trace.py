@@ -18,11 +18,12 @@ Levels: "off" (no events), "summary" (statistics, no digests), "digest" (also a 
 output bytes, so two runs can be compared bit for bit).
 
 The hot path (`Tracer.call`, or `Tracer.note` for a pass through graph.fused_layers, whose outputs are buffers the
-next stage overwrites) times the stage and copies its float32 output bytes into an arena (trace_hold, in the
-kernels), with its start, duration and shapes. Everything else runs in batches -- at each token event, at flush,
-or when the arena (4 * BATCH_ELEMENTS bytes) is full -- through one structlog call per batch, in the trace kernels
-(tracelm/kernels/trace_stats.c): every event's statistics (numpy's reduceat order, so `_batch_stats` below gives
-the same bits) and digest over the pool, then the lines from a template cached per sequence of stages and shapes
+next stage overwrites) is one call to the kernels' TraceHolder per stage event: it times the stage, computes the
+output's statistics while its bytes are in cache (numpy's reduceat order, so `_batch_stats` below gives the same bits)
+and, at level digest, copies its float32 bytes into an arena (4 * BATCH_ELEMENTS bytes), with its start, duration,
+stage, layer and shapes in a meta row. Everything else runs in batches -- at each token event, at flush, or when the
+arena is full -- through one structlog call per batch, in the trace kernels (tracelm/kernels/trace_stats.c): every
+event's digest over the pool, then the lines from a template cached per sequence of stages and shapes
 (`_stage_head`), each closed, hashed and signed as `_chain` does. An output that is not float32 has its statistics
 and digest computed by `_batch_stats` and `digest` when it is held.
 """
@@ -47,7 +48,7 @@ import attrs
 import numpy as np
 import structlog
 
-from tracelm.kernels import trace_hold, trace_lines, trace_stats
+from tracelm.kernels import TraceHolder, trace_lines, trace_stats
 from tracelm.state.records import Hidden
 
 LEVELS = ("off", "summary", "digest")
@@ -59,7 +60,7 @@ PACKAGES = ("tracelm", "numpy", "numexpr", "gguf", "tokenizers", "sentencepiece"
             "PyYAML", "llguidance")
 BATCH_ELEMENTS = 1 << 20  # output elements held (4 MiB) that force a batch: bounds the memory a prefill holds
 ARENA_BYTES = 4 * BATCH_ELEMENTS  # the float32 outputs' copies, held until their lines are rendered
-META_ROWS, META_WIDTH = 4096, 16  # stage events held at most; each one's arena end and shapes
+META_ROWS, META_WIDTH = 4096, 24  # stage events held at most; each one's arena end, start, dur, stage, layer, shapes
 TIMING_SUFFIXES = ("_us", "_seconds")
 CHAIN_FIELDS = ("prev", "hash", "mac", "sig")
 FOOTER_STATUSES = ("complete", "interrupted")
@@ -248,64 +249,54 @@ class Tracer:
         self.counts: dict[str, int] = {}
         self.stage_ns = 0  # total duration of the stage calls
         self._digest = level == "digest"
-        # pending stage events: (stage, layer); event i's float32 outputs' bytes are copies in the arena (the first
-        # `_used` bytes are held), up to byte _meta[i, 0]; _meta[i, 1:] is its start, dur_ns and shapes (shapes_row
-        # in trace_stats.c); `_own`: event index -> (mean, rms, maxabs, digest, dtype, shapes) of any other output
-        self._pending: list[tuple[str, int | None]] = []
+        # the stage events held (TraceHolder, in the kernels): event i's row of _meta is its arena end, start, dur_ns,
+        # stage id (_stage_ids), layer (-1: None) and shapes (shapes_row in trace_stats.c), _stats[i] its mean, rms
+        # and max |x|; at level digest its float32 bytes stay in the arena for the digests. `_own`: event index ->
+        # (mean, rms, maxabs, digest, dtype, shapes) of any other output
         self._arena = bytearray(ARENA_BYTES)
-        self._used = 0
-        meta = bytearray(8 * META_ROWS * META_WIDTH)
-        self._meta, self._meta_rows = memoryview(meta).cast("q", (META_ROWS, META_WIDTH)), _int64_rows(meta)
+        self._meta, self._stats = np.zeros((META_ROWS, META_WIDTH), np.int64), np.zeros((META_ROWS, 3))
+        self._stage_ids: dict[str, int] = {}
         self._own: dict[int, tuple[Any, ...]] = {}
-        self._mark = time.perf_counter_ns()  # when the last stage event was held: where a noted stage's time starts
+        self._holder = TraceHolder(self._arena, self._meta, self._stats, self._stage_ids, self._hold_other,
+                                   self._digest)
+        # note(stage, layer, start, arrays): a stage's output arrays as a pass computed them without `call`
+        # (graph.fused_layers, into buffers the next stage overwrites), held at once; its time is the time since the
+        # last event was held
+        self.note = self._holder.note
         self._templates: dict[tuple[Any, ...], str] = {}
+        self._last_template: tuple[Any, str] = ((), "")  # the last batch's key and template
         self._stream = stream
         self.written = (0, GENESIS)  # seq and prev after the last line written: where an interrupted chain resumes
         self._batch = ("", 0)  # the kind and number of the lines being rendered, counted once written
-        self._log = structlog.wrap_logger(_LineWriter(self, stream), processors=[self._render], context_class=dict)
+        # bound once: wrap_logger's lazy proxy binds a new logger at every call (two a token)
+        self._log = structlog.wrap_logger(_LineWriter(self, stream), processors=[self._render],
+                                          context_class=dict).bind()
 
     # -- the hot path -------------------------------------------------------------------------------
     def call(self, stage: str, layer: int | None, fn: Callable[..., Any], *args: Any) -> Any:
         t0 = time.perf_counter_ns()
         out = fn(*args)
         dur = time.perf_counter_ns() - t0
-        arrays, start = output_arrays(out), getattr(out, "start", -1)
-        end = trace_hold(arrays, self._arena, self._used, self._meta, len(self._pending), start, dur)
-        if end < 0:
-            end = self._hold_other(arrays, end, start, dur)
-        self._pending.append((stage, layer))
-        self._used = end
-        self._mark = time.perf_counter_ns()
+        self.note(stage, layer, getattr(out, "start", -1), output_arrays(out), dur)
         return out
 
-    def note(self, stage: str, layer: int | None, start: int, arrays: tuple[np.ndarray, ...]) -> None:
-        """A stage's output arrays as a pass computed them without `call` (graph.fused_layers, into buffers the
-        next stage overwrites): copied at once; the stage's time is the time since the last event was held."""
-        dur = time.perf_counter_ns() - self._mark
-        end = trace_hold(arrays, self._arena, self._used, self._meta, len(self._pending), start, dur)
-        if end < 0:
-            end = self._hold_other(arrays, end, start, dur)
-        self._pending.append((stage, layer))
-        self._used = end
-        self._mark = time.perf_counter_ns()
-
-    def _hold_other(self, arrays: tuple[np.ndarray, ...], status: int, start: int, dur: int) -> int:
-        """An output trace_hold did not take: no room (render what is held first; an output larger than the arena
-        gets a larger one), or not float32 (its statistics and digest now). The arena's end after it."""
+    def _hold_other(self, stage: str, layer: int | None, start: int, arrays: tuple[np.ndarray, ...], dur: int,
+                    status: int) -> None:
+        """An output the holder did not take as float32: no room (render what is held first; an output larger than
+        the arena gets a larger one), or held but not float32 (its statistics and digest now)."""
         if status == -2:
             self._drain()
-            self._arena = bytearray(max(ARENA_BYTES, sum(a.nbytes for a in arrays)))
-            status = trace_hold(arrays, self._arena, 0, self._meta, 0, start, dur)
-        if status >= 0:
-            return status
-        i = len(self._pending)
+            need = sum(a.nbytes for a in arrays)
+            if need > len(self._arena):
+                self._arena = bytearray(need)
+                self._holder.reset(self._arena)
+            self.note(stage, layer, start, arrays, dur)
+            return
         buf = _flatten(list(arrays))
         mean, rms, maxabs = _batch_stats(buf, [buf.size])
         d = bytes.fromhex(digest(list(arrays))) if self._digest else b""
-        self._own[i] = (mean[0], rms[0], maxabs[0], d, arrays[0].dtype.name, tuple([a.shape for a in arrays]))
-        self._meta_rows[i] = 0
-        self._meta_rows[i, :3] = self._used, start, dur
-        return self._used
+        self._own[self._holder.n - 1] = (mean[0], rms[0], maxabs[0], d, arrays[0].dtype.name,
+                                         tuple([a.shape for a in arrays]))
 
     # -- events -------------------------------------------------------------------------------------
     def event(self, kind: str, **fields: Any) -> None:
@@ -333,22 +324,21 @@ class Tracer:
         self.seq, self.prev = self.written
 
     def _drain(self) -> None:
-        """Render the pending stage events in one batch."""
-        pending, self._pending = self._pending, []
+        """Render the stage events held in one batch."""
+        n, arena = self._holder.n, self._arena
         own, self._own = self._own, {}
-        self._used = 0
-        if not pending:
-            return
-        held = (self._arena, self._meta_rows[: len(pending)], own)
-        if len(self._arena) > ARENA_BYTES:  # the larger arena of one large output is not kept
+        if len(arena) > ARENA_BYTES:  # the larger arena of one large output is not kept
             self._arena = bytearray(ARENA_BYTES)
-        self._log.msg("stages", rows=pending, held=held)
+            self._holder.reset(self._arena)
+        self._holder.reset()
+        if n:
+            self._log.msg("stages", n=n, held=(arena, own))
 
     # -- rendering and chaining (structlog processor) -------------------------------------------------
     def _render(self, _logger: Any, _name: str, event: dict[str, Any]) -> str:
-        if event.get("event") == "stages" and "rows" in event:
-            self._batch = ("stage", len(event["rows"]))
-            return self._stage_lines(event["rows"], *event["held"])
+        if event.get("event") == "stages" and "held" in event:
+            self._batch = ("stage", event["n"])
+            return self._stage_lines(event["n"], *event["held"])
         self._batch = (event["event"], 1)
         body = {"seq": self.seq, "event": event.pop("event"), **event, "prev": self.prev}
         line = json.dumps(body, ensure_ascii=False, separators=(",", ":"), default=_jsonable)[:-1]
@@ -368,43 +358,44 @@ class Tracer:
             tail += f',"sig":"{ed25519_sign(self.signer, h)}"'
         return body + tail + "}"
 
-    def _stage_lines(self, rows: list[tuple[str, int | None]], arena: bytearray, meta: np.ndarray,
-                     own: dict[int, tuple[Any, ...]]) -> str:
-        """Render, chain and sign a batch of stage events (~200 per decoded token, so kept lean), in the trace
-        kernels: `rows` are (stage, layer); event i's float32 outputs' bytes are in `arena` up to meta[i, 0] (from
-        the previous event's end), its start, dur_ns and shapes in meta[i, 1:]; `own` holds the statistics,
-        digests, dtypes and shapes of any other output. The template of the lines is cached per sequence of
-        stages and shapes, which repeats every decode step; trace_lines fills in each line's numbers, then closes
-        and hashes each line in turn."""
-        n = len(rows)
-        offsets = np.zeros(n + 1, np.int64)
-        offsets[1:] = meta[:, 0]
-        stats = np.empty((n, 3))
-        digests = np.empty((n, 16), np.uint8) if self._digest else None
-        trace_stats(arena, offsets, stats, digests)
+    def _stage_lines(self, n: int, arena: bytearray, own: dict[int, tuple[Any, ...]]) -> str:
+        """Render, chain and sign the n stage events held (~200 per decoded token, so kept lean), in the trace
+        kernels: event i's row of _meta and _stats (see __init__), its float32 bytes (level digest) in `arena` from
+        the previous event's end; `own` holds the statistics, digests, dtypes and shapes of any other output. The
+        template of the lines is cached per sequence of stages, layers and shapes, which repeats every decode step;
+        trace_lines fills in each line's numbers, then closes and hashes each line in turn."""
+        meta, stats = self._meta[:n], self._stats[:n]
+        digests = None
+        if self._digest:
+            offsets = np.zeros(n + 1, np.int64)
+            offsets[1:] = meta[:, 0]
+            digests = np.empty((n, 16), np.uint8)
+            trace_stats(arena, offsets, None, digests)
         for i, (mean, rms, maxabs, d, *_) in own.items():
             stats[i] = mean, rms, maxabs
             if digests is not None:
                 digests[i] = np.frombuffer(d, np.uint8)
-        key = (tuple(rows), meta[:, 3:].tobytes(), tuple((i, o[4:]) for i, o in own.items()))
-        template = self._templates.get(key)
-        if template is None:
-            if len(self._templates) >= 256:  # prefill batches rarely repeat: keep the cache bounded
-                self._templates.clear()
-            template = self._templates[key] = self._template(rows, meta, own)
-        starts, durs = meta[:, 1].copy(), meta[:, 2].copy()
-        text, prev = trace_lines(template, self.seq, self.n_tokens, starts, stats, digests, durs, self.prev, self.key)
-        self.stage_ns += int(durs.sum())
+        key = (meta[:, 3:].tobytes(), tuple((i, o[4:]) for i, o in own.items()))
+        if key != self._last_template[0]:  # a decode step's batch is the last one's: compared, not hashed (~35 kB)
+            template = self._templates.get(key)
+            if template is None:
+                if len(self._templates) >= 256:  # prefill batches rarely repeat: keep the cache bounded
+                    self._templates.clear()
+                template = self._templates[key] = self._template(meta, own)
+            self._last_template = (key, template)
+        template = self._last_template[1]
+        text, prev = trace_lines(template, self.seq, self.n_tokens, meta, stats, digests, self.prev, self.key)
+        self.stage_ns += int(meta[:, 2].sum())
         self.seq, self.prev = self.seq + n, prev
         return text
 
-    def _template(self, rows: list[tuple[str, int | None]], meta: np.ndarray, own: dict[int, tuple[Any, ...]]) -> str:
+    def _template(self, meta: np.ndarray, own: dict[int, tuple[Any, ...]]) -> str:
         """trace_lines' template of a batch: each event's line head (LINE_FIELDS for its numbers), ended by NUL."""
         fields = LINE_FIELDS if self._digest else LINE_FIELDS[:6] + (None, LINE_FIELDS[7])
-        heads = []
-        for i, (stage, layer) in enumerate(rows):
-            dtype, shapes = own[i][4:] if i in own else ("float32", _shapes_of(meta[i, 3:].tolist()))
-            heads.append(_stage_head(stage, layer, shapes, dtype, fields) + "\0")
+        names, heads = list(self._stage_ids), []
+        for i, (stage, layer, *row) in enumerate(meta[:, 3:].tolist()):
+            dtype, shapes = own[i][4:] if i in own else ("float32", _shapes_of(row))
+            heads.append(_stage_head(names[stage], None if layer < 0 else layer, shapes, dtype, fields) + "\0")
         return "".join(heads)
 
 
@@ -422,13 +413,8 @@ class _LineWriter:
     info = msg  # what structlog's bound logger calls for `msg`
 
 
-def _int64_rows(meta: bytearray) -> np.ndarray:
-    """The meta rows as numpy int64 [META_ROWS, META_WIDTH] (the same memory)."""
-    return np.frombuffer(meta, np.int64).reshape(META_ROWS, META_WIDTH)
-
-
 def _shapes_of(row: list[int]) -> tuple[tuple[int, ...], ...]:
-    """The shapes trace_hold wrote in a meta row (after its end): k, then each array's ndim and dims."""
+    """The shapes the holder wrote in a meta row (from its column META_SHAPES): k, then each array's ndim and dims."""
     shapes, at = [], 1
     for _ in range(row[0]):
         shapes.append(tuple(row[at + 1 : at + 1 + row[at]]))

@@ -46,7 +46,6 @@ from tracelm.session import (
     Session,
     check_sampling,
     held_bytes,
-    map_large_allocations,
     numerics,
     release_memory,
     top_logprobs,
@@ -152,7 +151,6 @@ class Engine:
         self.cfg = cfg = session.cfg
         opts = cfg.server
         self.max_batch = opts.max_batch
-        map_large_allocations()  # freed session caches go back to the OS, kept ones are resident as they fill
         # runners for requests without a session, at most max_batch of them; each emptied before use
         self._scratch = [session.new_runner()]
         files = (SessionFiles(opts.sessions_dir, opts.sessions_max_mb << 20, session.model_sha256, numerics(cfg))

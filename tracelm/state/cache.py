@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+
 import attrs
 import numpy as np
 
@@ -15,6 +17,19 @@ RING_SLACK = 64
 MASK_KEEP_BYTES = 1 << 20  # masks up to this size are kept for the next pass that asks
 KV_DTYPES = {"f32": np.float32, "f16": np.float16}  # the run config's kv_cache
 BUFFER_KEEP_BYTES = 1 << 20  # scratch arrays of a pass up to this size are kept for the next pass (Cache.buffer)
+
+
+def mapped_zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """Zeros in an anonymous mapping of their own, for a Cache's keys and values: a page is resident once written
+    (a KV array fills a few positions at a time in every slab, so ordinary pages: a huge one would make 2 MiB
+    resident for the first token), and the mapping goes back to the OS with the array. From malloc, a freed KV
+    array would stay in the heap (glibc raises its mapping threshold to the size of each mapped block freed),
+    and the next Cache's arrays would come from there, zeroed and resident at once."""
+    count = int(np.prod(shape))
+    buf = mmap.mmap(-1, max(1, count * np.dtype(dtype).itemsize))
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        buf.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(buf, dtype, count).reshape(shape)
 
 
 @attrs.frozen(slots=True, eq=False)
@@ -70,8 +85,8 @@ class Cache:
         self.k, self.v = [], []
         for r in self.rings:
             n = 2 * r if r else n_ctx
-            self.k.append(np.zeros((cfg.n_head_kv, cfg.head_dim, n), self.kv_dtype).transpose(0, 2, 1))
-            self.v.append(np.zeros((cfg.n_head_kv, n, cfg.head_dim), self.kv_dtype))
+            self.k.append(mapped_zeros((cfg.n_head_kv, cfg.head_dim, n), self.kv_dtype).transpose(0, 2, 1))
+            self.v.append(mapped_zeros((cfg.n_head_kv, n, cfg.head_dim), self.kv_dtype))
         self.held_from = [0] * cfg.n_layer  # per layer, the oldest position whose keys/values are still held
         self._joined: tuple | None = None  # a long pass's held + new keys/values of one layer, until read
         self.rope_cos, self.rope_sin = rope_cos, rope_sin  # [n_ctx, rope_dim], laid out for the rope mode
@@ -135,12 +150,12 @@ class Cache:
     def write(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
         """Store k, v [T, n_head_kv, head_dim] at positions start..start+T-1 of one layer."""
         T, ring = k.shape[0], self.rings[layer]
-        # rounded to the Cache's dtype here, so that a pass reads its own keys as a later one will
-        k, v = (a.transpose(1, 0, 2).astype(self.kv_dtype, copy=False) for a in (k, v))
-        if not ring:
-            self.k[layer][:, start : start + T] = k
-            self.v[layer][:, start : start + T] = v
+        # rounded to the Cache's dtype as stored, so that a pass reads its own keys as a later one will
+        if not ring:  # (an assignment rounds as astype does, without the copy)
+            self.k[layer][:, start : start + T] = k.transpose(1, 0, 2)
+            self.v[layer][:, start : start + T] = v.transpose(1, 0, 2)
             return
+        k, v = (a.transpose(1, 0, 2).astype(self.kv_dtype, copy=False) for a in (k, v))
         lo, end = self.first_visible(layer, start), start + T
         self._joined = None
         if lo < self.held_from[layer]:

@@ -30,9 +30,10 @@ class QMatrix:
 
     `parts` stack row after row, each (blocks, qtype): `blocks` a read-only uint8 [rows, bytes per row] of
     GGUF blocks of GGML type `qtype` (F32, F16 and BF16 are blocks of one value). A fused q/k/v or gate/up
-    keeps one part per tensor, since their types may differ (Q4_K_M files hold some v and down projections
-    in Q6_K). `halves`: how the activations meet quantized blocks (the run config's `activations`): 1, one int8
-    block per weight block (llama.cpp's q8 precision); 2, a hi and a lo int8 block (~15 bits, twice the work).
+    has one part per run of tensors of one type (Q4_K_M files hold some v and down projections in Q6_K): each
+    part is one kernel call. `halves`: how the activations meet quantized blocks (the run config's
+    `activations`): 1, one int8 block per weight block (llama.cpp's q8 precision); 2, a hi and a lo int8 block
+    (~15 bits, twice the work).
     `packed`: the parts of a 32-value type in whole groups of 8 rows hold their bytes reordered for the kernels
     (`kernels.pack`: the same numbers, fewer loads per block); `kernels.unpack_rows` gives the file's rows back."""
 
