@@ -36,9 +36,8 @@ int avx2_compiled(void) { return 1; }
 #define v8_cvt(i) _mm256_cvtepi32_ps(i)
 
 /* up to this many x rows per task: unpack on the fly; more: unpack once into a buffer (measured, 1 thread, both
- * halves: the vertical 4/5-bit kernels win from 2 rows on; the row-by-row Q8_0 and K-quant ones hold out longer) */
-#define DR_K 0
-INL int direct_rows(int t) { return t == T_Q8_0 ? 3 : DR_K; }
+ * halves: the vertical 4/5-bit and the K-quant kernels win from 2 rows on; the row-by-row Q8_0 one holds out longer) */
+INL int direct_rows(int t) { return t == T_Q8_0 ? 3 : 1; }
 #define TILE_MIN 4      /* F32/F16/BF16: from this many x rows on, the 2 x 4 tile */
 #define PREFETCH 2048   /* tiled kernel: bytes ahead in each row's stream */
 
