@@ -302,12 +302,12 @@ def test_same_bits_for_any_batch_thread_count_and_path(qt, halves):
                                               err_msg=f"{path} threads={threads} pass of {b}")
 
 
-@pytest.mark.parametrize("qt", QUANT32, ids=lambda q: q.name)
+@pytest.mark.parametrize("qt", QUANT32 + KQUANT, ids=lambda q: q.name)
 def test_two_group_tiles_packed_or_not(qt):
-    """The many-row kernels of the 32-value types take two groups of 8 weight rows at a time: an odd number of
-    groups (a last one alone), a last group of fewer rows, packed weights (`kernels.pack`) -- the same bits as a
-    row alone, on either path, on 1 or 2 threads."""
-    K = 320
+    """The many-row kernels of the quantized types take two groups of 8 weight rows at a time: an odd number of
+    groups (a last one alone), a last group of fewer rows, packed weights (`kernels.pack`), K-quant rows of more
+    super-blocks than a chunk -- the same bits as a row alone, on either path, on 1 or 2 threads."""
+    K = 1280 if qt in KQUANT else 320
     x = np.random.default_rng(3).standard_normal((70, K)).astype(np.float32)
     for N in (40, 24, 21):
         w = weights(qt, N, K, seed=N)
@@ -319,7 +319,7 @@ def test_two_group_tiles_packed_or_not(qt):
                 for threads in (1, 2):
                     kernels.set_threads(threads)
                     for wf, packed in forms:
-                        for lo, hi in ((0, 70), (3, 9), (5, 38)):
+                        for lo, hi in ((0, 70), (3, 5), (3, 9), (5, 38)):
                             got = kernels.matmul(x[lo:hi], wf, qt, halves=halves, packed=packed)
                             np.testing.assert_array_equal(bits(got), bits(ref[lo:hi]), err_msg=(
                                 f"N={N} halves={halves} {path} threads={threads} packed={packed} rows {lo}..{hi}"))

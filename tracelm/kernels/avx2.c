@@ -36,8 +36,8 @@ int avx2_compiled(void) { return 1; }
 #define v8_cvt(i) _mm256_cvtepi32_ps(i)
 
 /* up to this many x rows per task: unpack on the fly; more: unpack once into a buffer (measured, 1 thread, both
- * halves: the vertical 4/5-bit kernels win from 2 rows on; the row-by-row Q8_0 and K-quant ones hold out longer) */
-INL int direct_rows(int t) { return t == T_Q8_0 || t == T_Q4_K || t == T_Q5_K ? 3 : t == T_Q6_K ? 2 : 1; }
+ * halves: the vertical 4/5-bit and the K-quant kernels win from 2 rows on; the row-by-row Q8_0 one holds out longer) */
+INL int direct_rows(int t) { return t == T_Q8_0 ? 3 : 1; }
 #define TILE_MIN 4      /* F32/F16/BF16: from this many x rows on, the 2 x 4 tile */
 #define PREFETCH 2048   /* tiled kernel: bytes ahead in each row's stream */
 
@@ -469,6 +469,51 @@ INL void transpose8xn(const uint8_t *const *rows, int64_t o, int n, __m256i *T) 
     for (int p = 0; p < n; p += 4) transpose8x4(rows, o + 4 * p, &T[p], &T[p + 1], &T[p + 2], &T[p + 3]);
 }
 
+INL __m256 halves8(const uint8_t *const *rows, int64_t o) {   /* the f16 at rows[r] + o, r = 0..7 */
+    __m128i h = _mm_setr_epi16((short)rd16(rows[0] + o), (short)rd16(rows[1] + o), (short)rd16(rows[2] + o),
+                               (short)rd16(rows[3] + o), (short)rd16(rows[4] + o), (short)rd16(rows[5] + o),
+                               (short)rd16(rows[6] + o), (short)rd16(rows[7] + o));
+    return _mm256_cvtph_ps(h);
+}
+
+/* each dword lane of v -> its bytes i0..i3 (0..3; -1: a zero byte); constant arguments: one shuffle */
+#define LB_(l, i) ((i) < 0 ? -1 : 4 * (l) + (i))
+#define LB4_(l, a, b, c, d) LB_(l, a), LB_(l, b), LB_(l, c), LB_(l, d)
+#define LB16_(a, b, c, d) LB4_(0, a, b, c, d), LB4_(1, a, b, c, d), LB4_(2, a, b, c, d), LB4_(3, a, b, c, d)
+INL __m256i lane_bytes(__m256i v, int i0, int i1, int i2, int i3) {
+    return _mm256_shuffle_epi8(v, _mm256_setr_epi8(LB16_(i0, i1, i2, i3), LB16_(i0, i1, i2, i3)));
+}
+#undef LB16_
+#undef LB4_
+#undef LB_
+
+/* the scale vectors of super-block o of the 8 rows (ubufk's sc, corr; lane r: row r), with vector ops: Q4_K/Q5_K,
+ * kscales on the 12 bytes at 4 (lanes of U0..U2); Q6_K, the 16 int8 at 192 (lanes of S0..S3), sign-extended */
+INL void kscale_vecs(int t, const uint8_t *const *rows, int64_t o, __m256i *sc, __m256i *corr) {
+    __m256i T0, T1, T2, T3;
+    if (t == T_Q6_K) {
+        transpose8x4(rows, o + 192, &T0, &T1, &T2, &T3);
+        const __m256i S[4] = {T0, T1, T2, T3};
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++) sc[i] = _mm256_srai_epi16(lane_bytes(S[i / 4], -1, i % 4, -1, i % 4), 8);
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; k++)
+            corr[k] = _mm256_srai_epi16(lane_bytes(S[k / 2], -1, 2 * (k % 2), -1, 2 * (k % 2) + 1), 8);
+        return;
+    }
+    transpose8x4(rows, o, &T0, &T1, &T2, &T3);   /* T0: d, dmin; T1..T3: kscales' u0, u1, u2 */
+    const __m256i m6 = _mm256_set1_epi32(0x3f3f3f3f), m4 = _mm256_set1_epi32(0x0f0f0f0f),
+                  m2 = _mm256_set1_epi32(0x30303030);
+    const __m256i a = _mm256_and_si256(T1, m6), b = _mm256_and_si256(T2, m6);   /* sc0..3, mn0..3 */
+    const __m256i c = _mm256_or_si256(_mm256_and_si256(T3, m4), _mm256_and_si256(_mm256_srli_epi32(T1, 2), m2));
+    const __m256i e = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(T3, 4), m4),
+                                      _mm256_and_si256(_mm256_srli_epi32(T2, 2), m2));   /* sc4..7, mn4..7 */
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) sc[j] = lane_bytes(j < 4 ? a : c, j % 4, -1, j % 4, -1);
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) corr[k] = lane_bytes(k < 2 ? b : e, 2 * (k % 2), -1, 2 * (k % 2) + 1, -1);
+}
+
 INL void unpackk(int t, const uint8_t *const *rows, int64_t b0, int nks, ubufk *u) {
     const int tb = type_bytes(t);
     const __m256i f = _mm256_set1_epi8(15), b4 = _mm256_set1_epi8(0x10), b45 = _mm256_set1_epi8(0x30);
@@ -477,7 +522,7 @@ INL void unpackk(int t, const uint8_t *const *rows, int64_t b0, int nks, ubufk *
         for (int r = 0; r < GROUP; r++)
             for (int c = 0; c < tb; c += 64) _mm_prefetch((const char *)rows[r] + o + PREFETCH + c, _MM_HINT_T0);
         __m256i *v = u->v[kb];
-        int32_t sc32[16][GROUP], cr32[8][GROUP];   /* scale pairs per row, gathered into vectors below */
+        kscale_vecs(t, rows, o, u->sc[kb], u->corr[kb]);
         if (t == T_Q6_K) {
             __m256i L[32], H[16];
             transpose8xn(rows, o, 32, L);
@@ -491,16 +536,8 @@ INL void unpackk(int t, const uint8_t *const *rows, int64_t b0, int nks, ubufk *
                     v[32 * h + 24 + p] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), f),
                                                          _mm256_and_si256(_mm256_srli_epi16(hb, 2), b45));
                 }
-            for (int r = 0; r < GROUP; r++) {
-                const int8_t *sc = (const int8_t *)(rows[r] + o + 192);
-                for (int i = 0; i < 16; i++) sc32[i][r] = (int32_t)((uint32_t)(uint16_t)sc[i] * 0x10001u);
-                for (int k = 0; k < 8; k++)
-                    cr32[k][r] = (int32_t)((uint32_t)(uint16_t)sc[2 * k] | (uint32_t)(uint16_t)sc[2 * k + 1] << 16);
-                u->d[kb][r] = half_to_float(rd16(rows[r] + o + 208));
-                u->dmin[kb][r] = 0.0f;
-            }
-            for (int i = 0; i < 16; i++) u->sc[kb][i] = _mm256_loadu_si256((const __m256i *)sc32[i]);
-            for (int k = 0; k < 8; k++) u->corr[kb][k] = _mm256_loadu_si256((const __m256i *)cr32[k]);
+            _mm256_storeu_ps(u->d[kb], halves8(rows, o + 208));
+            _mm256_storeu_ps(u->dmin[kb], _mm256_setzero_ps());
         } else {
             __m256i Q[32];
             transpose8xn(rows, o + (t == T_Q4_K ? 16 : 48), 32, Q);
@@ -520,14 +557,6 @@ INL void unpackk(int t, const uint8_t *const *rows, int64_t b0, int nks, ubufk *
                         v[16 * c + 8 + p] = _mm256_or_si256(v[16 * c + 8 + p], _mm256_and_si256(hi, b4));
                     }
             }
-            for (int r = 0; r < GROUP; r++) {
-                uint8_t sc[8], mn[8];
-                kscales(rows[r] + o + 4, sc, mn);
-                for (int j = 0; j < 8; j++) sc32[j][r] = (int32_t)(sc[j] * 0x10001u);
-                for (int k = 0; k < 4; k++) cr32[k][r] = (int32_t)(mn[2 * k] | (uint32_t)mn[2 * k + 1] << 16);
-            }
-            for (int j = 0; j < 8; j++) u->sc[kb][j] = _mm256_loadu_si256((const __m256i *)sc32[j]);
-            for (int k = 0; k < 4; k++) u->corr[kb][k] = _mm256_loadu_si256((const __m256i *)cr32[k]);
             __m256 d, dmin;
             scales8(rows, o, &d, &dmin);
             _mm256_storeu_ps(u->d[kb], d);
@@ -536,79 +565,112 @@ INL void unpackk(int t, const uint8_t *const *rows, int64_t b0, int nks, ubufk *
     }
 }
 
-/* x half-rows x0..x(nx-1) (nx = 2 or 4) against a chunk of super-blocks */
-INL void dotk_chunk(int t, const ubufk *u, int nks, int nx, const xblock256 *x0, const xblock256 *x1,
-                    const xblock256 *x2, const xblock256 *x3, __m256 *a0, __m256 *a1, __m256 *a2, __m256 *a3) {
+/* Accumulators against a chunk of super-blocks, as dot32_chunk: one group (ng = 1), x half-rows x0..x(nx-1)
+ * (nx = 2 or 4) against u0, accumulator k = half-row k; two groups (ng = 2, nx = 2: the 16 x 2 tile), x0, x1
+ * against u0 (accumulators 0, 1) and u1 (2, 3), each x quad broadcast once for both. */
+#define XK(k) (ng == 2 ? ((k) & 1 ? x1 : x0) : (k) == 0 ? x0 : (k) == 1 ? x1 : (k) == 2 ? x2 : x3)
+#define UK(k) (ng == 2 && (k) >= 2 ? u1 : u0)
+INL void dotk_chunk(int t, const ubufk *u0, const ubufk *u1, int nks, int ng, int nx, const xblock256 *x0,
+                    const xblock256 *x1, const xblock256 *x2, const xblock256 *x3, __m256 *a0, __m256 *a1,
+                    __m256 *a2, __m256 *a3) {
     const __m256i z = _mm256_setzero_si256();
-    __m256 f0 = *a0, f1 = *a1, f2 = nx > 2 ? *a2 : _mm256_setzero_ps(), f3 = nx > 2 ? *a3 : _mm256_setzero_ps();
+    const int four = ng == 2 || nx > 2;
+    __m256 f0 = *a0, f1 = *a1, f2 = four ? *a2 : _mm256_setzero_ps(), f3 = four ? *a3 : _mm256_setzero_ps();
     for (int kb = 0; kb < nks; kb++, x0++, x1++, x2++, x3++) {
-        const __m256i *v = u->v[kb];
+        const __m256i *v0 = u0->v[kb], *v1 = ng == 2 ? u1->v[kb] : v0;
         __m256i A0 = z, A1 = z, A2 = z, A3 = z;
+/* the x quad c of half-row k at byte o of its block (a broadcast shared by the two groups: BK) and group k's
+ * weights and scales */
+#define BX(o, c) const __m256i b0 = BQ(x0->q + (o), c), b1 = BQ(x1->q + (o), c), b2 = nx > 2 ? BQ(x2->q + (o), c) : b0, \
+                               b3 = nx > 2 ? BQ(x3->q + (o), c) : b1;
+#define BK(k) (ng == 2 ? ((k) & 1 ? b1 : b0) : (k) == 0 ? b0 : (k) == 1 ? b1 : (k) == 2 ? b2 : b3)
+#define VK(k, e) (ng == 2 && (k) >= 2 ? v1[e] : v0[e])
+#define SK(k, e) (ng == 2 && (k) >= 2 ? sc1 : sc0)
         if (t == T_Q6_K) {
 #pragma GCC unroll 2
             for (int i = 0; i < 16; i++) {   /* sub-block i: quads 4i..4i+3, two int16 sums of 2 */
-                const __m256i sc = u->sc[kb][i], w0 = v[4 * i], w1 = v[4 * i + 1], w2 = v[4 * i + 2], w3 = v[4 * i + 3];
-#define P(k)                                                                                                   \
-                {                                                                                              \
-                    const int8_t *q = x##k->q + 16 * i;                                                        \
-                    __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(w0, BQ(q, 0)), _mm256_maddubs_epi16(w1, BQ(q, 1))); \
-                    __m256i s2 = _mm256_add_epi16(_mm256_maddubs_epi16(w2, BQ(q, 2)), _mm256_maddubs_epi16(w3, BQ(q, 3))); \
-                    A##k = _mm256_add_epi32(A##k, _mm256_add_epi32(_mm256_madd_epi16(s, sc), _mm256_madd_epi16(s2, sc))); REG(A##k); \
-                }
-                P(0) P(1) if (nx > 2) { P(2) P(3) }
+                const __m256i sc0 = u0->sc[kb][i], sc1 = ng == 2 ? u1->sc[kb][i] : sc0;
+                __m256i s0, s1, s2, s3, t0, t1, t2, t3;
+                { BX(16 * i, 0)
+#define P(k) s##k = _mm256_maddubs_epi16(VK(k, 4 * i), BK(k));
+                  P(0) P(1) if (four) { P(2) P(3) }
 #undef P
+                }
+                { BX(16 * i, 1)
+#define P(k) s##k = _mm256_add_epi16(s##k, _mm256_maddubs_epi16(VK(k, 4 * i + 1), BK(k)));
+                  P(0) P(1) if (four) { P(2) P(3) }
+#undef P
+                }
+                { BX(16 * i, 2)
+#define P(k) t##k = _mm256_maddubs_epi16(VK(k, 4 * i + 2), BK(k));
+                  P(0) P(1) if (four) { P(2) P(3) }
+#undef P
+                }
+                { BX(16 * i, 3)
+#define P(k) t##k = _mm256_add_epi16(t##k, _mm256_maddubs_epi16(VK(k, 4 * i + 3), BK(k)));
+                  P(0) P(1) if (four) { P(2) P(3) }
+#undef P
+                }
+#define M(k) A##k = _mm256_add_epi32(A##k, _mm256_add_epi32(_mm256_madd_epi16(s##k, SK(k, i)), _mm256_madd_epi16(t##k, SK(k, i)))); REG(A##k);
+                M(0) M(1) if (four) { M(2) M(3) }
+#undef M
             }
             /* (u - 32): A -= 32 sum_i sc_i bsum_i, the bsum pairs broadcast */
 #define C(k)                                                                                                   \
             {                                                                                                  \
                 __m256i c = z;                                                                                 \
                 _Pragma("GCC unroll 8") for (int p = 0; p < 8; p++) {                                          \
-                    c = _mm256_add_epi32(c, _mm256_madd_epi16(u->corr[kb][p], BQ((const int8_t *)x##k->bsum, p))); \
+                    c = _mm256_add_epi32(c, _mm256_madd_epi16(UK(k)->corr[kb][p], BQ((const int8_t *)XK(k)->bsum, p))); \
                     REG(c);                                                                                    \
                 }                                                                                              \
                 A##k = _mm256_sub_epi32(A##k, _mm256_slli_epi32(c, 5));                                        \
-                COMBINE_D(v8, f##k, d, _mm256_set1_ps(x##k->d), A##k);                                         \
+                COMBINE_D(v8, f##k, _mm256_loadu_ps(UK(k)->d[kb]), _mm256_set1_ps(XK(k)->d), A##k);            \
             }
-            const __m256 d = _mm256_loadu_ps(u->d[kb]);
-            C(0) C(1) if (nx > 2) { C(2) C(3) }
+            C(0) C(1) if (four) { C(2) C(3) }
 #undef C
         } else {
 #pragma GCC unroll 1
             for (int j = 0; j < 8; j++) {   /* sub-block j: quads 8j..8j+7 */
-                const __m256i sc = u->sc[kb][j];
+                const __m256i sc0 = u0->sc[kb][j], sc1 = ng == 2 ? u1->sc[kb][j] : sc0;
                 __m256i s0 = z, s1 = z, s2 = z, s3 = z, h0 = z, h1 = z, h2 = z, h3 = z;
 #pragma GCC unroll 8
                 for (int q = 0; q < 8; q++) {
-                    const __m256i w = v[8 * j + q];
-#define P(k) if (t == T_Q5_K && q >= 4) { h##k = _mm256_add_epi16(h##k, _mm256_maddubs_epi16(w, BQ(x##k->q + 32 * j, q))); REG(h##k); } \
-             else { s##k = _mm256_add_epi16(s##k, _mm256_maddubs_epi16(w, BQ(x##k->q + 32 * j, q))); REG(s##k); }
-                    P(0) P(1) if (nx > 2) { P(2) P(3) }
+                    BX(32 * j, q)
+#define P(k) if (t == T_Q5_K && q >= 4) { h##k = _mm256_add_epi16(h##k, _mm256_maddubs_epi16(VK(k, 8 * j + q), BK(k))); REG(h##k); } \
+             else { s##k = _mm256_add_epi16(s##k, _mm256_maddubs_epi16(VK(k, 8 * j + q), BK(k))); REG(s##k); }
+                    P(0) P(1) if (four) { P(2) P(3) }
 #undef P
                 }
-#define M(k) A##k = _mm256_add_epi32(A##k, t == T_Q5_K ? _mm256_add_epi32(_mm256_madd_epi16(s##k, sc), _mm256_madd_epi16(h##k, sc)) \
-                                                       : _mm256_madd_epi16(s##k, sc));
-                M(0) M(1) if (nx > 2) { M(2) M(3) }
+#define M(k) A##k = _mm256_add_epi32(A##k, t == T_Q5_K ? _mm256_add_epi32(_mm256_madd_epi16(s##k, SK(k, j)), _mm256_madd_epi16(h##k, SK(k, j))) \
+                                                       : _mm256_madd_epi16(s##k, SK(k, j)));
+                M(0) M(1) if (four) { M(2) M(3) }
 #undef M
             }
-            const __m256 d = _mm256_loadu_ps(u->d[kb]), dmin = _mm256_loadu_ps(u->dmin[kb]);
             /* B = sum_j mn_j bsum32_j: the bsum32 pairs broadcast */
 #define C(k)                                                                                                   \
             {                                                                                                  \
-                const __m256i bs = ld256(x##k->bsum);                                                          \
+                const ubufk *u_ = UK(k);                                                                       \
+                const __m256i bs = ld256(XK(k)->bsum);                                                         \
                 const __m128i b32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1)); \
-                __m256i B = _mm256_madd_epi16(u->corr[kb][0], _mm256_broadcastd_epi32(b32));                   \
-                B = _mm256_add_epi32(B, _mm256_madd_epi16(u->corr[kb][1], _mm256_broadcastd_epi32(_mm_srli_si128(b32, 4)))); \
-                B = _mm256_add_epi32(B, _mm256_madd_epi16(u->corr[kb][2], _mm256_broadcastd_epi32(_mm_srli_si128(b32, 8)))); \
-                B = _mm256_add_epi32(B, _mm256_madd_epi16(u->corr[kb][3], _mm256_broadcastd_epi32(_mm_srli_si128(b32, 12)))); \
-                COMBINE_K(v8, f##k, d, dmin, _mm256_set1_ps(x##k->d), A##k, B);                                \
+                __m256i B = _mm256_madd_epi16(u_->corr[kb][0], _mm256_broadcastd_epi32(b32));                  \
+                B = _mm256_add_epi32(B, _mm256_madd_epi16(u_->corr[kb][1], _mm256_broadcastd_epi32(_mm_srli_si128(b32, 4)))); \
+                B = _mm256_add_epi32(B, _mm256_madd_epi16(u_->corr[kb][2], _mm256_broadcastd_epi32(_mm_srli_si128(b32, 8)))); \
+                B = _mm256_add_epi32(B, _mm256_madd_epi16(u_->corr[kb][3], _mm256_broadcastd_epi32(_mm_srli_si128(b32, 12)))); \
+                COMBINE_K(v8, f##k, _mm256_loadu_ps(u_->d[kb]), _mm256_loadu_ps(u_->dmin[kb]), _mm256_set1_ps(XK(k)->d), A##k, B); \
             }
-            C(0) C(1) if (nx > 2) { C(2) C(3) }
+            C(0) C(1) if (four) { C(2) C(3) }
 #undef C
         }
+#undef BX
+#undef BK
+#undef VK
+#undef SK
     }
     *a0 = f0; *a1 = f1;
-    if (nx > 2) { *a2 = f2; *a3 = f3; }
+    if (four) { *a2 = f2; *a3 = f3; }
 }
+#undef XK
+#undef UK
 
 /* ---- few x rows: unpack on the fly ---- */
 INL __m256i word_bcast(__m256i v, int lo, int hi) {   /* int16 word `lo` to the low half, `hi` to the high half */
@@ -695,12 +757,6 @@ INL void hsum8_halves(__m256i s0, __m256i s1, __m256i s2, __m256i s3, __m256i s4
     *l = _mm256_permute2x128_si256(f, g, 0x31);
 }
 
-INL __m256 halves8(const uint8_t *const *rows, int64_t o) {   /* the f16 at rows[r] + o, r = 0..7 */
-    __m128i h = _mm_setr_epi16((short)rd16(rows[0] + o), (short)rd16(rows[1] + o), (short)rd16(rows[2] + o),
-                               (short)rd16(rows[3] + o), (short)rd16(rows[4] + o), (short)rd16(rows[5] + o),
-                               (short)rd16(rows[6] + o), (short)rd16(rows[7] + o));
-    return _mm256_cvtph_ps(h);
-}
 
 /* one x row's hi and lo halves against 8 weight rows: returns acc_hi + acc_lo */
 INL __m256 dotk_direct(int t, int two, const uint8_t *const *rows, const xblock256 *xh, const xblock256 *xl,
@@ -987,27 +1043,29 @@ INL void tile32(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1) 
     }
 }
 
-/* K-quants, many x rows: as tile32 for one group, KS super-blocks at a time */
-INL void tilek(const mm_job *j, int64_t group, int64_t m0, int64_t m1) {
+/* K-quants, many x rows: as tile32, KS super-blocks at a time */
+INL void tilek(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1) {
     const int t = j->qtype;
-    const uint8_t *rows[GROUP];
-    group_rows(j, group, rows);
+    const uint8_t *rows[2][GROUP];
+    for (int g = 0; g < ng; g++) group_rows(j, group + g, rows[g]);
     const int64_t mt = m1 - m0, xrb = j->xq_row_bytes, hv = j->halves, mq = hv * mt, nb = j->K / 256;
     const char *xq = (const char *)j->xq + hv * m0 * xrb;
-    __m256 acc[2 * MTILE + 2];
-    for (int64_t i = 0; i < mq; i++) acc[i] = _mm256_setzero_ps();
-    ubufk u;
+    __m256 acc[2][2 * MTILE + 2];
+    for (int g = 0; g < ng; g++)
+        for (int64_t i = 0; i < mq; i++) acc[g][i] = _mm256_setzero_ps();
+    ubufk u[2];
     for (int64_t b0 = 0; b0 < nb; b0 += KS) {
         int nks = nb - b0 < KS ? (int)(nb - b0) : KS;
-        unpackk(t, rows, b0, nks, &u);
-        for (int64_t i = 0, nx; i < mq; i += nx) {   /* 4 half-rows at a time, then 2 (a last one: twice) */
-            nx = mq - i >= 4 ? 4 : 2;
+        for (int g = 0; g < ng; g++) unpackk(t, rows[g], b0, nks, &u[g]);
+        for (int64_t i = 0, nx; i < mq; i += nx) {
+            nx = ng == 1 && mq - i >= 4 ? 4 : 2;
             const xblock256 *x0 = (const xblock256 *)(xq + i * xrb) + b0;
             const xblock256 *x1 = (const xblock256 *)(xq + (i + 1 < mq ? i + 1 : i) * xrb) + b0;
             const xblock256 *x2 = nx > 2 ? (const xblock256 *)(xq + (i + 2) * xrb) + b0 : x0;
             const xblock256 *x3 = nx > 2 ? (const xblock256 *)(xq + (i + 3) * xrb) + b0 : x1;
-#define CH(T, NX) dotk_chunk(T, &u, nks, NX, x0, x1, x2, x3, &acc[i], &acc[i + 1], &acc[i + 2], &acc[i + 3])
-#define CASE(T) if (nx == 4) CH(T, 4); else CH(T, 2); break;
+            __m256 *a2 = ng == 2 ? &acc[1][i] : &acc[0][i + 2], *a3 = ng == 2 ? &acc[1][i + 1] : &acc[0][i + 3];
+#define CH(T, NG, NX) dotk_chunk(T, &u[0], &u[1], nks, NG, NX, x0, x1, x2, x3, &acc[0][i], &acc[0][i + 1], a2, a3)
+#define CASE(T) if (ng == 2) CH(T, 2, 2); else if (nx == 4) CH(T, 1, 4); else CH(T, 1, 2); break;
             switch (t) {
             case T_Q4_K: CASE(T_Q4_K)
             case T_Q5_K: CASE(T_Q5_K)
@@ -1017,15 +1075,19 @@ INL void tilek(const mm_job *j, int64_t group, int64_t m0, int64_t m1) {
 #undef CH
         }
     }
-    __m256 out[MTILE];
-    for (int64_t i = 0; i < mt; i++) out[i] = hv == 2 ? _mm256_add_ps(acc[2 * i], acc[2 * i + 1]) : acc[i];
-    store_group(j, group, m0, mt, out);
+    for (int g = 0; g < ng; g++) {
+        __m256 out[MTILE];
+        for (int64_t i = 0; i < mt; i++) out[i] = hv == 2 ? _mm256_add_ps(acc[g][2 * i], acc[g][2 * i + 1]) : acc[g][i];
+        store_group(j, group + g, m0, mt, out);
+    }
 }
 
-/* weight groups per task for a tile of mt x rows: 2 where the 16-row tile runs -- Q4_0 and Q5_0, tiled (measured,
- * 1 thread: +13% at 256 rows, +10% at 8; Q4_1 loses 2-4%, its m term keeping more vectors live; Q8_0's sign step is
- * per group, nothing to share) */
-AVX2 static int task_groups(int t, int64_t mt) { return (t == T_Q4_0 || t == T_Q5_0) && mt > direct_rows(t) ? 2 : 1; }
+/* weight groups per task for a tile of mt x rows: 2 where the 16-row tile runs -- Q4_0, Q5_0 and the K-quants, tiled
+ * (measured, 1 thread: Q4_0/Q5_0 +13% at 256 rows, +10% at 8; K-quants +2-8% at 64-256, even at 8-16; Q4_1 loses
+ * 2-4%, its m term keeping more vectors live; Q8_0's sign step is per group, nothing to share) */
+AVX2 static int task_groups(int t, int64_t mt) {
+    return (t == T_Q4_0 || t == T_Q5_0 || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K) && mt > direct_rows(t) ? 2 : 1;
+}
 
 /* ======================================================================================================
  * the task: weight groups g0.. (j->gstep of them, fewer at the end) against x rows m0..m1
@@ -1041,10 +1103,10 @@ AVX2 static void mm_task(const mm_job *j, int64_t g0, int64_t m0, int64_t m1) {
         case T_BF16: dotf_task(T_BF16, j, n0, nr, m0, m1); break;
         default:
             if (m1 - m0 <= direct_rows(t)) direct_group(j, g, m0, m1);
-            else if (type_block(t) == 256) tilek(j, g, m0, m1);
             else {
                 const int ng = task_groups(t, m1 - m0) == 2 && g + 1 < g1 ? 2 : 1;
-                tile32(j, g, ng, m0, m1);
+                if (type_block(t) == 256) tilek(j, g, ng, m0, m1);
+                else tile32(j, g, ng, m0, m1);
                 g += ng - 1;
             }
         }
