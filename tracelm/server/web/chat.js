@@ -145,6 +145,29 @@ function traceLink(rid) {
   return a;
 }
 
+// A streamed reply's text is added to the page at most once per frame, one text node appended to: however fast
+// tokens come, the page's thread stays free for input (Stop) and the work stays linear in the reply's length.
+function shownOncePerFrame(div) {
+  const node = div.querySelector(".text").appendChild(document.createTextNode(""));
+  let pending = "";
+  let frame = 0;
+  const flush = () => {
+    if (frame) cancelAnimationFrame(frame);
+    frame = 0;
+    if (!pending) return;
+    node.appendData(pending);
+    pending = "";
+    div.scrollIntoView({ block: "end" });
+  };
+  return {
+    add(text) {
+      pending += text;
+      if (!frame) frame = requestAnimationFrame(flush);
+    },
+    flush,
+  };
+}
+
 async function send() {
   const text = $("input").value;
   if (!text.trim() || state.busy) return;
@@ -154,7 +177,7 @@ async function send() {
   saveSession();
   const div = bubble("assistant", "");
   div.classList.add("streaming");
-  const out = div.querySelector(".text");
+  const shown = shownOncePerFrame(div);
   const reply = { text: "", rid: null, finish: null, usage: null, first: null, stopped: false };
   state.controller = new AbortController();
   setBusy(true);
@@ -173,8 +196,7 @@ async function send() {
       if (choice.delta && choice.delta.content) {
         if (reply.first === null) reply.first = performance.now();
         reply.text += choice.delta.content;
-        out.textContent = reply.text;
-        div.scrollIntoView({ block: "end" });
+        shown.add(choice.delta.content);
       }
       if (choice.finish_reason) reply.finish = choice.finish_reason;
     });
@@ -182,6 +204,7 @@ async function send() {
     if (e.name === "AbortError") reply.stopped = true;
     else setStatus(`error: ${e.message}`, true);
   }
+  shown.flush();
   finishReply(div, reply, started);
 }
 
