@@ -7,10 +7,12 @@ join and leave, cancel one without disturbing the others, and still refuse work 
 from __future__ import annotations
 
 import asyncio
+import gc
 import io
 import json
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import attrs
@@ -350,3 +352,24 @@ def test_bench_server_cli_checks_streams(tiny_gguf) -> None:
     out = subprocess.run([sys.executable, "-m", "tracelm.cli", "bench", "server", "--model", str(tiny_gguf),
                           "--streams", "1,9"], capture_output=True, text=True)
     assert out.returncode == 2 and "--streams '1,9'" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_an_evicted_session_frees_its_cache_at_once(tmp_path, tiny_gguf, tiny) -> None:
+    """A session's runner leaves memory when the store evicts it, not at the next run of Python's cycle
+    collector: nothing of a finished request (its generation, trace, callbacks) keeps it in a reference cycle.
+    (The soak's RSS bound depends on it: the collector's oldest generation runs rarely in a server.)"""
+    cfg = engine_config(tiny_gguf, max_batch=1, max_sessions=1, trace_dir=str(tmp_path / "traces"))
+    engine = Engine(Session(tiny, cfg))
+    made: list[weakref.ref] = []
+    new = engine.sessions._new
+    engine.sessions._new = lambda: made.append(weakref.ref(r := new())) or r
+    specs = [{"ids": [104, 101, 108], "session": s, "max_tokens": 4, "logprobs": 1} for s in "ABC"]
+    gc.collect()
+    gc.disable()
+    try:
+        results = run_jobs(engine, specs)
+        alive = [r() is not None for r in made]
+    finally:
+        gc.enable()
+    assert all("done" in r for r in results) and engine.sessions.evicted == 2
+    assert alive == [False, False, True], alive

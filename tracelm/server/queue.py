@@ -411,6 +411,8 @@ class Engine:
         if a in self.active:
             self.active.remove(a)
         a.closing.close()
+        a.gen = None  # its callbacks are a's bound methods: a cycle that would keep the runner (a session's Cache,
+        # tens of MB) alive after an eviction until Python's cycle collector happens to run
         if a.runner is not None and a.job.session_id is None:
             self._scratch.append(a.runner)
         a.job.remaining -= 1
