@@ -355,8 +355,8 @@ def test_bench_server_cli_checks_streams(tiny_gguf) -> None:
 
 
 def test_an_evicted_session_frees_its_cache_at_once(tmp_path, tiny_gguf, tiny) -> None:
-    """A session's runner leaves memory when the store evicts it, not at the next run of Python's cycle
-    collector: nothing of a finished request (its generation, trace, callbacks) keeps it in a reference cycle.
+    """A session's runner leaves memory when the store evicts it, and a request's Tracer when the request ends,
+    not at the next run of Python's cycle collector: nothing of a finished request is left in a reference cycle.
     (The soak's RSS bound depends on it: the collector's oldest generation runs rarely in a server.)"""
     cfg = engine_config(tiny_gguf, max_batch=1, max_sessions=1, trace_dir=str(tmp_path / "traces"))
     engine = Engine(Session(tiny, cfg))
@@ -369,7 +369,9 @@ def test_an_evicted_session_frees_its_cache_at_once(tmp_path, tiny_gguf, tiny) -
     try:
         results = run_jobs(engine, specs)
         alive = [r() is not None for r in made]
+        tracers = sum(isinstance(o, Tracer) for o in gc.get_objects())
     finally:
         gc.enable()
     assert all("done" in r for r in results) and engine.sessions.evicted == 2
     assert alive == [False, False, True], alive
+    assert tracers == 0 and len(list((tmp_path / "traces").iterdir())) == 3  # each request's trace (4 MiB held)

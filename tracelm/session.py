@@ -475,3 +475,4 @@ class Session:
                 yield tracer
             finally:
                 tracer.flush()
+                tracer.close()
