@@ -369,7 +369,7 @@ def test_an_evicted_session_frees_its_cache_at_once(tmp_path, tiny_gguf, tiny) -
     try:
         results = run_jobs(engine, specs)
         alive = [r() is not None for r in made]
-        tracers = sum(isinstance(o, Tracer) for o in gc.get_objects())
+        tracers = sum(type(o) is Tracer for o in gc.get_objects())
     finally:
         gc.enable()
     assert all("done" in r for r in results) and engine.sessions.evicted == 2
