@@ -68,7 +68,7 @@ def route(w: ModelWeights) -> Route:
 
 def new_cache(cfg: ModelConfig, n_ctx: int, slack: int = RING_SLACK, kv_dtype: str = "f16") -> Cache:
     """A Cache for n_ctx positions (a window ring with `slack` when every layer has one window: see Cache), keys
-    and values held in `kv_dtype` ("f32" or "f16")."""
+    and values held in `kv_dtype` ("f32", "f16" or "q8_0")."""
     tables = lambda base: rope_tables(n_ctx, cfg.rope_dim, base, cfg.rope_mode, cfg.rope_freq_factors)  # noqa: E731
     cos, sin = tables(cfg.rope_base)
     bases = {cfg.layer_rope_base(i) for i in range(cfg.n_layer)} - {cfg.rope_base}
