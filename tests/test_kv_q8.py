@@ -20,7 +20,10 @@ import struct
 import numpy as np
 import pytest
 
-from tracelm import Session
+from tests.test_attend_phases import every_way, phases_restored  # noqa: F401 -- a fixture
+from tests.test_layer_kernels import CASES, assert_same_bits, causal_spans, every_setting
+from tracelm import Session, kernels
+from tracelm.kernels import _core
 from tracelm.io.run_config import load_run_config
 from tracelm.pipeline.bounds import kv_cache_bytes
 from tracelm.pipeline.runner import Runner
@@ -149,7 +152,7 @@ def test_config_choice_and_bytes():
 def test_another_kv_cache_refuses_a_saved_cache(tiny_gguf, tmp_path):
     """A q8_0 session file is refused by an f16 run (the session's numerics name the KV dtype) and resumed by a
     q8_0 one; a Cache refuses a snapshot of another dtype."""
-    settings = ["context=256", "max_tokens=8", "sampling.temperature=0", "threads=1", "compute=reference"]
+    settings = ["context=256", "max_tokens=8", "sampling.temperature=0", "threads=1"]
     live = Session(str(tiny_gguf), settings=[*settings, "kv_cache=q8_0"])
     live.chat("hello there")
     path = tmp_path / "q8.tlsession"
@@ -176,3 +179,119 @@ def test_steps_equal_a_pass(tiny_gguf, compute):
     np.testing.assert_array_equal(np.stack(rows), whole)
     exact = Runner(s.model, 32, kv_dtype="f32").logits(ids)
     np.testing.assert_allclose(whole, exact, rtol=0, atol=5e-2 * np.abs(exact).max())
+
+
+# ---------------------------------------------------------------------------------------------------- the kernels
+kernels_restored = pytest.mark.usefixtures("kernels_restored", "phases_restored")
+
+
+def kernel_order(q, keys, values, spans, scale):
+    """What the kernels' attend promises on q8_0 keys and values (kernels.h), in numpy one step at a time: the
+    reference's scores (exact integers, then f32 steps), p = the kernels' exp(s - max), the sum in 8 lanes (i mod 8)
+    then lanes l + l+4, l + l+2, 0 + 1, and per dim acc = acc + (p_i * dv) * qv over the keys in order; / sum."""
+    T, H, hd = q.shape
+    Hkv = keys.shape[0]
+    g = H // Hkv
+    out = np.zeros((T, H, hd), np.float32)
+    for t, (k0, k1) in enumerate(spans):
+        n = k1 - k0
+        if n == 0:
+            continue
+        qs = (q[t] * np.float32(scale)).reshape(Hkv, g, hd)
+        s = q8_0_scores(qs, keys[:, k0:k1]).reshape(H, n)
+        d = (s - s.max(axis=1, keepdims=True)).ravel()
+        p = _core.exp(d, np.empty_like(d)).reshape(H, n)
+        lanes = np.zeros((H, 8), np.float32)
+        for r in np.pad(p, ((0, 0), (0, -n % 8))).reshape(H, -1, 8).transpose(1, 0, 2):
+            lanes = lanes + r
+        u = lanes[:, :4] + lanes[:, 4:]
+        v = u[:, :2] + u[:, 2:]
+        total = v[:, 0] + v[:, 1]
+        dv, qv = q8_0_split(values[:, k0:k1])
+        dv = np.repeat(dv, 32, axis=-1)[..., :hd][np.arange(H) // g]  # [H, n, hd]
+        qv = qv.reshape(Hkv, n, -1)[..., :hd].astype(np.float32)[np.arange(H) // g]
+        acc = np.zeros((H, hd), np.float32)
+        for i in range(n):
+            acc = acc + (p[:, i, None] * dv[:, i]) * qv[:, i]
+        out[t] = acc / total[:, None]
+    return out.reshape(T, H * hd)
+
+
+# (H, Hkv, hd): smollm2, qwen2.5, gemma3, the tiny model (one short block), a head dim of 1.25 blocks
+SHAPES = [(9, 3, 64), (14, 2, 64), (4, 1, 256), (4, 2, 16), (6, 3, 40)]
+
+
+@kernels_restored
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{h}-{kv}-{d}" for h, kv, d in SHAPES])
+def test_kernels_keep_the_promised_order(shape):
+    """Keys and values as a q8_0 Cache holds them (plain and ring layers, written a pass at a time), decode rows,
+    speculation rows, a prompt and windowed rows: the kernels on every path at 1 and 2 threads give the bits of
+    kernel_order, and stay near the reference stage (BLAS sums, numpy's exp)."""
+    H, Hkv, hd = shape
+    rng = np.random.default_rng(hd + H)
+    for start, T, window in CASES:
+        cache = q8_cache(Hkv, hd, 4096, window)
+        kv = rng.standard_normal((2, start + T, Hkv, hd)).astype(np.float32)
+        for p0 in range(0, start + T, 64):
+            cache.write(0, p0, kv[0, p0 : p0 + 64], kv[1, p0 : p0 + 64])
+        lo, mask = cache.window_mask(start, T, window)
+        keys, values = cache.keys_values(0, start + T, lo)
+        spans = causal_spans(start, T, lo, window)
+        q = rng.standard_normal((T, H, hd)).astype(np.float32) * 2
+        scale = 1 / math.sqrt(hd)
+        got = every_setting(kernels.attend, q, keys, values, spans, scale)
+        assert_same_bits(got, kernel_order(q, keys, values, spans, scale), f"start={start} T={T} window={window}")
+        stage = attend_stage(q, keys, values, mask, scale, start).x
+        np.testing.assert_allclose(got, stage, rtol=0, atol=1e-5 * max(1.0, np.abs(stage).max()))
+
+
+@kernels_restored
+@pytest.mark.parametrize("L", [1, 7, 9, 63, 257, 1601])
+def test_phases_rows_alone_and_edge_cases(L):
+    """Phases always, never or when they pay, at 1..4 threads (tests/test_attend_phases.py), a row alone or in a
+    pass: the bits of kernel_order; an empty span gives zeros, a NaN in q its (row, head) NaN, in a value block its
+    dims."""
+    rng = np.random.default_rng(L)
+    H, Hkv, hd = 9, 3, 64
+    keys, values = (q8_0_blocks(rng.standard_normal((Hkv, L, hd)).astype(np.float32)) for _ in "kv")
+    for T in (1, 3):
+        q = rng.standard_normal((T, H, hd)).astype(np.float32)
+        spans = causal_spans(L - T, T) if L >= T else np.array([(0, L)] * T, np.int64)
+        got = every_way(q, keys, values, spans, 0.125)
+        assert_same_bits(got, kernel_order(q, keys, values, spans, 0.125))
+        for t in range(T):
+            assert_same_bits(kernels.attend(q[t : t + 1], keys, values, spans[t : t + 1], 0.125), got[t : t + 1])
+    q = rng.standard_normal((2, H, hd)).astype(np.float32)
+    q[1, 4, 10] = np.nan
+    bad = values.copy()
+    bad[1, L - 1, :] = q8_0_blocks(np.full((1, hd), np.nan, np.float32))[0]  # the last key's value: NaN blocks
+    out = every_way(q, keys, bad, np.array([(0, 0), (0, L)], np.int64), 0.125).reshape(2, H, hd)
+    assert (out[0] == 0).all()
+    assert np.isnan(out[1, 4]).all() and np.isnan(out[1, 3:6]).all()
+    assert np.isfinite(np.delete(out[1], [3, 4, 5], axis=0)).all()
+
+
+def test_bad_q8_keys_name_the_problem():
+    q = np.ones((1, 2, 40), np.float32)
+    keys = np.zeros((1, 3, 68), np.uint8)
+    out = np.empty((1, 80), np.float32)
+    spans = np.array([(0, 3)], np.int64)
+    with pytest.raises(ValueError, match=r"keys must be \[Hkv, L, 68\].*ceil\(hd / 32\) blocks of 34 bytes"):
+        kernels.attend(q, keys[:, :, :34], keys[:, :, :34], spans, 1.0, out)
+    with pytest.raises(ValueError, match="values must have the dtype of keys"):
+        kernels.attend(q, keys, np.zeros((1, 3, 68), np.float16), spans, 1.0, out)
+    with pytest.raises(ValueError, match="keys must have unit stride"):
+        kernels.attend(q, np.zeros((1, 3, 136), np.uint8)[:, :, ::2], keys, spans, 1.0, out)
+    with pytest.raises(ValueError, match=r"keys must be float32, float16 or uint8 \(q8_0 blocks\)"):
+        kernels.attend(q, keys.view(np.int8), keys, spans, 1.0, out)
+
+
+@pytest.mark.parametrize("window", [0, 8])
+def test_fused_layers_are_the_staged_ones(tmp_path, window):
+    """On a q8_0 Cache the untraced pass (graph.fused_layers) gives the staged pass's logits and Cache bytes."""
+    from tests.conftest import write_tiny_gguf
+    from tests.test_compute import Q, _staged_and_fused
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", qtype=Q.Q4_1, window=window, seed=3)
+    with Session(str(path)) as s:
+        _staged_and_fused(s.model, kv_dtype="q8_0")

@@ -393,10 +393,113 @@ INL void weighted_values(const attend_job *j, int64_t kvh, int64_t k0, int64_t n
 }
 #undef PV_STEP
 
+/* ---- kv_cache q8_0 ---- */
+/* the sums of 8 vectors of 8 int32, one per vector: [sum s0, .., sum s7] (integers: exact in any order) */
+INL __m256i hsum8(const __m256i s[8]) {
+    const __m256i a = _mm256_hadd_epi32(s[0], s[1]), b = _mm256_hadd_epi32(s[2], s[3]);
+    const __m256i c = _mm256_hadd_epi32(s[4], s[5]), d = _mm256_hadd_epi32(s[6], s[7]);
+    const __m256i ab = _mm256_hadd_epi32(a, b), cd = _mm256_hadd_epi32(c, d);   /* [0 1 2 3 | 0 1 2 3], [4..7 | 4..7] */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
+}
+
+/* s[h][i] for keys k0 + i, i = 0..n-1, against the query heads' blocks qb (q8_query): 8 keys at a time, per block
+ * each key's integer dot product with each head (|qq| x sign(k, qq) by maddubs, pairs by madd, then the 8 ints
+ * summed: exact), then q8_score's f32 steps on 8 keys per vector, acc kept in s between blocks; the last n % 8
+ * keys by q8_score itself */
+INL void q8_scores(const attend_job *j, int64_t kvh, int64_t k0, int64_t n, int64_t nh, const float *qb, float *s,
+                   int64_t s_s) {
+    const int64_t nb = j->nb, sl = j->k_sl, nv = n / 8 * 8;
+    const uint8_t *kb = (const uint8_t *)j->k + kvh * j->k_sh + k0 * sl;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t i = 0; i < nv; i += 8)
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *r = kb + i * sl + b * Q8_BYTES;
+            uint16_t dh[8];
+            __m256i kq[8], dot[8];
+            for (int c = 0; c < 8; c++) {
+                dh[c] = rd16(r + c * sl);
+                kq[c] = _mm256_loadu_si256((const __m256i *)(r + c * sl + 2));
+            }
+            const __m256 dk = ldh(dh);
+            for (int64_t h = 0; h < nh; h++) {
+                const float *qd = qb + h * nb * 9;
+                const __m256i qq = _mm256_loadu_si256((const __m256i *)((const int8_t *)(qd + nb) + 32 * b));
+                const __m256i aq = _mm256_sign_epi8(qq, qq);
+                for (int c = 0; c < 8; c++) dot[c] = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(kq[c], qq)), ones);
+                float *sp = s + h * s_s + i;
+                const __m256 acc = b ? LD(sp) : _mm256_setzero_ps();
+                ST(sp, _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(qd[b]), dk),
+                                                        _mm256_cvtepi32_ps(hsum8(dot)))));
+            }
+        }
+    for (int64_t h = 0; h < nh; h++)
+        for (int64_t i = nv; i < n; i++)
+            s[h * s_s + i] = q8_score(kb + i * sl, qb + h * nb * 9, (const int8_t *)(qb + h * nb * 9 + nb), nb);
+}
+
+/* acc[h][d] = sum_i (p[h][i] dv_i) qv_i[d] for dims d0..d1-1 (d0 a multiple of 8), keys in order: ATT_TILE keys at a
+ * time, their blocks over d0..d1 converted once to floats in the tile [key][nb * 32] (and their scales), then met by
+ * every head, 32 dims (then 8, 1) at a time, one chain per dim */
+INL void q8_weighted_values(const attend_job *j, int64_t kvh, int64_t k0, int64_t n, int64_t nh, int64_t d0,
+                            int64_t d1, const float *p, int64_t p_s, float *acc, float *tile) {
+    const int64_t nb = j->nb, ts = 32 * nb, sl = j->v_sl, a_s = up8(j->hd), b0 = d0 / 32, b1 = (d1 + 31) / 32;
+    const uint8_t *v = (const uint8_t *)j->v + kvh * j->v_sh + k0 * sl;
+    float *dv = tile + ATT_TILE * ts;
+    for (int64_t h = 0; h < nh; h++) memset(acc + h * a_s + d0, 0, (size_t)(d1 - d0) * sizeof(float));
+    for (int64_t i = 0; i < n; i += ATT_TILE) {
+        const int64_t nk = n - i < ATT_TILE ? n - i : ATT_TILE;
+        for (int64_t c = 0; c < nk; c++)
+            for (int64_t b = b0; b < b1; b++) {
+                const uint8_t *blk = v + (i + c) * sl + b * Q8_BYTES;
+                float *row = tile + c * ts + 32 * b;
+                dv[c * nb + b] = half_to_float(rd16(blk));
+                for (int k = 0; k < 32; k += 8)
+                    ST(row + k, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + k)))));
+            }
+        for (int64_t h = 0; h < nh; h++) {
+            const float *ph = p + h * p_s + i;
+            float *ah = acc + h * a_s;
+            int64_t d = d0;
+            while (d + 8 <= d1) {
+                const int64_t b = d / 32;
+                if (d % 32 == 0 && d + 32 <= d1) {
+                    __m256 a0 = LD(ah + d), a1 = LD(ah + d + 8), a2 = LD(ah + d + 16), a3 = LD(ah + d + 24);
+                    for (int64_t c = 0; c < nk; c++) {
+                        const __m256 w = _mm256_set1_ps(ph[c] * dv[c * nb + b]);
+                        const float *r = tile + c * ts + d;
+                        a0 = _mm256_add_ps(a0, _mm256_mul_ps(w, LD(r)));
+                        a1 = _mm256_add_ps(a1, _mm256_mul_ps(w, LD(r + 8)));
+                        a2 = _mm256_add_ps(a2, _mm256_mul_ps(w, LD(r + 16)));
+                        a3 = _mm256_add_ps(a3, _mm256_mul_ps(w, LD(r + 24)));
+                    }
+                    ST(ah + d, a0); ST(ah + d + 8, a1); ST(ah + d + 16, a2); ST(ah + d + 24, a3);
+                    d += 32;
+                } else {
+                    __m256 a0 = LD(ah + d);
+                    for (int64_t c = 0; c < nk; c++)
+                        a0 = _mm256_add_ps(a0, _mm256_mul_ps(_mm256_set1_ps(ph[c] * dv[c * nb + b]), LD(tile + c * ts + d)));
+                    ST(ah + d, a0);
+                    d += 8;
+                }
+            }
+            for (; d < d1; d++) {
+                float a = ah[d];
+                for (int64_t c = 0; c < nk; c++) a = a + (ph[c] * dv[c * nb + d / 32]) * tile[c * ts + d];
+                ah[d] = a;
+            }
+        }
+    }
+}
+
 AVX2 static void attend_scores(const attend_job *j, int64_t t, int64_t h0, int64_t nh, int64_t i0, int64_t i1,
                                float *s, int64_t s_s, float *scratch) {
     const int64_t hd = j->hd, hd8 = up8(hd), kvh = h0 / (j->H / j->Hkv);
     float *qs = scratch, *tile = qs + 2 * nh * hd8;
+    if (j->q8) {   /* the query's blocks in the tile */
+        q8_query(j->q.p + t * j->q.s0 + h0 * j->q.s1, j->q.s1, nh, hd, j->scale, tile);
+        q8_scores(j, kvh, j->spans[2 * t] + i0, i1 - i0, nh, tile, s + i0, s_s);
+        return;
+    }
     const __m256 vscale = _mm256_set1_ps(j->scale);
     for (int64_t h = 0; h < nh; h++) {
         const float *q = j->q.p + t * j->q.s0 + (h0 + h) * j->q.s1;
@@ -411,7 +514,8 @@ AVX2 static void weighted(const attend_job *j, int64_t t, int64_t h0, int64_t nh
                           const float *p, int64_t p_s, float *scratch) {
     const int64_t hd = j->hd, hd8 = up8(hd), k0 = j->spans[2 * t], n = j->spans[2 * t + 1] - k0;
     float *acc = scratch + nh * hd8;
-    weighted_values(j, h0 / (j->H / j->Hkv), k0, n, nh, d0, d1, p, p_s, acc);
+    if (j->q8) q8_weighted_values(j, h0 / (j->H / j->Hkv), k0, n, nh, d0, d1, p, p_s, acc, acc + nh * hd8);
+    else weighted_values(j, h0 / (j->H / j->Hkv), k0, n, nh, d0, d1, p, p_s, acc);
     for (int64_t h = 0; h < nh; h++) {   /* out = acc / sum */
         const float *a = acc + h * hd8, sum = lane_sum(p + h * p_s, n);
         float *oh = j->out + t * j->out_s + (h0 + h) * hd;
