@@ -74,6 +74,25 @@ def test_blocks_are_the_rule_value_by_value():
     assert (q8_0_values(got[1:3], 70) == 0).all()  # tiny blocks: zeros
 
 
+@pytest.mark.usefixtures("kernels_restored")
+def test_kernels_make_the_same_blocks():
+    """kernels.q8_0_blocks (what a pass on the kernels stores) gives q8_0_blocks' bytes, on every path and thread
+    count, from rows at any stride: heads of a qkv product, edge cases, a long prompt's rows."""
+    rng = np.random.default_rng(7)
+    scales = rng.choice([1e-38, 1e-5, 1, 3e4], (300, 1))
+    qkv = (rng.standard_normal((300, 9 * 40)) * scales).astype(np.float32)
+    qkv[3, 5], qkv[4, 50], qkv[5, :32], qkv[6, 100:] = np.nan, -np.inf, 1e-31, 0.0
+    for x in (qkv[:, 40:160].reshape(300, 3, 40), qkv[:, :64], qkv[:7, 3:76].reshape(7, 1, 73)):
+        want = q8_0_blocks(x).tobytes()
+        for path in kernels.paths():
+            kernels.use_path(path)
+            for threads in (1, 2):
+                kernels.set_threads(threads)
+                assert kernels.q8_0_blocks(x).tobytes() == want, f"{path} threads={threads} {x.shape}"
+    with pytest.raises(ValueError, match="out must be C-contiguous with x's shape but a last dim of 68"):
+        kernels.q8_0_blocks(qkv[:2, :64], np.empty((2, 64), np.uint8))
+
+
 def cfg_for(Hkv: int, hd: int, n_ctx: int, window: int = 0, n_layer: int = 1) -> ModelConfig:
     return ModelConfig(arch="llama", n_vocab=10, n_embd=Hkv * hd, n_layer=n_layer, n_head=Hkv, n_head_kv=Hkv,
                        head_dim=hd, n_ff=8, rope_base=1e4, rope_dim=hd, rope_mode="neox", rms_eps=1e-5,

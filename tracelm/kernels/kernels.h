@@ -279,13 +279,13 @@ typedef struct {
 /* attend's scratch for one task (nh heads of one kv head, a span of n keys), in floats, each part 8-aligned:
  * qs [nh][hd8] | acc [nh][hd8] | a tile | scores [nh][n8] (a phase's task: no scores, they are shared -- layer.c).
  * The tile: 32 keys [hd][32]; q8_0: the query heads' blocks (q8_query) while scoring, then 32 positions' values as
- * floats [32][nb * 32] and their scales [32][nb] while summing */
+ * floats [32][nb * 32], their scales and the weights p dv [nb][32] while summing */
 #define ATT_TILE 32
 static inline int64_t up8(int64_t v) { return (v + 7) / 8 * 8; }
 #define Q8_BYTES 34              /* a q8_0 block: f16 d, 32 int8 */
 static inline int64_t q8_blocks(int64_t hd) { return (hd + 31) / 32; }
 static inline int64_t attend_tile_floats(int64_t hd, int64_t nh) {
-    const int64_t nb = q8_blocks(hd), values = ATT_TILE * nb * 33, query = nh * nb * 9;   /* 33: q, d; 9: d, q */
+    const int64_t nb = q8_blocks(hd), values = ATT_TILE * nb * 34, query = nh * nb * 9;   /* 34: q, d, w; 9: d, q */
     const int64_t q8 = values > query ? values : query;
     return up8(q8 > ATT_TILE * hd ? q8 : ATT_TILE * hd);
 }
@@ -303,28 +303,41 @@ static inline uint16_t half_from_float(float f) {   /* nearest, ties to even (nu
     return (uint16_t)(sign | (((a + 0xfffu + ((a >> 13) & 1u)) >> 13) - (112u << 10)));
 }
 
-/* The query heads h0..h0+nh-1 of row t, times the scale, as q8_0 blocks: per head nb scales (f32 of the f16)
- * then nb * 32 int8, at out + h * nb * 9 floats. d = amax / 127, q = nearbyintf(x * (1 / d)), d stored as f16; a
- * block with a non-finite value: d NaN, q 0; amax below 2^-100: zeros. */
+/* One q8_0 block of 32 values: q, and d's f16 bits returned. d = amax / 127, q = nearbyintf(v * (1 / d)), d stored
+ * as f16; a block with a non-finite value: d NaN, q 0; amax below 2^-100: zeros. */
+static inline uint16_t q8_block(const float v[32], int8_t q[32]) {
+    float amax = 0.0f;
+    int finite = 1;
+    for (int c = 0; c < 32; c++) {
+        const float a = f1_abs(v[c]);
+        finite &= a <= 3.40282347e38f;
+        amax = a > amax ? a : amax;
+    }
+    const int zero = !finite || amax < TINY_AMAX;
+    const float d = amax / 127.0f, id = zero ? 0.0f : 1.0f / d;
+    for (int c = 0; c < 32; c++) q[c] = zero ? 0 : (int8_t)__builtin_nearbyintf(v[c] * id);
+    return !finite ? 0x7e00u : zero ? 0 : half_from_float(d);
+}
+
+/* n values (times scale) as q8_0 blocks, the last padded with zeros: d's f16 bits and q of block b to d16[b], q[32 b] */
+static inline void q8_row(const float *x, int64_t n, float scale, uint16_t *d16, int64_t d_step, int8_t *q,
+                          int64_t q_step) {
+    for (int64_t b = 0; 32 * b < n; b++) {
+        float v[32];
+        for (int c = 0; c < 32; c++) v[c] = 32 * b + c < n ? x[32 * b + c] * scale : 0.0f;
+        d16[b * d_step] = q8_block(v, q + b * q_step);
+    }
+}
+
+/* The query heads h0..h0+nh-1 of row t, times the scale, as q8_0 blocks: per head nb scales (f32 of the f16) then
+ * nb * 32 int8, at out + h * nb * 9 floats */
 static inline void q8_query(const float *q, int64_t q_s, int64_t nh, int64_t hd, float scale, float *out) {
     const int64_t nb = q8_blocks(hd);
     for (int64_t h = 0; h < nh; h++) {
         float *d = out + h * nb * 9;
-        int8_t *qq = (int8_t *)(d + nb);
-        for (int64_t b = 0; b < nb; b++) {
-            float v[32], amax = 0.0f;
-            int finite = 1;
-            for (int c = 0; c < 32; c++) {
-                v[c] = 32 * b + c < hd ? q[h * q_s + 32 * b + c] * scale : 0.0f;
-                const float a = f1_abs(v[c]);
-                finite &= a <= 3.40282347e38f;
-                amax = a > amax ? a : amax;
-            }
-            const int zero = !finite || amax < TINY_AMAX;
-            const float db = amax / 127.0f, id = zero ? 0.0f : 1.0f / db;
-            d[b] = !finite ? __builtin_nanf("") : zero ? 0.0f : half_to_float(half_from_float(db));
-            for (int c = 0; c < 32; c++) qq[32 * b + c] = zero ? 0 : (int8_t)__builtin_nearbyintf(v[c] * id);
-        }
+        uint16_t d16[nb];
+        q8_row(q + h * q_s, hd, scale, d16, 1, (int8_t *)(d + nb), 32);
+        for (int64_t b = 0; b < nb; b++) d[b] = half_to_float(d16[b]);
     }
 }
 

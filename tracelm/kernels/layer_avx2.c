@@ -394,18 +394,23 @@ INL void weighted_values(const attend_job *j, int64_t kvh, int64_t k0, int64_t n
 #undef PV_STEP
 
 /* ---- kv_cache q8_0 ---- */
-/* the sums of 8 vectors of 8 int32, one per vector: [sum s0, .., sum s7] (integers: exact in any order) */
-INL __m256i hsum8(const __m256i s[8]) {
-    const __m256i a = _mm256_hadd_epi32(s[0], s[1]), b = _mm256_hadd_epi32(s[2], s[3]);
-    const __m256i c = _mm256_hadd_epi32(s[4], s[5]), d = _mm256_hadd_epi32(s[6], s[7]);
-    const __m256i ab = _mm256_hadd_epi32(a, b), cd = _mm256_hadd_epi32(c, d);   /* [0 1 2 3 | 0 1 2 3], [4..7 | 4..7] */
-    return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
+/* the f16 at p, p + st, .., p + 7 st (bytes) as 8 floats (the first n of them; the rest 0) */
+INL __m256 ldh_strided(const uint8_t *p, int64_t st, int64_t n) {
+    if (n >= 8)
+        return _mm256_cvtph_ps(_mm_setr_epi16((short)rd16(p), (short)rd16(p + st), (short)rd16(p + 2 * st),
+                                              (short)rd16(p + 3 * st), (short)rd16(p + 4 * st), (short)rd16(p + 5 * st),
+                                              (short)rd16(p + 6 * st), (short)rd16(p + 7 * st)));
+    uint16_t h[8] = {0};
+    for (int64_t e = 0; e < n; e++) h[e] = rd16(p + e * st);
+    return ldh(h);
 }
 
 /* s[h][i] for keys k0 + i, i = 0..n-1, against the query heads' blocks qb (q8_query): 8 keys at a time, per block
- * each key's integer dot product with each head (|qq| x sign(k, qq) by maddubs, pairs by madd, then the 8 ints
- * summed: exact), then q8_score's f32 steps on 8 keys per vector, acc kept in s between blocks; the last n % 8
- * keys by q8_score itself */
+ * and head each key's integer dot product (|qq| x sign(k, qq) by maddubs, pairs by madd: 8 ints, then summed by
+ * hadds: exact), then q8_score's f32 steps on the 8 keys' lanes, acc kept in s between blocks; the last n % 8 keys
+ * by q8_score itself */
+#define Q8_DOT(c) \
+    _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(r + (c) * sl + 2)), qq)), ones)
 INL void q8_scores(const attend_job *j, int64_t kvh, int64_t k0, int64_t n, int64_t nh, const float *qb, float *s,
                    int64_t s_s) {
     const int64_t nb = j->nb, sl = j->k_sl, nv = n / 8 * 8;
@@ -414,82 +419,100 @@ INL void q8_scores(const attend_job *j, int64_t kvh, int64_t k0, int64_t n, int6
     for (int64_t i = 0; i < nv; i += 8)
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *r = kb + i * sl + b * Q8_BYTES;
-            uint16_t dh[8];
-            __m256i kq[8], dot[8];
-            for (int c = 0; c < 8; c++) {
-                dh[c] = rd16(r + c * sl);
-                kq[c] = _mm256_loadu_si256((const __m256i *)(r + c * sl + 2));
-            }
-            const __m256 dk = ldh(dh);
+            const __m256 dk = ldh_strided(r, sl, 8);
             for (int64_t h = 0; h < nh; h++) {
                 const float *qd = qb + h * nb * 9;
                 const __m256i qq = _mm256_loadu_si256((const __m256i *)((const int8_t *)(qd + nb) + 32 * b));
                 const __m256i aq = _mm256_sign_epi8(qq, qq);
-                for (int c = 0; c < 8; c++) dot[c] = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(kq[c], qq)), ones);
+                const __m256i t0 = _mm256_hadd_epi32(Q8_DOT(0), Q8_DOT(1)), t1 = _mm256_hadd_epi32(Q8_DOT(2), Q8_DOT(3));
+                const __m256i t2 = _mm256_hadd_epi32(Q8_DOT(4), Q8_DOT(5)), t3 = _mm256_hadd_epi32(Q8_DOT(6), Q8_DOT(7));
+                const __m256i ab = _mm256_hadd_epi32(t0, t1), cd = _mm256_hadd_epi32(t2, t3);   /* keys 0-3 | 4-7 halves */
+                const __m256i isum = _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20),
+                                                      _mm256_permute2x128_si256(ab, cd, 0x31));
                 float *sp = s + h * s_s + i;
                 const __m256 acc = b ? LD(sp) : _mm256_setzero_ps();
-                ST(sp, _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(qd[b]), dk),
-                                                        _mm256_cvtepi32_ps(hsum8(dot)))));
+                ST(sp, _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(qd[b]), dk), _mm256_cvtepi32_ps(isum))));
             }
         }
     for (int64_t h = 0; h < nh; h++)
         for (int64_t i = nv; i < n; i++)
             s[h * s_s + i] = q8_score(kb + i * sl, qb + h * nb * 9, (const int8_t *)(qb + h * nb * 9 + nb), nb);
 }
+#undef Q8_DOT
 
 /* acc[h][d] = sum_i (p[h][i] dv_i) qv_i[d] for dims d0..d1-1 (d0 a multiple of 8), keys in order: ATT_TILE keys at a
- * time, their blocks over d0..d1 converted once to floats in the tile [key][nb * 32] (and their scales), then met by
- * every head, 32 dims (then 8, 1) at a time, one chain per dim */
+ * time, their blocks over d0..d1 converted once to floats in the tile [key][nb * 32] (their scales [block][key]),
+ * then met by every head: w = p dv for the tile's keys, 64 dims (two blocks; then 32, 8, 1) at a time, one chain
+ * per dim */
+#define Q8_STEP(a, w, k) a = _mm256_add_ps(a, _mm256_mul_ps(w, LD(r + 8 * (k))))
+#define Q8_PV(V)                                                                                              \
+    {                                                                                                         \
+        __m256 a0 = LD(ah + d), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;                \
+        if (V >= 4) { a1 = LD(ah + d + 8); a2 = LD(ah + d + 16); a3 = LD(ah + d + 24); }                       \
+        if (V == 8) { a4 = LD(ah + d + 32); a5 = LD(ah + d + 40); a6 = LD(ah + d + 48); a7 = LD(ah + d + 56); } \
+        const float *wb = w + (b - b0) * ATT_TILE;                                                            \
+        for (int64_t c = 0; c < nk; c++) {                                                                    \
+            const float *r = tile + c * ts + d;                                                               \
+            const __m256 w0 = _mm256_broadcast_ss(wb + c);                                                    \
+            Q8_STEP(a0, w0, 0);                                                                               \
+            if (V >= 4) { Q8_STEP(a1, w0, 1); Q8_STEP(a2, w0, 2); Q8_STEP(a3, w0, 3); }                         \
+            if (V == 8) {                                                                                     \
+                const __m256 w1 = _mm256_broadcast_ss(wb + ATT_TILE + c);                                     \
+                Q8_STEP(a4, w1, 4); Q8_STEP(a5, w1, 5); Q8_STEP(a6, w1, 6); Q8_STEP(a7, w1, 7);                 \
+            }                                                                                                 \
+        }                                                                                                     \
+        ST(ah + d, a0);                                                                                       \
+        if (V >= 4) { ST(ah + d + 8, a1); ST(ah + d + 16, a2); ST(ah + d + 24, a3); }                          \
+        if (V == 8) { ST(ah + d + 32, a4); ST(ah + d + 40, a5); ST(ah + d + 48, a6); ST(ah + d + 56, a7); }    \
+        d += 8 * V;                                                                                           \
+    }
 INL void q8_weighted_values(const attend_job *j, int64_t kvh, int64_t k0, int64_t n, int64_t nh, int64_t d0,
                             int64_t d1, const float *p, int64_t p_s, float *acc, float *tile) {
     const int64_t nb = j->nb, ts = 32 * nb, sl = j->v_sl, a_s = up8(j->hd), b0 = d0 / 32, b1 = (d1 + 31) / 32;
     const uint8_t *v = (const uint8_t *)j->v + kvh * j->v_sh + k0 * sl;
-    float *dv = tile + ATT_TILE * ts;
+    float *dv = tile + ATT_TILE * ts, *w = dv + ATT_TILE * nb;   /* [b1 - b0][ATT_TILE] each */
     for (int64_t h = 0; h < nh; h++) memset(acc + h * a_s + d0, 0, (size_t)(d1 - d0) * sizeof(float));
     for (int64_t i = 0; i < n; i += ATT_TILE) {
         const int64_t nk = n - i < ATT_TILE ? n - i : ATT_TILE;
-        for (int64_t c = 0; c < nk; c++)
-            for (int64_t b = b0; b < b1; b++) {
-                const uint8_t *blk = v + (i + c) * sl + b * Q8_BYTES;
+        for (int64_t b = b0; b < b1; b++) {
+            for (int64_t c = 0; c < nk; c += 8)
+                ST(dv + (b - b0) * ATT_TILE + c, ldh_strided(v + (i + c) * sl + b * Q8_BYTES, sl, nk - c));
+            for (int64_t c = 0; c < nk; c++) {
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(v + (i + c) * sl + b * Q8_BYTES + 2));
+                const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
                 float *row = tile + c * ts + 32 * b;
-                dv[c * nb + b] = half_to_float(rd16(blk));
-                for (int k = 0; k < 32; k += 8)
-                    ST(row + k, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + k)))));
+                ST(row, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)));
+                ST(row + 8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo))));
+                ST(row + 16, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)));
+                ST(row + 24, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi))));
             }
+        }
         for (int64_t h = 0; h < nh; h++) {
             const float *ph = p + h * p_s + i;
             float *ah = acc + h * a_s;
+            for (int64_t b = b0; b < b1; b++)   /* w = p dv, 8 keys at a time (the tile's spare lanes unread) */
+                for (int64_t c = 0; c < nk; c += 8) {
+                    const __m256i in = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(nk - c)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+                    const __m256 pc = nk - c >= 8 ? LD(ph + c) : _mm256_maskload_ps(ph + c, in);
+                    ST(w + (b - b0) * ATT_TILE + c, _mm256_mul_ps(pc, LD(dv + (b - b0) * ATT_TILE + c)));
+                }
             int64_t d = d0;
             while (d + 8 <= d1) {
                 const int64_t b = d / 32;
-                if (d % 32 == 0 && d + 32 <= d1) {
-                    __m256 a0 = LD(ah + d), a1 = LD(ah + d + 8), a2 = LD(ah + d + 16), a3 = LD(ah + d + 24);
-                    for (int64_t c = 0; c < nk; c++) {
-                        const __m256 w = _mm256_set1_ps(ph[c] * dv[c * nb + b]);
-                        const float *r = tile + c * ts + d;
-                        a0 = _mm256_add_ps(a0, _mm256_mul_ps(w, LD(r)));
-                        a1 = _mm256_add_ps(a1, _mm256_mul_ps(w, LD(r + 8)));
-                        a2 = _mm256_add_ps(a2, _mm256_mul_ps(w, LD(r + 16)));
-                        a3 = _mm256_add_ps(a3, _mm256_mul_ps(w, LD(r + 24)));
-                    }
-                    ST(ah + d, a0); ST(ah + d + 8, a1); ST(ah + d + 16, a2); ST(ah + d + 24, a3);
-                    d += 32;
-                } else {
-                    __m256 a0 = LD(ah + d);
-                    for (int64_t c = 0; c < nk; c++)
-                        a0 = _mm256_add_ps(a0, _mm256_mul_ps(_mm256_set1_ps(ph[c] * dv[c * nb + b]), LD(tile + c * ts + d)));
-                    ST(ah + d, a0);
-                    d += 8;
-                }
+                if (d % 32 == 0 && d + 64 <= d1) Q8_PV(8)
+                else if (d % 32 == 0 && d + 32 <= d1) Q8_PV(4)
+                else Q8_PV(1)
             }
             for (; d < d1; d++) {
                 float a = ah[d];
-                for (int64_t c = 0; c < nk; c++) a = a + (ph[c] * dv[c * nb + d / 32]) * tile[c * ts + d];
+                for (int64_t c = 0; c < nk; c++) a = a + w[(d / 32 - b0) * ATT_TILE + c] * tile[c * ts + d];
                 ah[d] = a;
             }
         }
     }
 }
+#undef Q8_PV
+#undef Q8_STEP
 
 AVX2 static void attend_scores(const attend_job *j, int64_t t, int64_t h0, int64_t nh, int64_t i0, int64_t i1,
                                float *s, int64_t s_s, float *scratch) {

@@ -212,9 +212,10 @@ class Cache:
             self.reset()
 
     def write(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
-        """Store k, v [T, n_head_kv, head_dim] at positions start..start+T-1 of one layer."""
+        """Store k, v [T, n_head_kv, head_dim] at positions start..start+T-1 of one layer (q8_0: or their blocks,
+        uint8 [T, n_head_kv, row bytes], as q8_0_blocks gives them)."""
         T, ring = k.shape[0], self.rings[layer]
-        if self.kv_cache == "q8_0":
+        if self.kv_cache == "q8_0" and k.dtype != np.uint8:
             k, v = q8_0_blocks(k), q8_0_blocks(v)
         # rounded to the Cache's dtype as stored, so that a pass reads its own keys as a later one will
         if not ring:  # (an assignment rounds as astype does, without the copy)
