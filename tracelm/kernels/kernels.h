@@ -278,14 +278,14 @@ typedef struct {
 
 /* attend's scratch for one task (nh heads of one kv head, a span of n keys), in floats, each part 8-aligned:
  * qs [nh][hd8] | acc [nh][hd8] | a tile | scores [nh][n8] (a phase's task: no scores, they are shared -- layer.c).
- * The tile: 32 keys [hd][32]; q8_0: the query heads' blocks (q8_query) while scoring, then 32 positions' values as
- * floats [32][nb * 32], their scales and the weights p dv [nb][32] while summing */
+ * The tile: 32 keys [hd][32]; q8_0: the query heads' blocks (q8_query) while scoring, then 32 positions' value
+ * scales [nb][32] and every head's weights p dv [nh][nb][32] while summing */
 #define ATT_TILE 32
 static inline int64_t up8(int64_t v) { return (v + 7) / 8 * 8; }
 #define Q8_BYTES 34              /* a q8_0 block: f16 d, 32 int8 */
 static inline int64_t q8_blocks(int64_t hd) { return (hd + 31) / 32; }
 static inline int64_t attend_tile_floats(int64_t hd, int64_t nh) {
-    const int64_t nb = q8_blocks(hd), values = ATT_TILE * nb * 34, query = nh * nb * 9;   /* 34: q, d, w; 9: d, q */
+    const int64_t nb = q8_blocks(hd), values = ATT_TILE * nb * (nh + 1), query = nh * nb * 9;   /* 9: d, q */
     const int64_t q8 = values > query ? values : query;
     return up8(q8 > ATT_TILE * hd ? q8 : ATT_TILE * hd);
 }

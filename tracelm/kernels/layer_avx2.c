@@ -409,6 +409,7 @@ INL __m256 ldh_strided(const uint8_t *p, int64_t st, int64_t n) {
  * and head each key's integer dot product (|qq| x sign(k, qq) by maddubs, pairs by madd: 8 ints, then summed by
  * hadds: exact), then q8_score's f32 steps on the 8 keys' lanes, acc kept in s between blocks; the last n % 8 keys
  * by q8_score itself */
+#define Q8_AHEAD 32   /* keys (values) prefetched ahead of the ones read (harmless past the end: a hint) */
 #define Q8_DOT(c) \
     _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(r + (c) * sl + 2)), qq)), ones)
 INL void q8_scores(const attend_job *j, int64_t kvh, int64_t k0, int64_t n, int64_t nh, const float *qb, float *s,
@@ -419,6 +420,8 @@ INL void q8_scores(const attend_job *j, int64_t kvh, int64_t k0, int64_t n, int6
     for (int64_t i = 0; i < nv; i += 8)
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *r = kb + i * sl + b * Q8_BYTES;
+            if (b == 0)
+                for (int c = 0; c < 8; c++) _mm_prefetch((const char *)(r + (Q8_AHEAD + c) * sl), _MM_HINT_T0);
             const __m256 dk = ldh_strided(r, sl, 8);
             for (int64_t h = 0; h < nh; h++) {
                 const float *qd = qb + h * nb * 9;
@@ -441,78 +444,88 @@ INL void q8_scores(const attend_job *j, int64_t kvh, int64_t k0, int64_t n, int6
 #undef Q8_DOT
 
 /* acc[h][d] = sum_i (p[h][i] dv_i) qv_i[d] for dims d0..d1-1 (d0 a multiple of 8), keys in order: ATT_TILE keys at a
- * time, their blocks over d0..d1 converted once to floats in the tile [key][nb * 32] (their scales [block][key]),
- * then met by every head: w = p dv for the tile's keys, 64 dims (two blocks; then 32, 8, 1) at a time, one chain
- * per dim */
-#define Q8_STEP(a, w, k) a = _mm256_add_ps(a, _mm256_mul_ps(w, LD(r + 8 * (k))))
-#define Q8_PV(V)                                                                                              \
+ * time, first their scales dv and every head's weights w = p dv ([head][block][key] in the tile), then 16 dims (or
+ * 8; then 1) at a time: each key's int8 converted once and met by up to 4 heads, one chain per dim and head */
+#define Q8_W(k) _mm256_broadcast_ss(wt + (k) * wh + c)
+#define Q8_SLAB(M, V)                                                                                         \
     {                                                                                                         \
-        __m256 a0 = LD(ah + d), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;                \
-        if (V >= 4) { a1 = LD(ah + d + 8); a2 = LD(ah + d + 16); a3 = LD(ah + d + 24); }                       \
-        if (V == 8) { a4 = LD(ah + d + 32); a5 = LD(ah + d + 40); a6 = LD(ah + d + 48); a7 = LD(ah + d + 56); } \
-        const float *wb = w + (b - b0) * ATT_TILE;                                                            \
-        for (int64_t c = 0; c < nk; c++) {                                                                    \
-            const float *r = tile + c * ts + d;                                                               \
-            const __m256 w0 = _mm256_broadcast_ss(wb + c);                                                    \
-            Q8_STEP(a0, w0, 0);                                                                               \
-            if (V >= 4) { Q8_STEP(a1, w0, 1); Q8_STEP(a2, w0, 2); Q8_STEP(a3, w0, 3); }                         \
-            if (V == 8) {                                                                                     \
-                const __m256 w1 = _mm256_broadcast_ss(wb + ATT_TILE + c);                                     \
-                Q8_STEP(a4, w1, 4); Q8_STEP(a5, w1, 5); Q8_STEP(a6, w1, 6); Q8_STEP(a7, w1, 7);                 \
-            }                                                                                                 \
+        float *a0p = acc + (hg + 0) * a_s + d, *a1p = acc + (hg + (M > 1)) * a_s + d;                          \
+        float *a2p = acc + (hg + (M > 2) * 2) * a_s + d, *a3p = acc + (hg + (M > 3) * 3) * a_s + d;            \
+        __m256 x0 = LD(a0p), y0 = V > 1 ? LD(a0p + 8) : x0, x1 = x0, y1 = y0, x2 = x0, y2 = y0, x3 = x0, y3 = y0; \
+        if (M > 1) { x1 = LD(a1p); if (V > 1) y1 = LD(a1p + 8); }                                               \
+        if (M > 2) { x2 = LD(a2p); if (V > 1) y2 = LD(a2p + 8); }                                               \
+        if (M > 3) { x3 = LD(a3p); if (V > 1) y3 = LD(a3p + 8); }                                               \
+        const float *wt = w + (hg * nbt + b - b0) * ATT_TILE;                                                 \
+        const uint8_t *q = v + i * sl + b * Q8_BYTES + 2 + d % 32;                                            \
+        for (int64_t c = 0; c < nk; c++, q += sl) {                                                           \
+            const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));  \
+            const __m256 q1 = V > 1 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8)))) : q0; \
+            __m256 wk = Q8_W(0);                                                                              \
+            x0 = _mm256_add_ps(x0, _mm256_mul_ps(wk, q0));                                                    \
+            if (V > 1) y0 = _mm256_add_ps(y0, _mm256_mul_ps(wk, q1));                                         \
+            if (M > 1) { wk = Q8_W(1); x1 = _mm256_add_ps(x1, _mm256_mul_ps(wk, q0));                         \
+                         if (V > 1) y1 = _mm256_add_ps(y1, _mm256_mul_ps(wk, q1)); }                          \
+            if (M > 2) { wk = Q8_W(2); x2 = _mm256_add_ps(x2, _mm256_mul_ps(wk, q0));                         \
+                         if (V > 1) y2 = _mm256_add_ps(y2, _mm256_mul_ps(wk, q1)); }                          \
+            if (M > 3) { wk = Q8_W(3); x3 = _mm256_add_ps(x3, _mm256_mul_ps(wk, q0));                         \
+                         if (V > 1) y3 = _mm256_add_ps(y3, _mm256_mul_ps(wk, q1)); }                          \
         }                                                                                                     \
-        ST(ah + d, a0);                                                                                       \
-        if (V >= 4) { ST(ah + d + 8, a1); ST(ah + d + 16, a2); ST(ah + d + 24, a3); }                          \
-        if (V == 8) { ST(ah + d + 32, a4); ST(ah + d + 40, a5); ST(ah + d + 48, a6); ST(ah + d + 56, a7); }    \
-        d += 8 * V;                                                                                           \
+        ST(a0p, x0); if (V > 1) ST(a0p + 8, y0);                                                              \
+        if (M > 1) { ST(a1p, x1); if (V > 1) ST(a1p + 8, y1); }                                                \
+        if (M > 2) { ST(a2p, x2); if (V > 1) ST(a2p + 8, y2); }                                                \
+        if (M > 3) { ST(a3p, x3); if (V > 1) ST(a3p + 8, y3); }                                                \
+    }
+#define Q8_HEADS(V)                                                                                           \
+    for (int64_t hg = 0; hg < nh; hg += 4) {                                                                  \
+        switch (nh - hg < 4 ? nh - hg : 4) {                                                                  \
+        case 1: Q8_SLAB(1, V) break;                                                                          \
+        case 2: Q8_SLAB(2, V) break;                                                                          \
+        case 3: Q8_SLAB(3, V) break;                                                                          \
+        default: Q8_SLAB(4, V) break;                                                                         \
+        }                                                                                                     \
     }
 INL void q8_weighted_values(const attend_job *j, int64_t kvh, int64_t k0, int64_t n, int64_t nh, int64_t d0,
                             int64_t d1, const float *p, int64_t p_s, float *acc, float *tile) {
-    const int64_t nb = j->nb, ts = 32 * nb, sl = j->v_sl, a_s = up8(j->hd), b0 = d0 / 32, b1 = (d1 + 31) / 32;
+    const int64_t sl = j->v_sl, a_s = up8(j->hd), b0 = d0 / 32, b1 = (d1 + 31) / 32, nbt = b1 - b0;
+    const int64_t wh = nbt * ATT_TILE;   /* w: [head][block b0..][key] */
     const uint8_t *v = (const uint8_t *)j->v + kvh * j->v_sh + k0 * sl;
-    float *dv = tile + ATT_TILE * ts, *w = dv + ATT_TILE * nb;   /* [b1 - b0][ATT_TILE] each */
+    float *dv = tile, *w = dv + nbt * ATT_TILE;
     for (int64_t h = 0; h < nh; h++) memset(acc + h * a_s + d0, 0, (size_t)(d1 - d0) * sizeof(float));
     for (int64_t i = 0; i < n; i += ATT_TILE) {
         const int64_t nk = n - i < ATT_TILE ? n - i : ATT_TILE;
-        for (int64_t b = b0; b < b1; b++) {
+        for (int64_t c = 0; c < nk; c++) _mm_prefetch((const char *)(v + (i + c + Q8_AHEAD) * sl), _MM_HINT_T0);
+        for (int64_t b = b0; b < b1; b++)
             for (int64_t c = 0; c < nk; c += 8)
                 ST(dv + (b - b0) * ATT_TILE + c, ldh_strided(v + (i + c) * sl + b * Q8_BYTES, sl, nk - c));
-            for (int64_t c = 0; c < nk; c++) {
-                const __m256i q = _mm256_loadu_si256((const __m256i *)(v + (i + c) * sl + b * Q8_BYTES + 2));
-                const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-                float *row = tile + c * ts + 32 * b;
-                ST(row, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)));
-                ST(row + 8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo))));
-                ST(row + 16, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)));
-                ST(row + 24, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi))));
-            }
-        }
-        for (int64_t h = 0; h < nh; h++) {
-            const float *ph = p + h * p_s + i;
-            float *ah = acc + h * a_s;
-            for (int64_t b = b0; b < b1; b++)   /* w = p dv, 8 keys at a time (the tile's spare lanes unread) */
+        for (int64_t h = 0; h < nh; h++)   /* w = p dv, 8 keys at a time (lanes past nk unread) */
+            for (int64_t b = 0; b < nbt; b++)
                 for (int64_t c = 0; c < nk; c += 8) {
+                    const float *ph = p + h * p_s + i + c;
                     const __m256i in = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(nk - c)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-                    const __m256 pc = nk - c >= 8 ? LD(ph + c) : _mm256_maskload_ps(ph + c, in);
-                    ST(w + (b - b0) * ATT_TILE + c, _mm256_mul_ps(pc, LD(dv + (b - b0) * ATT_TILE + c)));
+                    const __m256 pc = nk - c >= 8 ? LD(ph) : _mm256_maskload_ps(ph, in);
+                    ST(w + h * wh + b * ATT_TILE + c, _mm256_mul_ps(pc, LD(dv + b * ATT_TILE + c)));
                 }
-            int64_t d = d0;
-            while (d + 8 <= d1) {
-                const int64_t b = d / 32;
-                if (d % 32 == 0 && d + 64 <= d1) Q8_PV(8)
-                else if (d % 32 == 0 && d + 32 <= d1) Q8_PV(4)
-                else Q8_PV(1)
-            }
-            for (; d < d1; d++) {
-                float a = ah[d];
-                for (int64_t c = 0; c < nk; c++) a = a + w[(d / 32 - b0) * ATT_TILE + c] * tile[c * ts + d];
-                ah[d] = a;
-            }
+        int64_t d = d0;
+        for (; d + 16 <= d1; d += 16) {
+            const int64_t b = d / 32;
+            Q8_HEADS(2)
         }
+        for (; d + 8 <= d1; d += 8) {
+            const int64_t b = d / 32;
+            Q8_HEADS(1)
+        }
+        for (; d < d1; d++)
+            for (int64_t h = 0; h < nh; h++) {
+                float a = acc[h * a_s + d];
+                for (int64_t c = 0; c < nk; c++)
+                    a = a + w[h * wh + (d / 32 - b0) * ATT_TILE + c] * (float)(int8_t)v[(i + c) * sl + d / 32 * Q8_BYTES + 2 + d % 32];
+                acc[h * a_s + d] = a;
+            }
     }
 }
-#undef Q8_PV
-#undef Q8_STEP
+#undef Q8_HEADS
+#undef Q8_SLAB
+#undef Q8_W
 
 AVX2 static void attend_scores(const attend_job *j, int64_t t, int64_t h0, int64_t nh, int64_t i0, int64_t i1,
                                float *s, int64_t s_s, float *scratch) {
