@@ -23,8 +23,8 @@ import pytest
 from tests.test_attend_phases import every_way, phases_restored  # noqa: F401 -- a fixture
 from tests.test_layer_kernels import CASES, assert_same_bits, causal_spans, every_setting
 from tracelm import Session, kernels
-from tracelm.kernels import _core
 from tracelm.io.run_config import load_run_config
+from tracelm.kernels import _core
 from tracelm.pipeline.bounds import kv_cache_bytes
 from tracelm.pipeline.runner import Runner
 from tracelm.stages.attention import attend as attend_stage
@@ -201,7 +201,7 @@ def test_steps_equal_a_pass(tiny_gguf, compute):
 
 
 # ---------------------------------------------------------------------------------------------------- the kernels
-kernels_restored = pytest.mark.usefixtures("kernels_restored", "phases_restored")
+restored = pytest.mark.usefixtures("kernels_restored", "phases_restored")  # each test may switch path, threads, phases
 
 
 def kernel_order(q, keys, values, spans, scale):
@@ -240,7 +240,7 @@ def kernel_order(q, keys, values, spans, scale):
 SHAPES = [(9, 3, 64), (14, 2, 64), (4, 1, 256), (4, 2, 16), (6, 3, 40)]
 
 
-@kernels_restored
+@restored
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{h}-{kv}-{d}" for h, kv, d in SHAPES])
 def test_kernels_keep_the_promised_order(shape):
     """Keys and values as a q8_0 Cache holds them (plain and ring layers, written a pass at a time), decode rows,
@@ -264,7 +264,7 @@ def test_kernels_keep_the_promised_order(shape):
         np.testing.assert_allclose(got, stage, rtol=0, atol=1e-5 * max(1.0, np.abs(stage).max()))
 
 
-@kernels_restored
+@restored
 @pytest.mark.parametrize("L", [1, 7, 9, 63, 257, 1601])
 def test_phases_rows_alone_and_edge_cases(L):
     """Phases always, never or when they pay, at 1..4 threads (tests/test_attend_phases.py), a row alone or in a

@@ -10,7 +10,10 @@
  *    first copied into a tile [hd][32] (8 x 8 transposes when the dims are adjacent). The max and the sum over the
  *    span in 8 lanes (vector i / 8 holds keys i..i+7; a partial last vector on the lanes stored to memory). The
  *    weighted sum of values 64 dims (8 vectors; then 4, 1) at a time, one chain per dim over the keys, in blocks
- *    of keys that meet every head while in L1. Each part takes a range (of keys, of dims) for layer.c's phases. */
+ *    of keys that meet every head while in L1. Each part takes a range (of keys, of dims) for layer.c's phases.
+ *    q8_0 keys and values (kv_cache q8_0): scores 8 keys a vector, each block's integer dot products by
+ *    maddubs/madd/hadd (exact), then the float steps; values 16 dims at a time, each key's int8 converted once in
+ *    registers for up to 4 heads; both prefetch the positions ahead (the Cache's rows stream from memory). */
 #include "kernels.h"
 
 #if defined(__x86_64__) || defined(__i386__)

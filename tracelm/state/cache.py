@@ -92,9 +92,9 @@ def kv_name(dtype: np.dtype) -> str:
 @attrs.frozen(slots=True, eq=False)
 class CacheSnapshot:
     """What a Cache holds, to save and restore (`Cache.snapshot`, `Cache.restore`): the token ids of its
-    positions and, per layer, the keys and values [n_head_kv, n_past - first, head_dim] of positions
-    first..n_past-1 (q8_0: [.., row bytes] of blocks) (first: the oldest a window ring still holds; 0 elsewhere). No RoPE tables: they are
-    recomputed."""
+    positions and, per layer, the keys and values [n_head_kv, n_past - first, head_dim] (q8_0: [.., row bytes]
+    of blocks) of positions first..n_past-1 (first: the oldest a window ring still holds; 0 elsewhere). No RoPE
+    tables: they are recomputed."""
 
     tokens: tuple[int, ...] = attrs.field(converter=lambda ids: tuple(int(i) for i in ids))
     first: tuple[int, ...] = attrs.field(converter=tuple)
