@@ -171,16 +171,16 @@ def test_a_256_token_run_holds_the_file_kv_and_150_mb(name: str) -> None:
     assert r["peak"] <= bound
 
 
-def _staged_and_fused(model, n_ctx: int = 96) -> None:
+def _staged_and_fused(model, n_ctx: int = 96, kv_dtype: str = "f16") -> None:
     """Prompt, decode steps and a pass of two sequences, untraced (graph.fused_layers) and through a hook (the
-    stages one by one): the same logits, bit for bit, and the same keys/values in the Cache."""
+    stages one by one): the same logits, bit for bit, and the same keys/values in the Cache (of `kv_dtype`)."""
     from tracelm.pipeline import graph
 
     hook = lambda stage, layer, fn, *args: fn(*args)  # noqa: E731 -- any hook makes the pass go stage by stage
     ids = model.tokenizer.encode("hello, hello world, and a longer prompt than a window")[:40]
     runs = []
     for call in (graph.plain_call, hook):
-        a, b = graph.new_cache(model.cfg, n_ctx), graph.new_cache(model.cfg, n_ctx)
+        a, b = (graph.new_cache(model.cfg, n_ctx, kv_dtype=kv_dtype) for _ in "ab")
         out = [graph.forward(model.cfg, model.weights, a, ids, all_logits=True, call=call).values]
         out += [graph.forward(model.cfg, model.weights, a, [t], call=call).values for t in (5, 17, 99)]
         graph.forward(model.cfg, model.weights, b, ids[:7], call=call)

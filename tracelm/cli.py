@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from tracelm.state.errors import TracelmError
+from tracelm.state.run_config import KV_CACHE_DTYPES
 
 
 def _threads(n: int, compute: str = "kernels") -> Any:
@@ -234,10 +235,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
             report = grammar_overhead(args.model, args.grammar, args.decode_tokens, args.repeats or 3, **engine)
         elif args.positions:
-            report = context_scaling(args.model, _positions(args.positions), **engine)
+            report = context_scaling(args.model, _positions(args.positions), kv_cache=args.kv_cache, **engine)
         else:
             report = run_bench(args.model, args.prompt_tokens, args.decode_tokens, args.context, args.weights,
-                               **engine)
+                               kv_cache=args.kv_cache, **engine)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -649,6 +650,9 @@ def _add_bench_command(sub: Any) -> None:
     sp.add_argument("--weights", choices=("resident", "streamed"), default="resident",
                     help="streamed: weights stay quantized in the GGUF, a block dequantized at a time; reports "
                     "peak RSS against file + one block f32 + KV cache + 150 MB, and logits against resident")
+    sp.add_argument("--kv-cache", choices=KV_CACHE_DTYPES, default="f16",
+                    help="the model bench and --positions: what the Cache holds keys and values in (run config's "
+                    "kv_cache)")
     sp.add_argument("--json", action="store_true")
     sp.add_argument("--positions", metavar="P1,P2,...",
                     help="instead: decode ms/token at each position (32 steps each, interleaved; ratios to the "

@@ -41,7 +41,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from tracelm.state.cache import CacheSnapshot
+from tracelm.state.cache import CacheSnapshot, kv_row_bytes
 from tracelm.state.errors import (
     SessionFileError,
     SessionFileTampered,
@@ -56,7 +56,7 @@ FORMAT = "tracelm-session"
 FORMAT_VERSION = 1
 ALIGN = 64
 DIGEST_BYTES = 32
-DTYPES = ("<f4", "<f2")  # what a Cache's keys/values are held in
+DTYPES = ("<f4", "<f2", "|u1")  # what a Cache's keys/values are held in (|u1: kv_cache q8_0's blocks)
 SUFFIX = ".tlsession"
 
 
@@ -237,8 +237,11 @@ def check_session(path: str | os.PathLike, saved: SavedSession, model_sha256: st
     if saved.compute != compute:
         raise SessionIncompatible(f"{path}: session saved with compute {saved.compute}, this run uses {compute}: "
                                   "their keys and values differ")
-    shapes = {tuple(k.shape[::2]) for k in (*saved.snapshot.keys, *saved.snapshot.values)}
-    if shapes - {(model_config.n_head_kv, model_config.head_dim)} or len(saved.snapshot.keys) != model_config.n_layer:
+    arrays = (*saved.snapshot.keys, *saved.snapshot.values)
+    shapes = {tuple(k.shape[::2]) for k in arrays}
+    q8_row = kv_row_bytes("q8_0", model_config.head_dim)  # kv_cache q8_0: a position's blocks, in bytes
+    rows = {(model_config.n_head_kv, q8_row if k.dtype == np.uint8 else model_config.head_dim) for k in arrays}
+    if shapes - rows or len(saved.snapshot.keys) != model_config.n_layer:
         raise SessionFileTampered(f"{path}: session file damaged: {len(saved.snapshot.keys)} layers of keys/values of "
                                   f"[kv heads, head dim] {sorted(shapes)} for a model of {model_config.n_layer} "
                                   f"layers of {[model_config.n_head_kv, model_config.head_dim]}")

@@ -206,6 +206,15 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, spans: np.ndarra
     return _core.attend(q, keys, values, spans, float(scale), out)
 
 
+def q8_0_blocks(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """x float32 [..., n] (2-D or 3-D, unit last stride) as kv_cache q8_0's blocks: uint8 [..., ceil(n / 32) * 34],
+    the bytes of state/cache.py q8_0_blocks (its rule, in C: a decode step stores its keys and values without a
+    dozen numpy calls per layer). out: C-contiguous (made when None)."""
+    if out is None:
+        out = np.empty((*x.shape[:-1], -(-x.shape[-1] // 32) * 34), np.uint8)
+    return _core.q8_0_blocks(x, out)
+
+
 def silu_mul(gate_up: np.ndarray, n_ff: int, out: np.ndarray | None = None) -> np.ndarray:
     """silu(gate) * up of gate_up = [gate | up] (float32 [T, 2 n_ff], rows at any stride): per value
     (g / (1 + exp(min(-g, 88)))) * u, the ops of stages/ffn.py silu with the kernels' exp. out: [T, n_ff]."""

@@ -51,6 +51,12 @@
  *      sum   = 8 lanes (i mod 8) from 0, lane = lane + p_i for i in order, then (l + l+4), (l + l+2), (0 + 1)
  *      o[d]  = acc = 0, acc = acc + p_i * v_j[d] for i = 0..n-1 in order; out[d] = acc / sum
  *    An empty span (n = 0) gives out = 0. Keys and values may be f16 (converted exactly to f32 first).
+ *    Or q8_0 (kv_cache q8_0; ggml's blocks of 32: an f16 d, then 32 int8; a head dim not a multiple of 32 padded
+ *    with zero values; docs/architecture.md, stages/attention.py q8_0_scores, q8_0_weighted): the query qs is
+ *    rounded to blocks by the Cache's rule (q8_0_query below), and with the blocks b = 0..nb-1 of key j
+ *      s_i   = acc = 0, acc = acc + (dq_b * dk_b) * isum_b for b in order,  isum_b = sum qq * qk (exact integers)
+ *      o[d]  = acc = 0, acc = acc + (p_i * dv_b) * qv_j[d] for i = 0..n-1 in order (b: the block of dim d)
+ *    -- the max, exps and sum as above.
  * The elementwise steps, for reference (layer_math.h has them in full):
  *  - exp(x): x clamped to [-104, 89]; n = round(x log2e) (+ 1.5 * 2^23, then -), r = (x - n ln2_hi) - n ln2_lo;
  *    e^r = Taylor to r^7 in Horner's order; times 2^(n >> 1), then times 2^(n - (n >> 1)). Within 2 ulp.
@@ -259,9 +265,10 @@ typedef struct {
 typedef struct {
     int64_t T, H, Hkv, hd, L;
     rows3 q;                      /* q [T, H, hd] */
-    const void *k, *v;            /* [Hkv, L, hd], f32 or f16 */
-    int f16;
-    int64_t k_sh, k_sl, k_sd;     /* keys: any strides (head, position, dim) */
+    const void *k, *v;            /* [Hkv, L, hd], f32 or f16; or q8_0 [Hkv, L, nb * Q8_BYTES] bytes */
+    int f16, q8;
+    int64_t nb;                   /* q8_0: blocks per head dim */
+    int64_t k_sh, k_sl, k_sd;     /* keys: any strides (head, position, dim), in items (q8_0: bytes, k_sd = 1) */
     int64_t v_sh, v_sl;           /* values: unit dim stride */
     const int64_t *spans;         /* [T, 2]: keys k0..k1-1 seen by query row t */
     float scale;
@@ -270,12 +277,79 @@ typedef struct {
 } attend_job;
 
 /* attend's scratch for one task (nh heads of one kv head, a span of n keys), in floats, each part 8-aligned:
- * qs [nh][hd8] | acc [nh][hd8] | a tile of 32 keys [hd][32] | scores [nh][n8] (a phase's task: no scores, they
- * are shared -- layer.c) */
+ * qs [nh][hd8] | acc [nh][hd8] | a tile | scores [nh][n8] (a phase's task: no scores, they are shared -- layer.c).
+ * The tile: 32 keys [hd][32]; q8_0: the query heads' blocks (q8_query) while scoring, then 32 positions' value
+ * scales [nb][32] and every head's weights p dv [nh][nb][32] while summing */
 #define ATT_TILE 32
 static inline int64_t up8(int64_t v) { return (v + 7) / 8 * 8; }
+#define Q8_BYTES 34              /* a q8_0 block: f16 d, 32 int8 */
+static inline int64_t q8_blocks(int64_t hd) { return (hd + 31) / 32; }
+static inline int64_t attend_tile_floats(int64_t hd, int64_t nh) {
+    const int64_t nb = q8_blocks(hd), values = ATT_TILE * nb * (nh + 1), query = nh * nb * 9;   /* 9: d, q */
+    const int64_t q8 = values > query ? values : query;
+    return up8(q8 > ATT_TILE * hd ? q8 : ATT_TILE * hd);
+}
 static inline int64_t attend_scratch_floats(int64_t hd, int64_t n, int64_t nh) {
-    return 2 * nh * up8(hd) + ATT_TILE * hd + nh * up8(n);
+    return 2 * nh * up8(hd) + attend_tile_floats(hd, nh) + nh * up8(n);
+}
+
+/* ---- kv_cache q8_0 (the rule of state/cache.py q8_0_blocks, bit for bit) ---- */
+static inline uint16_t half_from_float(float f) {   /* nearest, ties to even (numpy's astype(float16)) */
+    const uint32_t x = bits_from_f32(f), sign = (x >> 16) & 0x8000u, a = x & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);         /* NaN */
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);        /* >= 65520 (inf included): inf */
+    if (a < 0x38800000u)                                            /* below 2^-14: a multiple of 2^-24 */
+        return (uint16_t)(sign | (uint32_t)__builtin_nearbyintf(f32_from_bits(a) * 16777216.0f));
+    return (uint16_t)(sign | (((a + 0xfffu + ((a >> 13) & 1u)) >> 13) - (112u << 10)));
+}
+
+/* One q8_0 block of 32 values: q, and d's f16 bits returned. d = amax / 127, q = nearbyintf(v * (1 / d)), d stored
+ * as f16; a block with a non-finite value: d NaN, q 0; amax below 2^-100: zeros. */
+static inline uint16_t q8_block(const float v[32], int8_t q[32]) {
+    float amax = 0.0f;
+    int finite = 1;
+    for (int c = 0; c < 32; c++) {
+        const float a = f1_abs(v[c]);
+        finite &= a <= 3.40282347e38f;
+        amax = a > amax ? a : amax;
+    }
+    const int zero = !finite || amax < TINY_AMAX;
+    const float d = amax / 127.0f, id = zero ? 0.0f : 1.0f / d;
+    for (int c = 0; c < 32; c++) q[c] = zero ? 0 : (int8_t)__builtin_nearbyintf(v[c] * id);
+    return !finite ? 0x7e00u : zero ? 0 : half_from_float(d);
+}
+
+/* n values (times scale) as q8_0 blocks, the last padded with zeros: d's f16 bits and q of block b to d16[b], q[32 b] */
+static inline void q8_row(const float *x, int64_t n, float scale, uint16_t *d16, int64_t d_step, int8_t *q,
+                          int64_t q_step) {
+    for (int64_t b = 0; 32 * b < n; b++) {
+        float v[32];
+        for (int c = 0; c < 32; c++) v[c] = 32 * b + c < n ? x[32 * b + c] * scale : 0.0f;
+        d16[b * d_step] = q8_block(v, q + b * q_step);
+    }
+}
+
+/* The query heads h0..h0+nh-1 of row t, times the scale, as q8_0 blocks: per head nb scales (f32 of the f16) then
+ * nb * 32 int8, at out + h * nb * 9 floats */
+static inline void q8_query(const float *q, int64_t q_s, int64_t nh, int64_t hd, float scale, float *out) {
+    const int64_t nb = q8_blocks(hd);
+    for (int64_t h = 0; h < nh; h++) {
+        float *d = out + h * nb * 9;
+        uint16_t d16[nb];
+        q8_row(q + h * q_s, hd, scale, d16, 1, (int8_t *)(d + nb), 32);
+        for (int64_t b = 0; b < nb; b++) d[b] = half_to_float(d16[b]);
+    }
+}
+
+/* one key's score against a query head's blocks (qd: its nb scales, qq: its int8): the order above */
+static inline float q8_score(const uint8_t *key, const float *qd, const int8_t *qq, int64_t nb) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++, key += Q8_BYTES) {
+        int32_t isum = 0;
+        for (int c = 0; c < 32; c++) isum += (int32_t)qq[32 * b + c] * (int8_t)key[2 + c];
+        acc = acc + (qd[b] * half_to_float(rd16(key))) * (float)isum;
+    }
+    return acc;
 }
 
 /* the max's 8 lanes over a run of keys (i0 a multiple of 8, so lane l holds the keys i = l mod 8): each lane's

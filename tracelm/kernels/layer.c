@@ -8,7 +8,7 @@
  * itself (rms_norm, rope) but no other overlap: its rows must lie apart.
  *
  * attend's scratch: one buffer per thread (thread-local, grown to the largest task seen, freed when the thread
- * ends): per task of nh heads over a span of n keys, qs and acc [nh][hd], a key tile [hd][32] and the scores
+ * ends): per task of nh heads over a span of n keys, qs and acc [nh][hd], a tile (keys, or q8_0's) and the scores
  * [nh][n] (kernels.h, attend_scratch_floats); in phases the scores of every row and head are one buffer of the
  * calling thread's, grown alike -- no allocation per call once warm.
  */
@@ -26,7 +26,7 @@
  * ==================================================================================================== */
 typedef struct { buf b; int ndim; int64_t n[3], s[3]; } arr;   /* shape and strides (in items) */
 
-enum { K_F32, K_F32_OR_F16, K_I64 };
+enum { K_F32, K_F32_OR_F16, K_KV, K_I64, K_U8 };   /* K_KV: float32, float16, or uint8 (q8_0 blocks) */
 
 static int fail(const char *fn, const char *name, const arr *a, const char *what) {
     char shp[96];
@@ -47,10 +47,15 @@ static int get_arr(PyObject *o, const char *fn, const char *name, int kind, int 
     }
     a->b.held = 1;
     const Py_buffer *v = &a->b.v;
+    const int u8 = fmt_is(v, 'B') && v->itemsize == 1;
     int ok = kind == K_I64 ? v->itemsize == 8 && (fmt_is(v, 'l') || fmt_is(v, 'q'))
-                           : (fmt_is(v, 'f') && v->itemsize == 4) || (kind == K_F32_OR_F16 && fmt_is(v, 'e') && v->itemsize == 2);
+           : kind == K_U8 ? u8
+           : (fmt_is(v, 'f') && v->itemsize == 4) || (kind != K_F32 && fmt_is(v, 'e') && v->itemsize == 2) ||
+             (kind == K_KV && u8);
     if (!ok)
-        return fail(fn, name, a, kind == K_I64 ? "must be int64" : kind == K_F32 ? "must be float32" : "must be float32 or float16");
+        return fail(fn, name, a, kind == K_I64 ? "must be int64" : kind == K_F32 ? "must be float32" :
+                                 kind == K_U8 ? "must be uint8" :
+                                 kind == K_KV ? "must be float32, float16 or uint8 (q8_0 blocks)" : "must be float32 or float16");
     if (v->ndim < nd_lo || v->ndim > nd_hi) {
         char want[32];
         snprintf(want, sizeof want, nd_lo == nd_hi ? "must be %d-D" : "must be %d-D or %d-D", nd_lo, nd_hi);
@@ -337,8 +342,8 @@ static PyObject *py_attend(PyObject *self, PyObject *args) {
     arr q = {0}, k = {0}, v = {0}, sp = {0}, out = {0};
     PyObject *ret = NULL;
     if (get_arr(qo, fn, "q", K_F32, 3, 3, 0, &q) || unit_last(fn, "q", &q) ||
-        get_arr(ko, fn, "keys", K_F32_OR_F16, 3, 3, 0, &k) ||
-        get_arr(vo, fn, "values", K_F32_OR_F16, 3, 3, 0, &v) || unit_last(fn, "values", &v) ||
+        get_arr(ko, fn, "keys", K_KV, 3, 3, 0, &k) ||
+        get_arr(vo, fn, "values", K_KV, 3, 3, 0, &v) || unit_last(fn, "values", &v) ||
         same_shape(fn, "values", &v, "keys", &k) ||
         get_arr(spo, fn, "spans", K_I64, 2, 2, 0, &sp) ||
         get_arr(oo, fn, "out", K_F32, 2, 2, 1, &out))
@@ -348,13 +353,16 @@ static PyObject *py_attend(PyObject *self, PyObject *args) {
         goto done;
     }
     const int64_t T = q.n[0], H = q.n[1], hd = q.n[2], Hkv = k.n[0], L = k.n[1];
-    if (k.n[2] != hd || Hkv < 1 || H % Hkv) {
-        char want[96];
-        snprintf(want, sizeof want, "must be [Hkv, L, %lld] with Hkv >= 1 dividing H = %lld (q: [T, H, hd])",
-                 (long long)hd, (long long)H);
+    const int q8 = k.b.v.itemsize == 1;   /* q8_0: a position's blocks of the head dim, in bytes */
+    const int64_t width = q8 ? q8_blocks(hd) * Q8_BYTES : hd;
+    if (k.n[2] != width || Hkv < 1 || H % Hkv) {
+        char want[128];
+        snprintf(want, sizeof want, "must be [Hkv, L, %lld] with Hkv >= 1 dividing H = %lld (q: [T, H, hd]%s)",
+                 (long long)width, (long long)H, q8 ? "; q8_0: ceil(hd / 32) blocks of 34 bytes" : "");
         fail(fn, "keys", &k, want);
         goto done;
     }
+    if (q8 && unit_last(fn, "keys", &k)) goto done;
     if (sp.n[0] != T || sp.n[1] != 2 || (T > 1 && sp.s[0] != 2) || sp.s[1] != 1) {
         char want[64];
         snprintf(want, sizeof want, "must be C-contiguous [%lld, 2] (T, k0 k1)", (long long)T);
@@ -388,8 +396,9 @@ static PyObject *py_attend(PyObject *self, PyObject *args) {
     splits = splits > g ? g : splits;
     const int64_t group = splits ? (g + splits - 1) / splits : 1, subs = group ? (g + group - 1) / group : 0;
     attend_ctx c = {current_path()->layer,
-                    {T, H, Hkv, hd, L, rows_of(&q), k.b.v.buf, v.b.v.buf, k.b.v.itemsize == 2, k.s[0], k.s[1], k.s[2],
-                     v.s[0], v.s[1], spans, (float)scale, (float *)out.b.v.buf, out.s[0]},
+                    {T, H, Hkv, hd, L, rows_of(&q), k.b.v.buf, v.b.v.buf, k.b.v.itemsize == 2, q8, q8_blocks(hd),
+                     k.s[0], k.s[1], q8 ? 1 : k.s[2], v.s[0], v.s[1], spans, (float)scale, (float *)out.b.v.buf,
+                     out.s[0]},
                     group, subs, attend_scratch_floats(hd, longest, group), 0};
     const int phased = phases_mode >= 0 ? phases_mode
                                         : threads > 1 && units < 2 * threads && units % threads && longest >= PHASE_KEYS;
@@ -428,6 +437,55 @@ static PyObject *py_attend(PyObject *self, PyObject *args) {
     ret = oo;
 done:
     release(&q.b); release(&k.b); release(&v.b); release(&sp.b); release(&out.b);
+    return ret;
+}
+
+/* ======================================================================================================
+ * q8_0_blocks: rows of values as kv_cache q8_0's blocks (kernels.h q8_block: the rule of state/cache.py)
+ * ==================================================================================================== */
+typedef struct { rows3 x; int64_t n1, n, width; uint8_t *out; } q8_ctx;
+
+static void q8_tasks(void *ctx, int64_t r0, int64_t r1) {
+    const q8_ctx *c = (const q8_ctx *)ctx;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *x = c->x.p + r / c->n1 * c->x.s0 + r % c->n1 * c->x.s1;
+        uint8_t *o = c->out + r * c->width;
+        for (int64_t b = 0; 32 * b < c->n; b++, o += Q8_BYTES) {
+            uint16_t d;
+            q8_row(x + 32 * b, c->n - 32 * b < 32 ? c->n - 32 * b : 32, 1.0f, &d, 1, (int8_t *)o + 2, 32);
+            o[0] = (uint8_t)d, o[1] = (uint8_t)(d >> 8);   /* little-endian */
+        }
+    }
+}
+
+static PyObject *py_q8_0_blocks(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *xo, *oo;
+    if (!PyArg_ParseTuple(args, "OO:q8_0_blocks", &xo, &oo)) return NULL;
+    const char *fn = "q8_0_blocks";
+    arr x = {0}, out = {0};
+    PyObject *ret = NULL;
+    if (get_arr(xo, fn, "x", K_F32, 2, 3, 0, &x) || unit_last(fn, "x", &x) ||
+        get_arr(oo, fn, "out", K_U8, 2, 3, 1, &out))
+        goto done;
+    as3(&x); as3(&out);
+    const int64_t width = q8_blocks(x.n[2]) * Q8_BYTES;
+    if (out.n[0] != x.n[0] || out.n[1] != x.n[1] || out.n[2] != width || !PyBuffer_IsContiguous(&out.b.v, 'C')) {
+        char want[96];
+        snprintf(want, sizeof want, "must be C-contiguous with x's shape but a last dim of %lld (q8_0 blocks)",
+                 (long long)width);
+        fail(fn, "out", &out, want);
+        goto done;
+    }
+    q8_ctx c = {rows_of(&x), x.n[1], x.n[2], width, (uint8_t *)out.b.v.buf};
+    const int64_t rows = x.n[0] * x.n[1];
+    Py_BEGIN_ALLOW_THREADS
+    run(q8_tasks, &c, rows, rows * x.n[2] * 4);
+    Py_END_ALLOW_THREADS
+    Py_INCREF(oo);
+    ret = oo;
+done:
+    release(&x.b); release(&out.b);
     return ret;
 }
 
@@ -520,6 +578,7 @@ PyMethodDef layer_methods[] = {
     {"attend", py_attend, METH_VARARGS, "attend(q, keys, values, spans, scale, out): softmax(q k^T scale) v per span"},
     {"attend_phases", py_attend_phases, METH_VARARGS,
      "attend_phases(mode) -> the previous mode: attend in phases -1 when they pay, 0 never, 1 always (same bits)"},
+    {"q8_0_blocks", py_q8_0_blocks, METH_VARARGS, "q8_0_blocks(x, out): rows of x as q8_0 blocks (kv_cache q8_0)"},
     {"silu_mul", py_silu_mul, METH_VARARGS, "silu_mul(gate_up, n_ff, out): silu(gate) * up"},
     {"gelu_tanh_mul", py_gelu_tanh_mul, METH_VARARGS, "gelu_tanh_mul(gate_up, n_ff, out): gelu_tanh(gate) * up"},
     {"exp", py_exp, METH_VARARGS, "exp(x, out): the kernels' own e^x, value by value (1-D float32)"},

@@ -10,7 +10,10 @@
  *    first copied into a tile [hd][32] (8 x 8 transposes when the dims are adjacent). The max and the sum over the
  *    span in 8 lanes (vector i / 8 holds keys i..i+7; a partial last vector on the lanes stored to memory). The
  *    weighted sum of values 64 dims (8 vectors; then 4, 1) at a time, one chain per dim over the keys, in blocks
- *    of keys that meet every head while in L1. Each part takes a range (of keys, of dims) for layer.c's phases. */
+ *    of keys that meet every head while in L1. Each part takes a range (of keys, of dims) for layer.c's phases.
+ *    q8_0 keys and values (kv_cache q8_0): scores 8 keys a vector, each block's integer dot products by
+ *    maddubs/madd/hadd (exact), then the float steps; values 16 dims at a time, each key's int8 converted once in
+ *    registers for up to 4 heads; both prefetch the positions ahead (the Cache's rows stream from memory). */
 #include "kernels.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -393,10 +396,149 @@ INL void weighted_values(const attend_job *j, int64_t kvh, int64_t k0, int64_t n
 }
 #undef PV_STEP
 
+/* ---- kv_cache q8_0 ---- */
+/* the f16 at p, p + st, .., p + 7 st (bytes) as 8 floats (the first n of them; the rest 0) */
+INL __m256 ldh_strided(const uint8_t *p, int64_t st, int64_t n) {
+    if (n >= 8)
+        return _mm256_cvtph_ps(_mm_setr_epi16((short)rd16(p), (short)rd16(p + st), (short)rd16(p + 2 * st),
+                                              (short)rd16(p + 3 * st), (short)rd16(p + 4 * st), (short)rd16(p + 5 * st),
+                                              (short)rd16(p + 6 * st), (short)rd16(p + 7 * st)));
+    uint16_t h[8] = {0};
+    for (int64_t e = 0; e < n; e++) h[e] = rd16(p + e * st);
+    return ldh(h);
+}
+
+/* s[h][i] for keys k0 + i, i = 0..n-1, against the query heads' blocks qb (q8_query): 8 keys at a time, per block
+ * and head each key's integer dot product (|qq| x sign(k, qq) by maddubs, pairs by madd: 8 ints, then summed by
+ * hadds: exact), then q8_score's f32 steps on the 8 keys' lanes, acc kept in s between blocks; the last n % 8 keys
+ * by q8_score itself */
+#define Q8_AHEAD 32   /* keys (values) prefetched ahead of the ones read (harmless past the end: a hint) */
+#define Q8_DOT(c) \
+    _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(r + (c) * sl + 2)), qq)), ones)
+INL void q8_scores(const attend_job *j, int64_t kvh, int64_t k0, int64_t n, int64_t nh, const float *qb, float *s,
+                   int64_t s_s) {
+    const int64_t nb = j->nb, sl = j->k_sl, nv = n / 8 * 8;
+    const uint8_t *kb = (const uint8_t *)j->k + kvh * j->k_sh + k0 * sl;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t i = 0; i < nv; i += 8)
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *r = kb + i * sl + b * Q8_BYTES;
+            if (b == 0)
+                for (int c = 0; c < 8; c++) _mm_prefetch((const char *)(r + (Q8_AHEAD + c) * sl), _MM_HINT_T0);
+            const __m256 dk = ldh_strided(r, sl, 8);
+            for (int64_t h = 0; h < nh; h++) {
+                const float *qd = qb + h * nb * 9;
+                const __m256i qq = _mm256_loadu_si256((const __m256i *)((const int8_t *)(qd + nb) + 32 * b));
+                const __m256i aq = _mm256_sign_epi8(qq, qq);
+                const __m256i t0 = _mm256_hadd_epi32(Q8_DOT(0), Q8_DOT(1)), t1 = _mm256_hadd_epi32(Q8_DOT(2), Q8_DOT(3));
+                const __m256i t2 = _mm256_hadd_epi32(Q8_DOT(4), Q8_DOT(5)), t3 = _mm256_hadd_epi32(Q8_DOT(6), Q8_DOT(7));
+                const __m256i ab = _mm256_hadd_epi32(t0, t1), cd = _mm256_hadd_epi32(t2, t3);   /* keys 0-3 | 4-7 halves */
+                const __m256i isum = _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20),
+                                                      _mm256_permute2x128_si256(ab, cd, 0x31));
+                float *sp = s + h * s_s + i;
+                const __m256 acc = b ? LD(sp) : _mm256_setzero_ps();
+                ST(sp, _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(qd[b]), dk), _mm256_cvtepi32_ps(isum))));
+            }
+        }
+    for (int64_t h = 0; h < nh; h++)
+        for (int64_t i = nv; i < n; i++)
+            s[h * s_s + i] = q8_score(kb + i * sl, qb + h * nb * 9, (const int8_t *)(qb + h * nb * 9 + nb), nb);
+}
+#undef Q8_DOT
+
+/* acc[h][d] = sum_i (p[h][i] dv_i) qv_i[d] for dims d0..d1-1 (d0 a multiple of 8), keys in order: ATT_TILE keys at a
+ * time, first their scales dv and every head's weights w = p dv ([head][block][key] in the tile), then 16 dims (or
+ * 8; then 1) at a time: each key's int8 converted once and met by up to 4 heads, one chain per dim and head */
+#define Q8_W(k) _mm256_broadcast_ss(wt + (k) * wh + c)
+#define Q8_SLAB(M, V)                                                                                         \
+    {                                                                                                         \
+        float *a0p = acc + (hg + 0) * a_s + d, *a1p = acc + (hg + (M > 1)) * a_s + d;                          \
+        float *a2p = acc + (hg + (M > 2) * 2) * a_s + d, *a3p = acc + (hg + (M > 3) * 3) * a_s + d;            \
+        __m256 x0 = LD(a0p), y0 = V > 1 ? LD(a0p + 8) : x0, x1 = x0, y1 = y0, x2 = x0, y2 = y0, x3 = x0, y3 = y0; \
+        if (M > 1) { x1 = LD(a1p); if (V > 1) y1 = LD(a1p + 8); }                                               \
+        if (M > 2) { x2 = LD(a2p); if (V > 1) y2 = LD(a2p + 8); }                                               \
+        if (M > 3) { x3 = LD(a3p); if (V > 1) y3 = LD(a3p + 8); }                                               \
+        const float *wt = w + (hg * nbt + b - b0) * ATT_TILE;                                                 \
+        const uint8_t *q = v + i * sl + b * Q8_BYTES + 2 + d % 32;                                            \
+        for (int64_t c = 0; c < nk; c++, q += sl) {                                                           \
+            const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));  \
+            const __m256 q1 = V > 1 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8)))) : q0; \
+            __m256 wk = Q8_W(0);                                                                              \
+            x0 = _mm256_add_ps(x0, _mm256_mul_ps(wk, q0));                                                    \
+            if (V > 1) y0 = _mm256_add_ps(y0, _mm256_mul_ps(wk, q1));                                         \
+            if (M > 1) { wk = Q8_W(1); x1 = _mm256_add_ps(x1, _mm256_mul_ps(wk, q0));                         \
+                         if (V > 1) y1 = _mm256_add_ps(y1, _mm256_mul_ps(wk, q1)); }                          \
+            if (M > 2) { wk = Q8_W(2); x2 = _mm256_add_ps(x2, _mm256_mul_ps(wk, q0));                         \
+                         if (V > 1) y2 = _mm256_add_ps(y2, _mm256_mul_ps(wk, q1)); }                          \
+            if (M > 3) { wk = Q8_W(3); x3 = _mm256_add_ps(x3, _mm256_mul_ps(wk, q0));                         \
+                         if (V > 1) y3 = _mm256_add_ps(y3, _mm256_mul_ps(wk, q1)); }                          \
+        }                                                                                                     \
+        ST(a0p, x0); if (V > 1) ST(a0p + 8, y0);                                                              \
+        if (M > 1) { ST(a1p, x1); if (V > 1) ST(a1p + 8, y1); }                                                \
+        if (M > 2) { ST(a2p, x2); if (V > 1) ST(a2p + 8, y2); }                                                \
+        if (M > 3) { ST(a3p, x3); if (V > 1) ST(a3p + 8, y3); }                                                \
+    }
+#define Q8_HEADS(V)                                                                                           \
+    for (int64_t hg = 0; hg < nh; hg += 4) {                                                                  \
+        switch (nh - hg < 4 ? nh - hg : 4) {                                                                  \
+        case 1: Q8_SLAB(1, V) break;                                                                          \
+        case 2: Q8_SLAB(2, V) break;                                                                          \
+        case 3: Q8_SLAB(3, V) break;                                                                          \
+        default: Q8_SLAB(4, V) break;                                                                         \
+        }                                                                                                     \
+    }
+INL void q8_weighted_values(const attend_job *j, int64_t kvh, int64_t k0, int64_t n, int64_t nh, int64_t d0,
+                            int64_t d1, const float *p, int64_t p_s, float *acc, float *tile) {
+    const int64_t sl = j->v_sl, a_s = up8(j->hd), b0 = d0 / 32, b1 = (d1 + 31) / 32, nbt = b1 - b0;
+    const int64_t wh = nbt * ATT_TILE;   /* w: [head][block b0..][key] */
+    const uint8_t *v = (const uint8_t *)j->v + kvh * j->v_sh + k0 * sl;
+    float *dv = tile, *w = dv + nbt * ATT_TILE;
+    for (int64_t h = 0; h < nh; h++) memset(acc + h * a_s + d0, 0, (size_t)(d1 - d0) * sizeof(float));
+    for (int64_t i = 0; i < n; i += ATT_TILE) {
+        const int64_t nk = n - i < ATT_TILE ? n - i : ATT_TILE;
+        for (int64_t c = 0; c < nk; c++) _mm_prefetch((const char *)(v + (i + c + Q8_AHEAD) * sl), _MM_HINT_T0);
+        for (int64_t b = b0; b < b1; b++)
+            for (int64_t c = 0; c < nk; c += 8)
+                ST(dv + (b - b0) * ATT_TILE + c, ldh_strided(v + (i + c) * sl + b * Q8_BYTES, sl, nk - c));
+        for (int64_t h = 0; h < nh; h++)   /* w = p dv, 8 keys at a time (lanes past nk unread) */
+            for (int64_t b = 0; b < nbt; b++)
+                for (int64_t c = 0; c < nk; c += 8) {
+                    const float *ph = p + h * p_s + i + c;
+                    const __m256i in = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(nk - c)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+                    const __m256 pc = nk - c >= 8 ? LD(ph) : _mm256_maskload_ps(ph, in);
+                    ST(w + h * wh + b * ATT_TILE + c, _mm256_mul_ps(pc, LD(dv + b * ATT_TILE + c)));
+                }
+        int64_t d = d0;
+        for (; d + 16 <= d1; d += 16) {
+            const int64_t b = d / 32;
+            Q8_HEADS(2)
+        }
+        for (; d + 8 <= d1; d += 8) {
+            const int64_t b = d / 32;
+            Q8_HEADS(1)
+        }
+        for (; d < d1; d++)
+            for (int64_t h = 0; h < nh; h++) {
+                float a = acc[h * a_s + d];
+                for (int64_t c = 0; c < nk; c++)
+                    a = a + w[h * wh + (d / 32 - b0) * ATT_TILE + c] * (float)(int8_t)v[(i + c) * sl + d / 32 * Q8_BYTES + 2 + d % 32];
+                acc[h * a_s + d] = a;
+            }
+    }
+}
+#undef Q8_HEADS
+#undef Q8_SLAB
+#undef Q8_W
+
 AVX2 static void attend_scores(const attend_job *j, int64_t t, int64_t h0, int64_t nh, int64_t i0, int64_t i1,
                                float *s, int64_t s_s, float *scratch) {
     const int64_t hd = j->hd, hd8 = up8(hd), kvh = h0 / (j->H / j->Hkv);
     float *qs = scratch, *tile = qs + 2 * nh * hd8;
+    if (j->q8) {   /* the query's blocks in the tile */
+        q8_query(j->q.p + t * j->q.s0 + h0 * j->q.s1, j->q.s1, nh, hd, j->scale, tile);
+        q8_scores(j, kvh, j->spans[2 * t] + i0, i1 - i0, nh, tile, s + i0, s_s);
+        return;
+    }
     const __m256 vscale = _mm256_set1_ps(j->scale);
     for (int64_t h = 0; h < nh; h++) {
         const float *q = j->q.p + t * j->q.s0 + (h0 + h) * j->q.s1;
@@ -411,7 +553,8 @@ AVX2 static void weighted(const attend_job *j, int64_t t, int64_t h0, int64_t nh
                           const float *p, int64_t p_s, float *scratch) {
     const int64_t hd = j->hd, hd8 = up8(hd), k0 = j->spans[2 * t], n = j->spans[2 * t + 1] - k0;
     float *acc = scratch + nh * hd8;
-    weighted_values(j, h0 / (j->H / j->Hkv), k0, n, nh, d0, d1, p, p_s, acc);
+    if (j->q8) q8_weighted_values(j, h0 / (j->H / j->Hkv), k0, n, nh, d0, d1, p, p_s, acc, acc + nh * hd8);
+    else weighted_values(j, h0 / (j->H / j->Hkv), k0, n, nh, d0, d1, p, p_s, acc);
     for (int64_t h = 0; h < nh; h++) {   /* out = acc / sum */
         const float *a = acc + h * hd8, sum = lane_sum(p + h * p_s, n);
         float *oh = j->out + t * j->out_s + (h0 + h) * hd;

@@ -46,6 +46,15 @@ static void attend_scores(const attend_job *j, int64_t t, int64_t h0, int64_t nh
     const int64_t hd = j->hd, k0 = j->spans[2 * t], kvh = h0 / (j->H / j->Hkv);
     const int64_t kb = kvh * j->k_sh + k0 * j->k_sl;   /* items */
     float *qs = scratch;
+    if (j->q8) {   /* the query's blocks in the tile, then each key's integer dot products */
+        float *qb = scratch + 2 * nh * up8(hd);
+        q8_query(j->q.p + t * j->q.s0 + h0 * j->q.s1, j->q.s1, nh, hd, j->scale, qb);
+        for (int64_t h = 0; h < nh; h++)
+            for (int64_t i = i0; i < i1; i++)
+                s[h * s_s + i] = q8_score((const uint8_t *)j->k + kb + i * j->k_sl, qb + h * j->nb * 9,
+                                          (const int8_t *)(qb + h * j->nb * 9 + j->nb), j->nb);
+        return;
+    }
     for (int64_t h = 0; h < nh; h++) {
         const float *q = j->q.p + t * j->q.s0 + (h0 + h) * j->q.s1;
         float *sh = s + h * s_s;
@@ -89,7 +98,12 @@ static void weighted(const attend_job *j, int64_t t, int64_t h0, int64_t nh, int
         for (int64_t d = d0; d < d1; d++) acc[d] = 0.0f;   /* acc[d] = acc[d] + p_i * v_j[d] for i = 0..n-1 */
         for (int64_t i = 0; i < n; i++) {
             const int64_t at = vb + i * j->v_sl;
-            if (!j->f16)
+            if (j->q8)   /* acc[d] = acc[d] + (p_i * dv) * qv[d] */
+                for (int64_t d = d0; d < d1; d++) {
+                    const uint8_t *blk = (const uint8_t *)j->v + at + d / 32 * Q8_BYTES;
+                    acc[d] = acc[d] + (ph[i] * half_to_float(rd16(blk))) * (float)(int8_t)blk[2 + d % 32];
+                }
+            else if (!j->f16)
                 for (int64_t d = d0; d < d1; d++) acc[d] = acc[d] + ph[i] * ((const float *)j->v)[at + d];
             else
                 for (int64_t d = d0; d < d1; d++) acc[d] = acc[d] + ph[i] * kv_at(j->v, 1, at + d);

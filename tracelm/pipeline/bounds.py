@@ -3,9 +3,7 @@ stretches it to), and a KV cache plus weights within the memory the machine has 
 
 from __future__ import annotations
 
-import numpy as np
-
-from tracelm.state.cache import KV_DTYPES, RING_SLACK
+from tracelm.state.cache import RING_SLACK, kv_row_bytes
 from tracelm.state.errors import ResourceError
 from tracelm.state.model_config import ModelConfig
 
@@ -14,14 +12,15 @@ MEMINFO = "/proc/meminfo"
 
 def kv_cache_bytes(cfg: ModelConfig, n_ctx: int, slack: int = RING_SLACK, kv_dtype: str = "f16") -> int:
     """The bytes a Cache of n_ctx positions allocates up front: keys and values of every layer (a windowed layer's
-    ring of 2 x (window - 1 + slack) slots when that is smaller) in `kv_dtype`, plus the RoPE tables of each base."""
-    width = np.dtype(KV_DTYPES[kv_dtype]).itemsize
+    ring of 2 x (window - 1 + slack) slots when that is smaller) in `kv_dtype` (q8_0: 34 bytes per 32 values), plus
+    the RoPE tables of each base."""
+    width = kv_row_bytes(kv_dtype, cfg.head_dim)
     total = 0
     for layer in range(cfg.n_layer):
         window = cfg.window(layer)
         ring = window - 1 + max(1, slack) if window else 0
         slots = 2 * ring if 0 < 2 * ring < n_ctx else n_ctx
-        total += 2 * cfg.n_head_kv * cfg.head_dim * slots * width
+        total += 2 * cfg.n_head_kv * slots * width
     bases = {cfg.layer_rope_base(i) for i in range(cfg.n_layer)}
     return total + len(bases) * 2 * n_ctx * cfg.rope_dim * 4
 

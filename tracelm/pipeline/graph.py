@@ -31,7 +31,7 @@ from tracelm.stages.attention import out_proj, qkv, rope_tables
 from tracelm.stages.embed import embed
 from tracelm.stages.head import head
 from tracelm.stages.linear import kernel_scratch_bytes, linear_into
-from tracelm.state.cache import RING_SLACK, Cache
+from tracelm.state.cache import RING_SLACK, Cache, q8_0_blocks
 from tracelm.state.model_config import ModelConfig
 from tracelm.state.records import Heads, Hidden, Logits, ModelWeights, QMatrix
 
@@ -54,11 +54,13 @@ class Route:
     attend: Callable[..., Hidden]
     ffn: Callable[..., Hidden]
     spans: bool  # attend takes spans (Cache.window_spans) instead of masks (Cache.window_mask)
+    q8_0_blocks: Callable[[np.ndarray], np.ndarray]  # kv_cache q8_0: keys/values as the Cache stores them
 
 
-REFERENCE = Route(norm.rms_norm, norm.post_norm, attention.qk_norm, attention.rope, attention.attend, ffn.ffn, False)
+REFERENCE = Route(norm.rms_norm, norm.post_norm, attention.qk_norm, attention.rope, attention.attend, ffn.ffn, False,
+                  q8_0_blocks)
 KERNELS = Route(compiled.rms_norm, compiled.post_norm, compiled.qk_norm, compiled.rope, compiled.attend,
-                compiled.ffn, True)
+                compiled.ffn, True, kernels.q8_0_blocks)
 
 
 def route(w: ModelWeights) -> Route:
@@ -68,7 +70,7 @@ def route(w: ModelWeights) -> Route:
 
 def new_cache(cfg: ModelConfig, n_ctx: int, slack: int = RING_SLACK, kv_dtype: str = "f16") -> Cache:
     """A Cache for n_ctx positions (a window ring with `slack` when every layer has one window: see Cache), keys
-    and values held in `kv_dtype` ("f32" or "f16")."""
+    and values held in `kv_dtype` ("f32", "f16" or "q8_0")."""
     tables = lambda base: rope_tables(n_ctx, cfg.rope_dim, base, cfg.rope_mode, cfg.rope_freq_factors)  # noqa: E731
     cos, sin = tables(cfg.rope_base)
     bases = {cfg.layer_rope_base(i) for i in range(cfg.n_layer)} - {cfg.rope_base}
@@ -177,7 +179,7 @@ def staged_layers(cfg: ModelConfig, w: ModelWeights, batch: Batch, per_layer: li
         if cfg.qk_norm:
             heads = call("qk_norm", i, r.qk_norm, heads, lw.q_norm, lw.k_norm, eps)
         heads = call("rope", i, r.rope, heads, cos, sin, cfg.rope_mode)
-        a = attend_each(batch, i, heads, windows, scale, r.attend)
+        a = attend_each(batch, i, heads, windows, scale, r)
         if cfg.post_norms:
             o = call("out_proj", i, out_proj, a, lw.wo, None)
             h = call("post_attn_norm", i, r.post_norm, o, lw.post_attn_norm, eps, h)
@@ -227,7 +229,7 @@ def fused_layers(cfg: ModelConfig, w: ModelWeights, batch: Batch, per_layer: lis
         note and note("rope", i, start, (q, k, v))
         for p, lo_row, hi_row, start, (lo, spans) in zip(batch.parts, batch.bounds, batch.bounds[1:], batch.starts,
                                                          windows, strict=False):
-            p.cache.write(i, start, k[lo_row:hi_row], v[lo_row:hi_row])
+            p.cache.write(i, start, *stored(p.cache, k[lo_row:hi_row], v[lo_row:hi_row], KERNELS))
             keys, values = p.cache.keys_values(i, start + hi_row - lo_row, lo)
             kernels.attend(q[lo_row:hi_row], keys, values, spans, cfg.scale, out=a[lo_row:hi_row])
         note and note("attend", i, start, (a,))
@@ -270,14 +272,20 @@ def layer_tables(cfg: ModelConfig, batch: Batch, spans: bool = False
     return per_layer
 
 
+def stored(cache: Cache, k: np.ndarray, v: np.ndarray, r: Route) -> tuple[np.ndarray, np.ndarray]:
+    """k, v as `cache.write` takes them: kv_cache q8_0's blocks made by the route (numpy's or the kernels' q8_0_blocks:
+    the same bytes), the float dtypes as they are (the Cache rounds them as it stores them)."""
+    return (r.q8_0_blocks(k), r.q8_0_blocks(v)) if cache.kv_cache == "q8_0" else (k, v)
+
+
 def attend_each(batch: Batch, i: int, heads: Heads, windows: list[tuple[int, Any]], scale: float,
-                attend: Callable[..., Hidden] = attention.attend) -> Hidden:
-    """Write each part's keys/values of layer i into its Cache and attend over that Cache alone."""
+                r: Route = REFERENCE) -> Hidden:
+    """Write each part's keys/values of layer i into its Cache and attend over that Cache alone (the route's attend)."""
     outs = []
     for p, a, b, start, (lo, mask) in zip(batch.parts, batch.bounds, batch.bounds[1:], batch.starts, windows,
                                           strict=False):
         q, k, v = (heads.q, heads.k, heads.v) if len(batch.parts) == 1 else (heads.q[a:b], heads.k[a:b], heads.v[a:b])
-        p.cache.write(i, start, k, v)
+        p.cache.write(i, start, *stored(p.cache, k, v, r))
         keys, values = p.cache.keys_values(i, start + b - a, lo)
-        outs.append(p.call("attend", i, attend, q, keys, values, mask, scale, start))
+        outs.append(p.call("attend", i, r.attend, q, keys, values, mask, scale, start))
     return outs[0] if len(outs) == 1 else Hidden(np.concatenate([o.x for o in outs]), batch.starts[0])

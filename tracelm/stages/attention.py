@@ -6,6 +6,7 @@ import numpy as np
 
 from tracelm.stages.linear import linear
 from tracelm.stages.norm import rms_normalize
+from tracelm.state.cache import q8_0_blocks, q8_0_split
 from tracelm.state.records import Heads, Hidden
 
 
@@ -91,8 +92,9 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray
     """softmax(q k^T * scale + mask) v for every head, grouped-query style.
 
     q [T, H, hd]; keys, values [Hkv, L, hd] (the L cached positions the queries may see, the T new ones
-    last); mask [T, L] of 0 / -inf or None (every key visible to every query). Query head h reads kv head
-    h // (H/Hkv). Returns the heads concatenated: [T, H * hd].
+    last), or uint8 [Hkv, L, row bytes] of q8_0 blocks (kv_cache q8_0: `q8_0_scores`, `q8_0_weighted`); mask
+    [T, L] of 0 / -inf or None (every key visible to every query). Query head h reads kv head h // (H/Hkv).
+    Returns the heads concatenated: [T, H * hd].
 
     Up to ATTEND_ROWS queries go one by one, each over exactly the span of keys its mask row leaves
     visible, unmasked: the same products and sums, on the same numbers, as a one-row decode step at that
@@ -142,15 +144,50 @@ def attend_rows(q: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.nd
     g = H // n_kv
     qg = np.empty((n_kv, g, T, hd), np.float32)  # scaled q, grouped by kv head, in one copy
     np.multiply(q.reshape(T, n_kv, g, hd).transpose(1, 2, 0, 3), np.float32(scale), out=qg)
-    scores = (qg.reshape(n_kv, g * T, hd) @ keys.transpose(0, 2, 1)).reshape(n_kv, g, T, L)
+    q8 = keys.dtype == np.uint8
+    if q8:
+        scores = q8_0_scores(qg.reshape(n_kv, g * T, hd), keys).reshape(n_kv, g, T, L)
+    else:
+        scores = (qg.reshape(n_kv, g * T, hd) @ keys.transpose(0, 2, 1)).reshape(n_kv, g, T, L)
     if mask is not None:
         scores += mask
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     # normalise after the product with v: divide [.., hd] sums instead of [.., L] weights
-    out = (scores.reshape(n_kv, g * T, L) @ values).reshape(n_kv, g, T, hd)
+    p = scores.reshape(n_kv, g * T, L)
+    out = (q8_0_weighted(p, values, hd) if q8 else p @ values).reshape(n_kv, g, T, hd)
     out /= scores.sum(axis=-1, keepdims=True)
     return out.transpose(2, 0, 1, 3).reshape(T, H * hd)
+
+
+def q8_0_scores(qs: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """kv_cache q8_0's scores: qs [Hkv, R, hd] (queries already scaled) against keys [Hkv, L, nb * 34] of q8_0
+    blocks (state/cache.py q8_0_blocks). The query is rounded to q8_0 blocks too (the same quantizer), and
+
+        s = acc over blocks b = 0..nb-1 in order, from acc = 0:  acc = acc + (dq_b * dk_b) * isum_b
+
+    with isum_b = sum of qq * qk over the block's 32 values: an exact integer (ggml's vec_dot_q8_0_q8_0), so the
+    kernels may sum it any way (int8 products, madd) -- then f32 steps in this order. Returns [Hkv, R, L] f32."""
+    dq, qq = q8_0_split(q8_0_blocks(qs))  # [Hkv, R, nb], [Hkv, R, nb, 32]
+    dk, qk = q8_0_split(keys)  # [Hkv, L, nb], [Hkv, L, nb, 32]
+    acc = np.zeros((qs.shape[0], qs.shape[1], keys.shape[1]), np.float32)
+    for b in range(dq.shape[-1]):
+        # |isum| <= 32 * 127^2 < 2^24: every partial sum an integer f32 holds exactly, whatever BLAS's order
+        isum = qq[..., b, :].astype(np.float32) @ qk[..., b, :].astype(np.float32).transpose(0, 2, 1)
+        acc += (dq[..., b, None] * dk[:, None, :, b]) * isum
+    return acc
+
+
+def q8_0_weighted(p: np.ndarray, values: np.ndarray, hd: int) -> np.ndarray:
+    """kv_cache q8_0's sum over positions of p v: p [Hkv, R, L] (the softmax's exps) and values [Hkv, L, nb * 34]
+    of q8_0 blocks; out[d] = sum over positions i of (p_i * dv_i) * qv_i[d], each product in that order (dv: the
+    scale of the block holding dim d), summed over i in position order (the kernels: one chain per dim; here as
+    BLAS sums). Returns [Hkv, R, hd] f32."""
+    dv, qv = q8_0_split(values)  # [Hkv, L, nb], [Hkv, L, nb, 32]
+    out = np.empty((p.shape[0], p.shape[1], dv.shape[-1], qv.shape[-1]), np.float32)
+    for b in range(dv.shape[-1]):
+        out[..., b, :] = (p * dv[:, None, :, b]) @ qv[..., b, :].astype(np.float32)
+    return out.reshape(*out.shape[:2], -1)[..., :hd]
 
 
 def out_proj(attn: Hidden, wo: np.ndarray, residual: Hidden | None) -> Hidden:

@@ -15,7 +15,10 @@ from tracelm.state.records import frozen_array
 # positions is written and read in place, and a truncate may go back up to this many positions.
 RING_SLACK = 64
 MASK_KEEP_BYTES = 1 << 20  # masks up to this size are kept for the next pass that asks
-KV_DTYPES = {"f32": np.float32, "f16": np.float16}  # the run config's kv_cache
+# the run config's kv_cache -> the dtype of the Cache's arrays (q8_0: bytes of ggml's q8_0 blocks, see q8_0_blocks)
+KV_DTYPES = {"f32": np.float32, "f16": np.float16, "q8_0": np.uint8}
+Q8_VALUES, Q8_BYTES = 32, 34  # a q8_0 block: 32 values as an f16 scale d, then 32 int8
+Q8_TINY = np.float32(2.0**-100)  # a q8_0 block whose max |x| is below this is all zeros (1 / d stays finite)
 BUFFER_KEEP_BYTES = 1 << 20  # scratch arrays of a pass up to this size are kept for the next pass (Cache.buffer)
 
 
@@ -32,12 +35,66 @@ def mapped_zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return np.frombuffer(buf, dtype, count).reshape(shape)
 
 
+def kv_row_bytes(kv_dtype: str, head_dim: int) -> int:
+    """The bytes of one kv head's key (or value) at one position in `kv_dtype`."""
+    if kv_dtype == "q8_0":
+        return -(-head_dim // Q8_VALUES) * Q8_BYTES
+    return head_dim * np.dtype(KV_DTYPES[kv_dtype]).itemsize
+
+
+def q8_0_blocks(x: np.ndarray) -> np.ndarray:
+    """x [..., n] f32 as ggml's q8_0 blocks: [..., nb * 34] bytes, nb = ceil(n / 32), block b of values
+    32b..32b+31 (the last padded with zeros) = its scale d as f16 (2 bytes, little-endian), then 32 int8 q:
+
+        d = max|x| / 127 (f32),  q = round(x * (1 / d))  (f32 product, rounded half to even; |q| <= 127),
+        stored d = f16(d) (nearest), so the block stands for f16(d) * q.
+
+    A block with a non-finite value gets d = NaN and q = 0 (whatever meets it is NaN); one whose max |x| is below
+    2^-100 is all zeros (d = 0). The kernels read these bytes as they are (tracelm/kernels/kernels.h)."""
+    *lead, n = x.shape
+    nb = -(-n // Q8_VALUES)
+    xb = np.zeros((*lead, nb * Q8_VALUES), np.float32)
+    xb[..., :n] = x
+    xb = xb.reshape(*lead, nb, Q8_VALUES)
+    amax = np.abs(xb).max(axis=-1)
+    ok = np.isfinite(amax) & (amax >= Q8_TINY)
+    d = amax / np.float32(127)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=ok)
+    with np.errstate(invalid="ignore"):
+        q = np.where(ok[..., None], np.rint(xb * inv[..., None]), 0).astype(np.int8)
+    d = np.where(ok, d, np.where(np.isfinite(amax), np.float32(0), np.float32(np.nan))).astype("<f2")
+    out = np.empty((*lead, nb, Q8_BYTES), np.uint8)
+    out[..., :2] = d[..., None].view(np.uint8)
+    out[..., 2:] = q.view(np.uint8)
+    return out.reshape(*lead, nb * Q8_BYTES)
+
+
+def q8_0_split(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """q8_0 bytes [..., nb * 34] -> the scales d as f32 [..., nb] (exact) and the int8 q [..., nb, 32]."""
+    *lead, width = blocks.shape
+    b = blocks.reshape(*lead, width // Q8_BYTES, Q8_BYTES)
+    d = np.ascontiguousarray(b[..., :2]).view("<f2")[..., 0].astype(np.float32)
+    return d, b[..., 2:].view(np.int8)
+
+
+def q8_0_values(blocks: np.ndarray, n: int) -> np.ndarray:
+    """The n values [..., n] f32 that q8_0 bytes stand for: d * q (exact in f32: 11 bits times 8)."""
+    d, q = q8_0_split(blocks)
+    x = d[..., None] * q.astype(np.float32)
+    return x.reshape(*x.shape[:-2], -1)[..., :n]
+
+
+def kv_name(dtype: np.dtype) -> str:
+    """A Cache array's dtype as a message names it (float16, float32, q8_0 blocks)."""
+    return "q8_0 blocks" if dtype == np.uint8 else dtype.name
+
+
 @attrs.frozen(slots=True, eq=False)
 class CacheSnapshot:
     """What a Cache holds, to save and restore (`Cache.snapshot`, `Cache.restore`): the token ids of its
-    positions and, per layer, the keys and values [n_head_kv, n_past - first, head_dim] of positions
-    first..n_past-1 (first: the oldest a window ring still holds; 0 elsewhere). No RoPE tables: they are
-    recomputed."""
+    positions and, per layer, the keys and values [n_head_kv, n_past - first, head_dim] (q8_0: [.., row bytes]
+    of blocks) of positions first..n_past-1 (first: the oldest a window ring still holds; 0 elsewhere). No RoPE
+    tables: they are recomputed."""
 
     tokens: tuple[int, ...] = attrs.field(converter=lambda ids: tuple(int(i) for i in ids))
     first: tuple[int, ...] = attrs.field(converter=tuple)
@@ -76,17 +133,24 @@ class Cache:
                  rope_extra: dict[float, tuple[np.ndarray, np.ndarray]] | None = None, slack: int = RING_SLACK,
                  kv_dtype: str = "f16"):
         self.n_ctx = n_ctx
+        self.kv_cache = kv_dtype  # the run config's name: f32, f16 or q8_0
         self.kv_dtype = np.dtype(KV_DTYPES[kv_dtype])  # keys and values are rounded to it as they are stored
         self.windows = [cfg.window(i) for i in range(cfg.n_layer)]
         rings = [w - 1 + max(1, slack) if w else 0 for w in self.windows]
         self.rings = [r if 0 < 2 * r < n_ctx else 0 for r in rings]  # per layer: ring slots; 0: positions in place
-        # per layer [kv head, position (ring: slot), head dim]; keys are stored with positions last, so that
-        # attend's q k^T streams rows of positions (the same products, summed as BLAS does for that layout)
+        # per layer [kv head, position (ring: slot), head dim]; f32/f16 keys are stored with positions last, so that
+        # attend's q k^T streams rows of positions (the same products, summed as BLAS does for that layout); q8_0
+        # keys and values [kv head, position, q8_0 blocks of the head dim] (a position's blocks side by side, for
+        # the integer dot products of attend)
         self.k, self.v = [], []
+        width = kv_row_bytes(kv_dtype, cfg.head_dim)
         for r in self.rings:
             n = 2 * r if r else n_ctx
-            self.k.append(mapped_zeros((cfg.n_head_kv, cfg.head_dim, n), self.kv_dtype).transpose(0, 2, 1))
-            self.v.append(mapped_zeros((cfg.n_head_kv, n, cfg.head_dim), self.kv_dtype))
+            if kv_dtype == "q8_0":
+                self.k.append(mapped_zeros((cfg.n_head_kv, n, width), self.kv_dtype))
+            else:
+                self.k.append(mapped_zeros((cfg.n_head_kv, cfg.head_dim, n), self.kv_dtype).transpose(0, 2, 1))
+            self.v.append(mapped_zeros((cfg.n_head_kv, n, width // self.kv_dtype.itemsize), self.kv_dtype))
         self.held_from = [0] * cfg.n_layer  # per layer, the oldest position whose keys/values are still held
         self._joined: tuple | None = None  # a long pass's held + new keys/values of one layer, until read
         self.rope_cos, self.rope_sin = rope_cos, rope_sin  # [n_ctx, rope_dim], laid out for the rope mode
@@ -148,8 +212,11 @@ class Cache:
             self.reset()
 
     def write(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
-        """Store k, v [T, n_head_kv, head_dim] at positions start..start+T-1 of one layer."""
+        """Store k, v [T, n_head_kv, head_dim] at positions start..start+T-1 of one layer (q8_0: or their blocks,
+        uint8 [T, n_head_kv, row bytes], as q8_0_blocks gives them)."""
         T, ring = k.shape[0], self.rings[layer]
+        if self.kv_cache == "q8_0" and k.dtype != np.uint8:
+            k, v = q8_0_blocks(k), q8_0_blocks(v)
         # rounded to the Cache's dtype as stored, so that a pass reads its own keys as a later one will
         if not ring:  # (an assignment rounds as astype does, without the copy)
             self.k[layer][:, start : start + T] = k.transpose(1, 0, 2)
@@ -185,7 +252,8 @@ class Cache:
         return self.k[layer][:, s : s + end - lo], self.v[layer][:, s : s + end - lo]
 
     def keys_values(self, layer: int, end: int, lo: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """Read-only views of positions lo..end-1 of one layer: [n_head_kv, end - lo, head_dim] each."""
+        """Read-only views of positions lo..end-1 of one layer: [n_head_kv, end - lo, head_dim] each (q8_0: uint8
+        [n_head_kv, end - lo, row bytes], each position's blocks of the head dim side by side)."""
         ring = self.rings[layer]
         if not ring:
             k, v = self.k[layer][:, lo:end], self.v[layer][:, lo:end]
@@ -259,8 +327,8 @@ class Cache:
                                f"positions {snap.first[partial[0]]}.. were saved (a window ring's)")
         held = {a.dtype for a in (*snap.keys, *snap.values)} - {self.kv_dtype}
         if held:
-            raise TracelmError(f"the saved conversation holds keys/values in {held.pop().name}, this Cache in "
-                               f"{self.kv_dtype.name} (kv_cache): they would not give the same numbers")
+            raise TracelmError(f"the saved conversation holds keys/values in {kv_name(held.pop())}, this Cache in "
+                               f"{kv_name(self.kv_dtype)} (kv_cache): they would not give the same numbers")
         self.reset()
         for layer, lo in enumerate(snap.first):
             k, v = snap.keys[layer], snap.values[layer]

@@ -11,7 +11,7 @@ WEIGHT_MODES = ("resident", "streamed")
 COMPUTE_MODES = ("kernels", "reference")
 CONTEXT_POLICIES = ("stop", "shift")
 ACTIVATION_MODES = {"int8": 1, "int16": 2}  # -> int8 blocks per weight block (QMatrix.halves)
-KV_CACHE_DTYPES = ("f16", "f32")  # what the Cache holds keys and values in
+KV_CACHE_DTYPES = ("f16", "f32", "q8_0")  # what the Cache holds keys and values in
 # bounds the server also applies to a request (tracelm/server/params.py), so a config and a request agree
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1024
@@ -91,7 +91,9 @@ class RunConfig:
     # llama.cpp's q8 activations, half the integer work: ~1.7x prefill, ~1.15x decode; logits ~1 off on SmolLM2)
     activations: str = attrs.field(default="int16", validator=v.in_(tuple(ACTIVATION_MODES)))
     # the Cache's keys and values: f16 (llama.cpp's default: half the memory and the bytes attend reads per token;
-    # each key and value rounded to nearest f16 as it is stored) or f32 (as computed)
+    # each key and value rounded to nearest f16 as it is stored), f32 (as computed) or q8_0 (ggml's blocks of 32:
+    # an f16 scale and 32 int8, ~half of f16's bytes; scores as integer dot products with the query rounded alike:
+    # docs/architecture.md, stages/attention.py)
     kv_cache: str = attrs.field(default="f16", validator=v.in_(KV_CACHE_DTYPES))
     context: int = attrs.field(default=2048, validator=v.gt(0))  # positions the Cache holds
     # chat, when a turn's prompt + max_tokens no longer fits the context: stop (an error; the reply cut to the

@@ -140,6 +140,7 @@ def _model_bench(session: Session, probe: dict[str, float], n_prompt: int, n_dec
         **({"rss_budget_mb": round(rss_budget / 2**20, 1)} if not streamed else streamed),
         "weight_mb": round(weight_bytes / 2**20, 1),  # as held: f32 (reference) or the file's blocks (kernels)
         "weights_gb_s": round(weight_bytes * n_decode / decode_s / 1e9, 2),  # read by decode, per second
+        "kv_cache": session.cfg.kv_cache,
         "kv_cache_mb": round(runner.cache.nbytes / 2**20, 1),
         **probe,
         "decode_roofline_tok_s": round(roofline_tok_s, 2),
@@ -447,7 +448,8 @@ def _context_scaling(session: Session, positions: tuple[int, ...], n_decode: int
     ms = {p: 1e3 * float(np.median(wall[p])) for p in positions}
     cpu_ms = {p: 1e3 * float(np.median(cpu[p])) for p in positions}
     first = positions[0]
-    report: dict[str, Any] = {"model": str(model.path.name), "positions": list(positions), "decode_tokens": n_decode,
+    report: dict[str, Any] = {"model": str(model.path.name), "kv_cache": session.cfg.kv_cache,
+                              "positions": list(positions), "decode_tokens": n_decode,
                               "prefill_tokens": n_prompt, "prefill_tok_s": round(n_prompt / prefill_s, 1),
                               "prefill_cpu_seconds": round(prefill_cpu_s, 2)}
     for p in positions:
