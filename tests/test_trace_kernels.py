@@ -152,7 +152,7 @@ def _reference_lines(tracer: Tracer, events: list[tuple], stats: np.ndarray, dig
         fields = (str(tracer.seq), str(tracer.n_tokens), str(start), *(_num(v) for v in stats[i]), dig,
                   "%.1f" % (dur / 1000))
         lines.append(tracer._chain(_stage_head(stage, layer, shapes, "float32", fields) + tracer.prev + '"'))
-    return "\n".join(lines)
+    return "".join(line + "\n" for line in lines)
 
 
 @pytest.mark.parametrize("key", [None, b"k" * 70])

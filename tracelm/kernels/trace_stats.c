@@ -706,16 +706,21 @@ done:
 enum { FIELD_SEQ = 1, FIELD_TOK, FIELD_START, FIELD_MEAN, FIELD_RMS, FIELD_MAXABS, FIELD_DIGEST, FIELD_DUR };
 
 enum { FIELD_ROOM = 64 };   /* the most bytes one field takes */
+enum { LINE_TAIL = 65 + 9 + 64 + 73 + 3 };   /* the most bytes after a head: prev, hash, mac, '}' and '\n' */
 enum { STEP_LINES = 8 };    /* lines per step of a batch (a few microseconds: a worker stepping it joins a job soon) */
 
 /* A batch's lines, rendered in order a few at a time (lines_step): by the pool's waiting worker between kernel jobs
  * when posted (trace_lines_post), else by the caller. Line e is its head from the template with its fields filled
- * in, then prev + '"': its BODY, hashed; then ',"hash":"H"' [',"mac":"HMAC(key, H)"'] '}'. The job owns copies of
- * everything it reads, so the holder's rows are free again as soon as it is posted. */
+ * in, then prev + '"': its BODY, hashed; then ',"hash":"H"' [',"mac":"HMAC(key, H)"'] '}' and '\n'. The job reads
+ * the template in place (its str is kept alive by whoever holds the job) and owns copies of the rest, so the holder's
+ * rows are free again as soon as it is posted. A template that does not fit is found as its lines are rendered:
+ * the job stops there, and its result is the error. */
 typedef struct {
-    char *tpl;              /* the template's line heads, each ended by '\0' (a tail line, if any, last) */
-    size_t *line_at;        /* line e's head: tpl[line_at[e] .. line_at[e + 1] - 1) */
-    int64_t n, rows;        /* lines; events with fields (rows of the numbers below) */
+    const char *tpl;        /* the template's line heads, each ended by '\0' (not owned) */
+    size_t tlen, at;        /* its length; where the next line's head starts */
+    char *tail;             /* one more line after them (its whole head, no fields), or NULL */
+    size_t tail_len;
+    int64_t rows, next;     /* the template's lines (one per event); the next line to render */
     int64_t seq, tok;
     int64_t *start_dur;     /* event e's start and dur_ns */
     double *stats;          /* [rows][3] */
@@ -723,9 +728,9 @@ typedef struct {
     uint8_t *key;           /* NULL: unsigned */
     size_t klen;
     int ni;
-    char *out;              /* the lines so far, joined by '\n' */
-    size_t len;
-    int64_t next;           /* the next line to render */
+    char *out;              /* the lines so far */
+    size_t len, cap;
+    const char *error;      /* why the job stopped early, or NULL */
     char prev[64];          /* the last line's hash (the one before the batch until its first line) */
 } lines_job;
 
@@ -752,20 +757,34 @@ static const char *next_field(const char *p, const char *end) {
     return p;
 }
 
-static void render_line(lines_job *j, int64_t e) {
-    const char *p = j->tpl + j->line_at[e], *end = j->tpl + j->line_at[e + 1] - 1;
-    char *line = j->out + j->len + (e > 0), *o = line;
-    if (e > 0) line[-1] = '\n';
+static int room(lines_job *j, size_t n) {   /* at least n more bytes of out; 0 on no memory */
+    if (j->len + n <= j->cap) return 1;
+    size_t cap = 2 * j->cap > j->len + n ? 2 * j->cap : j->len + n;
+    char *out = realloc(j->out, cap);
+    if (!out) return 0;
+    j->out = out; j->cap = cap;
+    return 1;
+}
+
+/* line e (its head [p, end), with fields when it is an event's) to out; 0 when it cannot be */
+static int render_line(lines_job *j, int64_t e, const char *p, const char *end, int fields) {
+    const size_t line = j->len;
     while (p < end) {
-        const char *q = next_field(p, end);
-        memcpy(o, p, (size_t)(q - p));
-        o += q - p;
-        if ((p = q) < end) o += put_field((unsigned char)*p++, j, e, o);
+        const char *q = fields ? next_field(p, end) : end;
+        if (!room(j, (size_t)(q - p) + FIELD_ROOM + LINE_TAIL)) { j->error = "out of memory"; return 0; }
+        memcpy(j->out + j->len, p, (size_t)(q - p));
+        j->len += (size_t)(q - p);
+        if ((p = q) < end) {
+            if (*p == FIELD_DIGEST && !j->digests) { j->error = "the template has digests and none were given"; return 0; }
+            j->len += (size_t)put_field((unsigned char)*p++, j, e, j->out + j->len);
+        }
     }
+    if (!room(j, LINE_TAIL)) { j->error = "out of memory"; return 0; }
+    char *o = j->out + j->len;
     memcpy(o, j->prev, 64); o += 64;
     *o++ = '"';
     uint8_t h[32];
-    sha256(line, (size_t)(o - line), h, j->ni);
+    sha256(j->out + line, (size_t)(o - (j->out + line)), h, j->ni);
     hex_of(h, 32, j->prev);
     memcpy(o, ",\"hash\":\"", 9); o += 9;
     memcpy(o, j->prev, 64); o += 64;
@@ -775,44 +794,64 @@ static void render_line(lines_job *j, int64_t e) {
         memcpy(o, "\",\"mac\":\"", 9); o += 9;
         hex_of(m, 32, o); o += 64;
     }
-    memcpy(o, "\"}", 2); o += 2;
+    memcpy(o, "\"}\n", 3); o += 3;
     j->len = (size_t)(o - j->out);
+    return 1;
 }
+
+static int lines_done(const lines_job *j) { return j->error || j->next == j->rows + (j->tail != NULL); }
 
 static int lines_step(void *ctx) {   /* idle_fn: the next STEP_LINES lines */
     lines_job *j = (lines_job *)ctx;
-    for (int k = 0; k < STEP_LINES && j->next < j->n; k++) render_line(j, j->next++);
-    return j->next == j->n;
+    for (int k = 0; k < STEP_LINES && !lines_done(j); k++, j->next++) {
+        if (j->next == j->rows) {   /* the tail, once the template is used up */
+            if (j->at != j->tlen) j->error = "the template's lines are more than the events";
+            else render_line(j, j->next, j->tail, j->tail + j->tail_len, 0);
+            continue;
+        }
+        const char *p = j->tpl + j->at, *z = memchr(p, '\0', j->tlen - j->at);
+        if (!z) j->error = "the template's lines are fewer than the events";
+        else if (render_line(j, j->next, p, z, 1)) j->at = (size_t)(z + 1 - j->tpl);
+    }
+    if (!j->error && !j->tail && j->next == j->rows && j->at != j->tlen)
+        j->error = "the template's lines are more than the events";
+    return lines_done(j);
 }
 
 static void lines_free(lines_job *j) {
     if (!j) return;
-    free(j->tpl); free(j->line_at); free(j->start_dur); free(j->stats); free(j->digests); free(j->key); free(j->out);
+    free(j->tail); free(j->start_dur); free(j->stats); free(j->digests); free(j->key); free(j->out);
     free(j);
 }
 
-/* the job of trace_lines' arguments (tail: one more line, its whole head, no fields; NULL: none), prev its first
- * line's prev; NULL with a Python error when they do not fit */
+/* the job of trace_lines' arguments (the template read in place), prev its first line's prev; NULL with a Python
+ * error when they do not fit */
 static lines_job *lines_job_new(const char *tpl, size_t tlen, const char *tail, size_t tail_len, int64_t seq, int64_t tok,
                                 const buf *meta, const buf *stats, const buf *dg, const buf *key, const char *prev) {
     const int64_t rows = meta->v.shape[0], width = meta->v.shape[1];
+    for (size_t i = 0; tail && i < tail_len; i++)
+        if ((unsigned char)tail[i] <= FIELD_DUR) {
+            PyErr_SetString(PyExc_ValueError, "trace_lines: the tail line has a field or a NUL");
+            return NULL;
+        }
     lines_job *j = calloc(1, sizeof(lines_job));
     if (!j) { PyErr_NoMemory(); return NULL; }
-    j->rows = rows; j->seq = seq; j->tok = tok; j->ni = use_sha_ni();
+    j->tpl = tpl; j->tlen = tlen; j->rows = rows; j->seq = seq; j->tok = tok; j->ni = use_sha_ni();
     memcpy(j->prev, prev, 64);
-    const size_t all = tlen + (tail ? tail_len + 1 : 0);
-    j->tpl = malloc(all + 1);
-    j->line_at = malloc((size_t)(rows + 2) * sizeof(size_t));
     j->start_dur = malloc((size_t)(rows ? rows : 1) * 2 * sizeof(int64_t));
     j->stats = malloc((size_t)(rows ? rows : 1) * 3 * sizeof(double));
+    if (tail) j->tail = malloc(tail_len ? tail_len : 1);
     if (dg->held) j->digests = malloc((size_t)(rows ? rows : 1) * 16);
     if (key->held) j->key = malloc((size_t)(key->v.len ? key->v.len : 1));
-    if (!j->tpl || !j->line_at || !j->start_dur || !j->stats || (dg->held && !j->digests) || (key->held && !j->key)) {
+    j->cap = tlen + tail_len + (size_t)(rows + 1) * (6 * 24 + 32 + LINE_TAIL);   /* room enough for usual fields */
+    j->out = malloc(j->cap);
+    if (!j->start_dur || !j->stats || (tail && !j->tail) || (dg->held && !j->digests) || (key->held && !j->key) ||
+        !j->out) {
+        lines_free(j);
         PyErr_NoMemory();
-        goto fail;
+        return NULL;
     }
-    memcpy(j->tpl, tpl, tlen);
-    if (tail) { memcpy(j->tpl + tlen, tail, tail_len); j->tpl[tlen + tail_len] = '\0'; }
+    if (tail) { memcpy(j->tail, tail, tail_len); j->tail_len = tail_len; }
     const int64_t *m = (const int64_t *)meta->v.buf;
     for (int64_t e = 0; e < rows; e++) {
         j->start_dur[2 * e] = m[e * width + META_START];
@@ -821,46 +860,22 @@ static lines_job *lines_job_new(const char *tpl, size_t tlen, const char *tail, 
     memcpy(j->stats, stats->v.buf, (size_t)rows * 24);
     if (dg->held) memcpy(j->digests, dg->v.buf, (size_t)rows * 16);
     if (key->held) { memcpy(j->key, key->v.buf, (size_t)key->v.len); j->klen = (size_t)key->v.len; }
-    /* the lines: the template's one per row, each ended by '\0', then the tail's (no field bytes in it) */
-    size_t room = 0;
-    int64_t e = 0;
-    j->line_at[0] = 0;
-    for (const char *p = j->tpl, *end = j->tpl + all; p < end;) {
-        const char *z = memchr(p, '\0', (size_t)(end - p));
-        const int is_tail = tail && p == j->tpl + tlen;
-        if (!z || e == rows + (tail != NULL)) break;
-        size_t fields = 0;
-        for (const char *q = next_field(p, z); q < z; q = next_field(q + 1, z)) {
-            if (is_tail || (*q == FIELD_DIGEST && !dg->held)) goto bad;
-            fields++;
-        }
-        room += (size_t)(z - p) + fields * FIELD_ROOM + 65 + 9 + 64 + (j->key ? 73 : 0) + 3;
-        j->line_at[++e] = (size_t)(z + 1 - j->tpl);
-        p = z + 1;
-    }
-    if (e != rows + (tail != NULL) || j->line_at[e] != all) goto bad;
-    j->n = e;
-    if (!(j->out = malloc(room + 1))) { PyErr_NoMemory(); goto fail; }
     return j;
-bad:
-    PyErr_SetString(PyExc_ValueError, "trace_lines: the template's lines are not one per event (or it has digests "
-                    "and none were given, or the tail line has fields)");
-fail:
-    lines_free(j);
-    return NULL;
 }
 
-/* the arguments of trace_lines (and trace_lines_post): a new job, or NULL with a Python error */
-static lines_job *lines_job_of(PyObject *args, const char *fn) {
-    const char *tpl, *prev_in, *tail = NULL;
-    Py_ssize_t tlen, plen, tail_len = 0;
+/* the arguments of trace_lines (and trace_lines_post): a new job, or NULL with a Python error; *tpl_obj: the template
+ * (a str), which must outlive the job */
+static lines_job *lines_job_of(PyObject *args, const char *fn, PyObject **tpl_obj) {
+    const char *prev_in, *tail = NULL;
+    Py_ssize_t plen, tail_len = 0, tlen;
     long long seq, tok;
     PyObject *mo, *sto, *dobj, *ko;
     char format[48];
-    snprintf(format, sizeof format, "s#LLOOOs#O|z#:%s", fn);
-    if (!PyArg_ParseTuple(args, format, &tpl, &tlen, &seq, &tok, &mo, &sto, &dobj, &prev_in, &plen, &ko, &tail,
-                          &tail_len))
+    snprintf(format, sizeof format, "ULLOOOs#O|z#:%s", fn);
+    if (!PyArg_ParseTuple(args, format, tpl_obj, &seq, &tok, &mo, &sto, &dobj, &prev_in, &plen, &ko, &tail, &tail_len))
         return NULL;
+    const char *tpl = PyUnicode_AsUTF8AndSize(*tpl_obj, &tlen);
+    if (!tpl) return NULL;
     buf meta = {0}, stats = {0}, dg = {0}, key = {0};
     lines_job *j = NULL;
     if (get_c(mo, "meta", 'q', 8, 0, &meta) || get_c(sto, "stats", 'd', 8, 0, &stats) ||
@@ -880,19 +895,24 @@ done:
     return j;
 }
 
-static PyObject *lines_result(lines_job *j) {   /* (lines, last hash) of a complete job */
+static PyObject *lines_result(lines_job *j) {   /* (lines, last hash) of a complete job, or its error */
+    if (j->error) {
+        if (strcmp(j->error, "out of memory") == 0) return PyErr_NoMemory();
+        return PyErr_Format(PyExc_ValueError, "trace_lines: %s", j->error);
+    }
     PyObject *text = PyUnicode_FromStringAndSize(j->out, (Py_ssize_t)j->len);
     return text ? Py_BuildValue("(Ns#)", text, j->prev, (Py_ssize_t)64) : NULL;
 }
 
-/* trace_lines(template, seq, tok, meta, stats, digests, prev, key[, tail]) -> (lines, last hash): the batch's lines
- * (template: one line head per event, each ended by '\0', with one-byte fields FIELD_*; seq of the first line; meta
- * int64 [n, width], the holder's rows: start and dur_ns in columns META_START, META_DUR; stats float64 [n, 3];
- * digests uint8 [n, 16] or None; prev the hash before the first line; key the HMAC key or None; tail: one more line
- * after them, its head given whole), joined by '\n' */
+/* trace_lines(template, seq, tok, meta, stats, digests, prev, key[, tail]) -> (lines, last hash): the batch's lines,
+ * each ended by '\n' (template: one line head per event, each ended by '\0', with one-byte fields FIELD_*; seq of the
+ * first line; meta int64 [n, width], the holder's rows: start and dur_ns in columns META_START, META_DUR; stats
+ * float64 [n, 3]; digests uint8 [n, 16] or None; prev the hash before the first line; key the HMAC key or None;
+ * tail: one more line after them, its head given whole) */
 static PyObject *py_trace_lines(PyObject *self, PyObject *args) {
     (void)self;
-    lines_job *j = lines_job_of(args, "trace_lines");
+    PyObject *tpl;
+    lines_job *j = lines_job_of(args, "trace_lines", &tpl);
     if (!j) return NULL;
     Py_BEGIN_ALLOW_THREADS
     while (!lines_step(j)) {}
@@ -906,6 +926,7 @@ static PyObject *py_trace_lines(PyObject *self, PyObject *args) {
 typedef struct {
     PyObject_HEAD
     lines_job *job;
+    PyObject *template;   /* the str the job reads */
 } pending;
 
 static PyObject *pending_result(pending *p, PyObject *unused) {
@@ -924,6 +945,7 @@ static void pending_dealloc(pending *p) {
         Py_END_ALLOW_THREADS
         lines_free(p->job);
     }
+    Py_XDECREF(p->template);
     Py_TYPE(p)->tp_free((PyObject *)p);
 }
 
@@ -946,11 +968,13 @@ static PyTypeObject pending_type = {
  * it waits between kernel jobs (posting finishes any batch posted before, on this thread) */
 static PyObject *py_trace_lines_post(PyObject *self, PyObject *args) {
     (void)self;
-    lines_job *j = lines_job_of(args, "trace_lines_post");
+    PyObject *tpl;
+    lines_job *j = lines_job_of(args, "trace_lines_post", &tpl);
     if (!j) return NULL;
     pending *p = PyObject_New(pending, &pending_type);
     if (!p) { lines_free(j); return NULL; }
     p->job = j;
+    p->template = Py_NewRef(tpl);
     Py_BEGIN_ALLOW_THREADS
     pool_idle_post(lines_step, j);
     Py_END_ALLOW_THREADS

@@ -445,8 +445,7 @@ class _LineWriter:
         self._tracer, self._stream = tracer, stream
 
     def msg(self, message: str) -> None:
-        self._stream.write(message)  # a batch's ~70 kB: not copied to append the newline
-        self._stream.write("\n")
+        self._stream.write(message if message.endswith("\n") else message + "\n")  # a batch's lines end with theirs
         self._stream.flush()
         self._tracer._commit()
 
