@@ -929,14 +929,34 @@ typedef struct {
     PyObject *template;   /* the str the job reads */
 } pending;
 
-static PyObject *pending_result(pending *p, PyObject *unused) {
-    (void)unused;
+static void pending_finish(pending *p) {
     Py_BEGIN_ALLOW_THREADS
     pool_idle_finish(p->job);
     while (!lines_step(p->job)) {}   /* a job finished by an earlier post's caller: nothing left */
     Py_END_ALLOW_THREADS
-    return lines_result(p->job);
 }
+
+/* result(text=True) -> (lines, last hash): the lines as a str, or (text False) this object, a bytes-like view of them
+ * in UTF-8 (written as they are, not copied) */
+static PyObject *pending_result(pending *p, PyObject *args) {
+    int text = 1;
+    if (!PyArg_ParseTuple(args, "|p:result", &text)) return NULL;
+    pending_finish(p);
+    if (text || p->job->error) return lines_result(p->job);
+    return Py_BuildValue("(Os#)", (PyObject *)p, p->job->prev, (Py_ssize_t)64);
+}
+
+static int pending_getbuffer(pending *p, Py_buffer *view, int flags) {
+    pending_finish(p);
+    if (p->job->error) {
+        PyErr_Format(PyExc_ValueError, "trace_lines: %s", p->job->error);
+        view->obj = NULL;
+        return -1;
+    }
+    return PyBuffer_FillInfo(view, (PyObject *)p, p->job->out, (Py_ssize_t)p->job->len, 1, flags);
+}
+
+static PyBufferProcs pending_as_buffer = {.bf_getbuffer = (getbufferproc)pending_getbuffer};
 
 static void pending_dealloc(pending *p) {
     if (p->job) {
@@ -950,7 +970,8 @@ static void pending_dealloc(pending *p) {
 }
 
 static PyMethodDef pending_methods[] = {
-    {"result", (PyCFunction)pending_result, METH_NOARGS, "result() -> (lines, last hash), once they are all rendered"},
+    {"result", (PyCFunction)pending_result, METH_VARARGS,
+     "result(text=True) -> (lines, last hash), once they are all rendered: lines a str, or this bytes-like object"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -962,6 +983,7 @@ static PyTypeObject pending_type = {
     .tp_doc = "a batch of trace lines being rendered on the pool's idle worker (trace_lines_post)",
     .tp_dealloc = (destructor)pending_dealloc,
     .tp_methods = pending_methods,
+    .tp_as_buffer = &pending_as_buffer,
 };
 
 /* trace_lines_post(the arguments of trace_lines) -> PendingLines: the same lines, rendered by the pool's worker while

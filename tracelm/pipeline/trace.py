@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
+import io
 import json
 import os
 import platform
@@ -230,14 +231,15 @@ def trace_signer(path: str | None) -> Any:
 
 
 class Tracer:
-    """Times stage calls and writes the trace's JSON lines to `stream` (see the module docstring).
+    """Times stage calls and writes the trace's JSON lines to `stream`, a text stream or a binary one (UTF-8; a file
+    opened "wb" is written the kernels' lines without a copy) (see the module docstring).
 
     `key`: HMAC key bytes; when given every line carries a `mac`. `signer`: an Ed25519 private key; when given the
     footer carries a `sig` over its chain hash. `seq` and `prev` continue a chain (a fresh trace starts at 0 and
     GENESIS).
     """
 
-    def __init__(self, stream: IO[str], level: str = "digest", key: bytes | None = None, signer: Any = None):
+    def __init__(self, stream: IO[Any], level: str = "digest", key: bytes | None = None, signer: Any = None):
         if level not in LEVELS[1:]:
             raise ValueError(f"trace level must be 'summary' or 'digest', not {level!r}")
         self.level = level
@@ -270,7 +272,8 @@ class Tracer:
         # a batch posted to the kernels' idle worker (a token's stage events and its line), written when settled
         self._pending: Any = None
         # bound once: wrap_logger's lazy proxy binds a new logger at every call (two a token)
-        self._log = structlog.wrap_logger(_LineWriter(self, stream), processors=[self._render],
+        self._writer = _LineWriter(self, stream)
+        self._log = structlog.wrap_logger(self._writer, processors=[self._render],
                                           context_class=dict).bind()
 
     @property
@@ -371,9 +374,9 @@ class Tracer:
     def _render(self, _logger: Any, _name: str, event: dict[str, Any]) -> str:
         if event.get("event") == "batch" and "pending" in event:
             lines, self._batch = event["pending"]
-            text, self.prev = lines.result()
+            text, self.prev = lines.result(not self._writer.binary)
             self.seq += sum(self._batch.values())
-            return text
+            return text if type(text) is str else ((text,), {})  # structlog's (args, kwargs) for the writer
         self._batch = {event["event"]: 1}
         body = {"seq": self.seq, "event": event.pop("event"), **event, "prev": self.prev}
         line = _JSON.encode(body)[:-1]
@@ -439,13 +442,19 @@ class Tracer:
 
 
 class _LineWriter:
-    """The Tracer's structlog logger: writes and flushes each rendered batch of lines, then commits it."""
+    """The Tracer's structlog logger: writes and flushes each rendered batch of lines, then commits it. To a binary
+    stream (a file opened "wb") a line goes as UTF-8, and a batch's lines as the kernels wrote them (not copied)."""
 
-    def __init__(self, tracer: Tracer, stream: IO[str]):
+    def __init__(self, tracer: Tracer, stream: IO[Any]):
         self._tracer, self._stream = tracer, stream
+        self.binary = isinstance(stream, io.BufferedIOBase | io.RawIOBase)
 
-    def msg(self, message: str) -> None:
-        self._stream.write(message if message.endswith("\n") else message + "\n")  # a batch's lines end with theirs
+    def msg(self, message: Any) -> None:
+        if type(message) is str:
+            line = message if message.endswith("\n") else message + "\n"  # a batch's lines end with theirs
+            self._stream.write(line.encode("utf-8") if self.binary else line)
+        else:
+            self._stream.write(message)  # a batch's lines (bytes-like) to a binary stream
         self._stream.flush()
         self._tracer._commit()
 
