@@ -14,7 +14,9 @@
  * Digest: sha256 over the event's bytes, the first 16 bytes as hex. Lines: a template per batch, one line head per
  * event, each ended by '\0', with one-byte fields (the FIELD_* below) filled from the event's numbers; each line
  * is then closed as trace.py's _chain closes it: BODY = head + prev + '"', H = sha256(BODY), line = BODY +
- * ',"hash":"H"' [+ ',"mac":"HMAC(key, H)"'] + '}'.
+ * ',"hash":"H"' [+ ',"mac":"HMAC(key, H)"'] + '}' + '\n'; an optional tail line (a token event's, rendered in Python
+ * up to its prev) follows the events. A batch posted (trace_lines_post) is rendered as the pool's idle work: by its
+ * waiting worker, a few lines at a time between kernel jobs, and finished by the caller that needs it.
  */
 #include "pyglue.h"
 #include "sha256.h"

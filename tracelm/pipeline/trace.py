@@ -17,15 +17,17 @@ The format is described in docs/trace.md (format "tracelm-trace", version 4). In
 Levels: "off" (no events), "summary" (statistics, no digests), "digest" (also a sha256-128 digest of the
 output bytes, so two runs can be compared bit for bit).
 
-The hot path (`Tracer.call`, or `Tracer.note` for a pass through graph.fused_layers, whose outputs are buffers the
-next stage overwrites) is one call to the kernels' TraceHolder per stage event: it times the stage, computes the
-output's statistics while its bytes are in cache (numpy's reduceat order, so `_batch_stats` below gives the same bits)
-and, at level digest, copies its float32 bytes into an arena (4 * BATCH_ELEMENTS bytes), with its start, duration,
-stage, layer and shapes in a meta row. Everything else runs in batches -- at each token event, at flush, or when the
-arena is full -- through one structlog call per batch, in the trace kernels (tracelm/kernels/trace_stats.c): every
-event's digest over the pool, then the lines from a template cached per sequence of stages and shapes
-(`_stage_head`), each closed, hashed and signed as `_chain` does. An output that is not float32 has its statistics
-and digest computed by `_batch_stats` and `digest` when it is held.
+The hot path (`Tracer.call`, or for a pass through graph.fused_layers, whose outputs are buffers the next stage
+overwrites, the `note` that `Tracer.bind` returns, those buffers bound once per pass) is one call to the kernels'
+TraceHolder per stage event: it times the stage, computes the output's statistics while its bytes are in cache
+(numpy's reduceat order, so `_batch_stats` below gives the same bits) and, at level digest, copies its float32 bytes
+into an arena (4 * BATCH_ELEMENTS bytes), with its start, duration, stage, layer and shapes in a meta row. Everything
+else runs in batches -- at each token event, at flush, or when the arena is full -- in the trace kernels
+(tracelm/kernels/trace_stats.c): every event's digest over the pool, then the lines (the token's own last) from a
+template cached per sequence of stages and shapes (`_stage_head`), each closed, hashed and signed as `_chain` does,
+rendered by the pool's worker while it waits between the next pass's kernel jobs, and written through one structlog
+call per batch at the next event or flush (a token's lines reach the stream one token late). An output that is not
+float32 has its statistics and digest computed by `_batch_stats` and `digest` when it is held.
 """
 
 from __future__ import annotations
@@ -355,14 +357,14 @@ class Tracer:
         """Post the stage events held (and `token`'s line after them) as one batch, once the batch before is
         written."""
         self._settle()
-        n, arena = self._holder.n, self._arena
+        n, repeats, arena = self._holder.n, self._holder.repeats, self._arena  # before the reset
         own, self._own = self._own, {}
         if len(arena) > ARENA_BYTES:  # the larger arena of one large output is not kept
             self._arena = bytearray(ARENA_BYTES)
             self._holder.reset(self._arena)
         self._holder.reset()
         if n or token is not None:
-            self._pending = self._post(n, arena, own, token)
+            self._pending = self._post(n, repeats, arena, own, token)
 
     def _settle(self) -> None:
         """Write the batch posted, if any (its lines rendered by now, or finished here)."""
@@ -396,8 +398,8 @@ class Tracer:
             tail += f',"sig":"{ed25519_sign(self.signer, h)}"'
         return body + tail + "}"
 
-    def _post(self, n: int, arena: bytearray, own: dict[int, tuple[Any, ...]], token: dict[str, Any] | None
-              ) -> tuple[Any, dict[str, int]]:
+    def _post(self, n: int, repeats: bool, arena: bytearray, own: dict[int, tuple[Any, ...]],
+              token: dict[str, Any] | None) -> tuple[Any, dict[str, int]]:
         """Post the n stage events held (~200 per decoded token, so kept lean) and `token`'s line after them to the
         trace kernels, which render, chain and sign them on the pool's otherwise idle worker while the next pass
         runs: event i's row of _meta and _stats (see __init__), its float32 bytes (level digest) in `arena` from the
@@ -416,8 +418,8 @@ class Tracer:
             stats[i] = mean, rms, maxabs
             if digests is not None:
                 digests[i] = np.frombuffer(d, np.uint8)
-        # a decode step's batch is the last one's (the holder compared their rows as it held them)
-        repeats = self._holder.repeats and not own and not self._last_template[0][1]
+        # a decode step's batch is the last one's (`repeats`: the holder compared their rows as it held them)
+        repeats = repeats and not own and not self._last_template[0][1]
         key = () if repeats else (meta[:, 3:].tobytes(), tuple((i, o[4:]) for i, o in own.items()))
         if not repeats and key != self._last_template[0]:
             template = self._templates.get(key)
