@@ -259,6 +259,27 @@ def test_posted_lines_are_trace_lines_and_a_template_that_does_not_fit_is_an_err
         _core.trace_lines_post(template, *rest, tail + LINE_FIELDS[0])
 
 
+def test_a_tracer_reuses_a_template_only_for_the_same_rows(path: str) -> None:
+    """A batch of the stages, layers and shapes of the one before reuses its template; any other (other shapes, no
+    stage events at all -- two tokens after one pass --, another dtype) has its own: every line as held."""
+    stream = io.StringIO()
+    tr = Tracer(stream, "summary")
+    x, y = np.ones((1, 4), np.float32), np.ones((2, 4), np.float32)
+    batches = [[("a", x), ("b", x)], [("a", x), ("b", x)], [], [("a", y)], [], [("c", x.astype(np.float64))],
+               [("c", x)], [("c", x)]]
+    want = []
+    for batch in batches:
+        for stage, arr in batch:
+            tr.note(stage, 0, 0, (arr,), 0)
+            want.append(("stage", stage, [list(arr.shape)], arr.dtype.name))
+        tr.event("token", id=1, piece="a", prob=0.5)
+        want.append(("token", None, None, None))
+    tr.flush()
+    events = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert [(e["event"], e.get("stage"), e.get("shape"), e.get("dtype")) for e in events] == want
+    assert [e["seq"] for e in events] == list(range(len(want)))
+
+
 def test_a_tracer_batch_with_other_dtypes_and_a_large_output(path: str) -> None:
     """Float16, float64 and int outputs (statistics by `_batch_stats` in their own type, digests of their bytes), a
     bare array, and an output larger than the arena, between float32 ones: each line is the Python statement's,
