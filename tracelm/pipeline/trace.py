@@ -251,6 +251,7 @@ class Tracer:
         self.prev = GENESIS
         self.n_tokens = 0  # token events so far: the index of the token the next forward pass computes
         self.counts: dict[str, int] = {}
+        self.stage_ns = 0  # total duration of the stage calls drained
         self._digest = level == "digest"
         # the stage events held (TraceHolder, in the kernels): event i's row of _meta is its arena end, start, dur_ns,
         # stage id (_stage_ids), layer (-1: None) and shapes (shapes_row in trace_stats.c), _stats[i] its mean, rms
@@ -277,11 +278,6 @@ class Tracer:
         self._writer = _LineWriter(self, stream)
         self._log = structlog.wrap_logger(self._writer, processors=[self._render],
                                           context_class=dict).bind()
-
-    @property
-    def stage_ns(self) -> int:
-        """Total duration of the stage calls."""
-        return self._holder.held_ns
 
     # -- the hot path -------------------------------------------------------------------------------
     def call(self, stage: str, layer: int | None, fn: Callable[..., Any], *args: Any) -> Any:
@@ -339,7 +335,7 @@ class Tracer:
     def close(self) -> None:
         """After the last flush: let go of the holder and the logger. Both call back into the Tracer (a reference
         cycle), so without this its arena (4 MiB) and tables would wait for Python's cycle collector."""
-        self._holder = self.note = self._log = None
+        self._holder = self.note = self._log = self._writer = self._pending = None
 
     def _commit(self) -> None:
         """A rendered batch is written: count its lines and move the resume point past them."""
@@ -358,6 +354,7 @@ class Tracer:
         written."""
         self._settle()
         n, repeats, arena = self._holder.n, self._holder.repeats, self._arena  # before the reset
+        self.stage_ns = self._holder.held_ns
         own, self._own = self._own, {}
         if len(arena) > ARENA_BYTES:  # the larger arena of one large output is not kept
             self._arena = bytearray(ARENA_BYTES)
