@@ -256,6 +256,7 @@ def test_statistics_of_multi_array_and_non_finite_outputs() -> None:
     tr.call("bad", 1, lambda: Hidden(bad, 7))
     tr.call("plain", None, lambda: bad[:1])  # a bare array
     tr.event("token", id=1, piece="a", prob=0.5)
+    tr.flush()  # the token's batch is written at the next event or flush
     events = [json.loads(x) for x in stream.getvalue().splitlines()]
     assert [e["seq"] for e in events] == list(range(5)) and [e["event"] for e in events] == ["stage"] * 4 + ["token"]
     e = events[0]

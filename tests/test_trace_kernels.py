@@ -144,6 +144,44 @@ def test_hold_takes_views_in_c_order_and_refuses_what_it_cannot_hold() -> None:
     assert holder.n == 1 and holder.used == 2 * x.nbytes
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_bound_stages_are_held_as_noted(path: str, keep: bool) -> None:
+    """A fused pass binds its stages' buffers once (bind) and marks each stage as its output is complete: the rows,
+    statistics and arena bytes are note's, whatever the buffers hold at each mark; the holder says whether a batch's
+    rows repeat the last one's, and totals the durations."""
+    rng = np.random.default_rng(6)
+    buf, x = np.zeros((2, 40), np.float32), np.zeros((2, 16), np.float32)
+    q, k = buf[:, :24].reshape(2, 3, 8), buf[:, 24:].reshape(2, 2, 8)
+    noted, bound = _holder(64, 1 << 16, keep), _holder(64, 1 << 16, keep)
+    bound[0].bind(5, {"norm": (x,), "qk": (q, k), "f64": (np.zeros(3),)})
+    total = 0
+    for batch in range(3):
+        for layer in range(4 if batch < 2 else 3):
+            for stage, arrays in (("norm", (x,)), ("qk", (q, k))):
+                for a in (x, buf):
+                    a[...] = rng.standard_normal(a.shape) * 10.0 ** rng.integers(-3, 3)
+                noted[0].note(stage, layer, 5, arrays, 0)
+                bound[0].mark(stage, layer)
+        bound[0].mark("f64", None)  # not float32: its statistics left to the refused hook
+        noted[0].note("f64", None, 5, (np.zeros(3),), 0)
+        n = noted[0].n
+        assert bound[0].n == n and bound[0].used == noted[0].used
+        assert np.array_equal(bound[2][:n, [0, 1, 3, 4]], noted[2][:n, [0, 1, 3, 4]])
+        assert np.array_equal(bound[2][:n, 5:], noted[2][:n, 5:])
+        assert np.array_equal(bound[3][:n], noted[3][:n], equal_nan=True)
+        assert bound[1][: bound[0].used] == noted[1][: noted[0].used]
+        assert bound[4][-1][0] == "f64" and bound[4][-1][2] == 5 and bound[4][-1][5] == -1
+        total += int(bound[2][:n, 2].sum())
+        assert bound[0].repeats == (batch == 1) and bound[0].held_ns == total
+        noted[0].reset()
+        bound[0].reset()
+    with pytest.raises(KeyError, match="not bound"):
+        bound[0].mark("ffn", 0)
+    bound[0].unbind()
+    with pytest.raises(KeyError):
+        bound[0].mark("norm", 0)
+
+
 def _reference_lines(tracer: Tracer, events: list[tuple], stats: np.ndarray, digests: np.ndarray | None) -> str:
     """The lines as trace.py states them: `_stage_head` with Python's numbers, closed by Tracer._chain."""
     lines = []
@@ -152,7 +190,7 @@ def _reference_lines(tracer: Tracer, events: list[tuple], stats: np.ndarray, dig
         fields = (str(tracer.seq), str(tracer.n_tokens), str(start), *(_num(v) for v in stats[i]), dig,
                   "%.1f" % (dur / 1000))
         lines.append(tracer._chain(_stage_head(stage, layer, shapes, "float32", fields) + tracer.prev + '"'))
-    return "\n".join(lines)
+    return "".join(line + "\n" for line in lines)
 
 
 @pytest.mark.parametrize("key", [None, b"k" * 70])
@@ -182,6 +220,66 @@ def test_lines_are_the_python_ones_byte_for_byte(path: str, level: str, key: byt
         "", "0" * 64)
 
 
+def test_posted_lines_are_trace_lines_and_a_template_that_does_not_fit_is_an_error(path: str) -> None:
+    """trace_lines_post renders on the pool's idle worker what trace_lines renders, a tail line (a token's) chained
+    after the events; a second post finishes the first. A template with fewer or more lines than events, a digest
+    field without digests, or a field in the tail is a ValueError naming it."""
+    rng = np.random.default_rng(7)
+    fields = LINE_FIELDS[:6] + (None, LINE_FIELDS[7])
+    batches = []
+    for n in (300, 1, 57):
+        events = [(str(rng.choice(["qkv", "attend"])), int(i), int(rng.integers(0, 99)),
+                   ((1, int(rng.integers(1, 9))),), int(rng.integers(0, 10**7))) for i in range(n)]
+        template = "".join(_stage_head(st, ly, sh, "float32", fields) + "\0" for st, ly, _, sh, _ in events)
+        meta = np.zeros((n, 24), np.int64)
+        meta[:, 1], meta[:, 2] = [e[2] for e in events], [e[4] for e in events]
+        stats = rng.standard_normal((n, 3))
+        ref = Tracer(io.StringIO(), "summary", b"k")
+        ref.seq, ref.n_tokens, ref.prev = 40, 3, os.urandom(32).hex()
+        args = (template, ref.seq, ref.n_tokens, meta, stats, None, ref.prev, b"k")
+        tail = tm._line_head({"seq": ref.seq + n, "event": "token", "tok": 3, "id": 7, "piece": "é\n\"", "prob": 0.25})
+        want = _reference_lines(ref, events, stats, None)
+        want += ref._chain(tail + ref.prev + '"') + "\n"
+        batches.append((args, tail, want, ref.prev))
+    pending = [_core.trace_lines_post(*args, tail) for args, tail, _, _ in batches]  # each post finishes the last
+    for p, (args, tail, want, last) in zip(pending, batches, strict=True):
+        assert p.result() == (want, last) == _core.trace_lines(*args, tail)
+        text, h = p.result(False)
+        assert bytes(text).decode("utf-8") == want and h == last
+        assert json.loads(want.splitlines()[-1])["piece"] == "é\n\""
+    (template, *rest), tail, _, _ = batches[2]
+    for bad, why in ((template.split("\0", 1)[1], "fewer"), (template + template.split("\0", 1)[0] + "\0", "more")):
+        with pytest.raises(ValueError, match=why):
+            _core.trace_lines_post(bad, *rest).result()
+        with pytest.raises(ValueError, match=why):
+            _core.trace_lines(bad, *rest, tail)
+    with pytest.raises(ValueError, match="digests"):
+        _core.trace_lines(template.replace(LINE_FIELDS[5], LINE_FIELDS[6]), *rest)
+    with pytest.raises(ValueError, match="tail"):
+        _core.trace_lines_post(template, *rest, tail + LINE_FIELDS[0])
+
+
+def test_a_tracer_reuses_a_template_only_for_the_same_rows(path: str) -> None:
+    """A batch of the stages, layers and shapes of the one before reuses its template; any other (other shapes, no
+    stage events at all -- two tokens after one pass --, another dtype) has its own: every line as held."""
+    stream = io.StringIO()
+    tr = Tracer(stream, "summary")
+    x, y = np.ones((1, 4), np.float32), np.ones((2, 4), np.float32)
+    batches = [[("a", x), ("b", x)], [("a", x), ("b", x)], [], [("a", y)], [], [("c", x.astype(np.float64))],
+               [("c", x)], [("c", x)]]
+    want = []
+    for batch in batches:
+        for stage, arr in batch:
+            tr.note(stage, 0, 0, (arr,), 0)
+            want.append(("stage", stage, [list(arr.shape)], arr.dtype.name))
+        tr.event("token", id=1, piece="a", prob=0.5)
+        want.append(("token", None, None, None))
+    tr.flush()
+    events = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert [(e["event"], e.get("stage"), e.get("shape"), e.get("dtype")) for e in events] == want
+    assert [e["seq"] for e in events] == list(range(len(want)))
+
+
 def test_a_tracer_batch_with_other_dtypes_and_a_large_output(path: str) -> None:
     """Float16, float64 and int outputs (statistics by `_batch_stats` in their own type, digests of their bytes), a
     bare array, and an output larger than the arena, between float32 ones: each line is the Python statement's,
@@ -199,6 +297,7 @@ def test_a_tracer_batch_with_other_dtypes_and_a_large_output(path: str) -> None:
     for i, out in enumerate(outs):
         tr.call("stage", i, lambda out=out: out)
     tr.event("token", id=1, piece="a", prob=0.5)
+    tr.flush()  # the token's batch is written at the next event or flush
     lines = stream.getvalue().splitlines()
     ref = Tracer(io.StringIO(), "digest", b"key")
     for i, (out, line) in enumerate(zip(outs, lines, strict=False)):
@@ -214,10 +313,12 @@ def test_a_tracer_batch_with_other_dtypes_and_a_large_output(path: str) -> None:
     assert len(lines) == len(outs) + 1
 
 
-def _traced_run(model, fused: bool, monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+def _traced_run(model, fused: bool, monkeypatch: pytest.MonkeyPatch, binary: bool = False) -> list[dict]:
+    """A prompt and four decode steps traced (to a binary stream: `binary`), the chain checked; each line's fields
+    but the timing and chain ones."""
     if not fused:
         monkeypatch.setattr(graph, "layer_note", lambda parts: False if parts[0].call is graph.plain_call else None)
-    stream = io.StringIO()
+    stream = io.BytesIO() if binary else io.StringIO()
     tracer = Tracer(stream, "digest")
     cache = graph.new_cache(model.cfg, 64)
     ids = model.tokenizer.encode("hello, hello world, and a longer prompt")[:20]
@@ -227,8 +328,14 @@ def _traced_run(model, fused: bool, monkeypatch: pytest.MonkeyPatch) -> list[dic
         logits = graph.forward(model.cfg, model.weights, cache, [int(np.argmax(logits.values[-1]))], call=tracer.call)
     tracer.flush()
     monkeypatch.undo()
+    lines = (stream.getvalue().decode("utf-8") if binary else stream.getvalue()).splitlines()
+    prev = tm.GENESIS
+    for line in lines:
+        body, h = line[: line.index(',"hash":')], json.loads(line)["hash"]
+        assert body.endswith(f'"prev":"{prev}"') and h == hashlib.sha256(body.encode()).hexdigest()
+        prev = h
     return [{k: v for k, v in json.loads(x).items() if not tm.is_timing_field(k) and k not in tm.CHAIN_FIELDS}
-            for x in stream.getvalue().splitlines()]
+            for x in lines]
 
 
 @pytest.mark.parametrize("window", [0, 8])
@@ -243,6 +350,23 @@ def test_a_traced_fused_pass_logs_what_a_staged_pass_logs(tmp_path, monkeypatch,
     with Session(str(path)) as s:
         fused, staged = _traced_run(s.model, True, monkeypatch), _traced_run(s.model, False, monkeypatch)
     assert len(fused) == len(staged) > 40 and fused == staged
+
+
+def test_traced_lines_are_the_same_at_any_thread_count_on_either_path(tmp_path, monkeypatch, kernels_restored) -> None:
+    """One or two threads (the lines rendered on the caller, or on the pool's idle worker), the portable or the AVX2
+    path, a text or a binary stream: the same lines (timing and chain fields aside), each run's chain whole."""
+    import gguf
+
+    from tracelm import Session
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", qtype=gguf.GGMLQuantizationType.Q4_1, seed=4)
+    runs = []
+    with Session(str(path)) as s:
+        for i, (p, threads) in enumerate((p, t) for p in PATHS for t in (1, 2)):
+            kernels.use_path(p)
+            kernels.set_threads(threads)
+            runs.append(_traced_run(s.model, True, monkeypatch, binary=i % 2 == 1))
+    assert len(runs[0]) > 40 and all(r == runs[0] for r in runs)
 
 
 @pytest.mark.model

@@ -465,7 +465,7 @@ class Session:
         key = trace_key(key_env) if key_env else None
         signer = trace_signer(cfg.trace.sign_key)
         try:
-            stream = open(Path(cfg.trace.file), "w", encoding="utf-8")  # noqa: SIM115
+            stream = open(Path(cfg.trace.file), "wb")  # noqa: SIM115  (the Tracer writes UTF-8)
         except OSError as e:
             raise TracelmError(f"{cfg.trace.file}: cannot write trace: {e.strerror}") from None
         with stream:

@@ -49,7 +49,8 @@ paths = _core.paths  # the paths this CPU can run
 # digests), the statistics and digests of a batch of them, the batch's JSON lines and hash chain
 TraceHolder = _core.TraceHolder  # TraceHolder(arena, meta, stats, stage_ids, refused, keep).note(stage, layer, ...)
 trace_stats = _core.trace_stats  # trace_stats(arena, offsets, stats, digests)
-trace_lines = _core.trace_lines  # trace_lines(template, seq, tok, meta, stats, digests, prev, key)
+trace_lines = _core.trace_lines  # trace_lines(template, seq, tok, meta, stats, digests, prev, key[, tail])
+trace_lines_post = _core.trace_lines_post  # the same arguments -> PendingLines, rendered on the pool's idle worker
 quantize_rows = _core.quantize_rows  # quantize_rows(x, qtype, scratch, halves=2): x's int8 blocks as matmul
 # makes them (x row m -> block rows 2m = hi, 2m + 1 = lo; with halves=1, row m = hi), each
 # scratch_bytes(M, K, qtype, halves) // (halves M) bytes

@@ -3,6 +3,9 @@
  * Pool: workers wait for a job generation number (odd = a job is open). They spin briefly on it, then
  * sleep on a condition variable. A job is a range of task indices taken in chunks from an atomic counter;
  * the calling thread works too. Results never depend on which thread ran a task.
+ *
+ * Idle work: one serial job at a time (the trace's lines) that a waiting worker advances a short step at a time
+ * between jobs, on a core that would otherwise spin; whoever needs it done finishes it (pool_idle_finish).
  */
 #include "pyglue.h"
 
@@ -27,6 +30,9 @@ static struct { task_fn fn; void *ctx; int64_t ntasks, chunk; } job;
 static pthread_t workers[MAX_THREADS];
 static int n_workers;
 static double spin_seconds = 200e-6;   /* TRACELM_SPIN_US */
+static pthread_mutex_t idle_mx = PTHREAD_MUTEX_INITIALIZER;   /* held by whoever steps the idle job */
+static struct { idle_fn step; void *ctx; } idle;
+static atomic_int idle_open;
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -57,26 +63,38 @@ static void run_tasks(void) {
     }
 }
 
-/* wait until gen differs from `seen` (or stop): spin, then sleep */
+/* one step of the idle job, unless there is none or another thread is stepping it: 1 if a step ran */
+static int idle_try(void) {
+    if (!atomic_load(&idle_open) || pthread_mutex_trylock(&idle_mx) != 0) return 0;
+    const int ran = atomic_load(&idle_open);
+    if (ran && idle.step(idle.ctx)) atomic_store(&idle_open, 0);
+    pthread_mutex_unlock(&idle_mx);
+    return ran;
+}
+
+/* wait until gen differs from `seen` (or stop): spin (stepping any idle job), then sleep until a job or idle work */
 static unsigned wait_change(unsigned seen) {
     unsigned g;
-    double t0 = 0;
-    for (int i = 0;; i++) {
-        g = atomic_load(&gen);
-        if (g != seen || atomic_load(&stop_flag)) return g;
-        if ((i & 255) == 255) {
-            double t = now();
-            if (t0 == 0) t0 = t;
-            else if (t - t0 > spin_seconds) break;
+    for (;;) {
+        double t0 = 0;
+        for (int i = 0;; i++) {
+            g = atomic_load(&gen);
+            if (g != seen || atomic_load(&stop_flag)) return g;
+            if (idle_try()) { t0 = 0; continue; }
+            if ((i & 255) == 255) {
+                double t = now();
+                if (t0 == 0) t0 = t;
+                else if (t - t0 > spin_seconds) break;
+            }
+            cpu_relax();
         }
-        cpu_relax();
+        pthread_mutex_lock(&sleep_mx);
+        atomic_fetch_add(&sleepers, 1);
+        while ((g = atomic_load(&gen)) == seen && !atomic_load(&stop_flag) && !atomic_load(&idle_open))
+            pthread_cond_wait(&sleep_cv, &sleep_mx);
+        atomic_fetch_sub(&sleepers, 1);
+        pthread_mutex_unlock(&sleep_mx);
     }
-    pthread_mutex_lock(&sleep_mx);
-    atomic_fetch_add(&sleepers, 1);
-    while ((g = atomic_load(&gen)) == seen && !atomic_load(&stop_flag)) pthread_cond_wait(&sleep_cv, &sleep_mx);
-    atomic_fetch_sub(&sleepers, 1);
-    pthread_mutex_unlock(&sleep_mx);
-    return g;
 }
 
 static void *worker_main(void *arg) {
@@ -149,6 +167,28 @@ void pool_run(task_fn fn, void *ctx, int64_t ntasks, int64_t chunk) {
     pthread_mutex_unlock(&run_mx);
 }
 
+/* Post `ctx` as the idle job (an earlier one is finished first, on this thread), stepped by step(ctx) until it
+ * returns 1. */
+void pool_idle_post(idle_fn step, void *ctx) {
+    pthread_mutex_lock(&idle_mx);
+    if (atomic_load(&idle_open))
+        while (!idle.step(idle.ctx)) {}
+    idle.step = step; idle.ctx = ctx;
+    atomic_store(&idle_open, 1);
+    pthread_mutex_unlock(&idle_mx);
+    if (atomic_load(&sleepers) > 0) wake_all();
+}
+
+/* Make sure the idle job `ctx` (if it is the one posted) is complete: its remaining steps on this thread. */
+void pool_idle_finish(void *ctx) {
+    pthread_mutex_lock(&idle_mx);
+    if (atomic_load(&idle_open) && idle.ctx == ctx) {
+        while (!idle.step(ctx)) {}
+        atomic_store(&idle_open, 0);
+    }
+    pthread_mutex_unlock(&idle_mx);
+}
+
 static void pool_stop(void) {
     pthread_mutex_lock(&run_mx);
     if (n_workers) {
@@ -179,6 +219,7 @@ static void atfork_child(void) {   /* the workers did not come along */
     atomic_store(&sleepers, 0);
     pthread_mutex_init(&run_mx, NULL);
     pthread_mutex_init(&sleep_mx, NULL);
+    pthread_mutex_init(&idle_mx, NULL);
     pthread_cond_init(&sleep_cv, NULL);
     pthread_cond_init(&done_cv, NULL);
     atomic_store(&caller_sleeps, 0);

@@ -12,6 +12,9 @@
 typedef void (*task_fn)(void *ctx, int64_t t0, int64_t t1);
 HIDDEN void pool_run(task_fn fn, void *ctx, int64_t ntasks, int64_t chunk);   /* tasks [0, ntasks) on the pool */
 HIDDEN int64_t chunk_for(int64_t ntasks);
+typedef int (*idle_fn)(void *ctx);             /* one short step of serial work: 1 when the work is complete */
+HIDDEN void pool_idle_post(idle_fn step, void *ctx);   /* stepped by a waiting worker between jobs */
+HIDDEN void pool_idle_finish(void *ctx);               /* complete it (if posted) on this thread */
 HIDDEN int pool_threads(void);                 /* threads in all, the caller included */
 HIDDEN const kernel_path *current_path(void);
 

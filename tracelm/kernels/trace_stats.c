@@ -14,7 +14,9 @@
  * Digest: sha256 over the event's bytes, the first 16 bytes as hex. Lines: a template per batch, one line head per
  * event, each ended by '\0', with one-byte fields (the FIELD_* below) filled from the event's numbers; each line
  * is then closed as trace.py's _chain closes it: BODY = head + prev + '"', H = sha256(BODY), line = BODY +
- * ',"hash":"H"' [+ ',"mac":"HMAC(key, H)"'] + '}'.
+ * ',"hash":"H"' [+ ',"mac":"HMAC(key, H)"'] + '}' + '\n'; an optional tail line (a token event's, rendered in Python
+ * up to its prev) follows the events. A batch posted (trace_lines_post) is rendered as the pool's idle work: by its
+ * waiting worker, a few lines at a time between kernel jobs, and finished by the caller that needs it.
  */
 #include "pyglue.h"
 #include "sha256.h"
@@ -283,15 +285,30 @@ static int get_c(PyObject *o, const char *name, char fmt, Py_ssize_t itemsize, i
  * gets the next id), layer (-1: None), its shapes (shapes_row)]; stats[i] (float64 [rows, 3]) its mean, rms, max |x|,
  * computed as it is held, from the bytes just written. `keep`: its float32 bytes stay in the arena (uint8) up to its
  * end, for the digests; otherwise the arena is scratch (for outputs not one contiguous run of floats). */
+enum { BOUND_MAX = 16 };
+typedef struct {   /* a stage of a pass whose output arrays were bound (bind): its name, id, arrays and their buffers */
+    PyObject *stage, *arrays;
+    int64_t id;
+    buf v[8];
+    Py_ssize_t k;
+} bound_stage;
+
 typedef struct {
     PyObject_HEAD
     buf arena, meta, stats;
     PyObject *stage_ids, *refused;
     Py_ssize_t n, used;   /* events and arena bytes held */
     int64_t mark;         /* the clock when the last event was held */
+    int64_t held_ns;      /* the durations of every event held so far (a running total) */
+    int64_t *last;        /* the rows of the batch before (the last reset), from META_STAGE on */
+    Py_ssize_t last_n;
+    int differs;          /* a row so far is not the batch before's */
     int keep;
     const kernel_path *path;   /* the path `leaf` is for (current_leaf without a strcmp per event) */
     leaf_fn leaf;
+    bound_stage bound[BOUND_MAX];   /* the stages bound (bind), their outputs' start bound_start */
+    int n_bound;
+    int64_t bound_start;
 } holder;
 
 static int64_t now_ns(void) {   /* time.perf_counter_ns's clock */
@@ -316,40 +333,36 @@ static int one_run(const buf *v, Py_ssize_t k) {   /* the arrays are one C-order
     return 1;
 }
 
-/* hold one event: 0; -1 an array is not float32 (or the shapes do not fit a row): its row holds no statistics; -2 no
- * room in the arena or no row left (nothing held); -3 a Python error */
-static int hold(holder *h, PyObject *stage, PyObject *layer, int64_t start, PyObject *arrays, int64_t dur) {
-    Py_ssize_t k = PyTuple_GET_SIZE(arrays);
+/* the id of a stage name (stage_ids: a new name gets the next id); -1 on a Python error */
+static int64_t stage_id(holder *h, PyObject *stage) {
+    PyObject *id = PyDict_GetItemWithError(h->stage_ids, stage);
+    if (id) return PyLong_AsLongLong(id);
+    if (PyErr_Occurred() || !(id = PyLong_FromSsize_t(PyDict_GET_SIZE(h->stage_ids)))) return -1;
+    const int err = PyDict_SetItem(h->stage_ids, stage, id);
+    Py_DECREF(id);
+    return err ? -1 : (int64_t)PyDict_GET_SIZE(h->stage_ids) - 1;
+}
+
+/* hold one event, its k arrays' buffers taken: 0; -1 an array is not float32 (or the shapes do not fit a row): its row
+ * holds no statistics; -2 no room in the arena or no row left (nothing held) */
+static int hold_bufs(holder *h, int64_t id, int64_t ly, int64_t start, const buf *v, Py_ssize_t k, int64_t dur) {
     const Py_ssize_t width = h->meta.v.shape[1];
     if (h->n >= h->meta.v.shape[0]) return -2;
-    if (k > 8) return -1;
-    buf v[8] = {{{0}}};
     Py_ssize_t need = 0;
     int status = 0;
     for (Py_ssize_t i = 0; i < k; i++) {
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(arrays, i), &v[i].v, PyBUF_STRIDES | PyBUF_FORMAT) != 0) {
-            status = -3;
-            k = i;
-            goto done;
-        }
-        v[i].held = 1;
         if (!fmt_is(&v[i].v, 'f') || v[i].v.itemsize != 4) status = -1;
         need += v[i].v.len;
     }
     const int run = !status && one_run(v, k), copy = h->keep || !run;
     const Py_ssize_t at = h->keep ? h->used : 0;
-    if (!status && copy && need > h->arena.v.len - at) { status = -2; goto done; }
+    if (!status && copy && need > h->arena.v.len - at) return -2;
     int64_t *r = (int64_t *)h->meta.v.buf + h->n * width;
-    PyObject *id = PyDict_GetItemWithError(h->stage_ids, stage);
-    if (!id && !PyErr_Occurred() && (id = PyLong_FromSsize_t(PyDict_GET_SIZE(h->stage_ids)))) {
-        int err = PyDict_SetItem(h->stage_ids, stage, id);
-        Py_DECREF(id);
-        if (err) id = NULL;
-    }
-    const int64_t ly = layer == Py_None ? -1 : PyLong_AsLongLong(layer);
-    if (!id || PyErr_Occurred()) { status = -3; goto done; }
-    r[META_START] = start; r[META_DUR] = dur; r[META_STAGE] = PyLong_AsLongLong(id); r[META_LAYER] = ly;
+    r[META_START] = start; r[META_DUR] = dur; r[META_STAGE] = id; r[META_LAYER] = ly;
     if (!shapes_row(v, k, r, width)) status = -1;
+    h->held_ns += dur;
+    h->differs |= h->n >= h->last_n ||
+                  memcmp(r + META_STAGE, h->last + h->n * (width - META_STAGE), (size_t)(width - META_STAGE) * 8);
     double *st = (double *)h->stats.v.buf + 3 * h->n;
     if (status) st[0] = st[1] = st[2] = NAN;
     else {
@@ -361,9 +374,42 @@ static int hold(holder *h, PyObject *stage, PyObject *layer, int64_t start, PyOb
     }
     r[META_END] = h->used;
     h->n++;
-done:
+    return status;
+}
+
+/* the arrays' buffers (a tuple of at most 8) into v: their number, -1 too many (not an error), -2 a Python error */
+static Py_ssize_t get_arrays(PyObject *arrays, buf *v) {
+    const Py_ssize_t k = PyTuple_GET_SIZE(arrays);
+    if (k > 8) return -1;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(arrays, i), &v[i].v, PyBUF_STRIDES | PyBUF_FORMAT) != 0) {
+            for (Py_ssize_t j = 0; j < i; j++) release(&v[j]);
+            return -2;
+        }
+        v[i].held = 1;
+    }
+    return k;
+}
+
+/* hold one event: hold_bufs' 0, -1, -2; -3 a Python error */
+static int hold(holder *h, PyObject *stage, PyObject *layer, int64_t start, PyObject *arrays, int64_t dur) {
+    if (h->n >= h->meta.v.shape[0]) return -2;
+    buf v[8] = {{{0}}};
+    const Py_ssize_t k = get_arrays(arrays, v);
+    if (k < 0) return k == -1 ? -1 : -3;
+    const int64_t id = stage_id(h, stage), ly = layer == Py_None ? -1 : PyLong_AsLongLong(layer);
+    const int status = id < 0 || PyErr_Occurred() ? -3 : hold_bufs(h, id, ly, start, v, k, dur);
     for (Py_ssize_t i = 0; i < k; i++) release(&v[i]);
     return status;
+}
+
+/* an event not held as float32 (status -1: held, its statistics left to Python; -2: no room) to refused(stage, layer,
+ * start, arrays, dur, status); -1 on a Python error */
+static int refuse(holder *h, PyObject *stage, PyObject *layer, int64_t start, PyObject *arrays, int64_t dur, int status) {
+    PyObject *r = PyObject_CallFunction(h->refused, "OOLOLi", stage, layer, (long long)start, arrays, (long long)dur,
+                                        status);
+    Py_XDECREF(r);
+    return r ? 0 : -1;
 }
 
 /* note(stage, layer, start, arrays[, dur]): hold the event (arrays: a tuple of arrays); its dur_ns is `dur`, or
@@ -378,18 +424,83 @@ static PyObject *holder_note(holder *h, PyObject *const *args, Py_ssize_t nargs)
     const int64_t start = PyLong_AsLongLong(args[2]), dur = nargs == 5 ? PyLong_AsLongLong(args[4]) : t - h->mark;
     if (PyErr_Occurred()) return NULL;
     int status = hold(h, args[0], args[1], start, args[3], dur);
-    if (status == -3) return NULL;
-    if (status < 0) {
-        PyObject *r = PyObject_CallFunction(h->refused, "OOLOLi", args[0], args[1], (long long)start, args[3],
-                                            (long long)dur, status);
-        if (!r) return NULL;
-        Py_DECREF(r);
-    }
+    if (status == -3 || (status < 0 && refuse(h, args[0], args[1], start, args[3], dur, status))) return NULL;
     h->mark = now_ns();
     Py_RETURN_NONE;
 }
 
-/* reset([arena]): forget the events held (a drain took them), holding into `arena` from now on if given */
+static void unbind(holder *h) {
+    for (int j = 0; j < h->n_bound; j++) {
+        for (Py_ssize_t i = 0; i < h->bound[j].k; i++) release(&h->bound[j].v[i]);
+        Py_CLEAR(h->bound[j].stage);
+        Py_CLEAR(h->bound[j].arrays);
+    }
+    h->n_bound = 0;
+}
+
+/* bind(start, stages): a pass's stages (name -> tuple of its output arrays: buffers the pass rewrites in place, the
+ * same at every layer), their buffers taken once for mark; their outputs' first position `start`. Replaces any
+ * binding before. */
+static PyObject *holder_bind(holder *h, PyObject *args) {
+    long long start;
+    PyObject *stages, *name, *arrays;
+    if (!PyArg_ParseTuple(args, "LO!:bind", &start, &PyDict_Type, &stages)) return NULL;
+    unbind(h);
+    if (PyDict_GET_SIZE(stages) > BOUND_MAX) {
+        PyErr_Format(PyExc_ValueError, "bind: at most %d stages, got %zd", BOUND_MAX, PyDict_GET_SIZE(stages));
+        return NULL;
+    }
+    for (Py_ssize_t pos = 0; PyDict_Next(stages, &pos, &name, &arrays);) {
+        bound_stage *b = &h->bound[h->n_bound];
+        if (!PyUnicode_Check(name) || !PyTuple_Check(arrays) || PyTuple_GET_SIZE(arrays) > 8) {
+            PyErr_SetString(PyExc_TypeError, "bind: stages must map a stage name to a tuple of at most 8 arrays");
+            goto fail;
+        }
+        if ((b->id = stage_id(h, name)) < 0 || (b->k = get_arrays(arrays, b->v)) < 0) goto fail;
+        b->stage = Py_NewRef(name);
+        b->arrays = Py_NewRef(arrays);
+        h->n_bound++;
+    }
+    h->bound_start = start;
+    Py_RETURN_NONE;
+fail:
+    unbind(h);
+    return NULL;
+}
+
+/* mark(stage, layer): hold the event of a bound stage (its arrays as they are now), its dur_ns the time since the last
+ * event was held -- note without taking the arrays' buffers again */
+static PyObject *holder_mark(holder *h, PyObject *const *args, Py_ssize_t nargs) {
+    const int64_t t = now_ns();
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "mark(stage, layer)");
+        return NULL;
+    }
+    const bound_stage *b = NULL;
+    for (int j = 0; j < h->n_bound && !b; j++)   /* the name as bound (a constant: the same object), else equal */
+        if (h->bound[j].stage == args[0]) b = &h->bound[j];
+    for (int j = 0; j < h->n_bound && !b; j++)
+        if (PyUnicode_Check(args[0]) && PyUnicode_Compare(h->bound[j].stage, args[0]) == 0) b = &h->bound[j];
+    if (!b) {
+        PyErr_Format(PyExc_KeyError, "mark: stage %R is not bound", args[0]);
+        return NULL;
+    }
+    const int64_t ly = args[1] == Py_None ? -1 : PyLong_AsLongLong(args[1]), dur = t - h->mark;
+    if (PyErr_Occurred()) return NULL;
+    const int status = hold_bufs(h, b->id, ly, h->bound_start, b->v, b->k, dur);
+    if (status < 0 && refuse(h, b->stage, args[1], h->bound_start, b->arrays, dur, status)) return NULL;
+    h->mark = now_ns();
+    Py_RETURN_NONE;
+}
+
+static PyObject *holder_unbind(holder *h, PyObject *unused) {   /* unbind(): release the stages bound */
+    (void)unused;
+    unbind(h);
+    Py_RETURN_NONE;
+}
+
+/* reset([arena]): forget the events held (a drain took them; their rows, from META_STAGE on, kept to compare the next
+ * batch's with), holding into `arena` from now on if given */
 static PyObject *holder_reset(holder *h, PyObject *args) {
     PyObject *ao = NULL;
     if (!PyArg_ParseTuple(args, "|O:reset", &ao)) return NULL;
@@ -400,7 +511,13 @@ static PyObject *holder_reset(holder *h, PyObject *args) {
         release(&h->arena);
         h->arena = a;
     }
+    const Py_ssize_t width = h->meta.v.shape[1];
+    for (Py_ssize_t e = 0; e < h->n; e++)
+        memcpy(h->last + e * (width - META_STAGE), (const int64_t *)h->meta.v.buf + e * width + META_STAGE,
+               (size_t)(width - META_STAGE) * 8);
+    h->last_n = h->n;
     h->n = h->used = 0;
+    h->differs = 0;
     Py_RETURN_NONE;
 }
 
@@ -423,6 +540,8 @@ static PyObject *holder_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_ValueError, "TraceHolder: meta must be int64 [rows, width >= 7], stats float64 [rows, 3]");
         goto fail;
     }
+    h->last = malloc((size_t)h->meta.v.shape[0] * (size_t)(h->meta.v.shape[1] - META_STAGE) * 8 + 8);
+    if (!h->last) { PyErr_NoMemory(); goto fail; }
     return (PyObject *)h;
 fail:
     Py_DECREF(h);
@@ -432,10 +551,12 @@ fail:
 static int holder_traverse(holder *h, visitproc visit, void *arg) {
     Py_VISIT(h->stage_ids);
     Py_VISIT(h->refused);
+    for (int j = 0; j < h->n_bound; j++) Py_VISIT(h->bound[j].arrays);
     return 0;
 }
 
 static int holder_clear(holder *h) {
+    unbind(h);
     Py_CLEAR(h->stage_ids);
     Py_CLEAR(h->refused);
     return 0;
@@ -445,6 +566,7 @@ static void holder_dealloc(holder *h) {
     PyObject_GC_UnTrack(h);
     holder_clear(h);
     release(&h->arena); release(&h->meta); release(&h->stats);
+    free(h->last);
     Py_TYPE(h)->tp_free((PyObject *)h);
 }
 
@@ -452,12 +574,26 @@ static PyMethodDef holder_methods[] = {
     {"note", (PyCFunction)(void (*)(void))holder_note, METH_FASTCALL,
      "note(stage, layer, start, arrays[, dur]): hold one stage event"},
     {"reset", (PyCFunction)holder_reset, METH_VARARGS, "reset([arena]): forget the events held"},
+    {"bind", (PyCFunction)holder_bind, METH_VARARGS, "bind(start, {stage: arrays}): a pass's stages, for mark"},
+    {"mark", (PyCFunction)(void (*)(void))holder_mark, METH_FASTCALL, "mark(stage, layer): hold a bound stage's event"},
+    {"unbind", (PyCFunction)holder_unbind, METH_NOARGS, "unbind(): release the stages bound"},
     {NULL, NULL, 0, NULL},
+};
+
+static PyObject *holder_repeats(holder *h, void *closure) {
+    (void)closure;
+    return PyBool_FromLong(h->n == h->last_n && !h->differs);
+}
+
+static PyGetSetDef holder_getset[] = {
+    {"repeats", (getter)holder_repeats, NULL, "the rows held are the batch before's (stages, layers, shapes)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
 };
 
 static PyMemberDef holder_members[] = {
     {"n", T_PYSSIZET, offsetof(holder, n), READONLY, "events held"},
     {"used", T_PYSSIZET, offsetof(holder, used), READONLY, "arena bytes held"},
+    {"held_ns", T_LONGLONG, offsetof(holder, held_ns), READONLY, "the durations of every event held, in all"},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -473,10 +609,13 @@ static PyTypeObject holder_type = {
     .tp_clear = (inquiry)holder_clear,
     .tp_methods = holder_methods,
     .tp_members = holder_members,
+    .tp_getset = holder_getset,
 };
 
+static PyTypeObject pending_type;   /* PendingLines, below */
+
 int add_trace_types(PyObject *m) {
-    if (PyType_Ready(&holder_type) < 0) return -1;
+    if (PyType_Ready(&holder_type) < 0 || PyType_Ready(&pending_type) < 0) return -1;
     Py_INCREF(&holder_type);
     if (PyModule_AddObject(m, "TraceHolder", (PyObject *)&holder_type) < 0) { Py_DECREF(&holder_type); return -1; }
     return 0;
@@ -568,28 +707,44 @@ done:
 /* the one-byte fields of a line template */
 enum { FIELD_SEQ = 1, FIELD_TOK, FIELD_START, FIELD_MEAN, FIELD_RMS, FIELD_MAXABS, FIELD_DIGEST, FIELD_DUR };
 
+enum { FIELD_ROOM = 64 };   /* the most bytes one field takes */
+enum { LINE_TAIL = 65 + 9 + 64 + 73 + 3 };   /* the most bytes after a head: prev, hash, mac, '}' and '\n' */
+enum { STEP_LINES = 8 };    /* lines per step of a batch (a few microseconds: a worker stepping it joins a job soon) */
+
+/* A batch's lines, rendered in order a few at a time (lines_step): by the pool's waiting worker between kernel jobs
+ * when posted (trace_lines_post), else by the caller. Line e is its head from the template with its fields filled
+ * in, then prev + '"': its BODY, hashed; then ',"hash":"H"' [',"mac":"HMAC(key, H)"'] '}' and '\n'. The job reads
+ * the template in place (its str is kept alive by whoever holds the job) and owns copies of the rest, so the holder's
+ * rows are free again as soon as it is posted. A template that does not fit is found as its lines are rendered:
+ * the job stops there, and its result is the error. */
 typedef struct {
+    const char *tpl;        /* the template's line heads, each ended by '\0' (not owned) */
+    size_t tlen, at;        /* its length; where the next line's head starts */
+    char *tail;             /* one more line after them (its whole head, no fields), or NULL */
+    size_t tail_len;
+    int64_t rows, next;     /* the template's lines (one per event); the next line to render */
     int64_t seq, tok;
-    const int64_t *meta;      /* start and dur_ns of event e: meta[e * width + META_START], META_DUR */
-    Py_ssize_t width;
-    const double *stats;
-    const uint8_t *digests;   /* NULL: none */
-    const uint8_t *key;       /* NULL: unsigned */
+    int64_t *start_dur;     /* event e's start and dur_ns */
+    double *stats;          /* [rows][3] */
+    uint8_t *digests;       /* [rows][16], or NULL */
+    uint8_t *key;           /* NULL: unsigned */
     size_t klen;
     int ni;
-} line_fields;
-
-enum { FIELD_ROOM = 64 };   /* the most bytes one field takes */
+    char *out;              /* the lines so far */
+    size_t len, cap;
+    const char *error;      /* why the job stopped early, or NULL */
+    char prev[64];          /* the last line's hash (the one before the batch until its first line) */
+} lines_job;
 
 /* one field of event e at o; returns its length */
-static int put_field(int field, const line_fields *f, int64_t e, char *o) {
+static int put_field(int field, const lines_job *j, int64_t e, char *o) {
     switch (field) {
-    case FIELD_SEQ: return fmt_int(f->seq + e, o);
-    case FIELD_TOK: return fmt_int(f->tok, o);
-    case FIELD_START: return fmt_int(f->meta[e * f->width + META_START], o);
-    case FIELD_MEAN: case FIELD_RMS: case FIELD_MAXABS: return fmt_stat(f->stats[3 * e + field - FIELD_MEAN], o);
-    case FIELD_DIGEST: hex_of(f->digests + 16 * e, 16, o); return 32;
-    default: return fmt_us(f->meta[e * f->width + META_DUR], o);
+    case FIELD_SEQ: return fmt_int(j->seq + e, o);
+    case FIELD_TOK: return fmt_int(j->tok, o);
+    case FIELD_START: return fmt_int(j->start_dur[2 * e], o);
+    case FIELD_MEAN: case FIELD_RMS: case FIELD_MAXABS: return fmt_stat(j->stats[3 * e + field - FIELD_MEAN], o);
+    case FIELD_DIGEST: hex_of(j->digests + 16 * e, 16, o); return 32;
+    default: return fmt_us(j->start_dur[2 * e + 1], o);
     }
 }
 
@@ -604,147 +759,127 @@ static const char *next_field(const char *p, const char *end) {
     return p;
 }
 
-/* A batch's lines in three steps: every line's head (its fields filled in) and the sha256 of its whole blocks, on the
- * pool; the chain, in order (each line's hash from there over the rest of its head, prev and '"'); every line
- * written out with its hash (and mac), on the pool. */
-typedef struct {
-    const char *tpl;
-    const size_t *line_at;     /* line e's head: tpl[line_at[e] .. line_at[e + 1] - 1) (its NUL excluded) */
-    const line_fields *f;
-    char *heads;               /* line e's head as written: heads + e * room, head_len[e] bytes */
-    size_t room, *head_len;
-    sha256_ctx *ctx;           /* line e's sha256 after the whole blocks of its head */
-    char *hashes;              /* 64 hex digits per line, after the chain; hashes - 64: the prev of line 0 */
-    char *out;
-    const size_t *out_at;      /* line e from out + out_at[e] */
-} lines_job;
+static int room(lines_job *j, size_t n) {   /* at least n more bytes of out; 0 on no memory */
+    if (j->len + n <= j->cap) return 1;
+    size_t cap = 2 * j->cap > j->len + n ? 2 * j->cap : j->len + n;
+    char *out = realloc(j->out, cap);
+    if (!out) return 0;
+    j->out = out; j->cap = cap;
+    return 1;
+}
 
-static void head_tasks(void *ctx, int64_t e0, int64_t e1) {
-    const lines_job *j = (const lines_job *)ctx;
-    for (int64_t e = e0; e < e1; e++) {
-        const char *p = j->tpl + j->line_at[e], *end = j->tpl + j->line_at[e + 1] - 1;
-        char *o = j->heads + e * j->room;
-        while (p < end) {
-            const char *q = next_field(p, end);
-            memcpy(o, p, (size_t)(q - p));
-            o += q - p;
-            if ((p = q) < end) o += put_field((unsigned char)*p++, j->f, e, o);
+/* line e (its head [p, end), with fields when it is an event's) to out; 0 when it cannot be */
+static int render_line(lines_job *j, int64_t e, const char *p, const char *end, int fields) {
+    const size_t line = j->len;
+    while (p < end) {
+        const char *q = fields ? next_field(p, end) : end;
+        if (!room(j, (size_t)(q - p) + FIELD_ROOM + LINE_TAIL)) { j->error = "out of memory"; return 0; }
+        memcpy(j->out + j->len, p, (size_t)(q - p));
+        j->len += (size_t)(q - p);
+        if ((p = q) < end) {
+            if (*p == FIELD_DIGEST && !j->digests) { j->error = "the template has digests and none were given"; return 0; }
+            j->len += (size_t)put_field((unsigned char)*p++, j, e, j->out + j->len);
         }
-        const size_t n = (size_t)(o - (j->heads + e * j->room));
-        j->head_len[e] = n;
-        sha256_init(&j->ctx[e], j->f->ni);
-        sha256_update(&j->ctx[e], j->heads + e * j->room, n - n % 64);
     }
+    if (!room(j, LINE_TAIL)) { j->error = "out of memory"; return 0; }
+    char *o = j->out + j->len;
+    memcpy(o, j->prev, 64); o += 64;
+    *o++ = '"';
+    uint8_t h[32];
+    sha256(j->out + line, (size_t)(o - (j->out + line)), h, j->ni);
+    hex_of(h, 32, j->prev);
+    memcpy(o, ",\"hash\":\"", 9); o += 9;
+    memcpy(o, j->prev, 64); o += 64;
+    if (j->key) {
+        uint8_t m[32];
+        hmac_sha256(j->key, j->klen, j->prev, 64, m, j->ni);
+        memcpy(o, "\",\"mac\":\"", 9); o += 9;
+        hex_of(m, 32, o); o += 64;
+    }
+    memcpy(o, "\"}\n", 3); o += 3;
+    j->len = (size_t)(o - j->out);
+    return 1;
 }
 
-static void chain(const lines_job *j, int64_t n) {
-    for (int64_t e = 0; e < n; e++) {
-        sha256_ctx c = j->ctx[e];
-        const size_t len = j->head_len[e];
-        uint8_t h[32];
-        sha256_update(&c, j->heads + e * j->room + len - len % 64, len % 64);
-        sha256_update(&c, j->hashes + 64 * (e - 1), 64);
-        sha256_update(&c, "\"", 1);
-        sha256_final(&c, h);
-        hex_of(h, 32, j->hashes + 64 * e);
-    }
-}
+static int lines_done(const lines_job *j) { return j->error || j->next == j->rows + (j->tail != NULL); }
 
-static size_t line_len(size_t head_len, int mac) { return head_len + 65 + 9 + 64 + (mac ? 73 : 0) + 2; }
-
-static void write_tasks(void *ctx, int64_t e0, int64_t e1) {   /* BODY = head + prev + '"', ',"hash":"H"' [...] '}' */
-    const lines_job *j = (const lines_job *)ctx;
-    for (int64_t e = e0; e < e1; e++) {
-        char *o = j->out + j->out_at[e], *hash = j->hashes + 64 * e;
-        if (e) o[-1] = '\n';
-        memcpy(o, j->heads + e * j->room, j->head_len[e]); o += j->head_len[e];
-        memcpy(o, hash - 64, 64); o += 64;
-        memcpy(o, "\",\"hash\":\"", 10); o += 10;
-        memcpy(o, hash, 64); o += 64;
-        if (j->f->key) {
-            uint8_t m[32];
-            hmac_sha256(j->f->key, j->f->klen, hash, 64, m, j->f->ni);
-            memcpy(o, "\",\"mac\":\"", 9); o += 9;
-            hex_of(m, 32, o); o += 64;
+static int lines_step(void *ctx) {   /* idle_fn: the next STEP_LINES lines */
+    lines_job *j = (lines_job *)ctx;
+    for (int k = 0; k < STEP_LINES && !lines_done(j); k++, j->next++) {
+        if (j->next == j->rows) {   /* the tail, once the template is used up */
+            if (j->at != j->tlen) j->error = "the template's lines are more than the events";
+            else render_line(j, j->next, j->tail, j->tail + j->tail_len, 0);
+            continue;
         }
-        memcpy(o, "\"}", 2);
+        const char *p = j->tpl + j->at, *z = memchr(p, '\0', j->tlen - j->at);
+        if (!z) j->error = "the template's lines are fewer than the events";
+        else if (render_line(j, j->next, p, z, 1)) j->at = (size_t)(z + 1 - j->tpl);
     }
+    if (!j->error && !j->tail && j->next == j->rows && j->at != j->tlen)
+        j->error = "the template's lines are more than the events";
+    return lines_done(j);
 }
 
-/* the heads of the template's lines (each ended by '\0') into line_at; the number of lines, -1 if a digest field has
- * no digests */
-static int64_t split_lines(const char *tpl, size_t tlen, int digests, size_t *line_at, int64_t most, size_t *longest) {
-    int64_t e = 0;
-    line_at[0] = 0;
-    *longest = 0;
-    for (const char *p = tpl, *end = tpl + tlen; p < end && e < most;) {
-        const char *z = memchr(p, '\0', (size_t)(end - p));
-        if (!z) break;
-        if (!digests && memchr(p, FIELD_DIGEST, (size_t)(z - p))) return -1;
-        size_t fields = 0;
-        for (const char *q = next_field(p, z); q < z; q = next_field(q + 1, z)) fields++;
-        if ((size_t)(z - p) + fields * FIELD_ROOM > *longest) *longest = (size_t)(z - p) + fields * FIELD_ROOM;
-        line_at[++e] = (size_t)(z + 1 - tpl);
-        p = z + 1;
-    }
-    return line_at[e] == tlen ? e : -1;
+static void lines_free(lines_job *j) {
+    if (!j) return;
+    free(j->tail); free(j->start_dur); free(j->stats); free(j->digests); free(j->key); free(j->out);
+    free(j);
 }
 
-/* the lines of n events, joined by '\n' (no newline after the last); prev becomes the last line's hash */
-static PyObject *render_lines(const char *tpl, size_t tlen, const line_fields *f, int64_t n, char prev[64]) {
-    PyObject *ret = NULL;
-    size_t *line_at = malloc((size_t)(2 * n + 2) * sizeof(size_t)), longest = 0;
-    char *hashes = malloc((size_t)(n + 1) * 64);
-    sha256_ctx *ctx = malloc((size_t)(n ? n : 1) * sizeof(sha256_ctx));
-    char *heads = NULL, *out = NULL;
-    if (!line_at || !hashes || !ctx) { PyErr_NoMemory(); goto done; }
-    if (split_lines(tpl, tlen, f->digests != NULL, line_at, n, &longest) != n) {
-        PyErr_SetString(PyExc_ValueError, "trace_lines: the template's lines are not one per event (or it has digests "
-                        "and none were given)");
-        goto done;
+/* the job of trace_lines' arguments (the template read in place), prev its first line's prev; NULL with a Python
+ * error when they do not fit */
+static lines_job *lines_job_new(const char *tpl, size_t tlen, const char *tail, size_t tail_len, int64_t seq, int64_t tok,
+                                const buf *meta, const buf *stats, const buf *dg, const buf *key, const char *prev) {
+    const int64_t rows = meta->v.shape[0], width = meta->v.shape[1];
+    for (size_t i = 0; tail && i < tail_len; i++)
+        if ((unsigned char)tail[i] <= FIELD_DUR) {
+            PyErr_SetString(PyExc_ValueError, "trace_lines: the tail line has a field or a NUL");
+            return NULL;
+        }
+    lines_job *j = calloc(1, sizeof(lines_job));
+    if (!j) { PyErr_NoMemory(); return NULL; }
+    j->tpl = tpl; j->tlen = tlen; j->rows = rows; j->seq = seq; j->tok = tok; j->ni = use_sha_ni();
+    memcpy(j->prev, prev, 64);
+    j->start_dur = malloc((size_t)(rows ? rows : 1) * 2 * sizeof(int64_t));
+    j->stats = malloc((size_t)(rows ? rows : 1) * 3 * sizeof(double));
+    if (tail) j->tail = malloc(tail_len ? tail_len : 1);
+    if (dg->held) j->digests = malloc((size_t)(rows ? rows : 1) * 16);
+    if (key->held) j->key = malloc((size_t)(key->v.len ? key->v.len : 1));
+    j->cap = tlen + tail_len + (size_t)(rows + 1) * (6 * 24 + 32 + LINE_TAIL);   /* room enough for usual fields */
+    j->out = malloc(j->cap);
+    if (!j->start_dur || !j->stats || (tail && !j->tail) || (dg->held && !j->digests) || (key->held && !j->key) ||
+        !j->out) {
+        lines_free(j);
+        PyErr_NoMemory();
+        return NULL;
     }
-    size_t *head_len = line_at + n + 1;
-    if (!(heads = malloc((size_t)n * longest + 1))) { PyErr_NoMemory(); goto done; }
-    memcpy(hashes, prev, 64);
-    lines_job j = {tpl, line_at, f, heads, longest, head_len, ctx, hashes + 64, NULL, NULL};
-    Py_BEGIN_ALLOW_THREADS
-    pool_run(head_tasks, &j, n, 8);
-    chain(&j, n);
-    Py_END_ALLOW_THREADS
-    size_t total = 0;
-    size_t *out_at = line_at;   /* the template's offsets are no longer needed */
-    for (int64_t e = 0; e < n; e++) {
-        out_at[e] = total;
-        total += line_len(head_len[e], f->key != NULL) + 1;
+    if (tail) { memcpy(j->tail, tail, tail_len); j->tail_len = tail_len; }
+    const int64_t *m = (const int64_t *)meta->v.buf;
+    for (int64_t e = 0; e < rows; e++) {
+        j->start_dur[2 * e] = m[e * width + META_START];
+        j->start_dur[2 * e + 1] = m[e * width + META_DUR];
     }
-    total -= n > 0;
-    if (!(out = malloc(total + 1))) { PyErr_NoMemory(); goto done; }
-    j.out = out; j.out_at = out_at;
-    Py_BEGIN_ALLOW_THREADS
-    pool_run(write_tasks, &j, n, 8);
-    Py_END_ALLOW_THREADS
-    memcpy(prev, hashes + 64 * n, 64);
-    ret = PyUnicode_FromStringAndSize(out, (Py_ssize_t)total);
-done:
-    free(line_at); free(hashes); free(ctx); free(heads); free(out);
-    return ret;
+    memcpy(j->stats, stats->v.buf, (size_t)rows * 24);
+    if (dg->held) memcpy(j->digests, dg->v.buf, (size_t)rows * 16);
+    if (key->held) { memcpy(j->key, key->v.buf, (size_t)key->v.len); j->klen = (size_t)key->v.len; }
+    return j;
 }
 
-/* trace_lines(template, seq, tok, meta, stats, digests, prev, key) -> (lines, last hash): the batch's lines
- * (template: one line head per event, each ended by '\0', with one-byte fields FIELD_*; seq of the first line; meta
- * int64 [n, width], the holder's rows: start and dur_ns in columns META_START, META_DUR; stats float64 [n, 3];
- * digests uint8 [n, 16] or None; prev the hash before the first line; key the HMAC key or None) */
-static PyObject *py_trace_lines(PyObject *self, PyObject *args) {
-    (void)self;
-    const char *tpl, *prev_in;
-    Py_ssize_t tlen, plen;
+/* the arguments of trace_lines (and trace_lines_post): a new job, or NULL with a Python error; *tpl_obj: the template
+ * (a str), which must outlive the job */
+static lines_job *lines_job_of(PyObject *args, const char *fn, PyObject **tpl_obj) {
+    const char *prev_in, *tail = NULL;
+    Py_ssize_t plen, tail_len = 0, tlen;
     long long seq, tok;
     PyObject *mo, *sto, *dobj, *ko;
-    if (!PyArg_ParseTuple(args, "s#LLOOOs#O:trace_lines", &tpl, &tlen, &seq, &tok, &mo, &sto, &dobj, &prev_in, &plen,
-                          &ko))
+    char format[48];
+    snprintf(format, sizeof format, "ULLOOOs#O|z#:%s", fn);
+    if (!PyArg_ParseTuple(args, format, tpl_obj, &seq, &tok, &mo, &sto, &dobj, &prev_in, &plen, &ko, &tail, &tail_len))
         return NULL;
+    const char *tpl = PyUnicode_AsUTF8AndSize(*tpl_obj, &tlen);
+    if (!tpl) return NULL;
     buf meta = {0}, stats = {0}, dg = {0}, key = {0};
-    PyObject *ret = NULL;
+    lines_job *j = NULL;
     if (get_c(mo, "meta", 'q', 8, 0, &meta) || get_c(sto, "stats", 'd', 8, 0, &stats) ||
         (dobj != Py_None && get_c(dobj, "digests", 'B', 1, 0, &dg)))
         goto done;
@@ -752,20 +887,122 @@ static PyObject *py_trace_lines(PyObject *self, PyObject *args) {
     key.held = ko != Py_None;
     if (plen != 64 || meta.v.ndim != 2 || meta.v.shape[1] <= META_DUR || stats.v.len / 24 < meta.v.shape[0] ||
         (dg.held && dg.v.len / 16 < meta.v.shape[0])) {
-        PyErr_SetString(PyExc_ValueError, "trace_lines: prev must be 64 hex digits; meta [n, width], stats, digests "
-                        "one row per event");
+        PyErr_Format(PyExc_ValueError, "%s: prev must be 64 hex digits; meta [n, width], stats, digests one row per "
+                     "event", fn);
         goto done;
     }
-    line_fields f = {seq, tok, (const int64_t *)meta.v.buf, meta.v.shape[1], (const double *)stats.v.buf,
-                     dg.held ? (const uint8_t *)dg.v.buf : NULL, key.held ? (const uint8_t *)key.v.buf : NULL,
-                     key.held ? (size_t)key.v.len : 0, use_sha_ni()};
-    char prev[64];
-    memcpy(prev, prev_in, 64);
-    PyObject *lines = render_lines(tpl, (size_t)tlen, &f, meta.v.shape[0], prev);
-    if (lines) ret = Py_BuildValue("(Ns#)", lines, prev, (Py_ssize_t)64);
+    j = lines_job_new(tpl, (size_t)tlen, tail, (size_t)tail_len, seq, tok, &meta, &stats, &dg, &key, prev_in);
 done:
     release(&meta); release(&stats); release(&dg); release(&key);
+    return j;
+}
+
+static PyObject *lines_result(lines_job *j) {   /* (lines, last hash) of a complete job, or its error */
+    if (j->error) {
+        if (strcmp(j->error, "out of memory") == 0) return PyErr_NoMemory();
+        return PyErr_Format(PyExc_ValueError, "trace_lines: %s", j->error);
+    }
+    PyObject *text = PyUnicode_FromStringAndSize(j->out, (Py_ssize_t)j->len);
+    return text ? Py_BuildValue("(Ns#)", text, j->prev, (Py_ssize_t)64) : NULL;
+}
+
+/* trace_lines(template, seq, tok, meta, stats, digests, prev, key[, tail]) -> (lines, last hash): the batch's lines,
+ * each ended by '\n' (template: one line head per event, each ended by '\0', with one-byte fields FIELD_*; seq of the
+ * first line; meta int64 [n, width], the holder's rows: start and dur_ns in columns META_START, META_DUR; stats
+ * float64 [n, 3]; digests uint8 [n, 16] or None; prev the hash before the first line; key the HMAC key or None;
+ * tail: one more line after them, its head given whole) */
+static PyObject *py_trace_lines(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *tpl;
+    lines_job *j = lines_job_of(args, "trace_lines", &tpl);
+    if (!j) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    while (!lines_step(j)) {}
+    Py_END_ALLOW_THREADS
+    PyObject *ret = lines_result(j);
+    lines_free(j);
     return ret;
+}
+
+/* PendingLines: a batch posted to the pool's idle work; result() completes it (on this thread, what is left) */
+typedef struct {
+    PyObject_HEAD
+    lines_job *job;
+    PyObject *template;   /* the str the job reads */
+} pending;
+
+static void pending_finish(pending *p) {
+    Py_BEGIN_ALLOW_THREADS
+    pool_idle_finish(p->job);
+    while (!lines_step(p->job)) {}   /* a job finished by an earlier post's caller: nothing left */
+    Py_END_ALLOW_THREADS
+}
+
+/* result(text=True) -> (lines, last hash): the lines as a str, or (text False) this object, a bytes-like view of them
+ * in UTF-8 (written as they are, not copied) */
+static PyObject *pending_result(pending *p, PyObject *args) {
+    int text = 1;
+    if (!PyArg_ParseTuple(args, "|p:result", &text)) return NULL;
+    pending_finish(p);
+    if (text || p->job->error) return lines_result(p->job);
+    return Py_BuildValue("(Os#)", (PyObject *)p, p->job->prev, (Py_ssize_t)64);
+}
+
+static int pending_getbuffer(pending *p, Py_buffer *view, int flags) {
+    pending_finish(p);
+    if (p->job->error) {
+        PyErr_Format(PyExc_ValueError, "trace_lines: %s", p->job->error);
+        view->obj = NULL;
+        return -1;
+    }
+    return PyBuffer_FillInfo(view, (PyObject *)p, p->job->out, (Py_ssize_t)p->job->len, 1, flags);
+}
+
+static PyBufferProcs pending_as_buffer = {.bf_getbuffer = (getbufferproc)pending_getbuffer};
+
+static void pending_dealloc(pending *p) {
+    if (p->job) {
+        Py_BEGIN_ALLOW_THREADS
+        pool_idle_finish(p->job);   /* no worker reads it any more */
+        Py_END_ALLOW_THREADS
+        lines_free(p->job);
+    }
+    Py_XDECREF(p->template);
+    Py_TYPE(p)->tp_free((PyObject *)p);
+}
+
+static PyMethodDef pending_methods[] = {
+    {"result", (PyCFunction)pending_result, METH_VARARGS,
+     "result(text=True) -> (lines, last hash), once they are all rendered: lines a str, or this bytes-like object"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject pending_type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "tracelm.kernels._core.PendingLines",
+    .tp_basicsize = sizeof(pending),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "a batch of trace lines being rendered on the pool's idle worker (trace_lines_post)",
+    .tp_dealloc = (destructor)pending_dealloc,
+    .tp_methods = pending_methods,
+    .tp_as_buffer = &pending_as_buffer,
+};
+
+/* trace_lines_post(the arguments of trace_lines) -> PendingLines: the same lines, rendered by the pool's worker while
+ * it waits between kernel jobs (posting finishes any batch posted before, on this thread) */
+static PyObject *py_trace_lines_post(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *tpl;
+    lines_job *j = lines_job_of(args, "trace_lines_post", &tpl);
+    if (!j) return NULL;
+    pending *p = PyObject_New(pending, &pending_type);
+    if (!p) { lines_free(j); return NULL; }
+    p->job = j;
+    p->template = Py_NewRef(tpl);
+    Py_BEGIN_ALLOW_THREADS
+    pool_idle_post(lines_step, j);
+    Py_END_ALLOW_THREADS
+    return (PyObject *)p;
 }
 
 /* ---- for the tests: the pieces alone ---- */
@@ -806,7 +1043,10 @@ PyMethodDef trace_methods[] = {
     {"trace_stats", py_trace_stats, METH_VARARGS,
      "trace_stats(arena, offsets, stats, digests): per event mean, rms, max|x| (and sha256-128)"},
     {"trace_lines", py_trace_lines, METH_VARARGS,
-     "trace_lines(template, seq, tok, meta, stats, digests, prev, key) -> (lines, last hash)"},
+     "trace_lines(template, seq, tok, meta, stats, digests, prev, key[, tail]) -> (lines, last hash)"},
+    {"trace_lines_post", py_trace_lines_post, METH_VARARGS,
+     "trace_lines_post(template, seq, tok, meta, stats, digests, prev, key[, tail]) -> PendingLines: rendered on "
+     "the pool's idle worker; .result() -> (lines, last hash)"},
     {"trace_sha256", py_trace_sha256, METH_VARARGS, "trace_sha256(data, ni): sha256 (plain C or SHA-NI)"},
     {"trace_hmac", py_trace_hmac, METH_VARARGS, "trace_hmac(key, msg, ni): HMAC-SHA256"},
     {"trace_format", py_trace_format, METH_VARARGS, "trace_format(x, ns): (_num(x), '%.1f' % (ns / 1000))"},

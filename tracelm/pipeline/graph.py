@@ -144,9 +144,9 @@ def forward_batch(cfg: ModelConfig, w: ModelWeights, parts: Sequence[Part], all_
     r = route(w)
     per_layer = layer_tables(cfg, batch, r.spans)
     h = batch.call("embed", None, embed, w.token_embd, batch.stack(ids), batch.starts[0], cfg.embd_scale)
-    note = layer_note(parts)
-    if r is KERNELS and note is not None:
-        h = Hidden(fused_layers(cfg, w, batch, per_layer, h.x.copy(), note or None), h.start)
+    tracer = layer_note(parts)
+    if r is KERNELS and tracer is not None:
+        h = Hidden(fused_layers(cfg, w, batch, per_layer, h.x.copy(), tracer or None), h.start)
     else:
         h = staged_layers(cfg, w, batch, per_layer, r, h)
     if not all_logits:
@@ -158,15 +158,15 @@ def forward_batch(cfg: ModelConfig, w: ModelWeights, parts: Sequence[Part], all_
     return batch.split(logits)
 
 
-def layer_note(parts: Sequence[Part]) -> Callable[..., None] | bool | None:
+def layer_note(parts: Sequence[Part]) -> Tracer | bool | None:
     """Whether a pass on the kernels may run its layers fused: False, yes, untraced (every hook a plain call); a
-    Tracer's `note`, yes, traced (one sequence whose hook is a Tracer's call: it reads each stage's output as the fused
-    pass computes it, the same bits the stage gives); None, no: stage by stage (any other hook, or several traced
+    Tracer, yes, traced (one sequence whose hook is a Tracer's call: it reads each stage's output as the fused pass
+    computes it, the same bits the stage gives); None, no: stage by stage (any other hook, or several traced
     sequences, whose tracers each get their own rows)."""
     if all(p.call is plain_call for p in parts):
         return False
     tracer = getattr(parts[0].call, "__self__", None)
-    return tracer.note if len(parts) == 1 and isinstance(tracer, Tracer) else None
+    return tracer if len(parts) == 1 and isinstance(tracer, Tracer) else None
 
 
 def staged_layers(cfg: ModelConfig, w: ModelWeights, batch: Batch, per_layer: list, r: Route, h: Hidden) -> Hidden:
@@ -195,12 +195,13 @@ def staged_layers(cfg: ModelConfig, w: ModelWeights, batch: Batch, per_layer: li
 
 
 def fused_layers(cfg: ModelConfig, w: ModelWeights, batch: Batch, per_layer: list, h: np.ndarray,
-                 note: Callable[..., None] | None = None) -> np.ndarray:
+                 tracer: Tracer | None = None) -> np.ndarray:
     """The layers of a pass on the kernels: the KERNELS route's kernel calls, in its order, on the same
     numbers -- so the same bits (a test holds it) -- straight into the Cache's reused buffers, with no stage
     records or hooks between them (a decode step of a small model is otherwise mostly Python). The residual
-    stream h [T, d] is updated in place. `note` (a traced pass of one sequence: Tracer.note) is handed each stage's
-    output arrays as the stage would return them, as soon as they are complete."""
+    stream h [T, d] is updated in place. `tracer` (a traced pass of one sequence) is given each stage's output arrays
+    as the stage would return them, once (Tracer.bind: buffers rewritten in place, the same at every layer), and
+    `note` holds a stage's event as soon as its output is complete."""
     cache, (T, d), start = batch.parts[0].cache, h.shape, batch.starts[0]
     eps, hd, H, Hkv = cfg.rms_eps, cfg.head_dim, cfg.n_head, cfg.n_head_kv
     q_dim, kv_dim, n_ff = H * hd, Hkv * hd, w.layers[0].w_down.shape[1]
@@ -212,38 +213,44 @@ def fused_layers(cfg: ModelConfig, w: ModelWeights, batch: Batch, per_layer: lis
     act = compiled.ACTIVATIONS[cfg.ffn_act]
     q = qkv_out[:, :q_dim].reshape(T, H, hd)
     k, v = (qkv_out[:, q_dim + j * kv_dim : q_dim + (j + 1) * kv_dim].reshape(T, Hkv, hd) for j in (0, 1))
+    post = cfg.post_norms
+    note = tracer and tracer.bind(start, {"attn_norm": (x,), "qkv": (q, k, v), "qk_norm": (q, k, v),
+                                          "rope": (q, k, v), "attend": (a,), "out_proj": (o,) if post else (h,),
+                                          "post_attn_norm": (h,), "ffn_norm": (x,), "ffn": (o,) if post else (h,),
+                                          "post_ffn_norm": (h,)})
     for i, lw in enumerate(w.layers):
         cos, sin, windows = per_layer[i]
         kernels.rms_norm(h, lw.attn_norm, eps, out=x)
-        note and note("attn_norm", i, start, (x,))
+        note and note("attn_norm", i)
         linear_into(x, lw.wqkv, qkv_out, scratch)
         if lw.bqkv is not None:
             qkv_out += lw.bqkv
-        note and note("qkv", i, start, (q, k, v))
+        note and note("qkv", i)
         if cfg.qk_norm:
             kernels.rms_norm(q, lw.q_norm, eps, out=q)
             kernels.rms_norm(k, lw.k_norm, eps, out=k)
-            note and note("qk_norm", i, start, (q, k, v))
+            note and note("qk_norm", i)
         kernels.rope(q, cos, sin, cfg.rope_mode, out=q)
         kernels.rope(k, cos, sin, cfg.rope_mode, out=k)
-        note and note("rope", i, start, (q, k, v))
+        note and note("rope", i)
         for p, lo_row, hi_row, start, (lo, spans) in zip(batch.parts, batch.bounds, batch.bounds[1:], batch.starts,
                                                          windows, strict=False):
             p.cache.write(i, start, *stored(p.cache, k[lo_row:hi_row], v[lo_row:hi_row], KERNELS))
             keys, values = p.cache.keys_values(i, start + hi_row - lo_row, lo)
             kernels.attend(q[lo_row:hi_row], keys, values, spans, cfg.scale, out=a[lo_row:hi_row])
-        note and note("attend", i, start, (a,))
+        note and note("attend", i)
         linear_into(a, lw.wo, o, scratch)
-        note and cfg.post_norms and note("out_proj", i, start, (o,))
+        note and cfg.post_norms and note("out_proj", i)
         residual_add(o, h, lw.post_attn_norm if cfg.post_norms else None, eps)
-        note and note("post_attn_norm" if cfg.post_norms else "out_proj", i, start, (h,))
+        note and note("post_attn_norm" if cfg.post_norms else "out_proj", i)
         kernels.rms_norm(h, lw.ffn_norm, eps, out=x)
-        note and note("ffn_norm", i, start, (x,))
+        note and note("ffn_norm", i)
         linear_into(x, lw.w_gate_up, gate_up, scratch)
         linear_into(act(gate_up, n_ff, out=ff), lw.w_down, o, scratch)
-        note and cfg.post_norms and note("ffn", i, start, (o,))
+        note and cfg.post_norms and note("ffn", i)
         residual_add(o, h, lw.post_ffn_norm if cfg.post_norms else None, eps)
-        note and note("post_ffn_norm" if cfg.post_norms else "ffn", i, start, (h,))
+        note and note("post_ffn_norm" if cfg.post_norms else "ffn", i)
+    tracer and tracer.unbind()
     return h
 
 

@@ -300,7 +300,10 @@ class Generation:
         return ""
 
     def close(self) -> str:
-        """Finish: keep the Cache holding only chosen tokens; return the text held back until now."""
+        """Finish: keep the Cache holding only chosen tokens, the trace every event of the call written; return the
+        text held back until now."""
+        if self.tracer is not None:  # the last token's lines (a token's are written at the next event or flush)
+            self.tracer.flush()
         if self.guesses:
             self.runner.cache.truncate(self.runner.cache.n_past - len(self.guesses))
             self.guesses = []

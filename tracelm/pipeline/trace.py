@@ -17,15 +17,17 @@ The format is described in docs/trace.md (format "tracelm-trace", version 4). In
 Levels: "off" (no events), "summary" (statistics, no digests), "digest" (also a sha256-128 digest of the
 output bytes, so two runs can be compared bit for bit).
 
-The hot path (`Tracer.call`, or `Tracer.note` for a pass through graph.fused_layers, whose outputs are buffers the
-next stage overwrites) is one call to the kernels' TraceHolder per stage event: it times the stage, computes the
-output's statistics while its bytes are in cache (numpy's reduceat order, so `_batch_stats` below gives the same bits)
-and, at level digest, copies its float32 bytes into an arena (4 * BATCH_ELEMENTS bytes), with its start, duration,
-stage, layer and shapes in a meta row. Everything else runs in batches -- at each token event, at flush, or when the
-arena is full -- through one structlog call per batch, in the trace kernels (tracelm/kernels/trace_stats.c): every
-event's digest over the pool, then the lines from a template cached per sequence of stages and shapes
-(`_stage_head`), each closed, hashed and signed as `_chain` does. An output that is not float32 has its statistics
-and digest computed by `_batch_stats` and `digest` when it is held.
+The hot path (`Tracer.call`, or for a pass through graph.fused_layers, whose outputs are buffers the next stage
+overwrites, the `note` that `Tracer.bind` returns, those buffers bound once per pass) is one call to the kernels'
+TraceHolder per stage event: it times the stage, computes the output's statistics while its bytes are in cache
+(numpy's reduceat order, so `_batch_stats` below gives the same bits) and, at level digest, copies its float32 bytes
+into an arena (4 * BATCH_ELEMENTS bytes), with its start, duration, stage, layer and shapes in a meta row. Everything
+else runs in batches -- at each token event, at flush, or when the arena is full -- in the trace kernels
+(tracelm/kernels/trace_stats.c): every event's digest over the pool, then the lines (the token's own last) from a
+template cached per sequence of stages and shapes (`_stage_head`), each closed, hashed and signed as `_chain` does,
+rendered by the pool's worker while it waits between the next pass's kernel jobs, and written through one structlog
+call per batch at the next event or flush (a token's lines reach the stream one token late). An output that is not
+float32 has its statistics and digest computed by `_batch_stats` and `digest` when it is held.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
+import io
 import json
 import os
 import platform
@@ -48,7 +51,7 @@ import attrs
 import numpy as np
 import structlog
 
-from tracelm.kernels import TraceHolder, trace_lines, trace_stats
+from tracelm.kernels import TraceHolder, trace_lines_post, trace_stats
 from tracelm.state.records import Hidden
 
 LEVELS = ("off", "summary", "digest")
@@ -230,14 +233,15 @@ def trace_signer(path: str | None) -> Any:
 
 
 class Tracer:
-    """Times stage calls and writes the trace's JSON lines to `stream` (see the module docstring).
+    """Times stage calls and writes the trace's JSON lines to `stream`, a text stream or a binary one (UTF-8; a file
+    opened "wb" is written the kernels' lines without a copy) (see the module docstring).
 
     `key`: HMAC key bytes; when given every line carries a `mac`. `signer`: an Ed25519 private key; when given the
     footer carries a `sig` over its chain hash. `seq` and `prev` continue a chain (a fresh trace starts at 0 and
     GENESIS).
     """
 
-    def __init__(self, stream: IO[str], level: str = "digest", key: bytes | None = None, signer: Any = None):
+    def __init__(self, stream: IO[Any], level: str = "digest", key: bytes | None = None, signer: Any = None):
         if level not in LEVELS[1:]:
             raise ValueError(f"trace level must be 'summary' or 'digest', not {level!r}")
         self.level = level
@@ -247,7 +251,7 @@ class Tracer:
         self.prev = GENESIS
         self.n_tokens = 0  # token events so far: the index of the token the next forward pass computes
         self.counts: dict[str, int] = {}
-        self.stage_ns = 0  # total duration of the stage calls
+        self.stage_ns = 0  # total duration of the stage calls drained
         self._digest = level == "digest"
         # the stage events held (TraceHolder, in the kernels): event i's row of _meta is its arena end, start, dur_ns,
         # stage id (_stage_ids), layer (-1: None) and shapes (shapes_row in trace_stats.c), _stats[i] its mean, rms
@@ -264,12 +268,15 @@ class Tracer:
         # last event was held
         self.note = self._holder.note
         self._templates: dict[tuple[Any, ...], str] = {}
-        self._last_template: tuple[Any, str] = ((), "")  # the last batch's key and template
+        self._last_template: tuple[Any, str] = ((b"", ()), "")  # the last batch's key (rows, other outputs), template
         self._stream = stream
         self.written = (0, GENESIS)  # seq and prev after the last line written: where an interrupted chain resumes
-        self._batch = ("", 0)  # the kind and number of the lines being rendered, counted once written
+        self._batch: dict[str, int] = {}  # lines per kind of the batch being written, counted once written
+        # a batch posted to the kernels' idle worker (a token's stage events and its line), written when settled
+        self._pending: Any = None
         # bound once: wrap_logger's lazy proxy binds a new logger at every call (two a token)
-        self._log = structlog.wrap_logger(_LineWriter(self, stream), processors=[self._render],
+        self._writer = _LineWriter(self, stream)
+        self._log = structlog.wrap_logger(self._writer, processors=[self._render],
                                           context_class=dict).bind()
 
     # -- the hot path -------------------------------------------------------------------------------
@@ -279,6 +286,16 @@ class Tracer:
         dur = time.perf_counter_ns() - t0
         self.note(stage, layer, getattr(out, "start", -1), output_arrays(out), dur)
         return out
+
+    def bind(self, start: int, stages: dict[str, tuple[np.ndarray, ...]]) -> Callable[[str, int | None], None]:
+        """For a pass through graph.fused_layers: each stage's output arrays (buffers the pass rewrites in place, the
+        same at every layer), their buffers taken once; the function returned, note(stage, layer), holds a stage's
+        event as `note` does, its outputs starting at position `start`. Until unbind (or the next bind)."""
+        self._holder.bind(start, stages)
+        return self._holder.mark
+
+    def unbind(self) -> None:
+        self._holder.unbind()
 
     def _hold_other(self, stage: str, layer: int | None, start: int, arrays: tuple[np.ndarray, ...], dur: int,
                     status: int) -> None:
@@ -300,53 +317,68 @@ class Tracer:
 
     # -- events -------------------------------------------------------------------------------------
     def event(self, kind: str, **fields: Any) -> None:
-        """One non-stage event (header, generate, token, footer), after any pending stage events."""
-        self._drain()
+        """One non-stage event (header, generate, token, footer), after any pending stage events. A token's line is
+        rendered with the stage events before it, while the next pass runs, and written at the next event or flush."""
         if kind == "token":
-            fields = {"tok": self.n_tokens, **fields}
-        self._log.msg(kind, **fields)
-        if kind == "token":
+            self._drain({"tok": self.n_tokens, **fields})
             self.n_tokens += 1
+            return
+        self._drain()
+        self._settle()
+        self._log.msg(kind, **fields)
 
     def flush(self) -> None:
         self._drain()
+        self._settle()
         self._stream.flush()
 
     def close(self) -> None:
         """After the last flush: let go of the holder and the logger. Both call back into the Tracer (a reference
         cycle), so without this its arena (4 MiB) and tables would wait for Python's cycle collector."""
-        self._holder = self.note = self._log = None
+        self._holder = self.note = self._log = self._writer = self._pending = None
 
     def _commit(self) -> None:
         """A rendered batch is written: count its lines and move the resume point past them."""
-        kind, n = self._batch
-        self.counts[kind] = self.counts.get(kind, 0) + n
+        for kind, n in self._batch.items():
+            self.counts[kind] = self.counts.get(kind, 0) + n
         self.written = (self.seq, self.prev)
 
     def resync(self) -> None:
         """After an interruption (KeyboardInterrupt at any point): continue the chain from the last line written,
-        forgetting any batch rendered but not written. Stage events still held are written by the next flush."""
+        forgetting any batch rendered but not written. Stage events still held, and a batch posted (it follows the
+        last line written), are written by the next flush."""
         self.seq, self.prev = self.written
 
-    def _drain(self) -> None:
-        """Render the stage events held in one batch."""
-        n, arena = self._holder.n, self._arena
+    def _drain(self, token: dict[str, Any] | None = None) -> None:
+        """Post the stage events held (and `token`'s line after them) as one batch, once the batch before is
+        written."""
+        self._settle()
+        n, repeats, arena = self._holder.n, self._holder.repeats, self._arena  # before the reset
+        self.stage_ns = self._holder.held_ns
         own, self._own = self._own, {}
         if len(arena) > ARENA_BYTES:  # the larger arena of one large output is not kept
             self._arena = bytearray(ARENA_BYTES)
             self._holder.reset(self._arena)
         self._holder.reset()
-        if n:
-            self._log.msg("stages", n=n, held=(arena, own))
+        if n or token is not None:
+            self._pending = self._post(n, repeats, arena, own, token)
+
+    def _settle(self) -> None:
+        """Write the batch posted, if any (its lines rendered by now, or finished here)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._log.msg("batch", pending=pending)
 
     # -- rendering and chaining (structlog processor) -------------------------------------------------
     def _render(self, _logger: Any, _name: str, event: dict[str, Any]) -> str:
-        if event.get("event") == "stages" and "held" in event:
-            self._batch = ("stage", event["n"])
-            return self._stage_lines(event["n"], *event["held"])
-        self._batch = (event["event"], 1)
+        if event.get("event") == "batch" and "pending" in event:
+            lines, self._batch = event["pending"]
+            text, self.prev = lines.result(not self._writer.binary)
+            self.seq += sum(self._batch.values())
+            return text if type(text) is str else ((text,), {})  # structlog's (args, kwargs) for the writer
+        self._batch = {event["event"]: 1}
         body = {"seq": self.seq, "event": event.pop("event"), **event, "prev": self.prev}
-        line = json.dumps(body, ensure_ascii=False, separators=(",", ":"), default=_jsonable)[:-1]
+        line = _JSON.encode(body)[:-1]
         return self._chain(line, sign=body["event"] == "footer")
 
     def _chain(self, body: str, sign: bool = False) -> str:
@@ -363,12 +395,15 @@ class Tracer:
             tail += f',"sig":"{ed25519_sign(self.signer, h)}"'
         return body + tail + "}"
 
-    def _stage_lines(self, n: int, arena: bytearray, own: dict[int, tuple[Any, ...]]) -> str:
-        """Render, chain and sign the n stage events held (~200 per decoded token, so kept lean), in the trace
-        kernels: event i's row of _meta and _stats (see __init__), its float32 bytes (level digest) in `arena` from
-        the previous event's end; `own` holds the statistics, digests, dtypes and shapes of any other output. The
-        template of the lines is cached per sequence of stages, layers and shapes, which repeats every decode step;
-        trace_lines fills in each line's numbers, then closes and hashes each line in turn."""
+    def _post(self, n: int, repeats: bool, arena: bytearray, own: dict[int, tuple[Any, ...]],
+              token: dict[str, Any] | None) -> tuple[Any, dict[str, int]]:
+        """Post the n stage events held (~200 per decoded token, so kept lean) and `token`'s line after them to the
+        trace kernels, which render, chain and sign them on the pool's otherwise idle worker while the next pass
+        runs: event i's row of _meta and _stats (see __init__), its float32 bytes (level digest) in `arena` from the
+        previous event's end (their digests taken here, before the arena is reused); `own` holds the statistics,
+        digests, dtypes and shapes of any other output. The template of the lines is cached per sequence of stages,
+        layers and shapes, which repeats every decode step; trace_lines fills in each line's numbers, then closes and
+        hashes each line in turn. Returns the pending lines and their count per kind."""
         meta, stats = self._meta[:n], self._stats[:n]
         digests = None
         if self._digest:
@@ -380,19 +415,20 @@ class Tracer:
             stats[i] = mean, rms, maxabs
             if digests is not None:
                 digests[i] = np.frombuffer(d, np.uint8)
-        key = (meta[:, 3:].tobytes(), tuple((i, o[4:]) for i, o in own.items()))
-        if key != self._last_template[0]:  # a decode step's batch is the last one's: compared, not hashed (~35 kB)
+        # a decode step's batch is the last one's (`repeats`: the holder compared their rows as it held them)
+        repeats = repeats and not own and not self._last_template[0][1]
+        key = () if repeats else (meta[:, 3:].tobytes(), tuple((i, o[4:]) for i, o in own.items()))
+        if not repeats and key != self._last_template[0]:
             template = self._templates.get(key)
             if template is None:
                 if len(self._templates) >= 256:  # prefill batches rarely repeat: keep the cache bounded
                     self._templates.clear()
                 template = self._templates[key] = self._template(meta, own)
             self._last_template = (key, template)
-        template = self._last_template[1]
-        text, prev = trace_lines(template, self.seq, self.n_tokens, meta, stats, digests, self.prev, self.key)
-        self.stage_ns += int(meta[:, 2].sum())
-        self.seq, self.prev = self.seq + n, prev
-        return text
+        tail = None if token is None else _line_head({"seq": self.seq + n, "event": "token", **token})
+        lines = trace_lines_post(self._last_template[1], self.seq, self.n_tokens, meta, stats, digests, self.prev,
+                                 self.key, tail)
+        return lines, {"stage": n, **({"token": 1} if token is not None else {})}
 
     def _template(self, meta: np.ndarray, own: dict[int, tuple[Any, ...]]) -> str:
         """trace_lines' template of a batch: each event's line head (LINE_FIELDS for its numbers), ended by NUL."""
@@ -405,13 +441,19 @@ class Tracer:
 
 
 class _LineWriter:
-    """The Tracer's structlog logger: writes and flushes each rendered batch of lines, then commits it."""
+    """The Tracer's structlog logger: writes and flushes each rendered batch of lines, then commits it. To a binary
+    stream (a file opened "wb") a line goes as UTF-8, and a batch's lines as the kernels wrote them (not copied)."""
 
-    def __init__(self, tracer: Tracer, stream: IO[str]):
+    def __init__(self, tracer: Tracer, stream: IO[Any]):
         self._tracer, self._stream = tracer, stream
+        self.binary = isinstance(stream, io.BufferedIOBase | io.RawIOBase)
 
-    def msg(self, message: str) -> None:
-        self._stream.write(message + "\n")
+    def msg(self, message: Any) -> None:
+        if type(message) is str:
+            line = message if message.endswith("\n") else message + "\n"  # a batch's lines end with theirs
+            self._stream.write(line.encode("utf-8") if self.binary else line)
+        else:
+            self._stream.write(message)  # a batch's lines (bytes-like) to a binary stream
         self._stream.flush()
         self._tracer._commit()
 
@@ -445,6 +487,11 @@ def _stage_head(stage: str, layer: int | None, shapes: tuple[tuple[int, ...], ..
             f'"maxabs":{maxabs}' + ("" if dig is None else f',"digest":"{dig}"') + f',"dur_us":{dur},"prev":"')
 
 
+def _line_head(body: dict[str, Any]) -> str:
+    """An event's line up to its `prev` value, as _render writes it (trace_lines' tail: a line without fields)."""
+    return _JSON.encode({**body, "prev": ""})[:-2]
+
+
 def _jsonable(x: Any) -> Any:
     if isinstance(x, np.generic):
         return x.item()
@@ -457,6 +504,9 @@ def _jsonable(x: Any) -> Any:
     if isinstance(x, tuple | set | frozenset):
         return list(x)
     return str(x)
+
+
+_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), default=_jsonable)  # a line's json.dumps
 
 
 def write_header(tracer: Tracer, run_config: Any, model: Any, prompt_ids: list[int], continues: str | None = None

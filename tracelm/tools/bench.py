@@ -250,7 +250,7 @@ def _trace_overhead(session: Session, n_decode: int, repeats: int, n_prompt: int
     steps: dict[str, list[float]] = {lv: [] for lv in levels}
     cpu: dict[str, list[float]] = {lv: [] for lv in levels}
     runs: list[dict[str, float]] = []  # each run's median ms per token per level
-    with open(os.devnull, "w", encoding="utf-8") as sink:
+    with open(os.devnull, "wb") as sink:  # as open_trace opens a trace file
         for _ in range(repeats):
             tracers = {lv: Tracer(sink, lv) if lv != "off" else None for lv in levels}
             runners = {lv: session.new_runner(n_prompt + n_decode + 1) for lv in levels}
