@@ -17,12 +17,12 @@ import attrs
 import numpy as np
 import pytest
 
+import tracelm.server.queue as engine_queue
 from tracelm import TracelmError
 from tracelm.io.loader import load_model
 from tracelm.pipeline.graph import Part, forward, forward_batch, new_cache
 from tracelm.pipeline.runner import Runner
 from tracelm.pipeline.trace import Tracer, is_timing_field
-import tracelm.server.queue as engine_queue
 from tracelm.server.queue import Engine, Job, QueueFull
 from tracelm.session import Session
 from tracelm.state.records import SamplingParams
