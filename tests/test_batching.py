@@ -19,6 +19,7 @@ import attrs
 import numpy as np
 import pytest
 
+import tracelm.server.queue as engine_queue
 from tracelm import TracelmError
 from tracelm.io.loader import load_model
 from tracelm.pipeline.graph import Part, forward, forward_batch, new_cache
@@ -200,6 +201,22 @@ def test_concurrent_requests_get_their_lone_text(tiny_gguf, tiny) -> None:
     c = engine.counters
     assert c.served == 4 and c.failed == 0
     assert c.peak_batch == 4 and c.passes < sum(r["done"]["completion_tokens"] for r in results)  # they shared
+
+
+def test_a_step_posts_its_events_together_in_order(tiny_gguf, tiny, monkeypatch) -> None:
+    """Every piece and end of a step reaches its request through one post_all per step (one wake-up of the event
+    loop, not one per token), each request's events still in order: its lone text, then done."""
+    batches: list[list] = []
+    post_all = engine_queue.post_all
+    monkeypatch.setattr(engine_queue, "post_all", lambda events: (batches.append(list(events)), post_all(events)))
+    engine = Engine(Session(tiny, engine_config(tiny_gguf)))
+    results = run_jobs(engine, SPECS)
+    for spec, got in zip(SPECS, results, strict=True):
+        assert got["text"] == lone_text(tiny, spec)[0]
+    kinds = [event[0] for events in batches for _job, event in events]
+    assert kinds.count("done") == len(SPECS) and kinds.count("piece") == sum(len(r["pieces"]) for r in results)
+    assert max(len({job.request_id for job, _event in events}) for events in batches) > 1  # several in one post
+    assert len(batches) <= engine.counters.passes + len(SPECS)
 
 
 def test_stop_strings_and_joining_later(tiny_gguf, tiny) -> None:

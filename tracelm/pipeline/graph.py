@@ -210,7 +210,7 @@ def fused_layers(cfg: ModelConfig, w: ModelWeights, batch: Batch, per_layer: lis
     gate_up, ff = cache.buffer("gate_up", (T, 2 * n_ff)), cache.buffer("ffn", (T, n_ff))
     scratch = cache.buffer("scratch", (max(kernel_scratch_bytes(T, m) for m in (w.layers[0].wqkv,
                             w.layers[0].w_gate_up, w.layers[0].w_down)),), np.uint8)
-    act = compiled.ACTIVATIONS[cfg.ffn_act]
+    act, scale = compiled.ACTIVATIONS[cfg.ffn_act], cfg.scale
     q = qkv_out[:, :q_dim].reshape(T, H, hd)
     k, v = (qkv_out[:, q_dim + j * kv_dim : q_dim + (j + 1) * kv_dim].reshape(T, Hkv, hd) for j in (0, 1))
     post = cfg.post_norms
@@ -218,6 +218,7 @@ def fused_layers(cfg: ModelConfig, w: ModelWeights, batch: Batch, per_layer: lis
                                           "rope": (q, k, v), "attend": (a,), "out_proj": (o,) if post else (h,),
                                           "post_attn_norm": (h,), "ffn_norm": (x,), "ffn": (o,) if post else (h,),
                                           "post_ffn_norm": (h,)})
+    rows = part_rows(batch, q, k, v, a)
     for i, lw in enumerate(w.layers):
         cos, sin, windows = per_layer[i]
         kernels.rms_norm(h, lw.attn_norm, eps, out=x)
@@ -233,11 +234,10 @@ def fused_layers(cfg: ModelConfig, w: ModelWeights, batch: Batch, per_layer: lis
         kernels.rope(q, cos, sin, cfg.rope_mode, out=q)
         kernels.rope(k, cos, sin, cfg.rope_mode, out=k)
         note and note("rope", i)
-        for p, lo_row, hi_row, start, (lo, spans) in zip(batch.parts, batch.bounds, batch.bounds[1:], batch.starts,
-                                                         windows, strict=False):
-            p.cache.write(i, start, *stored(p.cache, k[lo_row:hi_row], v[lo_row:hi_row], KERNELS))
-            keys, values = p.cache.keys_values(i, start + hi_row - lo_row, lo)
-            kernels.attend(q[lo_row:hi_row], keys, values, spans, cfg.scale, out=a[lo_row:hi_row])
+        for (c, first, end, q_p, k_p, v_p, a_p), (lo, spans) in zip(rows, windows, strict=True):
+            c.write(i, first, *stored(c, k_p, v_p, KERNELS))
+            keys, values = c.keys_values(i, end, lo)
+            kernels.attend(q_p, keys, values, spans, scale, out=a_p)
         note and note("attend", i)
         linear_into(a, lw.wo, o, scratch)
         note and cfg.post_norms and note("out_proj", i)
@@ -252,6 +252,13 @@ def fused_layers(cfg: ModelConfig, w: ModelWeights, batch: Batch, per_layer: lis
         note and note("post_ffn_norm" if cfg.post_norms else "ffn", i)
     tracer and tracer.unbind()
     return h
+
+
+def part_rows(batch: Batch, q: np.ndarray, k: np.ndarray, v: np.ndarray, a: np.ndarray) -> list[tuple]:
+    """Per part of a fused pass, what its attend step takes in every layer: its Cache, its first position, the
+    position after its last, and its rows of q, k, v and of attend's output (views made once per pass)."""
+    return [(p.cache, start, start + hi - lo, q[lo:hi], k[lo:hi], v[lo:hi], a[lo:hi])
+            for p, lo, hi, start in zip(batch.parts, batch.bounds, batch.bounds[1:], batch.starts, strict=False)]
 
 
 def residual_add(y: np.ndarray, h: np.ndarray, post_norm: np.ndarray | None, eps: float) -> None:

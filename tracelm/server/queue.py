@@ -16,7 +16,9 @@ own seed (`choice_seed`) and its own grammar state. The n sequences then decode 
 job starts only once the batch has room for all n.
 
 What happens is posted back to the job's asyncio queue: `("start",)`, `("piece", text, logprobs, choice)` per
-piece of text, `("done", result, choice)` per choice, or `("error", ApiError)`. A job ends early when its client
+piece of text, `("done", result, choice)` per choice, or `("error", ApiError)`. A step's events go out together,
+in order, once every sequence has sampled and before the pass (`post_all`: one wake-up of the event loop per step,
+not one per token). A job ends early when its client
 is gone (`Job.gone`), its time limit passes or its CPU budget is spent (`Job.cpu_used`: its prefill's CPU time and its
 share of each step's): it is asked before every token, so generation stops within one token.
 """
@@ -91,6 +93,23 @@ class Job:
     @property
     def over_cpu(self) -> bool:
         return 0 < self.cpu_limit < self.cpu_used
+
+
+def post_all(events: list[tuple[Job, tuple[Any, ...]]]) -> None:
+    """From the worker thread: hand a step's events to their jobs' coroutines, in order, in one wake-up of each
+    event loop (a wake-up per event passes the GIL to the loop's thread and back once per token of every
+    sequence)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, tuple[Any, ...]]]] = {}
+    for job, event in events:
+        by_loop.setdefault(job.loop, []).append((job, event))
+    for loop, items in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the server is shutting down
+            loop.call_soon_threadsafe(_deliver, items)
+
+
+def _deliver(items: list[tuple[Job, tuple[Any, ...]]]) -> None:
+    for job, event in items:
+        job.events.put_nowait(event)
 
 
 @attrs.define
@@ -171,6 +190,7 @@ class Engine:
         self._limit = opts.queue_size + 1
         self._mean_seconds = 1.0  # running mean of a job's time, for Retry-After
         self.active: list[Active] = []  # the batch: sequences decoding together (worker thread only)
+        self._outbox: list[tuple[Job, tuple[Any, ...]]] | None = None  # a step's events, posted together
         self._waiting: deque[Job] = deque()  # taken from the queue, not yet in the batch
         self._thread = threading.Thread(target=self._work, name="tracelm-engine", daemon=True)
 
@@ -319,16 +339,21 @@ class Engine:
         """One token of every active sequence; those that finish leave; one pass computes the rest."""
         draft = self.active[0].runner.draft_tokens if len(self.active) == 1 else 0  # alone, it may speculate
         stepping, cpu0 = list(self.active), time.process_time()
-        for a in list(self.active):
-            try:
-                text = a.gen.step(draft)
-                if text:
-                    a.job.post("piece", text, a.entries[:], a.index)
-                    a.entries.clear()
-                if a.gen.done:
-                    self._finish(a)
-            except Exception as e:  # noqa: BLE001 -- mapped to the job's error answer
-                self._fail(a, e)
+        self._outbox = []
+        try:
+            for a in list(self.active):
+                try:
+                    text = a.gen.step(draft)
+                    if text:
+                        self._post(a.job, "piece", text, a.entries[:], a.index)
+                        a.entries.clear()
+                    if a.gen.done:
+                        self._finish(a)
+                except Exception as e:  # noqa: BLE001 -- mapped to the job's error answer
+                    self._fail(a, e)
+        finally:  # before the pass: the pieces go out while it runs
+            self._flush()
+            self._outbox = None
         n = sum(1 for a in self.active if a.gen.feed)
         if n:
             self.counters.passes += 1
@@ -342,10 +367,23 @@ class Engine:
         for a in stepping:
             a.job.cpu_used += share
 
+    def _post(self, job: Job, *event: Any) -> None:
+        """Post an event to a job: within a step's sampling, with the step's others (post_all); else at once."""
+        if self._outbox is None:
+            job.post(*event)
+        else:
+            self._outbox.append((job, event))
+
+    def _flush(self) -> None:
+        """Post the events gathered so far in this step."""
+        if self._outbox:
+            events, self._outbox = self._outbox, []
+            post_all(events)
+
     def _finish(self, a: Active) -> None:
         text = a.gen.close()
         if text:
-            a.job.post("piece", text, a.entries[:], a.index)
+            self._post(a.job, "piece", text, a.entries[:], a.index)
         stats = a.runner.stats
         if a.tracer is not None:
             write_footer(a.tracer, stats)
@@ -368,19 +406,20 @@ class Engine:
             self.counters.prompt_tokens += stats.n_prompt
             self.counters.reused_tokens += stats.n_reused
         self.counters.generated_tokens += stats.n_generated
-        a.job.post("done", {"finish_reason": finish, "prompt_tokens": stats.n_prompt,
-                            "cached_tokens": stats.n_reused, "completion_tokens": stats.n_generated,
-                            "prefill_seconds": stats.prefill_seconds, "decode_seconds": stats.decode_seconds,
-                            "prefilled": a.prefilled, "note": note},
+        self._post(a.job, "done", {"finish_reason": finish, "prompt_tokens": stats.n_prompt,
+                                   "cached_tokens": stats.n_reused, "completion_tokens": stats.n_generated,
+                                   "prefill_seconds": stats.prefill_seconds, "decode_seconds": stats.decode_seconds,
+                                   "prefilled": a.prefilled, "note": note},
                    a.index)
         if a.job.session_id is not None:  # with server.sessions_dir: its file, once the answer is out
+            self._flush()
             self.sessions.save(a.job.session_id)
             self._bound_sessions()
 
     def _over_cpu(self, a: Active, note: str) -> None:
         """A job stopped by its CPU budget before its first token: a 400 saying so (its prompt was too costly)."""
-        a.job.post("error", ApiError(400, f"the request was {note}, before its first token",
-                                     code="cpu_budget_exceeded"))
+        self._post(a.job, "error", ApiError(400, f"the request was {note}, before its first token",
+                                            code="cpu_budget_exceeded"))
 
     def _bound_sessions(self) -> None:
         """Keep the stored sessions within their count and bytes (a Cache grows masks and buffers as it is used)."""
@@ -390,17 +429,17 @@ class Engine:
         """End a job with the error answer its exception calls for (a session's Cache may be half-written)."""
         job = a.job
         if isinstance(e, ApiError):
-            job.post("error", e)
+            self._post(job, "error", e)
         else:
             if job.session_id is not None:
                 self.sessions.drop(job.session_id)
                 release_memory()
             if isinstance(e, TracelmError):  # a user-caused error the checks before admission did not catch
-                job.post("error", ApiError(400, str(e)))
+                self._post(job, "error", ApiError(400, str(e)))
             else:  # never let one request take the worker down; the client gets a plain 500
                 self.counters.failed += 1
                 log.error("request %s failed", job.request_id, exc_info=e)
-                job.post("error", ApiError(500, "internal error while generating; see the server log"))
+                self._post(job, "error", ApiError(500, "internal error while generating; see the server log"))
         self._end(a)
 
     def _end(self, a: Active) -> None:

@@ -56,7 +56,8 @@ def sample(
     logits = _frequency_presence(_penalise(np.asarray(logits), params, recent), params, recent)
     if params.temperature == 0.0:
         token = int(np.argmax(logits))
-        z = np.exp(logits.astype(np.float32) - np.float32(logits[token])).sum(dtype=np.float64)
+        e = np.subtract(np.asarray(logits, np.float32), np.float32(logits[token]))  # one temporary, exp in place
+        z = np.exp(e, out=e).sum(dtype=np.float64)
         return Choice(token=token, prob=float(1.0 / z))
     ids, probs = _filtered(logits, params)
     cdf = np.cumsum(probs)
