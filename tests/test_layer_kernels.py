@@ -313,6 +313,73 @@ def test_attend_edge_cases():
     assert np.isnan(run(q=pos_q, k=inf_k).reshape(3, H, hd)[2, :2]).all()
 
 
+def kv_cache_for(kv: str, Hkv: int, hd: int, n_ctx: int) -> Cache:
+    cfg = ModelConfig(arch="llama", n_vocab=10, n_embd=Hkv * hd, n_layer=1, n_head=Hkv, n_head_kv=Hkv, head_dim=hd,
+                      n_ff=8, rope_base=1e4, rope_dim=hd, rope_mode="neox", rms_eps=1e-5, n_ctx_train=n_ctx,
+                      tied_head=True)
+    cos, sin = rope_tables(n_ctx, hd, 1e4, "neox")
+    return Cache(cfg, n_ctx, cos, sin, kv_dtype=kv)
+
+
+def test_attend_parts_stores_and_attends_each_part_as_alone():
+    """Several sequences in one call (a server pass): each part's own keys/values stored at the end of its views
+    byte for byte as Cache.write stores them (f32, f16 rounded as numpy's astype, q8_0 blocks), and each part's
+    out the bits attend gives it alone after that write -- on every path, at 1 and 2 threads; decode rows, a
+    prompt's rows, an empty part list."""
+    H, Hkv, hd = 9, 3, 64
+    parts = [("f16", 70, 1), ("f32", 5, 1), ("q8_0", 33, 1), ("f16", 0, 12), ("f16", 300, 1), ("q8_0", 8, 5)]
+
+    def run():
+        written, alone, got, outs = [], [], [], []
+        rng_ = np.random.default_rng(5)
+        jobs = []
+        for kv, start, T in parts:
+            old = rng_.standard_normal((2, start, Hkv, hd)).astype(np.float32)
+            new = (rng_.standard_normal((2, T, Hkv, hd)) * 3).astype(np.float32)
+            new[0, 0, 0, :3] = [70000.0, 1e-6, -2.0**-25]  # f16: overflow to inf, a subnormal, a tie to even zero
+            q = rng_.standard_normal((T, H, hd)).astype(np.float32)
+            spans = causal_spans(start, T)
+            a, b = kv_cache_for(kv, Hkv, hd, 512), kv_cache_for(kv, Hkv, hd, 512)
+            for c in (a, b):
+                if start:
+                    c.write(0, 0, old[0], old[1])
+            with np.errstate(over="ignore"):
+                b.write(0, start, new[0], new[1])  # the Cache's own write, then attend alone
+            alone.append(kernels.attend(q, *b.keys_values(0, start + T), spans, 0.125))
+            written.append([np.asarray(x).copy() for x in b.keys_values(0, start + T)])
+            out = np.full((T, H * hd), np.nan, np.float32)
+            jobs.append((q, *a.in_place_views(0, 0, start + T), spans, out, new[0], new[1]))
+            got.append(a)
+            outs.append(out)
+        kernels.attend_parts(jobs, 0.125)
+        for (kv, start, T), a, want, out, ref in zip(parts, got, written, outs, alone, strict=True):
+            for x, y in zip(a.keys_values(0, start + T), want, strict=True):
+                assert np.asarray(x).tobytes() == y.tobytes(), (kv, start, T)
+            assert_same_bits(out, ref, f"{kv} start={start} T={T}")
+        return np.concatenate([o.ravel() for o in outs])
+
+    every_setting(run)
+    kernels.attend_parts([], 0.125)
+
+
+def test_attend_parts_names_the_bad_part():
+    H, Hkv, hd = 4, 2, 16
+    q = np.zeros((1, H, hd), np.float32)
+    keys = np.zeros((Hkv, 10, hd), np.float32)
+    spans, out = np.array([[0, 10]], np.int64), np.zeros((1, H * hd), np.float32)
+    good = (q, keys, keys.copy(), spans, out)
+    with pytest.raises(ValueError, match=r"parts\[1\] must be a tuple \(q, keys, values, spans, out\)"):
+        kernels.attend_parts([good, (q, keys)], 0.5)
+    with pytest.raises(ValueError, match=r"attend_parts: parts\[1\]: k_new must have shape \[1, 2, 16\]"):
+        kernels.attend_parts([good, (*good, np.zeros((1, 2, 8), np.float32), np.zeros((1, 2, 16), np.float32))], 0.5)
+    frozen = keys.copy()
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match=r"parts\[0\]: keys must be a writable numpy array"):
+        kernels.attend_parts([(q, frozen, keys, spans, out, q[:, :2], q[:, :2])], 0.5)
+    with pytest.raises(ValueError, match=r"attend_parts: parts\[0\]: spans\[0\] = \(0, 11\)"):
+        kernels.attend_parts([(q, keys, keys, np.array([[0, 11]], np.int64), out)], 0.5)
+
+
 # ---------------------------------------------------------------------------------------------------- silu, gelu
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import os
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -205,6 +206,16 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, spans: np.ndarra
     if out is None:
         out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), np.float32)
     return _core.attend(q, keys, values, spans, float(scale), out)
+
+
+def attend_parts(parts: Sequence[tuple], scale: float) -> None:
+    """`attend` for the sequences of one pass, as one job over the pool (a decode step of 8 sequences is 8 small
+    attends per layer: one call keeps every thread busy and pays one dispatch). Each part is (q, keys, values,
+    spans, out), as attend takes them, or (q, keys, values, spans, out, k_new, v_new): the part's own keys and
+    values, float32 [T, Hkv, hd], are first stored at the last T positions of keys and values (writable views of
+    the Cache's arrays: `Cache.in_place_views`), rounded as the Cache stores them (f16 to nearest even, as numpy's
+    astype; q8_0 by q8_0_blocks' rule). Every part's out is bitwise what attend gives it alone."""
+    _core.attend_parts(parts, float(scale))
 
 
 def q8_0_blocks(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

@@ -333,111 +333,239 @@ static PyObject *py_attend_phases(PyObject *self, PyObject *args) {
     return PyLong_FromLong(old);
 }
 
-static PyObject *py_attend(PyObject *self, PyObject *args) {
-    (void)self;
-    PyObject *qo, *ko, *vo, *spo, *oo;
-    double scale;
-    if (!PyArg_ParseTuple(args, "OOOOdO:attend", &qo, &ko, &vo, &spo, &scale, &oo)) return NULL;
-    const char *fn = "attend";
-    arr q = {0}, k = {0}, v = {0}, sp = {0}, out = {0};
-    PyObject *ret = NULL;
-    if (get_arr(qo, fn, "q", K_F32, 3, 3, 0, &q) || unit_last(fn, "q", &q) ||
-        get_arr(ko, fn, "keys", K_KV, 3, 3, 0, &k) ||
-        get_arr(vo, fn, "values", K_KV, 3, 3, 0, &v) || unit_last(fn, "values", &v) ||
-        same_shape(fn, "values", &v, "keys", &k) ||
-        get_arr(spo, fn, "spans", K_I64, 2, 2, 0, &sp) ||
-        get_arr(oo, fn, "out", K_F32, 2, 2, 1, &out))
-        goto done;
-    if (v.b.v.itemsize != k.b.v.itemsize) {
-        fail(fn, "values", &v, "must have the dtype of keys");
-        goto done;
+/* n values as q8_0 blocks of 34 bytes at o: d's f16 bits (little-endian), then 32 int8 (the last block padded) */
+static void q8_store(const float *x, int64_t n, uint8_t *o) {
+    for (int64_t b = 0; 32 * b < n; b++, o += Q8_BYTES) {
+        uint16_t d;
+        q8_row(x + 32 * b, n - 32 * b < 32 ? n - 32 * b : 32, 1.0f, &d, 1, (int8_t *)o + 2, 32);
+        o[0] = (uint8_t)d, o[1] = (uint8_t)(d >> 8);
     }
-    const int64_t T = q.n[0], H = q.n[1], hd = q.n[2], Hkv = k.n[0], L = k.n[1];
-    const int q8 = k.b.v.itemsize == 1;   /* q8_0: a position's blocks of the head dim, in bytes */
+}
+
+/* One attend call's arrays, checked, and its job: q, keys, values, spans, out, and (attend_parts) the pass's own
+ * keys and values k_new, v_new, which go to the last T positions of keys and values before the scores. */
+enum { A_Q, A_K, A_V, A_SP, A_OUT, A_KN, A_VN, A_N };
+typedef struct { arr a[A_N]; int64_t longest, keys_seen; } attend_args;
+
+static void attend_release(attend_args *x) { for (int i = 0; i < A_N; i++) release(&x->a[i].b); }
+
+static int attend_setup(const char *fn, PyObject *const o[A_N], double scale, attend_args *x, attend_job *j) {
+    arr *q = &x->a[A_Q], *k = &x->a[A_K], *v = &x->a[A_V], *sp = &x->a[A_SP], *out = &x->a[A_OUT];
+    const int store = o[A_KN] != NULL;
+    if (get_arr(o[A_Q], fn, "q", K_F32, 3, 3, 0, q) || unit_last(fn, "q", q) ||
+        get_arr(o[A_K], fn, "keys", K_KV, 3, 3, store, k) ||
+        get_arr(o[A_V], fn, "values", K_KV, 3, 3, store, v) || unit_last(fn, "values", v) ||
+        same_shape(fn, "values", v, "keys", k) ||
+        get_arr(o[A_SP], fn, "spans", K_I64, 2, 2, 0, sp) ||
+        get_arr(o[A_OUT], fn, "out", K_F32, 2, 2, 1, out))
+        return -1;
+    if (v->b.v.itemsize != k->b.v.itemsize) return fail(fn, "values", v, "must have the dtype of keys");
+    const int64_t T = q->n[0], H = q->n[1], hd = q->n[2], Hkv = k->n[0], L = k->n[1];
+    const int q8 = k->b.v.itemsize == 1;   /* q8_0: a position's blocks of the head dim, in bytes */
     const int64_t width = q8 ? q8_blocks(hd) * Q8_BYTES : hd;
-    if (k.n[2] != width || Hkv < 1 || H % Hkv) {
+    if (k->n[2] != width || Hkv < 1 || H % Hkv) {
         char want[128];
         snprintf(want, sizeof want, "must be [Hkv, L, %lld] with Hkv >= 1 dividing H = %lld (q: [T, H, hd]%s)",
                  (long long)width, (long long)H, q8 ? "; q8_0: ceil(hd / 32) blocks of 34 bytes" : "");
-        fail(fn, "keys", &k, want);
-        goto done;
+        return fail(fn, "keys", k, want);
     }
-    if (q8 && unit_last(fn, "keys", &k)) goto done;
-    if (sp.n[0] != T || sp.n[1] != 2 || (T > 1 && sp.s[0] != 2) || sp.s[1] != 1) {
+    if (q8 && unit_last(fn, "keys", k)) return -1;
+    if (sp->n[0] != T || sp->n[1] != 2 || (T > 1 && sp->s[0] != 2) || sp->s[1] != 1) {
         char want[64];
         snprintf(want, sizeof want, "must be C-contiguous [%lld, 2] (T, k0 k1)", (long long)T);
-        fail(fn, "spans", &sp, want);
-        goto done;
+        return fail(fn, "spans", sp, want);
     }
-    if (out.n[0] != T || out.n[1] != H * hd) {
+    if (out->n[0] != T || out->n[1] != H * hd) {
         char want[64];
         snprintf(want, sizeof want, "must have shape [%lld, %lld] (T, H * hd)", (long long)T, (long long)(H * hd));
-        fail(fn, "out", &out, want);
-        goto done;
+        return fail(fn, "out", out, want);
     }
-    as3(&out);
-    if (rows_apart(fn, "out", &out)) goto done;
-    const int64_t *spans = (const int64_t *)sp.b.v.buf;
-    int64_t longest = 0, keys_seen = 0;
+    as3(out);
+    if (rows_apart(fn, "out", out)) return -1;
+    for (int i = A_KN; store && i <= A_VN; i++) {
+        const char *name = i == A_KN ? "k_new" : "v_new";
+        if (get_arr(o[i], fn, name, K_F32, 3, 3, 0, &x->a[i]) || unit_last(fn, name, &x->a[i])) return -1;
+        if (x->a[i].n[0] != T || x->a[i].n[1] != Hkv || x->a[i].n[2] != hd || T > L) {
+            char want[96];
+            snprintf(want, sizeof want, "must have shape [%lld, %lld, %lld] (T, Hkv, hd) with T <= L = %lld",
+                     (long long)T, (long long)Hkv, (long long)hd, (long long)L);
+            return fail(fn, name, &x->a[i], want);
+        }
+    }
+    const int64_t *spans = (const int64_t *)sp->b.v.buf;
+    x->longest = x->keys_seen = 0;
     for (int64_t t = 0; t < T; t++) {
         int64_t k0 = spans[2 * t], k1 = spans[2 * t + 1];
         if (k0 < 0 || k1 < k0 || k1 > L) {
-            PyErr_Format(PyExc_ValueError, "attend: spans[%lld] = (%lld, %lld) must satisfy 0 <= k0 <= k1 <= L = %lld",
+            PyErr_Format(PyExc_ValueError, "%s: spans[%lld] = (%lld, %lld) must satisfy 0 <= k0 <= k1 <= L = %lld", fn,
                          (long long)t, (long long)k0, (long long)k1, (long long)L);
-            goto done;
+            return -1;
         }
-        longest = k1 - k0 > longest ? k1 - k0 : longest;
-        keys_seen += k1 - k0;
+        x->longest = k1 - k0 > x->longest ? k1 - k0 : x->longest;
+        x->keys_seen += k1 - k0;
+    }
+    *j = (attend_job){T, H, Hkv, hd, L, rows_of(q), k->b.v.buf, v->b.v.buf, k->b.v.itemsize == 2, q8, q8_blocks(hd),
+                      k->s[0], k->s[1], q8 ? 1 : k->s[2], v->s[0], v->s[1], spans, (float)scale,
+                      (float *)out->b.v.buf, out->s[0]};
+    return 0;
+}
+
+/* the pass's own keys and values (k_new, v_new [T, Hkv, hd] f32) to positions L - T .. L - 1, as the Cache stores
+ * them: f32 as they are, f16 rounded to nearest even (numpy's astype), q8_0 blocks by q8_block */
+static void attend_store(const attend_job *j, const arr *kn, const arr *vn) {
+    const int64_t T = j->T, hd = j->hd;
+    for (int which = 0; which < 2; which++) {
+        const arr *src = which ? vn : kn;
+        uint8_t *base = (uint8_t *)(which ? j->v : j->k);
+        const int64_t sh = which ? j->v_sh : j->k_sh, sl = which ? j->v_sl : j->k_sl, sd = which ? 1 : j->k_sd;
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t h = 0; h < j->Hkv; h++) {
+                const float *x = (const float *)src->b.v.buf + t * src->s[0] + h * src->s[1];
+                const int64_t at = h * sh + (j->L - T + t) * sl;
+                if (j->q8) q8_store(x, hd, base + at);
+                else if (j->f16)
+                    for (int64_t d = 0; d < hd; d++) ((uint16_t *)base)[at + d * sd] = half_from_float(x[d]);
+                else
+                    for (int64_t d = 0; d < hd; d++) ((float *)base)[at + d * sd] = x[d];
+            }
+    }
+}
+
+/* the parts of one attend_parts call, as one job: task k of part p is task k - first[p] of its own */
+typedef struct { attend_ctx *c; const int64_t *first; int64_t n; } parts_ctx;
+
+static void parts_tasks(void *ctx, int64_t t0, int64_t t1) {
+    const parts_ctx *pc = (const parts_ctx *)ctx;
+    for (int64_t p = 0; p < pc->n; p++) {
+        const int64_t a = pc->first[p], b = pc->first[p + 1];
+        if (a < t1 && b > t0) attend_tasks(&pc->c[p], (t0 > a ? t0 : a) - a, (t1 < b ? t1 : b) - a);
+    }
+}
+
+/* n parts (o[p]: their objects, k_new / v_new NULL when not given; errors name parts[p] when `named`): checked,
+ * stored, attended. One part runs as
+ * attend always has (in phases when they pay); several as one job over the pool, their query heads split by the
+ * units of all (the bits depend on neither). */
+static int attend_many(const char *fn, int named, PyObject *const (*o)[A_N], int64_t n, double scale) {
+    attend_args *x = (attend_args *)PyMem_Calloc((size_t)n, sizeof(attend_args));
+    attend_ctx *c = (attend_ctx *)PyMem_Calloc((size_t)n, sizeof(attend_ctx));
+    int64_t *first = (int64_t *)PyMem_Calloc((size_t)n + 1, sizeof(int64_t));
+    int rc = -1;
+    if (!x || !c || !first) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int64_t units = 0, work = 0;
+    for (int64_t p = 0; p < n; p++) {
+        char name[48];
+        if (named) snprintf(name, sizeof name, "%s: parts[%lld]", fn, (long long)p);
+        if (attend_setup(named ? name : fn, o[p], scale, &x[p], &c[p].j)) goto done;
+        units += c[p].j.T * c[p].j.Hkv;
+        work += x[p].keys_seen * c[p].j.H * c[p].j.hd;
     }
     /* the query heads of a kv head go together (its keys and values read once for all), split in as many groups
      * as it takes to give every thread a task when the rows are few (the bits do not depend on it) */
-    const int64_t g = Hkv ? H / Hkv : 0, units = T * Hkv, threads = pool_threads();
+    const int64_t threads = pool_threads();
     int64_t splits = units >= threads || units == 0 ? 1 : (threads + units - 1) / units;
-    splits = splits > g ? g : splits;
-    const int64_t group = splits ? (g + splits - 1) / splits : 1, subs = group ? (g + group - 1) / group : 0;
-    attend_ctx c = {current_path()->layer,
-                    {T, H, Hkv, hd, L, rows_of(&q), k.b.v.buf, v.b.v.buf, k.b.v.itemsize == 2, q8, q8_blocks(hd),
-                     k.s[0], k.s[1], q8 ? 1 : k.s[2], v.s[0], v.s[1], spans, (float)scale, (float *)out.b.v.buf,
-                     out.s[0]},
-                    group, subs, attend_scratch_floats(hd, longest, group), 0};
-    const int phased = phases_mode >= 0 ? phases_mode
-                                        : threads > 1 && units < 2 * threads && units % threads && longest >= PHASE_KEYS;
+    for (int64_t p = 0; p < n; p++) {
+        const int64_t g = c[p].j.H / c[p].j.Hkv, s = splits > g ? g : splits, group = (g + s - 1) / s;
+        c[p].ops = current_path()->layer;
+        c[p].group = group;
+        c[p].subs = (g + group - 1) / group;
+        c[p].need = attend_scratch_floats(c[p].j.hd, x[p].longest, group);
+        first[p + 1] = first[p] + c[p].j.T * c[p].j.Hkv * c[p].subs;
+    }
+    attend_ctx *c0 = &c[0];
+    const int64_t longest = x[0].longest;
+    const int phased = n == 1 && (phases_mode >= 0 ? phases_mode : threads > 1 && units < 2 * threads &&
+                                  units % threads && longest >= PHASE_KEYS);
     if (phased && longest) {   /* the last units % threads units shared (all of them when forced) */
-        c.whole = phases_mode == 1 ? 0 : units - units % threads;
-        c.group = g;
-        c.subs = 1;
-        const int64_t shared = units - c.whole;
-        c.ck = up8((longest + threads - 1) / threads);   /* a run a thread per unit */
-        c.nch = (longest + c.ck - 1) / c.ck;
-        c.db = 64;
-        while (c.db > 16 && shared * ((hd + c.db - 1) / c.db) < threads) c.db /= 2;
-        c.ndb = (hd + c.db - 1) / c.db;
-        c.s_s = up8(longest);
-        c.need = attend_scratch_floats(hd, c.whole ? longest : 0, g);
-        const int64_t lanes_at = up8(T * H * c.s_s);
-        float *buf = thread_scratch(lanes_at + T * H * c.nch * (int64_t)(sizeof(lanes8) / sizeof(float)), 1);
+        const int64_t g = c0->j.H / c0->j.Hkv, T = c0->j.T, H = c0->j.H, hd = c0->j.hd;
+        c0->whole = phases_mode == 1 ? 0 : units - units % threads;
+        c0->group = g;
+        c0->subs = 1;
+        const int64_t shared = units - c0->whole;
+        c0->ck = up8((longest + threads - 1) / threads);   /* a run a thread per unit */
+        c0->nch = (longest + c0->ck - 1) / c0->ck;
+        c0->db = 64;
+        while (c0->db > 16 && shared * ((hd + c0->db - 1) / c0->db) < threads) c0->db /= 2;
+        c0->ndb = (hd + c0->db - 1) / c0->db;
+        c0->s_s = up8(longest);
+        c0->need = attend_scratch_floats(hd, c0->whole ? longest : 0, g);
+        const int64_t lanes_at = up8(T * H * c0->s_s);
+        float *buf = thread_scratch(lanes_at + T * H * c0->nch * (int64_t)(sizeof(lanes8) / sizeof(float)), 1);
         if (!buf) {
-            PyErr_Format(PyExc_MemoryError, "attend: no memory for the scores of %lld rows", (long long)T);
+            PyErr_Format(PyExc_MemoryError, "%s: no memory for the scores of %lld rows", fn, (long long)T);
             goto done;
         }
-        c.s = buf;
-        c.lanes = (lanes8 *)(buf + lanes_at);
+        c0->s = buf;
+        c0->lanes = (lanes8 *)(buf + lanes_at);
     }
     Py_BEGIN_ALLOW_THREADS
-    if (!c.s) run(attend_tasks, &c, units * subs, keys_seen * H * hd);
-    else
-        for (c.phase = 1; c.phase <= 3; c.phase++)
-            pool_run(attend_tasks, &c, (c.phase == 1 ? c.whole : 0) + (units - c.whole) * (c.phase == 3 ? c.ndb : c.nch), 1);
-    Py_END_ALLOW_THREADS
-    if (atomic_load(&c.no_memory)) {
-        PyErr_Format(PyExc_MemoryError, "attend: no memory for a scratch of %lld floats", (long long)c.need);
-        goto done;
+    for (int64_t p = 0; p < n; p++)
+        if (o[p][A_KN]) attend_store(&c[p].j, &x[p].a[A_KN], &x[p].a[A_VN]);
+    if (c0->s)
+        for (c0->phase = 1; c0->phase <= 3; c0->phase++)
+            pool_run(attend_tasks, c0, (c0->phase == 1 ? c0->whole : 0) + (units - c0->whole) *
+                     (c0->phase == 3 ? c0->ndb : c0->nch), 1);
+    else if (n == 1) run(attend_tasks, c0, first[1], work);
+    else {
+        parts_ctx pc = {c, first, n};
+        run(parts_tasks, &pc, first[n], work);
     }
-    Py_INCREF(oo);
-    ret = oo;
+    Py_END_ALLOW_THREADS
+    for (int64_t p = 0; p < n; p++)
+        if (atomic_load(&c[p].no_memory)) {
+            PyErr_Format(PyExc_MemoryError, "%s: no memory for a scratch of %lld floats", fn, (long long)c[p].need);
+            goto done;
+        }
+    rc = 0;
 done:
-    release(&q.b); release(&k.b); release(&v.b); release(&sp.b); release(&out.b);
-    return ret;
+    for (int64_t p = 0; x && p < n; p++) attend_release(&x[p]);
+    PyMem_Free(x); PyMem_Free(c); PyMem_Free(first);
+    return rc;
+}
+
+static PyObject *py_attend(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *o[1][A_N] = {{0}};
+    double scale;
+    if (!PyArg_ParseTuple(args, "OOOOdO:attend", &o[0][A_Q], &o[0][A_K], &o[0][A_V], &o[0][A_SP], &scale,
+                          &o[0][A_OUT]))
+        return NULL;
+    if (attend_many("attend", 0, (PyObject *const (*)[A_N])o, 1, scale)) return NULL;
+    Py_INCREF(o[0][A_OUT]);
+    return o[0][A_OUT];
+}
+
+static PyObject *py_attend_parts(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *seq;
+    double scale;
+    if (!PyArg_ParseTuple(args, "Od:attend_parts", &seq, &scale)) return NULL;
+    PyObject *fast = PySequence_Fast(seq, "attend_parts: parts must be a sequence of tuples");
+    if (!fast) return NULL;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject *(*o)[A_N] = n ? (PyObject *(*)[A_N])PyMem_Calloc((size_t)n, sizeof *o) : NULL;
+    int rc = n ? -1 : 0;
+    if (n && !o) PyErr_NoMemory();
+    for (Py_ssize_t p = 0; o && p < n; p++) {
+        PyObject *t = PySequence_Fast_GET_ITEM(fast, p);
+        const Py_ssize_t len = PyTuple_Check(t) ? PyTuple_GET_SIZE(t) : -1;
+        if (len != 5 && len != 7) {
+            PyErr_Format(PyExc_ValueError, "attend_parts: parts[%zd] must be a tuple (q, keys, values, spans, out) or "
+                         "(q, keys, values, spans, out, k_new, v_new), got %s", p, len < 0 ? Py_TYPE(t)->tp_name :
+                         "a tuple of another length");
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < len; i++) o[p][i] = PyTuple_GET_ITEM(t, i);
+    }
+    if (o) rc = attend_many("attend_parts", 1, (PyObject *const (*)[A_N])o, n, scale);
+done:
+    PyMem_Free(o);
+    Py_DECREF(fast);
+    if (rc) return NULL;
+    Py_RETURN_NONE;
 }
 
 /* ======================================================================================================
@@ -449,12 +577,7 @@ static void q8_tasks(void *ctx, int64_t r0, int64_t r1) {
     const q8_ctx *c = (const q8_ctx *)ctx;
     for (int64_t r = r0; r < r1; r++) {
         const float *x = c->x.p + r / c->n1 * c->x.s0 + r % c->n1 * c->x.s1;
-        uint8_t *o = c->out + r * c->width;
-        for (int64_t b = 0; 32 * b < c->n; b++, o += Q8_BYTES) {
-            uint16_t d;
-            q8_row(x + 32 * b, c->n - 32 * b < 32 ? c->n - 32 * b : 32, 1.0f, &d, 1, (int8_t *)o + 2, 32);
-            o[0] = (uint8_t)d, o[1] = (uint8_t)(d >> 8);   /* little-endian */
-        }
+        q8_store(x, c->n, c->out + r * c->width);
     }
 }
 
@@ -576,6 +699,9 @@ PyMethodDef layer_methods[] = {
      "rms_norm_add(x, w, eps, residual, out): out = (x * inv) * w + residual per row"},
     {"rope", py_rope, METH_VARARGS, "rope(x, cos, sin, mode, out): rotary embedding, mode 0 adjacent, 1 neox"},
     {"attend", py_attend, METH_VARARGS, "attend(q, keys, values, spans, scale, out): softmax(q k^T scale) v per span"},
+    {"attend_parts", py_attend_parts, METH_VARARGS,
+     "attend_parts(parts, scale): attend for several sequences in one job, each part (q, keys, values, spans, out"
+     "[, k_new, v_new]); k_new, v_new stored at the last T positions of keys, values first"},
     {"attend_phases", py_attend_phases, METH_VARARGS,
      "attend_phases(mode) -> the previous mode: attend in phases -1 when they pay, 0 never, 1 always (same bits)"},
     {"q8_0_blocks", py_q8_0_blocks, METH_VARARGS, "q8_0_blocks(x, out): rows of x as q8_0 blocks (kv_cache q8_0)"},

@@ -154,6 +154,9 @@ AVX2 static void rope_row(const rope_job *j, int64_t t) {
             int64_t d = 0;                                                                                    \
             for (; d + 4 <= hd; d += 4) {                                                                     \
                 const T *r = base + d * ld + b;                                                               \
+                if (d + 8 <= hd) /* the rows of 4 dims on (the Cache's rows stream from memory) */              \
+                    for (int64_t c = 0; c < nb * (int64_t)sizeof(T); c += 64)                                 \
+                        for (int e = 4; e < 8; e++) _mm_prefetch((const char *)(r + e * ld) + c, _MM_HINT_T0); \
                 for (int64_t h = 0; h < nh; h += 2) {                                                         \
                     const float *qa = qs + h * qs_s + d, *qb = h + 1 < nh ? qa + qs_s : qa;                   \
                     const __m256 a0 = _mm256_set1_ps(qa[0]), a1 = _mm256_set1_ps(qa[1]),                     \

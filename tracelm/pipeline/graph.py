@@ -234,10 +234,8 @@ def fused_layers(cfg: ModelConfig, w: ModelWeights, batch: Batch, per_layer: lis
         kernels.rope(q, cos, sin, cfg.rope_mode, out=q)
         kernels.rope(k, cos, sin, cfg.rope_mode, out=k)
         note and note("rope", i)
-        for (c, first, end, q_p, k_p, v_p, a_p), (lo, spans) in zip(rows, windows, strict=True):
-            c.write(i, first, *stored(c, k_p, v_p, KERNELS))
-            keys, values = c.keys_values(i, end, lo)
-            kernels.attend(q_p, keys, values, spans, scale, out=a_p)
+        kernels.attend_parts([attend_part(i, row, lo, spans) for row, (lo, spans) in zip(rows, windows, strict=True)],
+                             scale)
         note and note("attend", i)
         linear_into(a, lw.wo, o, scratch)
         note and cfg.post_norms and note("out_proj", i)
@@ -259,6 +257,17 @@ def part_rows(batch: Batch, q: np.ndarray, k: np.ndarray, v: np.ndarray, a: np.n
     position after its last, and its rows of q, k, v and of attend's output (views made once per pass)."""
     return [(p.cache, start, start + hi - lo, q[lo:hi], k[lo:hi], v[lo:hi], a[lo:hi])
             for p, lo, hi, start in zip(batch.parts, batch.bounds, batch.bounds[1:], batch.starts, strict=False)]
+
+
+def attend_part(i: int, row: tuple, lo: int, spans: np.ndarray) -> tuple:
+    """A part's attend of layer i for kernels.attend_parts: its new keys/values stored by the call itself where its
+    Cache keeps positions in place, else written first (a window ring's bookkeeping)."""
+    c, first, end, q_p, k_p, v_p, a_p = row
+    in_place = c.in_place_views(i, lo, end)
+    if in_place is not None:
+        return (q_p, *in_place, spans, a_p, k_p, v_p)
+    c.write(i, first, *stored(c, k_p, v_p, KERNELS))
+    return (q_p, *c.keys_values(i, end, lo), spans, a_p)
 
 
 def residual_add(y: np.ndarray, h: np.ndarray, post_norm: np.ndarray | None, eps: float) -> None:

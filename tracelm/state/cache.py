@@ -251,6 +251,14 @@ class Cache:
         s = lo % self.rings[layer]
         return self.k[layer][:, s : s + end - lo], self.v[layer][:, s : s + end - lo]
 
+    def in_place_views(self, layer: int, lo: int, end: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Writable views of positions lo..end-1 of a layer that keeps its positions in place (no window ring), as
+        keys_values gives them, for a pass that stores its own last positions there as it attends
+        (kernels.attend_parts, rounding as `write` does); None for a ring layer: `write`, then `keys_values`."""
+        if self.rings[layer]:
+            return None
+        return self.k[layer][:, lo:end], self.v[layer][:, lo:end]
+
     def keys_values(self, layer: int, end: int, lo: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Read-only views of positions lo..end-1 of one layer: [n_head_kv, end - lo, head_dim] each (q8_0: uint8
         [n_head_kv, end - lo, row bytes], each position's blocks of the head dim side by side)."""
