@@ -360,6 +360,8 @@ def test_bench_server_reports_each_stream_count(tiny_gguf) -> None:
     assert one["vs_1_stream"] == 1.0 and one["peak_batch"] == 1 and three["peak_batch"] == 3
     assert three["generated"] <= 18 and three["aggregate_tok_s"] > 0 and three["cpu_tok_s"] > 0
     assert 0 < one["products_ms_per_pass"] < one["ms_per_pass"] and three["products_ms_per_pass"] > 0
+    ceiling = 3 * one["ms_per_pass"] / three["products_ms_per_pass"]  # what the products alone allow (ms rounded)
+    assert three["ceiling_vs_1_stream"] == pytest.approx(ceiling, rel=0.15) and one["ceiling_vs_1_stream"] > 1
 
 
 def test_bench_server_cli_checks_streams(tiny_gguf) -> None:

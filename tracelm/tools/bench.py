@@ -151,10 +151,11 @@ def _model_bench(session: Session, probe: dict[str, float], n_prompt: int, n_dec
     }
 
 
-def product_pass_seconds(w: Any, cfg: Any, rows: int, repeat: int) -> float:
+def product_pass_seconds(w: Any, cfg: Any, rows: int, repeat: int, head_rows: int = 1) -> float:
     """Best time of the weight products of one forward pass over `rows` positions, alone: every block's
-    four products through the stages' `linear`, in graph order, and the head for the last row. A pass
-    cannot beat it however cheap the norms, RoPE, attention and the Python between them become."""
+    four products through the stages' `linear`, in graph order, and the head for the last `head_rows` rows (a
+    prompt's last; every sequence's in a server pass). A pass cannot beat it however cheap the norms, RoPE,
+    attention and the Python between them become."""
     from tracelm.stages.linear import linear
 
     rng = np.random.default_rng(0)
@@ -163,7 +164,7 @@ def product_pass_seconds(w: Any, cfg: Any, rows: int, repeat: int) -> float:
     def one_pass() -> None:
         for lw in w.layers:
             linear(x, lw.wqkv), linear(attn, lw.wo), linear(x, lw.w_gate_up), linear(act, lw.w_down)
-        linear(x[-1:], w.output)
+        linear(x[-head_rows:], w.output)
 
     return _best_seconds(one_pass, repeat)
 
