@@ -227,6 +227,15 @@ def q8_0_blocks(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     return _core.q8_0_blocks(x, out)
 
 
+def exp(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """e^x value by value, the kernels' own exp (kernels.h: x clamped to [-104, 89], within 2 ulp), over the pool:
+    the same bits on every path, thread count and CPU (numpy's exp picks its SIMD code by CPU). x: float32 1-D,
+    unit stride; out: like x (made when None), may be x itself."""
+    if out is None:
+        out = np.empty_like(x)
+    return _core.exp(x, out)
+
+
 def silu_mul(gate_up: np.ndarray, n_ff: int, out: np.ndarray | None = None) -> np.ndarray:
     """silu(gate) * up of gate_up = [gate | up] (float32 [T, 2 n_ff], rows at any stride): per value
     (g / (1 + exp(min(-g, 88)))) * u, the ops of stages/ffn.py silu with the kernels' exp. out: [T, n_ff]."""

@@ -30,7 +30,8 @@ How it is computed (same result as the literal order above, less work):
 - the temperature is applied after top-k (dividing by T > 0 keeps the order), so a top-k call
   touches the whole vocabulary only in the penalty, one np.partition and two comparisons;
 - exponentials are float32 (numpy's float64 exp is ~10x slower); sums, normalisation and the
-  cumulative sums are float64;
+  cumulative sums are float64; greedy's softmax over the whole vocabulary takes the kernels' exp
+  (tracelm.kernels.exp: the same bits on every CPU, several times faster than numpy's);
 - min-p runs before top-p: its kept set is a top prefix of the probability order and its test is
   unchanged by top-p's renormalisation (p_i / p_max is), so top-p then only sorts the survivors,
   and over more than 1024 candidates it first tries the 1024 most probable ones.
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import numpy as np
 
+import tracelm.kernels as kernels
 from tracelm.state.records import Choice, SamplingParams
 
 _TOP_P_HEAD = 1024  # top-p over a larger candidate set first tries its 1024 most probable entries
@@ -57,7 +59,7 @@ def sample(
     if params.temperature == 0.0:
         token = int(np.argmax(logits))
         e = np.subtract(np.asarray(logits, np.float32), np.float32(logits[token]))  # one temporary, exp in place
-        z = np.exp(e, out=e).sum(dtype=np.float64)
+        z = kernels.exp(e, out=e).sum(dtype=np.float64)
         return Choice(token=token, prob=float(1.0 / z))
     ids, probs = _filtered(logits, params)
     cdf = np.cumsum(probs)
