@@ -10,7 +10,8 @@
  *    first copied into a tile [hd][32] (8 x 8 transposes when the dims are adjacent). The max and the sum over the
  *    span in 8 lanes (vector i / 8 holds keys i..i+7; a partial last vector on the lanes stored to memory). The
  *    weighted sum of values 64 dims (8 vectors; then 4, 1) at a time, one chain per dim over the keys, in blocks
- *    of keys that meet every head while in L1. Each part takes a range (of keys, of dims) for layer.c's phases.
+ *    of keys that meet every head while in L1. A long span streams from memory: the key rows of the next 4 dims and
+ *    the values 16 positions on are prefetched. Each part takes a range (of keys, of dims) for layer.c's phases.
  *    q8_0 keys and values (kv_cache q8_0): scores 8 keys a vector, each block's integer dot products by
  *    maddubs/madd/hadd (exact), then the float steps; values 16 dims at a time, each key's int8 converted once in
  *    registers for up to 4 heads; both prefetch the positions ahead (the Cache's rows stream from memory). */
@@ -334,7 +335,8 @@ INL float lane_sum(const float *p, int64_t n) {
 }
 
 /* acc[0..8V) = acc + sum_i p_i v_i[0..8V) over n keys in order (V = 8, 4 or 1 vectors of dims); v: key 0's first
- * dim */
+ * dim. The values PV_AHEAD keys on are prefetched (a long span's stream from memory; a hint past the end is harmless) */
+#define PV_AHEAD 16
 #define PV(V, T, LOAD)                                                                                        \
     INL void pv##V##_##T(const T *v, int64_t sl, const float *p, int64_t n, float *acc) {                     \
         __m256 a0 = LD(acc), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;                   \
@@ -342,6 +344,8 @@ INL float lane_sum(const float *p, int64_t n) {
         if (V == 8) { a4 = LD(acc + 32); a5 = LD(acc + 40); a6 = LD(acc + 48); a7 = LD(acc + 56); }            \
         for (int64_t i = 0; i < n; i++, v += sl) {                                                            \
             const __m256 w = _mm256_broadcast_ss(p + i);                                                      \
+            _mm_prefetch((const char *)(v + PV_AHEAD * sl), _MM_HINT_T0);                                    \
+            if (V * 8 * sizeof(T) > 64) _mm_prefetch((const char *)(v + PV_AHEAD * sl) + 64, _MM_HINT_T0);   \
             a0 = _mm256_add_ps(a0, _mm256_mul_ps(w, LOAD(v)));                                                \
             if (V >= 4) {                                                                                     \
                 a1 = _mm256_add_ps(a1, _mm256_mul_ps(w, LOAD(v + 8)));                                        \
