@@ -451,23 +451,25 @@ INL __m256 q8_direct(int two, int pk, const uint8_t *const *rows, const xblock32
 }
 
 /* ======================================================================================================
- * K-quants, many x rows: KS super-blocks of the 8 rows unpacked once, vertically as for the 32-value types
+ * K-quants, many x rows: super-blocks of the 8 rows unpacked once, vertically as for the 32-value types
  * (quad e/4 of the 256 values, row r in lane r), with per-sub-block scale vectors; then every x row of the tile,
  * up to 4 at a time. A sub-block's quads go through maddubs and int16 adds (4-bit: 8 fit; 5-bit: 4; 6-bit: 4, its
  * offset taken off in int16: k6off below), then one madd with the scale vector (lane r: row r's scale in both
- * int16) adds it to the int32 A. Chunks of KS super-blocks; a task's TGK groups (each chunk of all of them unpacked,
- * ~2.7 KB a group and super-block, so that they stay in L1) are met by each pass of x rows in turn: the x rows and
- * Q6_K's offsets of a pass are read and made once for all of them (measured, 2 threads, 64-256 rows: Q6_K +10%,
- * Q4_K/Q5_K +3-5% against 2 groups of 4 super-blocks).
+ * int16) adds it to the int32 A. A task's TGK(t) groups, KS(t) super-blocks of each unpacked at a time (KUNITS
+ * units of ~2.7 KB in all, so that they stay in L1), are met by each pass of x rows in turn: the x rows and Q6_K's
+ * offsets of a pass are read and made once for all of them. Q6_K: 8 groups of 1 super-block, its offsets shared by
+ * 4 pairs (measured, 2 threads, 64-256 rows, real ffn_down: +5-8% against 2 groups of 4); Q4_K/Q5_K: 2 of 4.
  * ==================================================================================================== */
-#define KS 1    /* super-blocks per chunk */
-#define TGK 8   /* weight groups per task (task_groups) */
-typedef struct {
-    __m256i v[KS][64];    /* quad e/4 of each super-block: 0..15 / 0..31 / 0..63 */
-    __m256i sc[KS][16];   /* Q4_K/Q5_K: sub-block j's scale (j < 8); Q6_K: sub-block i's; int16, twice per lane */
-    __m256i corr[KS][4];  /* Q4_K/Q5_K: (mn_2k, mn_2k+1), k < 4: int16 pairs */
-    float d[KS][GROUP], dmin[KS][GROUP];
-} ubufk;
+typedef struct {          /* one super-block of a group's 8 rows, unpacked */
+    __m256i v[64];        /* quad e/4: 0..15 / 0..31 / 0..63 */
+    __m256i sc[16];       /* Q4_K/Q5_K: sub-block j's scale (j < 8); Q6_K: sub-block i's; int16, twice per lane */
+    __m256i corr[4];      /* Q4_K/Q5_K: (mn_2k, mn_2k+1), k < 4: int16 pairs */
+    float d[GROUP], dmin[GROUP];
+} ubufk;                  /* 2.7 KB */
+#define KUNITS 8          /* unpacked super-blocks of a task: TGK(t) groups of KS(t) (~22 KB: they stay in L1) */
+#define KS_MAX 4
+INL int KS(int t) { return t == T_Q6_K ? 1 : KS_MAX; }   /* super-blocks per chunk */
+#define TGK(t) (KUNITS / KS(t))                           /* weight groups per task (task_groups) */
 
 /* the n dwords at rows[r] + o (n a multiple of 4) -> T[0..n): lane r of T[p] = dword p of row r */
 INL void transpose8xn(const uint8_t *const *rows, int64_t o, int n, __m256i *T) {
@@ -523,8 +525,8 @@ INL void unpackk(int t, const uint8_t *const *rows, int64_t b0, int nks, ubufk *
         const int64_t o = (b0 + kb) * tb;
         for (int r = 0; r < GROUP; r++)
             for (int c = 0; c < tb; c += 64) _mm_prefetch((const char *)rows[r] + o + PREFETCH + c, _MM_HINT_T0);
-        __m256i *v = u->v[kb];
-        kscale_vecs(t, rows, o, u->sc[kb], u->corr[kb]);
+        __m256i *v = u[kb].v;
+        kscale_vecs(t, rows, o, u[kb].sc, u[kb].corr);
         if (t == T_Q6_K) {
             __m256i L[32], H[16];
             transpose8xn(rows, o, 32, L);
@@ -538,8 +540,8 @@ INL void unpackk(int t, const uint8_t *const *rows, int64_t b0, int nks, ubufk *
                     v[32 * h + 24 + p] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), f),
                                                          _mm256_and_si256(_mm256_srli_epi16(hb, 2), b45));
                 }
-            _mm256_storeu_ps(u->d[kb], halves8(rows, o + 208));
-            _mm256_storeu_ps(u->dmin[kb], _mm256_setzero_ps());
+            _mm256_storeu_ps(u[kb].d, halves8(rows, o + 208));
+            _mm256_storeu_ps(u[kb].dmin, _mm256_setzero_ps());
         } else {
             __m256i Q[32];
             transpose8xn(rows, o + (t == T_Q4_K ? 16 : 48), 32, Q);
@@ -561,8 +563,8 @@ INL void unpackk(int t, const uint8_t *const *rows, int64_t b0, int nks, ubufk *
             }
             __m256 d, dmin;
             scales8(rows, o, &d, &dmin);
-            _mm256_storeu_ps(u->d[kb], d);
-            _mm256_storeu_ps(u->dmin[kb], dmin);
+            _mm256_storeu_ps(u[kb].d, d);
+            _mm256_storeu_ps(u[kb].dmin, dmin);
         }
     }
 }
@@ -572,8 +574,8 @@ INL void unpackk(int t, const uint8_t *const *rows, int64_t b0, int nks, ubufk *
  * the high one, each sum u q over 8 values -- up to 8*63*127, too big for int16 -- but sum (u - 32) q = that less
  * 32 sum q is at most 8*32*127 = 32512: so the x half-row's 32 sum q of these 8 values (an int16 pair, the same
  * for every row) is taken off the wrapping int16 sum, which ends exact, and one madd with the scales follows.
- * k6off: those pairs of KS super-blocks of one x half-row, sub-block i's the dword i of its super-block's 16. */
-typedef struct { int32_t d[KS][16]; } k6off;
+ * k6off: those pairs of a chunk's super-blocks of one x half-row, sub-block i's the dword i of its super-block's 16. */
+typedef struct { int32_t d[KS_MAX][16]; } k6off;
 INL void k6_offsets(const xblock256 *x, int nks, k6off *o) {
     const __m256i k32 = _mm256_set1_epi8(32), seq = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int kb = 0; kb < nks; kb++) {
@@ -604,7 +606,7 @@ INL void dotk_chunk(int t, const ubufk *u0, const ubufk *u1, int nks, int ng, in
     const int four = ng == 2 || nx > 2;
     __m256 f0 = *a0, f1 = *a1, f2 = four ? *a2 : _mm256_setzero_ps(), f3 = four ? *a3 : _mm256_setzero_ps();
     for (int kb = 0; kb < nks; kb++, x0++, x1++, x2++, x3++) {
-        const __m256i *v0 = u0->v[kb], *v1 = ng == 2 ? u1->v[kb] : v0;
+        const __m256i *v0 = u0[kb].v, *v1 = ng == 2 ? u1[kb].v : v0;
         __m256i A0 = z, A1 = z, A2 = z, A3 = z;
 /* the x quad c of half-row k at byte o of its block (a broadcast shared by the two groups: BK) and group k's
  * weights and scales */
@@ -616,7 +618,7 @@ INL void dotk_chunk(int t, const ubufk *u0, const ubufk *u1, int nks, int ng, in
         if (t == T_Q6_K) {
 #pragma GCC unroll 2
             for (int i = 0; i < 16; i++) {   /* sub-block i: quads 4i..4i+3 in one int16 sum, less the offsets */
-                const __m256i sc0 = u0->sc[kb][i], sc1 = ng == 2 ? u1->sc[kb][i] : sc0;
+                const __m256i sc0 = u0[kb].sc[i], sc1 = ng == 2 ? u1[kb].sc[i] : sc0;
                 __m256i s0 = z, s1 = z, s2 = z, s3 = z;
 #pragma GCC unroll 4
                 for (int q = 0; q < 4; q++) {
@@ -633,13 +635,13 @@ INL void dotk_chunk(int t, const ubufk *u0, const ubufk *u1, int nks, int ng, in
 #undef P
                 }
             }
-#define C(k) COMBINE_D(v8, f##k, _mm256_loadu_ps(UK(k)->d[kb]), _mm256_set1_ps(XK(k)->d), A##k);
+#define C(k) COMBINE_D(v8, f##k, _mm256_loadu_ps(UK(k)[kb].d), _mm256_set1_ps(XK(k)->d), A##k);
             C(0) C(1) if (four) { C(2) C(3) }
 #undef C
         } else {
 #pragma GCC unroll 1
             for (int j = 0; j < 8; j++) {   /* sub-block j: quads 8j..8j+7 */
-                const __m256i sc0 = u0->sc[kb][j], sc1 = ng == 2 ? u1->sc[kb][j] : sc0;
+                const __m256i sc0 = u0[kb].sc[j], sc1 = ng == 2 ? u1[kb].sc[j] : sc0;
                 __m256i s0 = z, s1 = z, s2 = z, s3 = z, h0 = z, h1 = z, h2 = z, h3 = z;
 #pragma GCC unroll 8
                 for (int q = 0; q < 8; q++) {
@@ -657,14 +659,14 @@ INL void dotk_chunk(int t, const ubufk *u0, const ubufk *u1, int nks, int ng, in
             /* B = sum_j mn_j bsum32_j: the bsum32 pairs broadcast */
 #define C(k)                                                                                                   \
             {                                                                                                  \
-                const ubufk *u_ = UK(k);                                                                       \
+                const ubufk *u_ = UK(k) + kb;                                                                    \
                 const __m256i bs = ld256(XK(k)->bsum);                                                         \
                 const __m128i b32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1)); \
-                __m256i B = _mm256_madd_epi16(u_->corr[kb][0], _mm256_broadcastd_epi32(b32));                  \
-                B = _mm256_add_epi32(B, _mm256_madd_epi16(u_->corr[kb][1], _mm256_broadcastd_epi32(_mm_srli_si128(b32, 4)))); \
-                B = _mm256_add_epi32(B, _mm256_madd_epi16(u_->corr[kb][2], _mm256_broadcastd_epi32(_mm_srli_si128(b32, 8)))); \
-                B = _mm256_add_epi32(B, _mm256_madd_epi16(u_->corr[kb][3], _mm256_broadcastd_epi32(_mm_srli_si128(b32, 12)))); \
-                COMBINE_K(v8, f##k, _mm256_loadu_ps(u_->d[kb]), _mm256_loadu_ps(u_->dmin[kb]), _mm256_set1_ps(XK(k)->d), A##k, B); \
+                __m256i B = _mm256_madd_epi16(u_->corr[0], _mm256_broadcastd_epi32(b32));                  \
+                B = _mm256_add_epi32(B, _mm256_madd_epi16(u_->corr[1], _mm256_broadcastd_epi32(_mm_srli_si128(b32, 4)))); \
+                B = _mm256_add_epi32(B, _mm256_madd_epi16(u_->corr[2], _mm256_broadcastd_epi32(_mm_srli_si128(b32, 8)))); \
+                B = _mm256_add_epi32(B, _mm256_madd_epi16(u_->corr[3], _mm256_broadcastd_epi32(_mm_srli_si128(b32, 12)))); \
+                COMBINE_K(v8, f##k, _mm256_loadu_ps(u_->d), _mm256_loadu_ps(u_->dmin), _mm256_set1_ps(XK(k)->d), A##k, B); \
             }
             C(0) C(1) if (four) { C(2) C(3) }
 #undef C
@@ -1051,23 +1053,24 @@ INL void tile32(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1) 
     }
 }
 
-/* K-quants, many x rows: ng (up to TGK) groups from `group` on, KS super-blocks of each unpacked at a time, then
+/* K-quants, many x rows: ng (up to TGK) groups from `group` on, KS(t) super-blocks of each unpacked at a time, then
  * met by the tile's quantized rows, 2 at a time (a lone group: 4) -- each pass of x rows against every group, two
  * at a time (the 16 x 2 tile of dotk_chunk, a last one alone), so that Q6_K's offsets of the pass are made once */
 INL void tilek(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1) {
     const int t = j->qtype;
-    const uint8_t *rows[TGK][GROUP];
+    const uint8_t *rows[KUNITS][GROUP];
     for (int g = 0; g < ng; g++) group_rows(j, group + g, rows[g]);
     const int64_t mt = m1 - m0, xrb = j->xq_row_bytes, hv = j->halves, mq = hv * mt, nb = j->K / 256;
     const char *xq = (const char *)j->xq + hv * m0 * xrb;
-    __m256 acc[TGK][2 * MTILE + 2];
+    __m256 acc[KUNITS][2 * MTILE + 2];
     for (int g = 0; g < ng; g++)
         for (int64_t i = 0; i < mq; i++) acc[g][i] = _mm256_setzero_ps();
-    ubufk u[TGK];
+    ubufk u[KUNITS];   /* group g's chunk at u + g ks */
     k6off off[4];
-    for (int64_t b0 = 0; b0 < nb; b0 += KS) {
-        int nks = nb - b0 < KS ? (int)(nb - b0) : KS;
-        for (int g = 0; g < ng; g++) unpackk(t, rows[g], b0, nks, &u[g]);
+    const int ks = KS(t);
+    for (int64_t b0 = 0; b0 < nb; b0 += ks) {
+        int nks = nb - b0 < ks ? (int)(nb - b0) : ks;
+        for (int g = 0; g < ng; g++) unpackk(t, rows[g], b0, nks, u + g * ks);
         for (int64_t i = 0, nx; i < mq; i += nx) {
             nx = ng == 1 && mq - i >= 4 ? 4 : 2;
             const xblock256 *x0 = (const xblock256 *)(xq + i * xrb) + b0;
@@ -1082,7 +1085,7 @@ INL void tilek(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1) {
             for (int g = 0; g < ng; g += 2) {
                 const int two = g + 1 < ng;
                 __m256 *a2 = two ? &acc[g + 1][i] : &acc[g][i + 2], *a3 = two ? &acc[g + 1][i + 1] : &acc[g][i + 3];
-#define CH(T, NG, NX) dotk_chunk(T, &u[g], &u[two ? g + 1 : g], nks, NG, NX, x0, x1, x2, x3, &off[0], &off[1], \
+#define CH(T, NG, NX) dotk_chunk(T, u + g * ks, u + (two ? g + 1 : g) * ks, nks, NG, NX, x0, x1, x2, x3, &off[0], &off[1], \
                                  &off[2], &off[3], &acc[g][i], &acc[g][i + 1], a2, a3)
 #define CASE(T) if (two) CH(T, 2, 2); else if (nx == 4) CH(T, 1, 4); else CH(T, 1, 2); break;
                 switch (t) {
@@ -1107,7 +1110,7 @@ INL void tilek(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1) {
  * group, nothing to share); the K-quants, tiled: TGK (tilek) */
 AVX2 static int task_groups(int t, int64_t mt) {
     if (mt <= direct_rows(t)) return 1;
-    return type_block(t) == 256 ? TGK : t == T_Q4_0 || t == T_Q5_0 ? 2 : 1;
+    return type_block(t) == 256 ? TGK(t) : t == T_Q4_0 || t == T_Q5_0 ? 2 : 1;
 }
 
 /* ======================================================================================================
