@@ -302,6 +302,40 @@ def test_same_bits_for_any_batch_thread_count_and_path(qt, halves):
                                               err_msg=f"{path} threads={threads} pass of {b}")
 
 
+@pytest.mark.parametrize("qt", KQUANT, ids=lambda q: q.name)
+def test_kquant_extreme_values(qt):
+    """Weights at their ends (every quant 0 or its maximum, scales of either sign at their ends) against activations
+    whose every int8 is +-127: the integer sums at the edge of what the many-row kernels keep in int16 (Q6_K: a
+    sub-block's sum of (u - 32) q, up to 8*32*127 = 32512 per int16) -- the same bits as a row alone, on either
+    path, and within f32 rounding of the product of the quantized halves in float64."""
+    K, rng = 1024, np.random.default_rng(5)
+    bs, tb = gguf.GGML_QUANT_SIZES[qt]
+    w = np.concatenate([np.full((8, K // bs * tb), fill, np.uint8) for fill in (0x00, 0xFF, 0x55, 0xAA, 0x0F)])
+    blk = w.reshape(w.shape[0], -1, tb)
+    one = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    if qt == Q.Q6_K:
+        blk[:, :, 192:208] = rng.choice(np.array([-128, 127, -1], np.int8), blk.shape[:2] + (16,)).view(np.uint8)
+        blk[:, :, 208:210] = one
+    else:
+        blk[:, :, 0:2], blk[:, :, 2:4] = one, one
+    signs = np.where(rng.random((8, K)) < 0.5, 1.0, -1.0)
+    x = np.concatenate([np.ones((4, K)), -np.ones((4, K)), signs, rng.standard_normal((8, K))]).astype(np.float32)
+    x = np.concatenate([x, x[::-1], x])   # 72 rows: the tiled kernels
+    ref = None
+    for path in PATHS:
+        kernels.use_path(path)
+        out = kernels.matmul(x, w, qt)
+        alone = np.stack([kernels.matmul(x[i], w, qt) for i in range(0, x.shape[0], 5)])
+        np.testing.assert_array_equal(bits(alone), bits(out[::5]), err_msg=path)
+        if ref is None:
+            ref = out
+        np.testing.assert_array_equal(bits(out), bits(ref), err_msg=path)
+    xh, xl, _, _ = quantized_x(x, qt)
+    wd = dequant(w, qt).astype(np.float64)
+    S = (np.abs(xh) + np.abs(xl)) @ (np.abs(wd) + np.abs(offset_part(w, qt)).astype(np.float64)).T
+    np.testing.assert_array_less(np.abs(ref - (xh + xl) @ wd.T), (K // 256 + 7) * EPS * S + 1e-30)
+
+
 @pytest.mark.parametrize("qt", QUANT32 + KQUANT, ids=lambda q: q.name)
 def test_two_group_tiles_packed_or_not(qt):
     """The many-row kernels of the quantized types take two groups of 8 weight rows at a time: an odd number of

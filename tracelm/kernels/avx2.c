@@ -451,18 +451,25 @@ INL __m256 q8_direct(int two, int pk, const uint8_t *const *rows, const xblock32
 }
 
 /* ======================================================================================================
- * K-quants, many x rows: KS super-blocks of the 8 rows unpacked once, vertically as for the 32-value types
+ * K-quants, many x rows: super-blocks of the 8 rows unpacked once, vertically as for the 32-value types
  * (quad e/4 of the 256 values, row r in lane r), with per-sub-block scale vectors; then every x row of the tile,
- * up to 4 at a time. A sub-block's quads go through maddubs and int16 adds (4-bit: 8 fit; 5-bit: 4; 6-bit: 2),
- * then one madd with the scale vector (lane r: row r's scale in both int16) adds it to the int32 A.
+ * up to 4 at a time. A sub-block's quads go through maddubs and int16 adds (4-bit: 8 fit; 5-bit: 4; 6-bit: 4, its
+ * offset taken off in int16: k6off below), then one madd with the scale vector (lane r: row r's scale in both
+ * int16) adds it to the int32 A. A task's TGK(t) groups, KS(t) super-blocks of each unpacked at a time (KUNITS
+ * units of ~2.7 KB in all, so that they stay in L1), are met by each pass of x rows in turn: the x rows and Q6_K's
+ * offsets of a pass are read and made once for all of them. Q6_K: 8 groups of 1 super-block, its offsets shared by
+ * 4 pairs (measured, 2 threads, 64-256 rows, real ffn_down: +5-8% against 2 groups of 4); Q4_K/Q5_K: 2 of 4.
  * ==================================================================================================== */
-#define KS 4
-typedef struct {
-    __m256i v[KS][64];    /* quad e/4 of each super-block: 0..15 / 0..31 / 0..63 */
-    __m256i sc[KS][16];   /* Q4_K/Q5_K: sub-block j's scale (j < 8); Q6_K: sub-block i's; int16, twice per lane */
-    __m256i corr[KS][8];  /* Q4_K/Q5_K: (mn_2k, mn_2k+1), k < 4; Q6_K: (sc_2k, sc_2k+1), k < 8: int16 pairs */
-    float d[KS][GROUP], dmin[KS][GROUP];
-} ubufk;
+typedef struct {          /* one super-block of a group's 8 rows, unpacked */
+    __m256i v[64];        /* quad e/4: 0..15 / 0..31 / 0..63 */
+    __m256i sc[16];       /* Q4_K/Q5_K: sub-block j's scale (j < 8); Q6_K: sub-block i's; int16, twice per lane */
+    __m256i corr[4];      /* Q4_K/Q5_K: (mn_2k, mn_2k+1), k < 4: int16 pairs */
+    float d[GROUP], dmin[GROUP];
+} ubufk;                  /* 2.7 KB */
+#define KUNITS 8          /* unpacked super-blocks of a task: TGK(t) groups of KS(t) (~22 KB: they stay in L1) */
+#define KS_MAX 4
+INL int KS(int t) { return t == T_Q6_K ? 1 : KS_MAX; }   /* super-blocks per chunk */
+#define TGK(t) (KUNITS / KS(t))                           /* weight groups per task (task_groups) */
 
 /* the n dwords at rows[r] + o (n a multiple of 4) -> T[0..n): lane r of T[p] = dword p of row r */
 INL void transpose8xn(const uint8_t *const *rows, int64_t o, int n, __m256i *T) {
@@ -496,9 +503,6 @@ INL void kscale_vecs(int t, const uint8_t *const *rows, int64_t o, __m256i *sc, 
         const __m256i S[4] = {T0, T1, T2, T3};
 #pragma GCC unroll 16
         for (int i = 0; i < 16; i++) sc[i] = _mm256_srai_epi16(lane_bytes(S[i / 4], -1, i % 4, -1, i % 4), 8);
-#pragma GCC unroll 8
-        for (int k = 0; k < 8; k++)
-            corr[k] = _mm256_srai_epi16(lane_bytes(S[k / 2], -1, 2 * (k % 2), -1, 2 * (k % 2) + 1), 8);
         return;
     }
     transpose8x4(rows, o, &T0, &T1, &T2, &T3);   /* T0: d, dmin; T1..T3: kscales' u0, u1, u2 */
@@ -521,8 +525,8 @@ INL void unpackk(int t, const uint8_t *const *rows, int64_t b0, int nks, ubufk *
         const int64_t o = (b0 + kb) * tb;
         for (int r = 0; r < GROUP; r++)
             for (int c = 0; c < tb; c += 64) _mm_prefetch((const char *)rows[r] + o + PREFETCH + c, _MM_HINT_T0);
-        __m256i *v = u->v[kb];
-        kscale_vecs(t, rows, o, u->sc[kb], u->corr[kb]);
+        __m256i *v = u[kb].v;
+        kscale_vecs(t, rows, o, u[kb].sc, u[kb].corr);
         if (t == T_Q6_K) {
             __m256i L[32], H[16];
             transpose8xn(rows, o, 32, L);
@@ -536,8 +540,8 @@ INL void unpackk(int t, const uint8_t *const *rows, int64_t b0, int nks, ubufk *
                     v[32 * h + 24 + p] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), f),
                                                          _mm256_and_si256(_mm256_srli_epi16(hb, 2), b45));
                 }
-            _mm256_storeu_ps(u->d[kb], halves8(rows, o + 208));
-            _mm256_storeu_ps(u->dmin[kb], _mm256_setzero_ps());
+            _mm256_storeu_ps(u[kb].d, halves8(rows, o + 208));
+            _mm256_storeu_ps(u[kb].dmin, _mm256_setzero_ps());
         } else {
             __m256i Q[32];
             transpose8xn(rows, o + (t == T_Q4_K ? 16 : 48), 32, Q);
@@ -559,11 +563,35 @@ INL void unpackk(int t, const uint8_t *const *rows, int64_t b0, int nks, ubufk *
             }
             __m256 d, dmin;
             scales8(rows, o, &d, &dmin);
-            _mm256_storeu_ps(u->d[kb], d);
-            _mm256_storeu_ps(u->dmin[kb], dmin);
+            _mm256_storeu_ps(u[kb].d, d);
+            _mm256_storeu_ps(u[kb].dmin, dmin);
         }
     }
 }
+
+/* Q6_K: the offset 32 of u - 32 taken off inside a sub-block's int16 sum. The 4 quads of sub-block i summed in
+ * int16 give, per row, two int16: elements 16i + 4c + {0, 1} (c = 0..3) in the low one, 16i + 4c + {2, 3} in
+ * the high one, each sum u q over 8 values -- up to 8*63*127, too big for int16 -- but sum (u - 32) q = that less
+ * 32 sum q is at most 8*32*127 = 32512: so the x half-row's 32 sum q of these 8 values (an int16 pair, the same
+ * for every row) is taken off the wrapping int16 sum, which ends exact, and one madd with the scales follows.
+ * k6off: those pairs of a chunk's super-blocks of one x half-row, sub-block i's the dword i of its super-block's 16. */
+typedef struct { int32_t d[KS_MAX][16]; } k6off;
+INL void k6_offsets(const xblock256 *x, int nks, k6off *o) {
+    const __m256i k32 = _mm256_set1_epi8(32), seq = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int kb = 0; kb < nks; kb++) {
+        __m256i h[4];   /* values 64p..64p+63 (sub-blocks 4p..4p+3): dword 0, 1 of lane 0 = sub-block 4p, 4p + 2 */
+        for (int p = 0; p < 4; p++) {
+            /* 32 (q_2e + q_2e+1), dword c of a 128-bit lane = quad c of a sub-block: the lanes' 4 dwords summed */
+            const __m256i a = _mm256_maddubs_epi16(k32, ld256(x[kb].q + 64 * p)),
+                          b = _mm256_maddubs_epi16(k32, ld256(x[kb].q + 64 * p + 32));
+            const __m256i c = _mm256_add_epi16(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+            h[p] = _mm256_add_epi16(c, _mm256_shuffle_epi32(c, 0x4e));
+        }
+        _mm256_storeu_si256((__m256i *)o->d[kb], _mm256_permutevar8x32_epi32(_mm256_unpacklo_epi64(h[0], h[1]), seq));
+        _mm256_storeu_si256((__m256i *)o->d[kb] + 1, _mm256_permutevar8x32_epi32(_mm256_unpacklo_epi64(h[2], h[3]), seq));
+    }
+}
+#define K6OFF(o, kb, i) _mm256_set1_epi32((o)->d[kb][i])
 
 /* Accumulators against a chunk of super-blocks, as dot32_chunk: one group (ng = 1), x half-rows x0..x(nx-1)
  * (nx = 2 or 4) against u0, accumulator k = half-row k; two groups (ng = 2, nx = 2: the 16 x 2 tile), x0, x1
@@ -571,13 +599,14 @@ INL void unpackk(int t, const uint8_t *const *rows, int64_t b0, int nks, ubufk *
 #define XK(k) (ng == 2 ? ((k) & 1 ? x1 : x0) : (k) == 0 ? x0 : (k) == 1 ? x1 : (k) == 2 ? x2 : x3)
 #define UK(k) (ng == 2 && (k) >= 2 ? u1 : u0)
 INL void dotk_chunk(int t, const ubufk *u0, const ubufk *u1, int nks, int ng, int nx, const xblock256 *x0,
-                    const xblock256 *x1, const xblock256 *x2, const xblock256 *x3, __m256 *a0, __m256 *a1,
-                    __m256 *a2, __m256 *a3) {
+                    const xblock256 *x1, const xblock256 *x2, const xblock256 *x3, const k6off *o0,
+                    const k6off *o1, const k6off *o2, const k6off *o3, __m256 *a0, __m256 *a1, __m256 *a2,
+                    __m256 *a3) {
     const __m256i z = _mm256_setzero_si256();
     const int four = ng == 2 || nx > 2;
     __m256 f0 = *a0, f1 = *a1, f2 = four ? *a2 : _mm256_setzero_ps(), f3 = four ? *a3 : _mm256_setzero_ps();
     for (int kb = 0; kb < nks; kb++, x0++, x1++, x2++, x3++) {
-        const __m256i *v0 = u0->v[kb], *v1 = ng == 2 ? u1->v[kb] : v0;
+        const __m256i *v0 = u0[kb].v, *v1 = ng == 2 ? u1[kb].v : v0;
         __m256i A0 = z, A1 = z, A2 = z, A3 = z;
 /* the x quad c of half-row k at byte o of its block (a broadcast shared by the two groups: BK) and group k's
  * weights and scales */
@@ -588,50 +617,31 @@ INL void dotk_chunk(int t, const ubufk *u0, const ubufk *u1, int nks, int ng, in
 #define SK(k, e) (ng == 2 && (k) >= 2 ? sc1 : sc0)
         if (t == T_Q6_K) {
 #pragma GCC unroll 2
-            for (int i = 0; i < 16; i++) {   /* sub-block i: quads 4i..4i+3, two int16 sums of 2 */
-                const __m256i sc0 = u0->sc[kb][i], sc1 = ng == 2 ? u1->sc[kb][i] : sc0;
-                __m256i s0, s1, s2, s3, t0, t1, t2, t3;
-                { BX(16 * i, 0)
-#define P(k) s##k = _mm256_maddubs_epi16(VK(k, 4 * i), BK(k));
-                  P(0) P(1) if (four) { P(2) P(3) }
+            for (int i = 0; i < 16; i++) {   /* sub-block i: quads 4i..4i+3 in one int16 sum, less the offsets */
+                const __m256i sc0 = u0[kb].sc[i], sc1 = ng == 2 ? u1[kb].sc[i] : sc0;
+                __m256i s0 = z, s1 = z, s2 = z, s3 = z;
+#pragma GCC unroll 4
+                for (int q = 0; q < 4; q++) {
+                    BX(16 * i, q)
+#define P(k) s##k = _mm256_add_epi16(s##k, _mm256_maddubs_epi16(VK(k, 4 * i + q), BK(k))); REG(s##k);
+                    P(0) P(1) if (four) { P(2) P(3) }
 #undef P
                 }
-                { BX(16 * i, 1)
-#define P(k) s##k = _mm256_add_epi16(s##k, _mm256_maddubs_epi16(VK(k, 4 * i + 1), BK(k)));
-                  P(0) P(1) if (four) { P(2) P(3) }
+                {
+                    const __m256i b0 = K6OFF(o0, kb, i), b1 = K6OFF(o1, kb, i), b2 = nx > 2 ? K6OFF(o2, kb, i) : b0,
+                                  b3 = nx > 2 ? K6OFF(o3, kb, i) : b1;
+#define P(k) A##k = _mm256_add_epi32(A##k, _mm256_madd_epi16(_mm256_sub_epi16(s##k, BK(k)), SK(k, i))); REG(A##k);
+                    P(0) P(1) if (four) { P(2) P(3) }
 #undef P
                 }
-                { BX(16 * i, 2)
-#define P(k) t##k = _mm256_maddubs_epi16(VK(k, 4 * i + 2), BK(k));
-                  P(0) P(1) if (four) { P(2) P(3) }
-#undef P
-                }
-                { BX(16 * i, 3)
-#define P(k) t##k = _mm256_add_epi16(t##k, _mm256_maddubs_epi16(VK(k, 4 * i + 3), BK(k)));
-                  P(0) P(1) if (four) { P(2) P(3) }
-#undef P
-                }
-#define M(k) A##k = _mm256_add_epi32(A##k, _mm256_add_epi32(_mm256_madd_epi16(s##k, SK(k, i)), _mm256_madd_epi16(t##k, SK(k, i)))); REG(A##k);
-                M(0) M(1) if (four) { M(2) M(3) }
-#undef M
             }
-            /* (u - 32): A -= 32 sum_i sc_i bsum_i, the bsum pairs broadcast */
-#define C(k)                                                                                                   \
-            {                                                                                                  \
-                __m256i c = z;                                                                                 \
-                _Pragma("GCC unroll 8") for (int p = 0; p < 8; p++) {                                          \
-                    c = _mm256_add_epi32(c, _mm256_madd_epi16(UK(k)->corr[kb][p], BQ((const int8_t *)XK(k)->bsum, p))); \
-                    REG(c);                                                                                    \
-                }                                                                                              \
-                A##k = _mm256_sub_epi32(A##k, _mm256_slli_epi32(c, 5));                                        \
-                COMBINE_D(v8, f##k, _mm256_loadu_ps(UK(k)->d[kb]), _mm256_set1_ps(XK(k)->d), A##k);            \
-            }
+#define C(k) COMBINE_D(v8, f##k, _mm256_loadu_ps(UK(k)[kb].d), _mm256_set1_ps(XK(k)->d), A##k);
             C(0) C(1) if (four) { C(2) C(3) }
 #undef C
         } else {
 #pragma GCC unroll 1
             for (int j = 0; j < 8; j++) {   /* sub-block j: quads 8j..8j+7 */
-                const __m256i sc0 = u0->sc[kb][j], sc1 = ng == 2 ? u1->sc[kb][j] : sc0;
+                const __m256i sc0 = u0[kb].sc[j], sc1 = ng == 2 ? u1[kb].sc[j] : sc0;
                 __m256i s0 = z, s1 = z, s2 = z, s3 = z, h0 = z, h1 = z, h2 = z, h3 = z;
 #pragma GCC unroll 8
                 for (int q = 0; q < 8; q++) {
@@ -649,14 +659,14 @@ INL void dotk_chunk(int t, const ubufk *u0, const ubufk *u1, int nks, int ng, in
             /* B = sum_j mn_j bsum32_j: the bsum32 pairs broadcast */
 #define C(k)                                                                                                   \
             {                                                                                                  \
-                const ubufk *u_ = UK(k);                                                                       \
+                const ubufk *u_ = UK(k) + kb;                                                                    \
                 const __m256i bs = ld256(XK(k)->bsum);                                                         \
                 const __m128i b32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1)); \
-                __m256i B = _mm256_madd_epi16(u_->corr[kb][0], _mm256_broadcastd_epi32(b32));                  \
-                B = _mm256_add_epi32(B, _mm256_madd_epi16(u_->corr[kb][1], _mm256_broadcastd_epi32(_mm_srli_si128(b32, 4)))); \
-                B = _mm256_add_epi32(B, _mm256_madd_epi16(u_->corr[kb][2], _mm256_broadcastd_epi32(_mm_srli_si128(b32, 8)))); \
-                B = _mm256_add_epi32(B, _mm256_madd_epi16(u_->corr[kb][3], _mm256_broadcastd_epi32(_mm_srli_si128(b32, 12)))); \
-                COMBINE_K(v8, f##k, _mm256_loadu_ps(u_->d[kb]), _mm256_loadu_ps(u_->dmin[kb]), _mm256_set1_ps(XK(k)->d), A##k, B); \
+                __m256i B = _mm256_madd_epi16(u_->corr[0], _mm256_broadcastd_epi32(b32));                  \
+                B = _mm256_add_epi32(B, _mm256_madd_epi16(u_->corr[1], _mm256_broadcastd_epi32(_mm_srli_si128(b32, 4)))); \
+                B = _mm256_add_epi32(B, _mm256_madd_epi16(u_->corr[2], _mm256_broadcastd_epi32(_mm_srli_si128(b32, 8)))); \
+                B = _mm256_add_epi32(B, _mm256_madd_epi16(u_->corr[3], _mm256_broadcastd_epi32(_mm_srli_si128(b32, 12)))); \
+                COMBINE_K(v8, f##k, _mm256_loadu_ps(u_->d), _mm256_loadu_ps(u_->dmin), _mm256_set1_ps(XK(k)->d), A##k, B); \
             }
             C(0) C(1) if (four) { C(2) C(3) }
 #undef C
@@ -1043,36 +1053,49 @@ INL void tile32(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1) 
     }
 }
 
-/* K-quants, many x rows: as tile32, KS super-blocks at a time */
+/* K-quants, many x rows: ng (up to TGK) groups from `group` on, KS(t) super-blocks of each unpacked at a time, then
+ * met by the tile's quantized rows, 2 at a time (a lone group: 4) -- each pass of x rows against every group, two
+ * at a time (the 16 x 2 tile of dotk_chunk, a last one alone), so that Q6_K's offsets of the pass are made once */
 INL void tilek(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1) {
     const int t = j->qtype;
-    const uint8_t *rows[2][GROUP];
+    const uint8_t *rows[KUNITS][GROUP];
     for (int g = 0; g < ng; g++) group_rows(j, group + g, rows[g]);
     const int64_t mt = m1 - m0, xrb = j->xq_row_bytes, hv = j->halves, mq = hv * mt, nb = j->K / 256;
     const char *xq = (const char *)j->xq + hv * m0 * xrb;
-    __m256 acc[2][2 * MTILE + 2];
+    __m256 acc[KUNITS][2 * MTILE + 2];
     for (int g = 0; g < ng; g++)
         for (int64_t i = 0; i < mq; i++) acc[g][i] = _mm256_setzero_ps();
-    ubufk u[2];
-    for (int64_t b0 = 0; b0 < nb; b0 += KS) {
-        int nks = nb - b0 < KS ? (int)(nb - b0) : KS;
-        for (int g = 0; g < ng; g++) unpackk(t, rows[g], b0, nks, &u[g]);
+    ubufk u[KUNITS];   /* group g's chunk at u + g ks */
+    k6off off[4];
+    const int ks = KS(t);
+    for (int64_t b0 = 0; b0 < nb; b0 += ks) {
+        int nks = nb - b0 < ks ? (int)(nb - b0) : ks;
+        for (int g = 0; g < ng; g++) unpackk(t, rows[g], b0, nks, u + g * ks);
         for (int64_t i = 0, nx; i < mq; i += nx) {
             nx = ng == 1 && mq - i >= 4 ? 4 : 2;
             const xblock256 *x0 = (const xblock256 *)(xq + i * xrb) + b0;
             const xblock256 *x1 = (const xblock256 *)(xq + (i + 1 < mq ? i + 1 : i) * xrb) + b0;
             const xblock256 *x2 = nx > 2 ? (const xblock256 *)(xq + (i + 2) * xrb) + b0 : x0;
             const xblock256 *x3 = nx > 2 ? (const xblock256 *)(xq + (i + 3) * xrb) + b0 : x1;
-            __m256 *a2 = ng == 2 ? &acc[1][i] : &acc[0][i + 2], *a3 = ng == 2 ? &acc[1][i + 1] : &acc[0][i + 3];
-#define CH(T, NG, NX) dotk_chunk(T, &u[0], &u[1], nks, NG, NX, x0, x1, x2, x3, &acc[0][i], &acc[0][i + 1], a2, a3)
-#define CASE(T) if (ng == 2) CH(T, 2, 2); else if (nx == 4) CH(T, 1, 4); else CH(T, 1, 2); break;
-            switch (t) {
-            case T_Q4_K: CASE(T_Q4_K)
-            case T_Q5_K: CASE(T_Q5_K)
-            default: CASE(T_Q6_K)
+            if (t == T_Q6_K) {
+                k6_offsets(x0, nks, &off[0]);
+                k6_offsets(x1, nks, &off[1]);
+                if (nx > 2) { k6_offsets(x2, nks, &off[2]); k6_offsets(x3, nks, &off[3]); }
             }
+            for (int g = 0; g < ng; g += 2) {
+                const int two = g + 1 < ng;
+                __m256 *a2 = two ? &acc[g + 1][i] : &acc[g][i + 2], *a3 = two ? &acc[g + 1][i + 1] : &acc[g][i + 3];
+#define CH(T, NG, NX) dotk_chunk(T, u + g * ks, u + (two ? g + 1 : g) * ks, nks, NG, NX, x0, x1, x2, x3, &off[0], &off[1], \
+                                 &off[2], &off[3], &acc[g][i], &acc[g][i + 1], a2, a3)
+#define CASE(T) if (two) CH(T, 2, 2); else if (nx == 4) CH(T, 1, 4); else CH(T, 1, 2); break;
+                switch (t) {
+                case T_Q4_K: CASE(T_Q4_K)
+                case T_Q5_K: CASE(T_Q5_K)
+                default: CASE(T_Q6_K)
+                }
 #undef CASE
 #undef CH
+            }
         }
     }
     for (int g = 0; g < ng; g++) {
@@ -1082,11 +1105,12 @@ INL void tilek(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1) {
     }
 }
 
-/* weight groups per task for a tile of mt x rows: 2 where the 16-row tile runs -- Q4_0, Q5_0 and the K-quants, tiled
- * (measured, 1 thread: Q4_0/Q5_0 +13% at 256 rows, +10% at 8; K-quants +2-8% at 64-256, even at 8-16; Q4_1 loses
- * 2-4%, its m term keeping more vectors live; Q8_0's sign step is per group, nothing to share) */
+/* weight groups per task for a tile of mt x rows: 2 where the 16-row tile runs -- Q4_0, Q5_0 (measured, 1 thread:
+ * +13% at 256 rows, +10% at 8; Q4_1 loses 2-4%, its m term keeping more vectors live; Q8_0's sign step is per
+ * group, nothing to share); the K-quants, tiled: TGK (tilek) */
 AVX2 static int task_groups(int t, int64_t mt) {
-    return (t == T_Q4_0 || t == T_Q5_0 || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K) && mt > direct_rows(t) ? 2 : 1;
+    if (mt <= direct_rows(t)) return 1;
+    return type_block(t) == 256 ? TGK(t) : t == T_Q4_0 || t == T_Q5_0 ? 2 : 1;
 }
 
 /* ======================================================================================================
@@ -1104,7 +1128,7 @@ AVX2 static void mm_task(const mm_job *j, int64_t g0, int64_t m0, int64_t m1) {
         default:
             if (m1 - m0 <= direct_rows(t)) direct_group(j, g, m0, m1);
             else {
-                const int ng = task_groups(t, m1 - m0) == 2 && g + 1 < g1 ? 2 : 1;
+                const int tg = task_groups(t, m1 - m0), ng = g1 - g < tg ? (int)(g1 - g) : tg;
                 if (type_block(t) == 256) tilek(j, g, ng, m0, m1);
                 else tile32(j, g, ng, m0, m1);
                 g += ng - 1;
