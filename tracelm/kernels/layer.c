@@ -1,4 +1,5 @@
-/* tracelm.kernels._core, the layer kernels' Python face: rms_norm, rms_norm_add, rope, attend, silu_mul,
+/* tracelm.kernels._core, the layer kernels' Python face: rms_norm, rms_norm_add, rope, attend (and attend_parts: the
+ * attends of a pass's sequences as one job, each storing its own new keys/values first), silu_mul,
  * gelu_tanh_mul, and the kernels' own exp and tanh (for the tests). Arguments are checked as core.c checks
  * matmul's (a ValueError naming the argument, its shape and dtype); the work runs on the current path's layer_ops
  * (portable or AVX2), over the pool when there is enough of it, the GIL released. The orders: kernels.h.
