@@ -220,6 +220,13 @@ INL void fifth_pair(__m256i QH, int k, __m256i *even, __m256i *odd) {
     *odd = _mm256_min_epu8(_mm256_and_si256(v, _mm256_set1_epi32((int)0x80402010)), b16);
 }
 
+/* packed (kernels.h: qh spread by quad, bit 8b + c of lane r = row r's bit 4c + b): quad c's fifth bits, 16 in byte b
+ * of lane r where set -- one shift (none for quad 4) and a mask */
+INL __m256i fifth_quad(__m256i QH, int c) {
+    const __m256i s = c < 4 ? _mm256_slli_epi32(QH, 4 - c) : c > 4 ? _mm256_srli_epi32(QH, c - 4) : QH;
+    return _mm256_and_si256(s, _mm256_set1_epi32(0x10101010));
+}
+
 /* Block b (at o = b * tb in each row) of a group of 8 rows, in either layout: the file's rows (rows[r]), or packed
  * (kernels.h: the block at p = group + 8 o, a few plain loads). T0..T3: lane r of Tc = dword c of row r's 16
  * nibble bytes; QH (Q5_0, Q5_1): lane r = row r's qh; d, m: lane r = row r's f16 d, m as f32 (m: Q4_1, Q5_1). */
@@ -255,7 +262,12 @@ INL void block32(int t, int pk, const uint8_t *const *rows, const uint8_t *p, in
         V5 = _mm256_and_si256(_mm256_srli_epi16(V1, 4), f_); V1 = _mm256_and_si256(V1, f_);                    \
         V6 = _mm256_and_si256(_mm256_srli_epi16(V2, 4), f_); V2 = _mm256_and_si256(V2, f_);                    \
         V7 = _mm256_and_si256(_mm256_srli_epi16(V3, 4), f_); V3 = _mm256_and_si256(V3, f_);                    \
-        if (t == T_Q5_0 || t == T_Q5_1) {                                                                      \
+        if ((t == T_Q5_0 || t == T_Q5_1) && pk) {                                                              \
+            V0 = _mm256_or_si256(V0, fifth_quad(QH, 0)); V1 = _mm256_or_si256(V1, fifth_quad(QH, 1));          \
+            V2 = _mm256_or_si256(V2, fifth_quad(QH, 2)); V3 = _mm256_or_si256(V3, fifth_quad(QH, 3));          \
+            V4 = _mm256_or_si256(V4, fifth_quad(QH, 4)); V5 = _mm256_or_si256(V5, fifth_quad(QH, 5));          \
+            V6 = _mm256_or_si256(V6, fifth_quad(QH, 6)); V7 = _mm256_or_si256(V7, fifth_quad(QH, 7));          \
+        } else if (t == T_Q5_0 || t == T_Q5_1) {                                                               \
             __m256i e_, o_;                                                                                    \
             fifth_pair(QH, 0, &e_, &o_); V0 = _mm256_or_si256(V0, e_); V1 = _mm256_or_si256(V1, o_);           \
             fifth_pair(QH, 1, &e_, &o_); V2 = _mm256_or_si256(V2, e_); V3 = _mm256_or_si256(V3, o_);           \
@@ -387,7 +399,10 @@ INL __m256 dot32v_direct(int t, int two, int pk, const uint8_t *const *rows, con
         {                                                                                    \
             __m256i v0 = _mm256_and_si256(Ta, f), v1 = _mm256_and_si256(Tb, f);              \
             __m256i v4 = _mm256_and_si256(_mm256_srli_epi16(Ta, 4), f), v5 = _mm256_and_si256(_mm256_srli_epi16(Tb, 4), f); \
-            if (five) {                                                                      \
+            if (five && pk) {                                                                \
+                v0 = _mm256_or_si256(v0, fifth_quad(QH, c)); v1 = _mm256_or_si256(v1, fifth_quad(QH, (c) + 1)); \
+                v4 = _mm256_or_si256(v4, fifth_quad(QH, (c) + 4)); v5 = _mm256_or_si256(v5, fifth_quad(QH, (c) + 5)); \
+            } else if (five) {                                                               \
                 __m256i e, d;                                                                \
                 fifth_pair(QH, (c) / 2, &e, &d); v0 = _mm256_or_si256(v0, e); v1 = _mm256_or_si256(v1, d); \
                 fifth_pair(QH, (c) / 2 + 2, &e, &d); v4 = _mm256_or_si256(v4, e); v5 = _mm256_or_si256(v5, d); \

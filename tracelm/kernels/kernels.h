@@ -70,9 +70,11 @@
  * held packed: each group of 8 rows keeps its 8 * row_bytes bytes, reordered block by block so that a kernel
  * loads a block of the 8 rows with a few vector loads instead of gathering it (llama.cpp repacks likewise). Block
  * b of the group is 8 * tb bytes at b * 8 * tb: the 8 rows' f16 d; then (Q4_1, Q5_1) their f16 m; then (Q5_0,
- * Q5_1) their 32-bit qh; then the quants: Q4/Q5, dword c (c = 0..3) of row r's 16 nibble bytes at 32 c + 4 r;
- * Q8_0, row r's 32 bytes at 32 r. Only the place of each byte changes: the numbers, and so the bits, are those
- * of the file's rows.
+ * Q5_1) their 32-bit qh, its bits spread by quad: bit 8b + c of the packed dword is the file's bit 4c + b (byte b
+ * holds one fifth bit of each quad c = 4 values, so a quad's fifth bits are one shift and a mask away); then the
+ * quants: Q4/Q5, dword c (c = 0..3) of row r's 16 nibble bytes at 32 c + 4 r; Q8_0, row r's 32 bytes at 32 r.
+ * Only the place of each byte (and of qh's bits) changes: the numbers, and so the bits, are those of the file's
+ * rows.
  */
 #ifndef TRACELM_KERNELS_H
 #define TRACELM_KERNELS_H
