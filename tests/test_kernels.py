@@ -336,11 +336,30 @@ def test_kquant_extreme_values(qt):
     np.testing.assert_array_less(np.abs(ref - (xh + xl) @ wd.T), (K // 256 + 7) * EPS * S + 1e-30)
 
 
+@pytest.mark.parametrize("qt", QUANT32, ids=lambda q: q.name)
+def test_pack_moves_bytes_and_qh_bits_and_unpacks_back(qt):
+    """kernels.pack reorders a group's blocks (and spreads Q5's qh bits by quad, kernels.h); unpack_rows gives the
+    file's rows back, byte for byte, for any row of any group."""
+    w = weights(qt, 24, 256, seed=5)
+    p = kernels.pack(w, qt)
+    assert p.tobytes() != w.tobytes()
+    ids = np.array([23, 0, 9, 9, 16, 7])
+    assert kernels.unpack_rows(p, qt, ids).tobytes() == w[ids].tobytes()
+    if qt in (Q.Q5_0, Q.Q5_1):  # row r's qh of block 0 in the packed block: bit 8b + c = the file's bit 4c + b
+        at, pqh = (2, 16) if qt == Q.Q5_0 else (4, 32)
+        for r in range(8):
+            h = int.from_bytes(w[r, at : at + 4].tobytes(), "little")
+            s = int.from_bytes(p[0, pqh + 4 * r : pqh + 4 * r + 4].tobytes(), "little")  # K = 256: row 0 of p is
+            # 8 blocks of bytes, group 0's first block (8 x 22 or 8 x 24 bytes) at its start
+            assert all((s >> (8 * b + c) & 1) == (h >> (4 * c + b) & 1) for c in range(8) for b in range(4))
+
+
 @pytest.mark.parametrize("qt", QUANT32 + KQUANT, ids=lambda q: q.name)
 def test_two_group_tiles_packed_or_not(qt):
     """The many-row kernels of the quantized types take two groups of 8 weight rows at a time: an odd number of
-    groups (a last one alone), a last group of fewer rows, packed weights (`kernels.pack`), K-quant rows of more
-    super-blocks than a chunk -- the same bits as a row alone, on either path, on 1 or 2 threads."""
+    groups (a last one alone), a last group of fewer rows, packed weights (`kernels.pack`; a lone row: the packed
+    one-row kernels), K-quant rows of more super-blocks than a chunk -- the same bits as a row alone, on either
+    path, on 1 or 2 threads."""
     K = 1280 if qt in KQUANT else 320
     x = np.random.default_rng(3).standard_normal((70, K)).astype(np.float32)
     for N in (40, 24, 21):
@@ -353,7 +372,7 @@ def test_two_group_tiles_packed_or_not(qt):
                 for threads in (1, 2):
                     kernels.set_threads(threads)
                     for wf, packed in forms:
-                        for lo, hi in ((0, 70), (3, 5), (3, 9), (5, 38)):
+                        for lo, hi in ((0, 70), (4, 5), (3, 5), (3, 9), (5, 38)):
                             got = kernels.matmul(x[lo:hi], wf, qt, halves=halves, packed=packed)
                             np.testing.assert_array_equal(bits(got), bits(ref[lo:hi]), err_msg=(
                                 f"N={N} halves={halves} {path} threads={threads} packed={packed} rows {lo}..{hi}"))
