@@ -327,17 +327,25 @@ static int packed_pos(int t, int r, int i) {
     return t == T_Q8_0 ? pqs + 32 * r + j : pqs + 32 * (j / 4) + 4 * r + j % 4;
 }
 
-/* Q5_0 / Q5_1 packed: qh's bits spread by quad, bit 8b + c = the file's bit 4c + b (kernels.h), and back */
+/* Q5_0 / Q5_1 packed: qh's bits spread by quad, bit 8b + c = the file's bit 4c + b (kernels.h), and back, a byte
+ * at a time through two tables: byte k of qh (quads 2k, 2k + 1) spreads to spread8[v] << 2k; byte b of the spread
+ * dword (one bit of each quad) gathers to gather8[v] << b */
+static uint32_t spread8[256], gather8[256];
+__attribute__((constructor)) static void qh_tables(void) {
+    for (uint32_t v = 0; v < 256; v++) {
+        spread8[v] = gather8[v] = 0;
+        for (int b = 0; b < 4; b++) spread8[v] |= ((v >> b) & 1u) << (8 * b) | ((v >> (b + 4)) & 1u) << (8 * b + 1);
+        for (int c = 0; c < 8; c++) gather8[v] |= ((v >> c) & 1u) << (4 * c);
+    }
+}
 static uint32_t qh_spread(uint32_t h) {
     uint32_t s = 0;
-    for (int c = 0; c < 8; c++)
-        for (int b = 0; b < 4; b++) s |= ((h >> (4 * c + b)) & 1u) << (8 * b + c);
+    for (int k = 0; k < 4; k++) s |= spread8[(h >> (8 * k)) & 255u] << (2 * k);
     return s;
 }
 static uint32_t qh_gather(uint32_t s) {
     uint32_t h = 0;
-    for (int c = 0; c < 8; c++)
-        for (int b = 0; b < 4; b++) h |= ((s >> (8 * b + c)) & 1u) << (4 * c + b);
+    for (int b = 0; b < 4; b++) h |= gather8[(s >> (8 * b)) & 255u] << b;
     return h;
 }
 static void wr32(uint8_t *p, uint32_t v) { for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i)); }
@@ -347,12 +355,21 @@ static int packed_qh(int t, int r) {
     return t == T_Q5_0 ? packed_pos(t, r, 2) : t == T_Q5_1 ? packed_pos(t, r, 4) : -1;
 }
 
+/* packed_pos of every byte of a block of the 8 rows (a table: the loops below run over millions of blocks) */
+#define MAX_TB 34
+static void packed_table(int t, int pos[8][MAX_TB]) {
+    for (int r = 0; r < 8; r++)
+        for (int i = 0; i < type_bytes(t); i++) pos[r][i] = packed_pos(t, r, i);
+}
+
 void pack_group(int t, const uint8_t *const rows[8], int64_t nb, uint8_t *out) {
     const int tb = type_bytes(t);
+    int pos[8][MAX_TB];
+    packed_table(t, pos);
     for (int64_t b = 0; b < nb; b++)
         for (int r = 0; r < 8; r++) {
             uint8_t *blk = out + b * 8 * tb;
-            for (int i = 0; i < tb; i++) blk[packed_pos(t, r, i)] = rows[r][b * tb + i];
+            for (int i = 0; i < tb; i++) blk[pos[r][i]] = rows[r][b * tb + i];
             const int q = packed_qh(t, r);
             if (q >= 0) wr32(blk + q, qh_spread(rd32(blk + q)));
         }
@@ -360,10 +377,12 @@ void pack_group(int t, const uint8_t *const rows[8], int64_t nb, uint8_t *out) {
 
 void unpack_group(int t, const uint8_t *group, int64_t nb, uint8_t *const rows[8]) {
     const int tb = type_bytes(t);
+    int pos[8][MAX_TB];
+    packed_table(t, pos);
     for (int64_t b = 0; b < nb; b++)
         for (int r = 0; r < 8; r++) {
             const uint8_t *blk = group + b * 8 * tb;
-            for (int i = 0; i < tb; i++) rows[r][b * tb + i] = blk[packed_pos(t, r, i)];
+            for (int i = 0; i < tb; i++) rows[r][b * tb + i] = blk[pos[r][i]];
             const int q = packed_qh(t, r), at = t == T_Q5_0 ? 2 : 4;
             if (q >= 0) wr32(rows[r] + b * tb + at, qh_gather(rd32(blk + q)));
         }
