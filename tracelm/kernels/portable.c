@@ -350,13 +350,10 @@ static uint32_t qh_gather(uint32_t s) {
 }
 static void wr32(uint8_t *p, uint32_t v) { for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i)); }
 
-/* the place of row r's qh in a packed block (-1: the type has none) */
-static int packed_qh(int t, int r) {
-    return t == T_Q5_0 ? packed_pos(t, r, 2) : t == T_Q5_1 ? packed_pos(t, r, 4) : -1;
-}
-
-/* packed_pos of every byte of a block of the 8 rows (a table: the loops below run over millions of blocks) */
+/* packed_pos of every byte of a block of the 8 rows (a table: the loops below run over millions of blocks); qh_at:
+ * where a row's qh starts in the file's block (Q5_0, Q5_1; -1: the type has none) */
 #define MAX_TB 34
+static int qh_at(int t) { return t == T_Q5_0 ? 2 : t == T_Q5_1 ? 4 : -1; }
 static void packed_table(int t, int pos[8][MAX_TB]) {
     for (int r = 0; r < 8; r++)
         for (int i = 0; i < type_bytes(t); i++) pos[r][i] = packed_pos(t, r, i);
@@ -364,26 +361,26 @@ static void packed_table(int t, int pos[8][MAX_TB]) {
 
 void pack_group(int t, const uint8_t *const rows[8], int64_t nb, uint8_t *out) {
     const int tb = type_bytes(t);
+    const int at = qh_at(t);
     int pos[8][MAX_TB];
     packed_table(t, pos);
     for (int64_t b = 0; b < nb; b++)
         for (int r = 0; r < 8; r++) {
             uint8_t *blk = out + b * 8 * tb;
             for (int i = 0; i < tb; i++) blk[pos[r][i]] = rows[r][b * tb + i];
-            const int q = packed_qh(t, r);
-            if (q >= 0) wr32(blk + q, qh_spread(rd32(blk + q)));
+            if (at >= 0) wr32(blk + pos[r][at], qh_spread(rd32(blk + pos[r][at])));
         }
 }
 
 void unpack_group(int t, const uint8_t *group, int64_t nb, uint8_t *const rows[8]) {
     const int tb = type_bytes(t);
+    const int at = qh_at(t);
     int pos[8][MAX_TB];
     packed_table(t, pos);
     for (int64_t b = 0; b < nb; b++)
         for (int r = 0; r < 8; r++) {
             const uint8_t *blk = group + b * 8 * tb;
             for (int i = 0; i < tb; i++) rows[r][b * tb + i] = blk[pos[r][i]];
-            const int q = packed_qh(t, r), at = t == T_Q5_0 ? 2 : 4;
-            if (q >= 0) wr32(rows[r] + b * tb + at, qh_gather(rd32(blk + q)));
+            if (at >= 0) wr32(rows[r] + b * tb + at, qh_gather(rd32(blk + pos[r][at])));
         }
 }
