@@ -142,6 +142,8 @@ AVX2 static void rope_row(const rope_job *j, int64_t t) {
  * heads at a time whose 4 q values wait in registers: s = s + qs[d] * k[d] for the 4 dims in order, s kept in
  * memory between groups of dims -- one chain per key and head over d = 0..hd-1 from 0, as ever. */
 #define SB 256
+#define STREAM_KEYS 512   /* a span this long streams from memory: prefetch (shorter ones: measured, it costs) */
+INL int streams(const attend_job *j, int64_t t) { return j->spans[2 * t + 1] - j->spans[2 * t] >= STREAM_KEYS; }
 #define PF_DIMS 8   /* key rows prefetched ahead (measured at 2000 keys, with PV_AHEAD 16 -> 64: ~10 % less time) */
 #define STEP4(a, q0, q1, q2, q3)                                                                              \
     a = _mm256_add_ps(a, _mm256_mul_ps(q0, k0));                                                              \
@@ -150,7 +152,7 @@ AVX2 static void rope_row(const rope_job *j, int64_t t) {
     a = _mm256_add_ps(a, _mm256_mul_ps(q3, k3));
 #define STREAM_SCORES(T, LOAD)                                                                                \
     INL void stream_scores_##T(const float *qs, int64_t qs_s, int64_t nh, int64_t hd, const T *base, int64_t ld, \
-                               int64_t n, float *s, int64_t s_s) {                                            \
+                               int64_t n, float *s, int64_t s_s, int pf) {                                    \
         for (int64_t b = 0; b < n; b += SB) {                                                                 \
             const int64_t nb = n - b < SB ? n - b : SB;                                                       \
             for (int64_t h = 0; h < nh; h++) memset(s + h * s_s + b, 0, (size_t)nb * sizeof(float));          \
@@ -159,7 +161,7 @@ AVX2 static void rope_row(const rope_job *j, int64_t t) {
                 const T *r = base + d * ld + b;                                                               \
                 /* the 4 rows PF_DIMS dims on (past the last dim, the next block's first): a stream from memory */ \
                 const int64_t pd = d + PF_DIMS < hd ? d + PF_DIMS : d + PF_DIMS - hd, pb = d + PF_DIMS < hd ? b : b + SB; \
-                const int64_t np = pd + 4 <= hd ? (n - pb < SB ? n - pb : SB) : 0;                            \
+                const int64_t np = pf && pd + 4 <= hd ? (n - pb < SB ? n - pb : SB) : 0;                      \
                 for (int64_t c = 0; c < np * (int64_t)sizeof(T); c += 64)                                     \
                     for (int e = 0; e < 4; e++) _mm_prefetch((const char *)(base + (pd + e) * ld + pb) + c, _MM_HINT_T0); \
                 for (int64_t h = 0; h < nh; h += 2) {                                                         \
@@ -282,12 +284,12 @@ INL void pack_keys(const attend_job *j, int64_t kb, int64_t k, int64_t nk, float
 
 /* s[h][i] = qs[h] . key k0 + i: adjacent positions streamed in place, other layouts through tiles */
 INL void scores(const attend_job *j, int64_t kvh, int64_t k0, int64_t n, int64_t nh, const float *qs, float *tile,
-                float *s, int64_t s_s) {
+                float *s, int64_t s_s, int pf) {
     const int64_t hd = j->hd, kb = kvh * j->k_sh, qs_s = up8(hd);
     if (j->k_sl == 1) {   /* positions adjacent: streamed in place */
         const int64_t nv = n / 8 * 8;
-        if (j->f16) stream_scores_uint16_t(qs, qs_s, nh, hd, (const uint16_t *)j->k + kb + k0, j->k_sd, nv, s, s_s);
-        else stream_scores_float(qs, qs_s, nh, hd, (const float *)j->k + kb + k0, j->k_sd, nv, s, s_s);
+        if (j->f16) stream_scores_uint16_t(qs, qs_s, nh, hd, (const uint16_t *)j->k + kb + k0, j->k_sd, nv, s, s_s, pf);
+        else stream_scores_float(qs, qs_s, nh, hd, (const float *)j->k + kb + k0, j->k_sd, nv, s, s_s, pf);
         if (nv < n)
             tail_scores(j, qs, qs_s, nh, (const char *)j->k + (kb + k0 + nv) * (j->f16 ? 2 : 4), n - nv, s + nv, s_s);
         return;
@@ -342,14 +344,14 @@ INL float lane_sum(const float *p, int64_t n) {
  * dim. The values PV_AHEAD keys on are prefetched (a long span's stream from memory; a hint past the end is harmless) */
 #define PV_AHEAD 64
 #define PV(V, T, LOAD)                                                                                        \
-    INL void pv##V##_##T(const T *v, int64_t sl, const float *p, int64_t n, float *acc) {                     \
+    INL void pv##V##_##T(const T *v, int64_t sl, const float *p, int64_t n, float *acc, int pf) {             \
         __m256 a0 = LD(acc), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;                   \
         if (V >= 4) { a1 = LD(acc + 8); a2 = LD(acc + 16); a3 = LD(acc + 24); }                                \
         if (V == 8) { a4 = LD(acc + 32); a5 = LD(acc + 40); a6 = LD(acc + 48); a7 = LD(acc + 56); }            \
         for (int64_t i = 0; i < n; i++, v += sl) {                                                            \
             const __m256 w = _mm256_broadcast_ss(p + i);                                                      \
-            _mm_prefetch((const char *)(v + PV_AHEAD * sl), _MM_HINT_T0);                                    \
-            if (V * 8 * sizeof(T) > 64) _mm_prefetch((const char *)(v + PV_AHEAD * sl) + 64, _MM_HINT_T0);   \
+            if (pf) _mm_prefetch((const char *)(v + PV_AHEAD * sl), _MM_HINT_T0);                            \
+            if (pf && V * 8 * sizeof(T) > 64) _mm_prefetch((const char *)(v + PV_AHEAD * sl) + 64, _MM_HINT_T0); \
             a0 = _mm256_add_ps(a0, _mm256_mul_ps(w, LOAD(v)));                                                \
             if (V >= 4) {                                                                                     \
                 a1 = _mm256_add_ps(a1, _mm256_mul_ps(w, LOAD(v + 8)));                                        \
@@ -381,12 +383,13 @@ PV(1, uint16_t, ldh)
 #define PV_STEP(V)                                                                                            \
     for (; d + 8 * V <= d1; d += 8 * V)                                                                       \
         for (int64_t h = 0; h < nh; h++) {                                                                    \
-            if (j->f16) pv##V##_uint16_t(vh + b * sl + d, sl, p + h * p_s + b, nb, acc + h * a_s + d);        \
-            else pv##V##_float(vf + b * sl + d, sl, p + h * p_s + b, nb, acc + h * a_s + d);                  \
+            if (j->f16) pv##V##_uint16_t(vh + b * sl + d, sl, p + h * p_s + b, nb, acc + h * a_s + d, pf);    \
+            else pv##V##_float(vf + b * sl + d, sl, p + h * p_s + b, nb, acc + h * a_s + d, pf);              \
         }
 INL void weighted_values(const attend_job *j, int64_t kvh, int64_t k0, int64_t n, int64_t nh, int64_t d0,
                          int64_t d1, const float *p, int64_t p_s, float *acc) {
     const int64_t sl = j->v_sl, e = kvh * j->v_sh + k0 * sl, a_s = up8(j->hd);
+    const int pf = n >= STREAM_KEYS;   /* the whole span's n */
     const float *vf = (const float *)j->v + e;
     const uint16_t *vh = (const uint16_t *)j->v + e;
     for (int64_t h = 0; h < nh; h++) memset(acc + h * a_s + d0, 0, (size_t)(d1 - d0) * sizeof(float));
@@ -557,7 +560,7 @@ AVX2 static void attend_scores(const attend_job *j, int64_t t, int64_t h0, int64
         for (; d + 8 <= hd; d += 8) ST(qs + h * hd8 + d, _mm256_mul_ps(LD(q + d), vscale));
         for (; d < hd; d++) qs[h * hd8 + d] = q[d] * j->scale;
     }
-    scores(j, kvh, j->spans[2 * t] + i0, i1 - i0, nh, qs, tile, s + i0, s_s);
+    scores(j, kvh, j->spans[2 * t] + i0, i1 - i0, nh, qs, tile, s + i0, s_s, streams(j, t));
 }
 
 AVX2 static void weighted(const attend_job *j, int64_t t, int64_t h0, int64_t nh, int64_t d0, int64_t d1,
