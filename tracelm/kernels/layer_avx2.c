@@ -288,10 +288,16 @@ INL void scores(const attend_job *j, int64_t kvh, int64_t k0, int64_t n, int64_t
     const int64_t hd = j->hd, kb = kvh * j->k_sh, qs_s = up8(hd);
     if (j->k_sl == 1) {   /* positions adjacent: streamed in place */
         const int64_t nv = n / 8 * 8;
-        if (j->f16) stream_scores_uint16_t(qs, qs_s, nh, hd, (const uint16_t *)j->k + kb + k0, j->k_sd, nv, s, s_s, pf);
-        else stream_scores_float(qs, qs_s, nh, hd, (const float *)j->k + kb + k0, j->k_sd, nv, s, s_s, pf);
-        if (nv < n)
+#define STREAM(o, m) (j->f16 ? stream_scores_uint16_t(qs, qs_s, nh, hd, (const uint16_t *)j->k + kb + k0 + (o), j->k_sd, m, \
+                                                      s + (o), s_s, pf)                                                   \
+                             : stream_scores_float(qs, qs_s, nh, hd, (const float *)j->k + kb + k0 + (o), j->k_sd, m,     \
+                                                   s + (o), s_s, pf))
+        STREAM(0, nv);
+        /* the last n % 8 keys: the 8 keys that end the span (the first of them scored again, to the same bits) */
+        if (nv < n && n >= 8) STREAM(n - 8, 8);
+        else if (nv < n)
             tail_scores(j, qs, qs_s, nh, (const char *)j->k + (kb + k0 + nv) * (j->f16 ? 2 : 4), n - nv, s + nv, s_s);
+#undef STREAM
         return;
     }
     for (int64_t i = 0; i < n; i += ATT_TILE) {
