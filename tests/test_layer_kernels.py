@@ -266,6 +266,7 @@ def test_attend_rows_alone_and_layouts(dtype):
     q = rng.standard_normal((16, H, hd)).astype(np.float32)
     spans = causal_spans(L - 16, 16)
     spans[3] = (5, 5)  # an empty span among them
+    spans[4], spans[5] = (0, 3), (10, 19)  # shorter than a vector of keys; 8 + 1 (the last 8 scored again)
     full = every_setting(lambda: kernels.attend(q, keys, values, spans, 0.125))
     for t in range(16):
         assert_same_bits(kernels.attend(q[t : t + 1], keys, values, spans[t : t + 1], 0.125), full[t : t + 1])

@@ -6,13 +6,14 @@
  *  - attend: a task is the query heads of one kv head (or a part of them), so each key and value is read once for
  *    all of them. Scores: one key per lane, each its own chain over the dims as in the portable loop; keys whose
  *    positions are adjacent (the Cache's layout, [Hkv, hd, n] transposed) are streamed in place, a few rows at a
- *    time, the partial scores kept in memory between rows, the last n % 8 keys read masked; other layouts are
- *    first copied into a tile [hd][32] (8 x 8 transposes when the dims are adjacent). The max and the sum over the
- *    span in 8 lanes (vector i / 8 holds keys i..i+7; a partial last vector on the lanes stored to memory). The
- *    weighted sum of values 64 dims (8 vectors; then 4, 1) at a time, one chain per dim over the keys, in blocks
- *    of keys that meet every head while in L1. A long span streams from memory: the key rows 8 dims on (past the
- *    last dim, the next block's first) and the values 64 positions on are prefetched. Each part takes a range (of
- *    keys, of dims) for layer.c's phases.
+ *    time, the partial scores kept in memory between rows, the last n % 8 keys as the 8 that end the span (read
+ *    masked when the span is shorter); other layouts are first copied into a tile [hd][32] (8 x 8 transposes when
+ *    the dims are adjacent). The max and the sum over the span in 8 lanes (vector i / 8 holds keys i..i+7; a
+ *    partial last vector on the lanes stored to memory). The weighted sum of values 32 dims of two heads (or 64,
+ *    32, 8 of one) at a time, one chain per dim over the keys, in blocks of keys that meet every head while in L1.
+ *    A span of 512 keys or more streams from memory: the key rows 8 dims on (past the last dim, the next block's
+ *    first) and the values 64 positions on are prefetched. Each part takes a range (of keys, of dims) for
+ *    layer.c's phases.
  *    q8_0 keys and values (kv_cache q8_0): scores 8 keys a vector, each block's integer dot products by
  *    maddubs/madd/hadd (exact), then the float steps; values 16 dims at a time, each key's int8 converted once in
  *    registers for up to 4 heads; both prefetch the positions ahead (the Cache's rows stream from memory). */
@@ -382,9 +383,33 @@ PV(8, uint16_t, ldh)
 PV(4, uint16_t, ldh)
 PV(1, uint16_t, ldh)
 #undef PV
+/* the same for two heads (p, q; acc, bcc) and 32 dims: each value vector loaded once for both */
+#define PV2(T, LOAD)                                                                                          \
+    INL void pv2_##T(const T *v, int64_t sl, const float *p, const float *q, int64_t n, float *acc, float *bcc, \
+                     int pf) {                                                                                \
+        __m256 a0 = LD(acc), a1 = LD(acc + 8), a2 = LD(acc + 16), a3 = LD(acc + 24);                          \
+        __m256 b0 = LD(bcc), b1 = LD(bcc + 8), b2 = LD(bcc + 16), b3 = LD(bcc + 24);                          \
+        for (int64_t i = 0; i < n; i++, v += sl) {                                                            \
+            const __m256 w = _mm256_broadcast_ss(p + i), x = _mm256_broadcast_ss(q + i);                      \
+            if (pf) _mm_prefetch((const char *)(v + PV_AHEAD * sl), _MM_HINT_T0);                            \
+            __m256 e = LOAD(v);                                                                               \
+            a0 = _mm256_add_ps(a0, _mm256_mul_ps(w, e)); b0 = _mm256_add_ps(b0, _mm256_mul_ps(x, e));         \
+            e = LOAD(v + 8);                                                                                  \
+            a1 = _mm256_add_ps(a1, _mm256_mul_ps(w, e)); b1 = _mm256_add_ps(b1, _mm256_mul_ps(x, e));         \
+            e = LOAD(v + 16);                                                                                 \
+            a2 = _mm256_add_ps(a2, _mm256_mul_ps(w, e)); b2 = _mm256_add_ps(b2, _mm256_mul_ps(x, e));         \
+            e = LOAD(v + 24);                                                                                 \
+            a3 = _mm256_add_ps(a3, _mm256_mul_ps(w, e)); b3 = _mm256_add_ps(b3, _mm256_mul_ps(x, e));         \
+        }                                                                                                     \
+        ST(acc, a0); ST(acc + 8, a1); ST(acc + 16, a2); ST(acc + 24, a3);                                     \
+        ST(bcc, b0); ST(bcc + 8, b1); ST(bcc + 16, b2); ST(bcc + 24, b3);                                     \
+    }
+PV2(float, LD)
+PV2(uint16_t, ldh)
+#undef PV2
 
-/* acc[h][d] = sum_i p[h][i] v_i[d] for dims d0..d1-1, keys in order: blocks of VB keys, in a block 64 (then 32,
- * then 8) dims at a time, each meeting every head while the block's values are in L1 */
+/* acc[h][d] = sum_i p[h][i] v_i[d] for dims d0..d1-1, keys in order: blocks of VB keys, in a block 32 dims of two
+ * heads at a time (then 64, 32, 8 dims of one), each meeting every head while the block's values are in L1 */
 #define VB 64
 #define PV_STEP(V)                                                                                            \
     for (; d + 8 * V <= d1; d += 8 * V)                                                                       \
@@ -402,6 +427,19 @@ INL void weighted_values(const attend_job *j, int64_t kvh, int64_t k0, int64_t n
     for (int64_t b = 0; b < n; b += VB) {
         const int64_t nb = n - b < VB ? n - b : VB;
         int64_t d = d0;
+        for (; nh > 1 && d + 32 <= d1; d += 32) {   /* two heads at a time (each value vector loaded once) */
+            int64_t h = 0;
+            for (; h + 2 <= nh; h += 2) {
+                const float *pa = p + h * p_s + b, *pb = pa + p_s;
+                float *aa = acc + h * a_s + d, *ab = aa + a_s;
+                if (j->f16) pv2_uint16_t(vh + b * sl + d, sl, pa, pb, nb, aa, ab, pf);
+                else pv2_float(vf + b * sl + d, sl, pa, pb, nb, aa, ab, pf);
+            }
+            if (h < nh) {
+                if (j->f16) pv4_uint16_t(vh + b * sl + d, sl, p + h * p_s + b, nb, acc + h * a_s + d, pf);
+                else pv4_float(vf + b * sl + d, sl, p + h * p_s + b, nb, acc + h * a_s + d, pf);
+            }
+        }
         PV_STEP(8)
         PV_STEP(4)
         PV_STEP(1)
