@@ -406,7 +406,7 @@ extern const kernel_path avx2_path;   /* only if compiled for x86-64 */
 int avx2_compiled(void);
 
 /* packed weights (x8): which types, and the layout both ways (one group of 8 rows of nb blocks) */
-static inline int packable(int t) { return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0; }
+static inline int packable(int t) { return !is_float_type(t) && type_block(t) > 0; }
 void pack_group(int qtype, const uint8_t *const rows[8], int64_t nb, uint8_t *out);
 void unpack_group(int qtype, const uint8_t *group, int64_t nb, uint8_t *const rows[8]);
 
