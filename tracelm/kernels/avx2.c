@@ -6,10 +6,11 @@
  * one 8-lane vector, row r in lane r, and the float update of kernels.h (COMBINE_*) runs on the 8 lanes with v8_*
  * ops, once for the hi half of x and once for the lo half, into acc_hi and acc_lo; out = acc_hi + acc_lo. Two
  * kinds of kernel, the same integers and float operations:
- *   - direct (up to direct_rows(t) x rows, decode): blocks unpacked on the fly and met by both halves of the x
- *     row before the next block, the next group prefetched. Q4_0..Q5_1 "vertical" (below): the 8 rows' block
- *     transposed so that lane r holds row r's quads, each x quad broadcast -- no sums across lanes; Q8_0 and
- *     the K-quants row by row (one maddubs per row-block), summed across rows by hadd trees;
+ *   - direct (up to direct_rows(t, packed) x rows, decode): blocks unpacked on the fly and met by both halves of
+ *     the x row before the next block, the next group prefetched. Q4_0..Q5_1 and packed K-quants "vertical"
+ *     (below): the 8 rows' block transposed (packed: as it lies) so that lane r holds row r's quads, each x quad
+ *     broadcast -- no sums across lanes; Q8_0 and the file's K-quant rows row by row (one maddubs per
+ *     row-block), summed across rows by hadd trees;
  *   - tiled (more x rows, prefill): a chunk of blocks of the 8 rows unpacked once into a vertical buffer, then
  *     met by every quantized row of the task's tile (2 per x row: hi, lo), 4 at a time.
  * F32/F16/BF16 weights: the 32 lanes as 4 vectors; one weight row against 1-2 x rows, or a 2 x 4 tile that
@@ -36,8 +37,14 @@ int avx2_compiled(void) { return 1; }
 #define v8_cvt(i) _mm256_cvtepi32_ps(i)
 
 /* up to this many x rows per task: unpack on the fly; more: unpack once into a buffer (measured, 1 thread, both
- * halves: the vertical 4/5-bit and the K-quant kernels win from 2 rows on; the row-by-row Q8_0 one holds out longer) */
-INL int direct_rows(int t) { return t == T_Q8_0 ? 3 : 1; }
+ * halves: the vertical 4/5-bit and the K-quant kernels win from 2 rows on; the row-by-row Q8_0 one holds out longer,
+ * and so does the packed K-quants' direct one, which reads its blocks as they lie -- measured, 2 threads, ffn_down
+ * shapes, ms direct against tiled: 2 rows Q4_K 0.15 / 0.21, Q5_K 0.25 / 0.27, Q6_K 0.28 / 0.35; 3 rows Q4_K
+ * 0.21 / 0.24, Q5_K 0.36 / 0.32, Q6_K 0.42 / 0.40) */
+INL int direct_rows(int t, int pk) {
+    if (pk && type_block(t) == 256) return t == T_Q4_K ? 3 : 2;
+    return t == T_Q8_0 ? 3 : 1;
+}
 #define TILE_MIN 4      /* F32/F16/BF16: from this many x rows on, the 2 x 4 tile */
 #define PREFETCH 2048   /* tiled kernel: bytes ahead in each row's stream */
 
@@ -1234,7 +1241,7 @@ INL void tilek(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1) {
  * +13% at 256 rows, +10% at 8; Q4_1 loses 2-4%, its m term keeping more vectors live; Q8_0's sign step is per
  * group, nothing to share); the K-quants, tiled: TGK (tilek) */
 AVX2 static int task_groups(int t, int64_t mt) {
-    if (mt <= direct_rows(t)) return 1;
+    if (mt <= direct_rows(t, 0)) return 1;   /* packed K-quants' 2 direct rows: groups of TGK, one at a time */
     return type_block(t) == 256 ? TGK(t) : t == T_Q4_0 || t == T_Q5_0 ? 2 : 1;
 }
 
@@ -1251,7 +1258,7 @@ AVX2 static void mm_task(const mm_job *j, int64_t g0, int64_t m0, int64_t m1) {
         case T_F16: dotf_task(T_F16, j, n0, nr, m0, m1); break;
         case T_BF16: dotf_task(T_BF16, j, n0, nr, m0, m1); break;
         default:
-            if (m1 - m0 <= direct_rows(t)) direct_group(j, g, m0, m1);
+            if (m1 - m0 <= direct_rows(t, j->packed)) direct_group(j, g, m0, m1);
             else {
                 const int tg = task_groups(t, m1 - m0), ng = g1 - g < tg ? (int)(g1 - g) : tg;
                 if (type_block(t) == 256) tilek(j, g, ng, m0, m1);
