@@ -340,6 +340,22 @@ def test_kquant_extreme_values(qt):
     np.testing.assert_array_less(np.abs(ref - (xh + xl) @ wd.T), (K // 256 + 7) * EPS * S + 1e-30)
 
 
+def q6_regrouped(w: np.ndarray) -> np.ndarray:
+    """Q6_K rows with each block's 6-bit values regrouped as packing does (kernels.h): for h = 0, 1 and l = 0..31,
+    a = ql[64h + l], b = ql[64h + 32 + l], c = qh[32h + l] become a' = (a & 15) | (c & 3) << 4 | (c >> 4 & 3) << 6
+    (the 6 bits of value 128h + l, the top bits of + 64), b' = (b & 15) | (c >> 2 & 3) << 4 | (c >> 6) << 6 and
+    c' = (a >> 4) | (b >> 4) << 4."""
+    out = w.copy()
+    blk, src = out.reshape(w.shape[0], -1, 210), w.reshape(w.shape[0], -1, 210).astype(np.uint16)
+    for h in (0, 1):
+        ia, ib, ic = slice(64 * h, 64 * h + 32), slice(64 * h + 32, 64 * h + 64), slice(128 + 32 * h, 160 + 32 * h)
+        a, b, c = src[..., ia], src[..., ib], src[..., ic]
+        blk[..., ia] = (a & 15) | (c & 3) << 4 | (c >> 4 & 3) << 6
+        blk[..., ib] = (b & 15) | (c >> 2 & 3) << 4 | (c >> 6) << 6
+        blk[..., ic] = (a >> 4) | (b >> 4) << 4
+    return out
+
+
 @pytest.mark.parametrize("qt", QUANT32 + KQUANT, ids=lambda q: q.name)
 def test_pack_moves_bytes_and_qh_bits_and_unpacks_back(qt):
     """kernels.pack reorders a group's blocks (and spreads Q5's qh bits by quad, kernels.h); unpack_rows gives the
@@ -354,11 +370,12 @@ def test_pack_moves_bytes_and_qh_bits_and_unpacks_back(qt):
         tb = gguf.GGML_QUANT_SIZES[qt][1]
         runs = [(0, 4), (208, 2)] if qt == Q.Q6_K else [(0, 2), (4, 4)]  # (f0, u) from f0 on
         flat, rb = p.reshape(-1), w.shape[1]
+        moved = q6_regrouped(w) if qt == Q.Q6_K else w
         for g, r, b in ((0, 0, 0), (1, 5, 1), (2, 7, 1)):
             for f in range(tb):
                 f0, u = max(run for run in runs if run[0] <= f)
                 at = 8 * g * rb + 8 * b * tb + 8 * f0 + 8 * u * ((f - f0) // u) + u * r + (f - f0) % u
-                assert flat[at] == w[8 * g + r, b * tb + f], (g, r, b, f)
+                assert flat[at] == moved[8 * g + r, b * tb + f], (g, r, b, f)
     if qt in (Q.Q5_0, Q.Q5_1):  # row r's qh of block 0 in the packed block: bit 8b + c = the file's bit 4c + b
         at, pqh = (2, 16) if qt == Q.Q5_0 else (4, 32)
         for r in range(8):

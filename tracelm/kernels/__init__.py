@@ -118,8 +118,9 @@ def packable(qtype: int, rows: int) -> bool:
 
 def pack(w_rows: np.ndarray, qtype: int, out: np.ndarray | None = None) -> np.ndarray:
     """GGUF rows uint8 [N, row_bytes] (N a multiple of 8) -> the same bytes reordered per group of 8 rows, block
-    by block (kernels.h, "Packed weights"), so a kernel loads a block of 8 rows with a few vector loads; matmul
-    with packed=True gives the bits of the rows. out: [N, row_bytes], made when None, may be w_rows itself."""
+    by block (kernels.h, "Packed weights"; Q5_0/Q5_1's and Q6_K's bits regrouped within their bytes), so a kernel
+    loads a block of 8 rows with a few vector loads; matmul with packed=True gives the bits of the rows. out:
+    [N, row_bytes], made when None, may be w_rows itself."""
     if out is None:
         out = np.empty(w_rows.shape, np.uint8)
     return _core.pack(w_rows, int(qtype), out)

@@ -562,6 +562,16 @@ INL void kscale_vecs(int t, int pk, const uint8_t *const *rows, const uint8_t *p
     for (int k = 0; k < 4; k++) corr[k] = lane_bytes(k < 2 ? b : e, 2 * (k % 2), -1, 2 * (k % 2) + 1, -1);
 }
 
+/* packed Q6_K (kernels.h: the 6-bit values regrouped in their 3 bytes): quad 32h + 8m + k (m = 0..3, k = 0..7) of
+ * the 8 rows from A, B (the ql dwords 16h + k, 16h + 8 + k) and C (the qh dword 8h + k): quads m = 0, 1 are 6 bits
+ * of A, B; m = 2, 3 a nibble of C and the top 2 bits of A, B */
+INL __m256i q6_quad(int m, __m256i A, __m256i B, __m256i C) {
+    const __m256i m6 = _mm256_set1_epi8(0x3f), f = _mm256_set1_epi8(15), b45 = _mm256_set1_epi8(0x30);
+    if (m < 2) return _mm256_and_si256(m == 0 ? A : B, m6);
+    return _mm256_or_si256(_mm256_and_si256(m == 2 ? C : _mm256_srli_epi16(C, 4), f),
+                           _mm256_and_si256(_mm256_srli_epi16(m == 2 ? A : B, 2), b45));
+}
+
 /* super-blocks b0..b0+nks-1 of a group, the file's rows (rows[r]) or packed (the group at rows[0]) */
 INL void unpackk(int t, int pk, const uint8_t *const *rows, int64_t b0, int nks, ubufk *u) {
     const int tb = type_bytes(t);
@@ -585,6 +595,13 @@ INL void unpackk(int t, int pk, const uint8_t *const *rows, int64_t b0, int nks,
             for (int h = 0; h < 2; h++)
                 for (int p = 0; p < 8; p++) {
                     __m256i l0 = L[16 * h + p], l1 = L[16 * h + 8 + p], hb = H[8 * h + p];
+                    if (pk) {
+                        v[32 * h + p] = q6_quad(0, l0, l1, hb);
+                        v[32 * h + 8 + p] = q6_quad(1, l0, l1, hb);
+                        v[32 * h + 16 + p] = q6_quad(2, l0, l1, hb);
+                        v[32 * h + 24 + p] = q6_quad(3, l0, l1, hb);
+                        continue;
+                    }
                     v[32 * h + p] = _mm256_or_si256(_mm256_and_si256(l0, f), _mm256_and_si256(_mm256_slli_epi16(hb, 4), b45));
                     v[32 * h + 8 + p] = _mm256_or_si256(_mm256_and_si256(l1, f), _mm256_and_si256(_mm256_slli_epi16(hb, 2), b45));
                     v[32 * h + 16 + p] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), f), _mm256_and_si256(hb, b45));
@@ -884,19 +901,15 @@ INL __m256 dotk_packed(int t, int two, const uint8_t *g, const xblock256 *xh, co
             k6off oh, ol;
             k6_offsets(xh, 1, &oh);
             if (two) k6_offsets(xl, 1, &ol);
-            const __m256i b45 = _mm256_set1_epi8(0x30);
 #pragma GCC unroll 16
             for (int i = 0; i < 16; i++) {   /* sub-block i: quads 4i + q = 32h + 8m + k, k = 4 (i % 2) + q */
                 const int h = i / 8, m = i / 2 % 4;
                 __m256i sh = z, sl = z;
 #pragma GCC unroll 4
                 for (int q = 0; q < 4; q++) {
-                    const int k = 4 * (i % 2) + q;   /* ql dword 16h + 8 (m % 2) + k: low (m < 2) or high nibbles */
-                    const __m256i l = ld256(p + 32 * (16 * h + 8 * (m % 2) + k)), hb = ld256(p + 8 * 128 + 32 * (8 * h + k));
-                    const __m256i lo = _mm256_and_si256(m < 2 ? l : _mm256_srli_epi16(l, 4), f);
-                    const __m256i hi = m == 0 ? _mm256_slli_epi16(hb, 4) : m == 1 ? _mm256_slli_epi16(hb, 2)
-                                     : m == 2 ? hb : _mm256_srli_epi16(hb, 2);   /* qh bits 2m, 2m + 1 */
-                    const __m256i v = _mm256_or_si256(lo, _mm256_and_si256(hi, b45));
+                    const int k = 4 * (i % 2) + q;   /* (the loads a quad does not need go unused) */
+                    const __m256i v = q6_quad(m, ld256(p + 32 * (16 * h + k)), ld256(p + 32 * (16 * h + 8 + k)),
+                                              ld256(p + 8 * 128 + 32 * (8 * h + k)));
                     sh = _mm256_add_epi16(sh, _mm256_maddubs_epi16(v, BQ(xh->q + 16 * i, q))); REG(sh);
                     if (two) { sl = _mm256_add_epi16(sl, _mm256_maddubs_epi16(v, BQ(xl->q + 16 * i, q))); REG(sl); }
                 }

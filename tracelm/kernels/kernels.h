@@ -77,10 +77,15 @@
  * dword c (c = 0..3) of row r's 16 nibble bytes at 32 c + 4 r of the quants; Q4_K, the 12 scale bytes as 3 such
  * vectors at 32 (lane r: row r's kscales u0, u1, u2), the 128 nibble bytes as 32 at 128; Q5_K, its qh as 8 at
  * 128, the nibbles at 384; Q6_K, ql as 32 at 0, qh as 16 at 1024, the 16 scales as 4 at 1536, d at 1664.
- * One field's bits move too: Q5_0 / Q5_1's 32-bit qh, spread by quad: bit 8b + c of the packed dword is the
- * file's bit 4c + b (byte b holds one fifth bit of each quad c = 4 values, so a quad's fifth bits are one shift
- * and a mask away). Only the place of each byte (and of qh's bits) changes: the numbers, and so the bits, are
- * those of the file's rows.
+ * Some bits move too. Q5_0 / Q5_1's 32-bit qh, spread by quad: bit 8b + c of the packed dword is the file's bit
+ * 4c + b (byte b holds one fifth bit of each quad c = 4 values, so a quad's fifth bits are one shift and a mask
+ * away). Q6_K's 6-bit values, regrouped in the three bytes that hold 4 of them: with a = ql[64h + l] (the low
+ * nibbles of values v = 128h + l and v + 64), b = ql[64h + 32 + l] (of v + 32, v + 96) and c = qh[32h + l] (the
+ * top 2 bits of v, v + 32, v + 64, v + 96, from bit 0), h = 0, 1, l = 0..31, the packed block holds in a's place
+ * v's 6 bits | the top bits of v + 64 << 6, in b's place v + 32's 6 bits | the top bits of v + 96 << 6, in c's
+ * place the low nibbles of v + 64 | v + 96 << 4 (so two quads of 6-bit values are one mask away, two a few
+ * shifts). Only the place of each byte and of these bits changes: the numbers, and so the bits, are those of the
+ * file's rows.
  */
 #ifndef TRACELM_KERNELS_H
 #define TRACELM_KERNELS_H

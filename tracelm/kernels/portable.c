@@ -350,6 +350,31 @@ static uint32_t qh_gather(uint32_t s) {
 }
 static void wr32(uint8_t *p, uint32_t v) { for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i)); }
 
+/* Q6_K packed: the three bytes of 4 values (kernels.h) -- the file's a = ql[64h + l] (low nibble: value 128h + l,
+ * high: + 64), b = ql[64h + 32 + l] (values + 32, + 96), c = qh[32h + l] (their top 2 bits, 2 each) -- regrouped
+ * in place: a = value l's 6 bits | top bits of l + 64 << 6, b = l + 32's | top bits of l + 96 << 6, c = the low
+ * nibbles of l + 64 | l + 96 << 4; and back */
+static void q6_regroup(uint8_t *a, uint8_t *b, uint8_t *c) {
+    const uint8_t A = *a, B = *b, C = *c;
+    *a = (uint8_t)((A & 15) | (C & 0x03) << 4 | (C & 0x30) << 2);
+    *b = (uint8_t)((B & 15) | (C & 0x0c) << 2 | (C & 0xc0));
+    *c = (uint8_t)((A >> 4) | (B & 0xf0));
+}
+static void q6_ungroup(uint8_t *a, uint8_t *b, uint8_t *c) {
+    const uint8_t A = *a, B = *b, C = *c;
+    *a = (uint8_t)((A & 15) | (C & 15) << 4);
+    *b = (uint8_t)((B & 15) | (C & 0xf0));
+    *c = (uint8_t)((A >> 4 & 3) | (B >> 4 & 3) << 2 | (A >> 6) << 4 | (B >> 6) << 6);
+}
+/* a row's 64 triples of a Q6_K block, at the places pos gives them (the file's block: pos NULL) */
+static void q6_triples(uint8_t *blk, const int *pos, void (*f)(uint8_t *, uint8_t *, uint8_t *)) {
+    for (int h = 0; h < 2; h++)
+        for (int l = 0; l < 32; l++) {
+            const int i = 64 * h + l, j = i + 32, k = 128 + 32 * h + l;
+            f(blk + (pos ? pos[i] : i), blk + (pos ? pos[j] : j), blk + (pos ? pos[k] : k));
+        }
+}
+
 /* packed_pos of every byte of a block of the 8 rows (a table: the loops below run over millions of blocks); qh_at:
  * where a row's qh starts in the file's block (Q5_0, Q5_1; -1: the type has none) */
 #define MAX_TB 210
@@ -369,6 +394,7 @@ void pack_group(int t, const uint8_t *const rows[8], int64_t nb, uint8_t *out) {
             uint8_t *blk = out + b * 8 * tb;
             for (int i = 0; i < tb; i++) blk[pos[r][i]] = rows[r][b * tb + i];
             if (at >= 0) wr32(blk + pos[r][at], qh_spread(rd32(blk + pos[r][at])));
+            if (t == T_Q6_K) q6_triples(blk, pos[r], q6_regroup);
         }
 }
 
@@ -382,5 +408,6 @@ void unpack_group(int t, const uint8_t *group, int64_t nb, uint8_t *const rows[8
             const uint8_t *blk = group + b * 8 * tb;
             for (int i = 0; i < tb; i++) rows[r][b * tb + i] = blk[pos[r][i]];
             if (at >= 0) wr32(rows[r] + b * tb + at, qh_gather(rd32(blk + pos[r][at])));
+            if (t == T_Q6_K) q6_triples(rows[r] + b * tb, NULL, q6_ungroup);
         }
 }
