@@ -39,10 +39,10 @@ int avx2_compiled(void) { return 1; }
 /* up to this many x rows per task: unpack on the fly; more: unpack once into a buffer (measured, 1 thread, both
  * halves: the vertical 4/5-bit and the K-quant kernels win from 2 rows on; the row-by-row Q8_0 one holds out longer,
  * and so does the packed K-quants' direct one, which reads its blocks as they lie -- measured, 2 threads, ffn_down
- * shapes, ms direct against tiled: 2 rows Q4_K 0.15 / 0.21, Q5_K 0.25 / 0.27, Q6_K 0.28 / 0.35; 3 rows Q4_K
- * 0.21 / 0.24, Q5_K 0.36 / 0.32, Q6_K 0.42 / 0.40) */
+ * shapes, ms direct against tiled: 2 rows Q4_K 0.15 / 0.21, Q5_K 0.25 / 0.27, Q6_K 0.26 / 0.35; 3 rows Q4_K
+ * 0.21 / 0.24, Q5_K 0.36 / 0.32, Q6_K 0.35 / 0.38; 4 rows alike) */
 INL int direct_rows(int t, int pk) {
-    if (pk && type_block(t) == 256) return t == T_Q4_K ? 3 : 2;
+    if (pk && type_block(t) == 256) return t == T_Q5_K ? 2 : 3;
     return t == T_Q8_0 ? 3 : 1;
 }
 #define TILE_MIN 4      /* F32/F16/BF16: from this many x rows on, the 2 x 4 tile */
