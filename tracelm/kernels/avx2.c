@@ -1254,7 +1254,7 @@ INL void tilek(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1) {
  * +13% at 256 rows, +10% at 8; Q4_1 loses 2-4%, its m term keeping more vectors live; Q8_0's sign step is per
  * group, nothing to share); the K-quants, tiled: TGK (tilek) */
 AVX2 static int task_groups(int t, int64_t mt) {
-    if (mt <= direct_rows(t, 0)) return 1;   /* packed K-quants' 2 direct rows: groups of TGK, one at a time */
+    if (mt <= direct_rows(t, 0)) return 1;   /* packed K-quants, direct up to 3 rows: TGK groups, one at a time */
     return type_block(t) == 256 ? TGK(t) : t == T_Q4_0 || t == T_Q5_0 ? 2 : 1;
 }
 
