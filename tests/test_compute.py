@@ -62,6 +62,32 @@ def test_kernel_weights_are_the_files_blocks(tmp_path: Path) -> None:
     assert np.array_equal(logits_path(resident, prompt, 3)[1], logits_path(streamed, prompt, 3)[1])
 
 
+@pytest.mark.model
+@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b-instruct", "gemma3-270m"])
+def test_packed_kquant_weights_give_the_files_bits(name: str) -> None:
+    """Q4_K_M files: their K-quant matrices (ffn_down; gemma's attn_output too) held packed, resident, are the
+    file's rows reordered, and give the streamed model's logits (the file's rows as they lie) bit for bit and so
+    its greedy tokens -- prompts of 2, 3 and 20+ tokens (the packed direct and tiled kernels) and decode steps."""
+    from tests.conftest import _pull
+
+    path = _pull(name)
+    resident = load_model(str(path), progress=False)
+    streamed = load_model(str(path), progress=False, weights="streamed")
+    kquants = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+    pairs = [(m, s) for lw, ls in zip(resident.weights.layers, streamed.weights.layers, strict=True)
+             for m, s in ((lw.wo, ls.wo), (lw.w_down, ls.w_down)) if set(m.qtypes) & set(kquants)]
+    assert pairs and all(m.packed for m, _ in pairs)
+    m, s = pairs[-1]
+    (b, t), = m.parts
+    assert t in kquants and b.tobytes() != s.parts[0][0].tobytes()  # packed: reordered...
+    assert kernels.unpack_rows(b, t, np.arange(b.shape[0])).tobytes() == s.parts[0][0].tobytes()  # ...the same bytes
+    ids = resident.tokenizer.encode("def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n")
+    for n in (2, 3, len(ids)):
+        fed, a = logits_path(resident, ids[:n], 4)
+        fed_s, b = logits_path(streamed, ids[:n], 4)
+        assert fed == fed_s and a.view(np.uint32).tobytes() == b.view(np.uint32).tobytes(), n
+
+
 def _mapped(a: np.ndarray) -> bool:
     """Whether the array's memory is a mapped file."""
     while isinstance(a, np.ndarray):

@@ -321,6 +321,7 @@ def test_kquant_extreme_values(qt):
     signs = np.where(rng.random((8, K)) < 0.5, 1.0, -1.0)
     x = np.concatenate([np.ones((4, K)), -np.ones((4, K)), signs, rng.standard_normal((8, K))]).astype(np.float32)
     x = np.concatenate([x, x[::-1], x])   # 72 rows: the tiled kernels
+    packed = kernels.pack(w, qt)   # and the packed ones, one to three rows at a time (direct) and tiled
     ref = None
     for path in PATHS:
         kernels.use_path(path)
@@ -330,21 +331,51 @@ def test_kquant_extreme_values(qt):
         if ref is None:
             ref = out
         np.testing.assert_array_equal(bits(out), bits(ref), err_msg=path)
+        for lo, hi in ((0, 72), (5, 6), (6, 8), (9, 12), (16, 24)):
+            got = kernels.matmul(x[lo:hi], packed, qt, packed=True)
+            np.testing.assert_array_equal(bits(got), bits(ref[lo:hi]), err_msg=f"{path} packed rows {lo}..{hi}")
     xh, xl, _, _ = quantized_x(x, qt)
     wd = dequant(w, qt).astype(np.float64)
     S = (np.abs(xh) + np.abs(xl)) @ (np.abs(wd) + np.abs(offset_part(w, qt)).astype(np.float64)).T
     np.testing.assert_array_less(np.abs(ref - (xh + xl) @ wd.T), (K // 256 + 7) * EPS * S + 1e-30)
 
 
-@pytest.mark.parametrize("qt", QUANT32, ids=lambda q: q.name)
+def q6_regrouped(w: np.ndarray) -> np.ndarray:
+    """Q6_K rows with each block's 6-bit values regrouped as packing does (kernels.h): for h = 0, 1 and l = 0..31,
+    a = ql[64h + l], b = ql[64h + 32 + l], c = qh[32h + l] become a' = (a & 15) | (c & 3) << 4 | (c >> 4 & 3) << 6
+    (the 6 bits of value 128h + l, the top bits of + 64), b' = (b & 15) | (c >> 2 & 3) << 4 | (c >> 6) << 6 and
+    c' = (a >> 4) | (b >> 4) << 4."""
+    out = w.copy()
+    blk, src = out.reshape(w.shape[0], -1, 210), w.reshape(w.shape[0], -1, 210).astype(np.uint16)
+    for h in (0, 1):
+        ia, ib, ic = slice(64 * h, 64 * h + 32), slice(64 * h + 32, 64 * h + 64), slice(128 + 32 * h, 160 + 32 * h)
+        a, b, c = src[..., ia], src[..., ib], src[..., ic]
+        blk[..., ia] = (a & 15) | (c & 3) << 4 | (c >> 4 & 3) << 6
+        blk[..., ib] = (b & 15) | (c >> 2 & 3) << 4 | (c >> 6) << 6
+        blk[..., ic] = (a >> 4) | (b >> 4) << 4
+    return out
+
+
+@pytest.mark.parametrize("qt", QUANT32 + KQUANT, ids=lambda q: q.name)
 def test_pack_moves_bytes_and_qh_bits_and_unpacks_back(qt):
     """kernels.pack reorders a group's blocks (and spreads Q5's qh bits by quad, kernels.h); unpack_rows gives the
     file's rows back, byte for byte, for any row of any group."""
-    w = weights(qt, 24, 256, seed=5)
+    w = weights(qt, 24, 512 if qt in KQUANT else 256, seed=5)
     p = kernels.pack(w, qt)
     assert p.tobytes() != w.tobytes()
     ids = np.array([23, 0, 9, 9, 16, 7])
     assert kernels.unpack_rows(p, qt, ids).tobytes() == w[ids].tobytes()
+    if qt in KQUANT:  # kernels.h: byte f of a field of unit u (f16: 2, else 4) of row r's block b of group g at
+        # 8 g row_bytes + 8 b tb + 8 f0 + 8 u k + u r + j, f = f0 + u k + j (f0: where the field's run of units starts)
+        tb = gguf.GGML_QUANT_SIZES[qt][1]
+        runs = [(0, 4), (208, 2)] if qt == Q.Q6_K else [(0, 2), (4, 4)]  # (f0, u) from f0 on
+        flat, rb = p.reshape(-1), w.shape[1]
+        moved = q6_regrouped(w) if qt == Q.Q6_K else w
+        for g, r, b in ((0, 0, 0), (1, 5, 1), (2, 7, 1)):
+            for f in range(tb):
+                f0, u = max(run for run in runs if run[0] <= f)
+                at = 8 * g * rb + 8 * b * tb + 8 * f0 + 8 * u * ((f - f0) // u) + u * r + (f - f0) % u
+                assert flat[at] == moved[8 * g + r, b * tb + f], (g, r, b, f)
     if qt in (Q.Q5_0, Q.Q5_1):  # row r's qh of block 0 in the packed block: bit 8b + c = the file's bit 4c + b
         at, pqh = (2, 16) if qt == Q.Q5_0 else (4, 32)
         for r in range(8):
@@ -357,9 +388,9 @@ def test_pack_moves_bytes_and_qh_bits_and_unpacks_back(qt):
 @pytest.mark.parametrize("qt", QUANT32 + KQUANT, ids=lambda q: q.name)
 def test_two_group_tiles_packed_or_not(qt):
     """The many-row kernels of the quantized types take two groups of 8 weight rows at a time: an odd number of
-    groups (a last one alone), a last group of fewer rows, packed weights (`kernels.pack`; a lone row: the packed
-    one-row kernels), K-quant rows of more super-blocks than a chunk -- the same bits as a row alone, on either
-    path, on 1 or 2 threads."""
+    groups (a last one alone), a last group of fewer rows, packed weights (`kernels.pack`; 1-3 rows: the packed
+    direct kernels, 8 and 64 the tiled ones), K-quant rows of more super-blocks than a chunk -- the same bits as a
+    row alone, on either path, on 1 or 2 threads."""
     K = 1280 if qt in KQUANT else 320
     x = np.random.default_rng(3).standard_normal((70, K)).astype(np.float32)
     for N in (40, 24, 21):
@@ -372,7 +403,7 @@ def test_two_group_tiles_packed_or_not(qt):
                 for threads in (1, 2):
                     kernels.set_threads(threads)
                     for wf, packed in forms:
-                        for lo, hi in ((0, 70), (4, 5), (3, 5), (3, 9), (5, 38)):
+                        for lo, hi in ((0, 70), (4, 5), (3, 5), (3, 6), (3, 9), (0, 8), (5, 38), (6, 70)):
                             got = kernels.matmul(x[lo:hi], wf, qt, halves=halves, packed=packed)
                             np.testing.assert_array_equal(bits(got), bits(ref[lo:hi]), err_msg=(
                                 f"N={N} halves={halves} {path} threads={threads} packed={packed} rows {lo}..{hi}"))
@@ -479,6 +510,10 @@ def test_bad_input_names_the_argument():
         (lambda: kernels.dequantize(w, Q.Q4_0, np.empty((8, 63), np.float32)), r"out must have shape \[8, 64\]"),
         (lambda: kernels.quantize_rows(x[:, :48].copy(), Q.Q4_0, scratch), "not a multiple of 32"),
         (lambda: kernels.scratch_bytes(2, 100, Q.Q4_0), "multiple of 32"),
+        (lambda: kernels.pack(weights(Q.F16, 8, 64), Q.F16), "qtype 1 cannot be packed"),
+        (lambda: kernels.pack(weights(Q.Q6_K, 12, 256), Q.Q6_K), "groups of 8 rows, got 12 rows"),
+        (lambda: mm(np.ones((2, 256), np.float32), weights(Q.Q4_K, 12, 256), Q.Q4_K, out[:, :12].copy(), None, 2,
+                    True), "groups of 8 rows, got 12 rows"),
     ]
     for call, message in cases:
         with pytest.raises(ValueError, match=message):

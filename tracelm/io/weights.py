@@ -170,7 +170,7 @@ def _load_all(gf: GGUFFile, cfg: ModelConfig, bar: Any) -> ModelWeights:
 def kernel_weights(gf: Any, cfg: ModelConfig, streamed: bool = False, progress: bool = True) -> ModelWeights:
     """The matrices of a GGUFFile (or an HFFolder's F32/F16/BF16 tensors) as QMatrix -- their own blocks, for
     the compiled kernels (`compute: kernels`) -- and the vectors in f32. Resident: every matrix copied once
-    into one arena in graph order (huge pages, the file's size), the 32-value types packed for the kernels
+    into one arena in graph order (huge pages, the file's size), the quantized types packed for the kernels
     (`kernels.pack`); streamed: views of the mapped file as they are, paged in as the graph reads them. A type
     the kernels lack (Q2_K, Q3_K, the IQ types...) is dequantized to f32."""
     d = cfg.n_embd
@@ -231,7 +231,7 @@ def _kernel_parts(gf: Any, groups: list[tuple[str, ...]], streamed: bool, progre
 
 
 def _kernel_part(gf: Any, name: str, out: np.ndarray | None) -> tuple[np.ndarray, int]:
-    """(blocks, qtype) of one matrix: a view of the map (out None) or its bytes read into `out`, the 32-value types
+    """(blocks, qtype) of one matrix: a view of the map (out None) or its bytes read into `out`, the quantized types
     packed (`kernels.pack`); a type the kernels lack as F32 rows."""
     t = _info(gf, name)
     if t.qtype not in kernels.SUPPORTED:
@@ -246,7 +246,7 @@ def _kernel_part(gf: Any, name: str, out: np.ndarray | None) -> tuple[np.ndarray
 
 
 def joinable(a: tuple[np.ndarray, int], b: tuple[np.ndarray, int]) -> bool:
-    """Whether two parts may be one: the same type and row size, and packed alike (a 32-value type packs whole
+    """Whether two parts may be one: the same type and row size, and packed alike (a quantized type packs whole
     groups of 8 rows, so both parts must have been packed)."""
     (wa, ta), (wb, tb) = a, b
     packed_alike = int(ta) not in kernels.PACKABLE or (kernels.packable(ta, wa.shape[0])

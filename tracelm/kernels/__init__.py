@@ -39,7 +39,7 @@ FLOATS = frozenset((F32, F16, BF16))  # weights met by f32 activations as they a
 BLOCK = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22),
          Q5_1: (32, 24), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
 """qtype -> (values per block, bytes per block)"""
-PACKABLE = frozenset((Q4_0, Q4_1, Q5_0, Q5_1, Q8_0))  # types `pack` reorders for the kernels
+PACKABLE = frozenset((Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K))  # types `pack` reorders for the kernels
 
 set_threads = _core.set_threads  # set_threads(n): n threads in all, the calling thread included
 threads = _core.threads
@@ -112,14 +112,15 @@ def matmul(x: np.ndarray, w_rows: np.ndarray, qtype: int, out: np.ndarray | None
 
 
 def packable(qtype: int, rows: int) -> bool:
-    """Whether `pack` takes a matrix: a 32-value quantized type in whole groups of 8 rows."""
+    """Whether `pack` takes a matrix: a quantized type in whole groups of 8 rows."""
     return int(qtype) in PACKABLE and rows % 8 == 0
 
 
 def pack(w_rows: np.ndarray, qtype: int, out: np.ndarray | None = None) -> np.ndarray:
     """GGUF rows uint8 [N, row_bytes] (N a multiple of 8) -> the same bytes reordered per group of 8 rows, block
-    by block (kernels.h, "Packed weights"), so a kernel loads a block of 8 rows with a few vector loads; matmul
-    with packed=True gives the bits of the rows. out: [N, row_bytes], made when None, may be w_rows itself."""
+    by block (kernels.h, "Packed weights"; Q5_0/Q5_1's and Q6_K's bits regrouped within their bytes), so a kernel
+    loads a block of 8 rows with a few vector loads; matmul with packed=True gives the bits of the rows. out:
+    [N, row_bytes], made when None, may be w_rows itself."""
     if out is None:
         out = np.empty(w_rows.shape, np.uint8)
     return _core.pack(w_rows, int(qtype), out)

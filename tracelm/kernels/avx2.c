@@ -6,10 +6,11 @@
  * one 8-lane vector, row r in lane r, and the float update of kernels.h (COMBINE_*) runs on the 8 lanes with v8_*
  * ops, once for the hi half of x and once for the lo half, into acc_hi and acc_lo; out = acc_hi + acc_lo. Two
  * kinds of kernel, the same integers and float operations:
- *   - direct (up to direct_rows(t) x rows, decode): blocks unpacked on the fly and met by both halves of the x
- *     row before the next block, the next group prefetched. Q4_0..Q5_1 "vertical" (below): the 8 rows' block
- *     transposed so that lane r holds row r's quads, each x quad broadcast -- no sums across lanes; Q8_0 and
- *     the K-quants row by row (one maddubs per row-block), summed across rows by hadd trees;
+ *   - direct (up to direct_rows(t, packed) x rows, decode): blocks unpacked on the fly and met by both halves of
+ *     the x row before the next block, the next group prefetched. Q4_0..Q5_1 and packed K-quants "vertical"
+ *     (below): the 8 rows' block transposed (packed: as it lies) so that lane r holds row r's quads, each x quad
+ *     broadcast -- no sums across lanes; Q8_0 and the file's K-quant rows row by row (one maddubs per
+ *     row-block), summed across rows by hadd trees;
  *   - tiled (more x rows, prefill): a chunk of blocks of the 8 rows unpacked once into a vertical buffer, then
  *     met by every quantized row of the task's tile (2 per x row: hi, lo), 4 at a time.
  * F32/F16/BF16 weights: the 32 lanes as 4 vectors; one weight row against 1-2 x rows, or a 2 x 4 tile that
@@ -36,8 +37,14 @@ int avx2_compiled(void) { return 1; }
 #define v8_cvt(i) _mm256_cvtepi32_ps(i)
 
 /* up to this many x rows per task: unpack on the fly; more: unpack once into a buffer (measured, 1 thread, both
- * halves: the vertical 4/5-bit and the K-quant kernels win from 2 rows on; the row-by-row Q8_0 one holds out longer) */
-INL int direct_rows(int t) { return t == T_Q8_0 ? 3 : 1; }
+ * halves: the vertical 4/5-bit and the K-quant kernels win from 2 rows on; the row-by-row Q8_0 one holds out longer,
+ * and so does the packed K-quants' direct one, which reads its blocks as they lie -- measured, 2 threads, ffn_down
+ * shapes, ms direct against tiled: 2 rows Q4_K 0.15 / 0.21, Q5_K 0.25 / 0.27, Q6_K 0.26 / 0.35; 3 rows Q4_K
+ * 0.21 / 0.24, Q5_K 0.36 / 0.32, Q6_K 0.35 / 0.38; 4 rows alike) */
+INL int direct_rows(int t, int pk) {
+    if (pk && type_block(t) == 256) return t == T_Q5_K ? 2 : 3;
+    return t == T_Q8_0 ? 3 : 1;
+}
 #define TILE_MIN 4      /* F32/F16/BF16: from this many x rows on, the 2 x 4 tile */
 #define PREFETCH 2048   /* tiled kernel: bytes ahead in each row's stream */
 
@@ -486,16 +493,37 @@ typedef struct {          /* one super-block of a group's 8 rows, unpacked */
 INL int KS(int t) { return t == T_Q6_K ? 1 : KS_MAX; }   /* super-blocks per chunk */
 #define TGK(t) (KUNITS / KS(t))                           /* weight groups per task (task_groups) */
 
-/* the n dwords at rows[r] + o (n a multiple of 4) -> T[0..n): lane r of T[p] = dword p of row r */
-INL void transpose8xn(const uint8_t *const *rows, int64_t o, int n, __m256i *T) {
-    for (int p = 0; p < n; p += 4) transpose8x4(rows, o + 4 * p, &T[p], &T[p + 1], &T[p + 2], &T[p + 3]);
-}
-
 INL __m256 halves8(const uint8_t *const *rows, int64_t o) {   /* the f16 at rows[r] + o, r = 0..7 */
     __m128i h = _mm_setr_epi16((short)rd16(rows[0] + o), (short)rd16(rows[1] + o), (short)rd16(rows[2] + o),
                                (short)rd16(rows[3] + o), (short)rd16(rows[4] + o), (short)rd16(rows[5] + o),
                                (short)rd16(rows[6] + o), (short)rd16(rows[7] + o));
     return _mm256_cvtph_ps(h);
+}
+
+/* the n dwords at rows[r] + o (n a multiple of 4) -> T[0..n): lane r of T[p] = dword p of row r */
+INL void transpose8xn(const uint8_t *const *rows, int64_t o, int n, __m256i *T) {
+    for (int p = 0; p < n; p += 4) transpose8x4(rows, o + 4 * p, &T[p], &T[p + 1], &T[p + 2], &T[p + 3]);
+}
+
+/* The n dwords at byte f of super-block o's rows, in either layout: lane r of T[k] = dword k of row r. The file's
+ * rows (rows[r] + o + f; n rounded up to 4), or packed (kernels.h: the block of the 8 rows at p, byte f's dwords
+ * side by side at 8 f -- plain loads). */
+INL void kdwords(int pk, const uint8_t *const *rows, const uint8_t *p, int64_t o, int f, int n, __m256i *T) {
+    if (pk) for (int k = 0; k < n; k++) T[k] = ld256(p + 8 * f + 32 * k);
+    else transpose8xn(rows, o + f, (n + 3) / 4 * 4, T);
+}
+
+/* the 8 rows' f16 d (and dmin: Q4_K, Q5_K) of super-block o as f32 */
+INL void kscales_d(int t, int pk, const uint8_t *const *rows, const uint8_t *p, int64_t o, __m256 *d, __m256 *dmin) {
+    if (t == T_Q6_K) {
+        *d = pk ? _mm256_cvtph_ps(ld128(p + 8 * 208)) : halves8(rows, o + 208);
+        *dmin = _mm256_setzero_ps();
+    } else if (pk) {
+        *d = _mm256_cvtph_ps(ld128(p));
+        *dmin = _mm256_cvtph_ps(ld128(p + 16));
+    } else {
+        scales8(rows, o, d, dmin);
+    }
 }
 
 /* each dword lane of v -> its bytes i0..i3 (0..3; -1: a zero byte); constant arguments: one shuffle */
@@ -510,17 +538,18 @@ INL __m256i lane_bytes(__m256i v, int i0, int i1, int i2, int i3) {
 #undef LB_
 
 /* the scale vectors of super-block o of the 8 rows (ubufk's sc, corr; lane r: row r), with vector ops: Q4_K/Q5_K,
- * kscales on the 12 bytes at 4 (lanes of U0..U2); Q6_K, the 16 int8 at 192 (lanes of S0..S3), sign-extended */
-INL void kscale_vecs(int t, const uint8_t *const *rows, int64_t o, __m256i *sc, __m256i *corr) {
-    __m256i T0, T1, T2, T3;
+ * kscales on the 12 bytes at 4 (lanes of U[0..2]); Q6_K, the 16 int8 at 192 (lanes of U[0..3]), sign-extended */
+INL void kscale_vecs(int t, int pk, const uint8_t *const *rows, const uint8_t *p, int64_t o, __m256i *sc,
+                     __m256i *corr) {
+    __m256i U[4];
     if (t == T_Q6_K) {
-        transpose8x4(rows, o + 192, &T0, &T1, &T2, &T3);
-        const __m256i S[4] = {T0, T1, T2, T3};
+        kdwords(pk, rows, p, o, 192, 4, U);
 #pragma GCC unroll 16
-        for (int i = 0; i < 16; i++) sc[i] = _mm256_srai_epi16(lane_bytes(S[i / 4], -1, i % 4, -1, i % 4), 8);
+        for (int i = 0; i < 16; i++) sc[i] = _mm256_srai_epi16(lane_bytes(U[i / 4], -1, i % 4, -1, i % 4), 8);
         return;
     }
-    transpose8x4(rows, o, &T0, &T1, &T2, &T3);   /* T0: d, dmin; T1..T3: kscales' u0, u1, u2 */
+    kdwords(pk, rows, p, o, 4, 3, U);   /* kscales' u0, u1, u2 */
+    const __m256i T1 = U[0], T2 = U[1], T3 = U[2];
     const __m256i m6 = _mm256_set1_epi32(0x3f3f3f3f), m4 = _mm256_set1_epi32(0x0f0f0f0f),
                   m2 = _mm256_set1_epi32(0x30303030);
     const __m256i a = _mm256_and_si256(T1, m6), b = _mm256_and_si256(T2, m6);   /* sc0..3, mn0..3 */
@@ -533,33 +562,55 @@ INL void kscale_vecs(int t, const uint8_t *const *rows, int64_t o, __m256i *sc, 
     for (int k = 0; k < 4; k++) corr[k] = lane_bytes(k < 2 ? b : e, 2 * (k % 2), -1, 2 * (k % 2) + 1, -1);
 }
 
-INL void unpackk(int t, const uint8_t *const *rows, int64_t b0, int nks, ubufk *u) {
+/* packed Q6_K (kernels.h: the 6-bit values regrouped in their 3 bytes): quad 32h + 8m + k (m = 0..3, k = 0..7) of
+ * the 8 rows from A, B (the ql dwords 16h + k, 16h + 8 + k) and C (the qh dword 8h + k): quads m = 0, 1 are 6 bits
+ * of A, B; m = 2, 3 a nibble of C and the top 2 bits of A, B */
+INL __m256i q6_quad(int m, __m256i A, __m256i B, __m256i C) {
+    const __m256i m6 = _mm256_set1_epi8(0x3f), f = _mm256_set1_epi8(15), b45 = _mm256_set1_epi8(0x30);
+    if (m < 2) return _mm256_and_si256(m == 0 ? A : B, m6);
+    return _mm256_or_si256(_mm256_and_si256(m == 2 ? C : _mm256_srli_epi16(C, 4), f),
+                           _mm256_and_si256(_mm256_srli_epi16(m == 2 ? A : B, 2), b45));
+}
+
+/* super-blocks b0..b0+nks-1 of a group, the file's rows (rows[r]) or packed (the group at rows[0]) */
+INL void unpackk(int t, int pk, const uint8_t *const *rows, int64_t b0, int nks, ubufk *u) {
     const int tb = type_bytes(t);
     const __m256i f = _mm256_set1_epi8(15), b4 = _mm256_set1_epi8(0x10), b45 = _mm256_set1_epi8(0x30);
     for (int kb = 0; kb < nks; kb++) {
         const int64_t o = (b0 + kb) * tb;
-        for (int r = 0; r < GROUP; r++)
+        const uint8_t *blk = rows[0] + GROUP * o;   /* packed: the super-block of the 8 rows */
+        if (pk) for (int c = 0; c < GROUP * tb; c += 64) _mm_prefetch((const char *)blk + GROUP * PREFETCH + c, _MM_HINT_T0);
+        else for (int r = 0; r < GROUP; r++)
             for (int c = 0; c < tb; c += 64) _mm_prefetch((const char *)rows[r] + o + PREFETCH + c, _MM_HINT_T0);
         __m256i *v = u[kb].v;
-        kscale_vecs(t, rows, o, u[kb].sc, u[kb].corr);
+        kscale_vecs(t, pk, rows, blk, o, u[kb].sc, u[kb].corr);
+        __m256 d, dmin;
+        kscales_d(t, pk, rows, blk, o, &d, &dmin);
+        _mm256_storeu_ps(u[kb].d, d);
+        _mm256_storeu_ps(u[kb].dmin, dmin);
         if (t == T_Q6_K) {
             __m256i L[32], H[16];
-            transpose8xn(rows, o, 32, L);
-            transpose8xn(rows, o + 128, 16, H);
+            kdwords(pk, rows, blk, o, 0, 32, L);
+            kdwords(pk, rows, blk, o, 128, 16, H);
             for (int h = 0; h < 2; h++)
                 for (int p = 0; p < 8; p++) {
                     __m256i l0 = L[16 * h + p], l1 = L[16 * h + 8 + p], hb = H[8 * h + p];
+                    if (pk) {
+                        v[32 * h + p] = q6_quad(0, l0, l1, hb);
+                        v[32 * h + 8 + p] = q6_quad(1, l0, l1, hb);
+                        v[32 * h + 16 + p] = q6_quad(2, l0, l1, hb);
+                        v[32 * h + 24 + p] = q6_quad(3, l0, l1, hb);
+                        continue;
+                    }
                     v[32 * h + p] = _mm256_or_si256(_mm256_and_si256(l0, f), _mm256_and_si256(_mm256_slli_epi16(hb, 4), b45));
                     v[32 * h + 8 + p] = _mm256_or_si256(_mm256_and_si256(l1, f), _mm256_and_si256(_mm256_slli_epi16(hb, 2), b45));
                     v[32 * h + 16 + p] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), f), _mm256_and_si256(hb, b45));
                     v[32 * h + 24 + p] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), f),
                                                          _mm256_and_si256(_mm256_srli_epi16(hb, 2), b45));
                 }
-            _mm256_storeu_ps(u[kb].d, halves8(rows, o + 208));
-            _mm256_storeu_ps(u[kb].dmin, _mm256_setzero_ps());
         } else {
             __m256i Q[32];
-            transpose8xn(rows, o + (t == T_Q4_K ? 16 : 48), 32, Q);
+            kdwords(pk, rows, blk, o, t == T_Q4_K ? 16 : 48, 32, Q);
             for (int c = 0; c < 4; c++)
                 for (int p = 0; p < 8; p++) {
                     v[16 * c + p] = _mm256_and_si256(Q[8 * c + p], f);
@@ -567,7 +618,7 @@ INL void unpackk(int t, const uint8_t *const *rows, int64_t b0, int nks, ubufk *
                 }
             if (t == T_Q5_K) {   /* fifth bit of element 64c + l: bit 2c of qh[l]; of 64c + 32 + l: bit 2c + 1 */
                 __m256i H[8];
-                transpose8xn(rows, o + 16, 8, H);
+                kdwords(pk, rows, blk, o, 16, 8, H);
                 for (int c = 0; c < 4; c++)
                     for (int p = 0; p < 8; p++) {
                         __m256i lo = 2 * c <= 4 ? _mm256_slli_epi16(H[p], 4 - 2 * c) : _mm256_srli_epi16(H[p], 2 * c - 4);
@@ -576,10 +627,6 @@ INL void unpackk(int t, const uint8_t *const *rows, int64_t b0, int nks, ubufk *
                         v[16 * c + 8 + p] = _mm256_or_si256(v[16 * c + 8 + p], _mm256_and_si256(hi, b4));
                     }
             }
-            __m256 d, dmin;
-            scales8(rows, o, &d, &dmin);
-            _mm256_storeu_ps(u[kb].d, d);
-            _mm256_storeu_ps(u[kb].dmin, dmin);
         }
     }
 }
@@ -607,6 +654,17 @@ INL void k6_offsets(const xblock256 *x, int nks, k6off *o) {
     }
 }
 #define K6OFF(o, kb, i) _mm256_set1_epi32((o)->d[kb][i])
+
+/* Q4_K / Q5_K: B = sum_j mn_j bsum32_j of x block x, lane r = row r (corr: ubufk's, the mins as int16 pairs): the
+ * bsum32 pairs broadcast */
+INL __m256i kmins(const __m256i *corr, const xblock256 *x) {
+    const __m256i bs = ld256(x->bsum);
+    const __m128i b32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+    __m256i B = _mm256_madd_epi16(corr[0], _mm256_broadcastd_epi32(b32));
+    B = _mm256_add_epi32(B, _mm256_madd_epi16(corr[1], _mm256_broadcastd_epi32(_mm_srli_si128(b32, 4))));
+    B = _mm256_add_epi32(B, _mm256_madd_epi16(corr[2], _mm256_broadcastd_epi32(_mm_srli_si128(b32, 8))));
+    return _mm256_add_epi32(B, _mm256_madd_epi16(corr[3], _mm256_broadcastd_epi32(_mm_srli_si128(b32, 12))));
+}
 
 /* Accumulators against a chunk of super-blocks, as dot32_chunk: one group (ng = 1), x half-rows x0..x(nx-1)
  * (nx = 2 or 4) against u0, accumulator k = half-row k; two groups (ng = 2, nx = 2: the 16 x 2 tile), x0, x1
@@ -671,16 +729,11 @@ INL void dotk_chunk(int t, const ubufk *u0, const ubufk *u1, int nks, int ng, in
                 M(0) M(1) if (four) { M(2) M(3) }
 #undef M
             }
-            /* B = sum_j mn_j bsum32_j: the bsum32 pairs broadcast */
+            /* B = sum_j mn_j bsum32_j */
 #define C(k)                                                                                                   \
             {                                                                                                  \
-                const ubufk *u_ = UK(k) + kb;                                                                    \
-                const __m256i bs = ld256(XK(k)->bsum);                                                         \
-                const __m128i b32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1)); \
-                __m256i B = _mm256_madd_epi16(u_->corr[0], _mm256_broadcastd_epi32(b32));                  \
-                B = _mm256_add_epi32(B, _mm256_madd_epi16(u_->corr[1], _mm256_broadcastd_epi32(_mm_srli_si128(b32, 4)))); \
-                B = _mm256_add_epi32(B, _mm256_madd_epi16(u_->corr[2], _mm256_broadcastd_epi32(_mm_srli_si128(b32, 8)))); \
-                B = _mm256_add_epi32(B, _mm256_madd_epi16(u_->corr[3], _mm256_broadcastd_epi32(_mm_srli_si128(b32, 12)))); \
+                const ubufk *u_ = UK(k) + kb;                                                                  \
+                const __m256i B = kmins(u_->corr, XK(k));                                                      \
                 COMBINE_K(v8, f##k, _mm256_loadu_ps(u_->d), _mm256_loadu_ps(u_->dmin), _mm256_set1_ps(XK(k)->d), A##k, B); \
             }
             C(0) C(1) if (four) { C(2) C(3) }
@@ -823,6 +876,79 @@ INL __m256 dotk_direct(int t, int two, const uint8_t *const *rows, const xblock2
                 COMBINE_K(v8, acc_lo, d, dmin, dxl, al, bl);
             }
         }
+    }
+    return two ? _mm256_add_ps(acc_hi, acc_lo) : acc_hi;
+}
+
+/* few x rows, packed K-quants (kernels.h): each super-block of the 8 rows read with plain loads, vertically as in
+ * dot32v_direct -- lane r = row r, each x quad broadcast -- and met by the x row's hi (and, if two, lo) half quad
+ * by quad as it is made; the integer sums as dotk_chunk's (int16 runs of 8 quads, Q5_K 4; Q6_K's sub-block of 4
+ * less its offsets, then one madd with the scales). Returns acc_hi (+ acc_lo). */
+INL __m256 dotk_packed(int t, int two, const uint8_t *g, const xblock256 *xh, const xblock256 *xl, int64_t nb,
+                       int64_t pf) {
+    const int tb = type_bytes(t);
+    const __m256i f = _mm256_set1_epi8(15), z = _mm256_setzero_si256();
+    __m256 acc_hi = _mm256_setzero_ps(), acc_lo = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, xh++, xl++) {
+        const uint8_t *p = g + GROUP * b * tb;   /* the super-block of the 8 rows; byte f of the file's at 8 f */
+        for (int64_t c = 0; c < GROUP * tb; c += 64) _mm_prefetch((const char *)p + pf + c, _MM_HINT_T0);
+        __m256i sc[16], corr[4], Ah = z, Al = z;
+        __m256 d, dmin;
+        kscale_vecs(t, 1, NULL, p, 0, sc, corr);
+        kscales_d(t, 1, NULL, p, 0, &d, &dmin);
+        const __m256 dxh = _mm256_set1_ps(xh->d), dxl = _mm256_set1_ps(xl->d);
+        if (t == T_Q6_K) {
+            k6off oh, ol;
+            k6_offsets(xh, 1, &oh);
+            if (two) k6_offsets(xl, 1, &ol);
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; i++) {   /* sub-block i: quads 4i + q = 32h + 8m + k, k = 4 (i % 2) + q */
+                const int h = i / 8, m = i / 2 % 4;
+                __m256i sh = z, sl = z;
+#pragma GCC unroll 4
+                for (int q = 0; q < 4; q++) {
+                    const int k = 4 * (i % 2) + q;   /* (the loads a quad does not need go unused) */
+                    const __m256i v = q6_quad(m, ld256(p + 32 * (16 * h + k)), ld256(p + 32 * (16 * h + 8 + k)),
+                                              ld256(p + 8 * 128 + 32 * (8 * h + k)));
+                    sh = _mm256_add_epi16(sh, _mm256_maddubs_epi16(v, BQ(xh->q + 16 * i, q))); REG(sh);
+                    if (two) { sl = _mm256_add_epi16(sl, _mm256_maddubs_epi16(v, BQ(xl->q + 16 * i, q))); REG(sl); }
+                }
+                Ah = _mm256_add_epi32(Ah, _mm256_madd_epi16(_mm256_sub_epi16(sh, K6OFF(&oh, 0, i)), sc[i]));
+                if (two) Al = _mm256_add_epi32(Al, _mm256_madd_epi16(_mm256_sub_epi16(sl, K6OFF(&ol, 0, i)), sc[i]));
+            }
+            COMBINE_D(v8, acc_hi, d, dxh, Ah);
+            if (two) COMBINE_D(v8, acc_lo, d, dxl, Al);
+            continue;
+        }
+        const int five = t == T_Q5_K, run = five ? 4 : 8, qs = 8 * (five ? 48 : 16);
+        const __m256i b4 = _mm256_set1_epi8(0x10);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++)   /* qs dwords 8c..8c+7: sub-blocks 2c (low nibbles) and 2c + 1 (high) */
+#pragma GCC unroll 2
+            for (int k0 = 0; k0 < 8; k0 += run) {
+                __m256i s0h = z, s0l = z, s1h = z, s1l = z;
+#pragma GCC unroll 8
+                for (int k = k0; k < k0 + run; k++) {
+                    const __m256i Q = ld256(p + qs + 32 * (8 * c + k));
+                    __m256i v0 = _mm256_and_si256(Q, f), v1 = _mm256_and_si256(_mm256_srli_epi16(Q, 4), f);
+                    if (five) {   /* qh dword k: bit 2c (2c + 1) of its byte e, the fifth bit of value 4k + e */
+                        const __m256i H = ld256(p + 8 * 16 + 32 * k);
+                        v0 = _mm256_or_si256(v0, _mm256_and_si256(2 * c <= 4 ? _mm256_slli_epi16(H, 4 - 2 * c)
+                                                                             : _mm256_srli_epi16(H, 2 * c - 4), b4));
+                        v1 = _mm256_or_si256(v1, _mm256_and_si256(2 * c + 1 <= 4 ? _mm256_slli_epi16(H, 3 - 2 * c)
+                                                                                 : _mm256_srli_epi16(H, 2 * c - 3), b4));
+                    }
+#define Q4(S, V, o) S = _mm256_add_epi16(S, _mm256_maddubs_epi16(V, BQ(o, k))); REG(S);
+                    Q4(s0h, v0, xh->q + 64 * c) Q4(s1h, v1, xh->q + 64 * c + 32)
+                    if (two) { Q4(s0l, v0, xl->q + 64 * c) Q4(s1l, v1, xl->q + 64 * c + 32) }
+#undef Q4
+                }
+                Ah = _mm256_add_epi32(Ah, _mm256_add_epi32(_mm256_madd_epi16(s0h, sc[2 * c]), _mm256_madd_epi16(s1h, sc[2 * c + 1])));
+                if (two)
+                    Al = _mm256_add_epi32(Al, _mm256_add_epi32(_mm256_madd_epi16(s0l, sc[2 * c]), _mm256_madd_epi16(s1l, sc[2 * c + 1])));
+            }
+        COMBINE_K(v8, acc_hi, d, dmin, dxh, Ah, kmins(corr, xh));
+        if (two) COMBINE_K(v8, acc_lo, d, dmin, dxl, Al, kmins(corr, xl));
     }
     return two ? _mm256_add_ps(acc_hi, acc_lo) : acc_hi;
 }
@@ -1009,13 +1135,14 @@ INL void direct_group(const mm_job *j, int64_t group, int64_t m0, int64_t m1) {
         } else {
             const int64_t nb = j->K / 256;
             const xblock256 *xh = (const xblock256 *)h, *xl = (const xblock256 *)l;
-#define DIRECT(TWO)                                                                          \
-            switch (t) {                                                                     \
-            case T_Q4_K: out[i] = dotk_direct(T_Q4_K, TWO, rows, xh, xl, nb, pf); break;    \
-            case T_Q5_K: out[i] = dotk_direct(T_Q5_K, TWO, rows, xh, xl, nb, pf); break;    \
-            default: out[i] = dotk_direct(T_Q6_K, TWO, rows, xh, xl, nb, pf); break;        \
+#define DIRECT(F, TWO, W)                                                               \
+            switch (t) {                                                                \
+            case T_Q4_K: out[i] = F(T_Q4_K, TWO, W, xh, xl, nb, pf); break;            \
+            case T_Q5_K: out[i] = F(T_Q5_K, TWO, W, xh, xl, nb, pf); break;            \
+            default: out[i] = F(T_Q6_K, TWO, W, xh, xl, nb, pf); break;                \
             }
-            if (hv == 2) { DIRECT(1) } else { DIRECT(0) }
+            if (j->packed) { if (hv == 2) { DIRECT(dotk_packed, 1, rows[0]) } else { DIRECT(dotk_packed, 0, rows[0]) } }
+            else if (hv == 2) { DIRECT(dotk_direct, 1, rows) } else { DIRECT(dotk_direct, 0, rows) }
 #undef DIRECT
         }
     }
@@ -1085,7 +1212,10 @@ INL void tilek(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1) {
     const int ks = KS(t);
     for (int64_t b0 = 0; b0 < nb; b0 += ks) {
         int nks = nb - b0 < ks ? (int)(nb - b0) : ks;
-        for (int g = 0; g < ng; g++) unpackk(t, rows[g], b0, nks, u + g * ks);
+        for (int g = 0; g < ng; g++) {
+            if (j->packed) unpackk(t, 1, rows[g], b0, nks, u + g * ks);
+            else unpackk(t, 0, rows[g], b0, nks, u + g * ks);
+        }
         for (int64_t i = 0, nx; i < mq; i += nx) {
             nx = ng == 1 && mq - i >= 4 ? 4 : 2;
             const xblock256 *x0 = (const xblock256 *)(xq + i * xrb) + b0;
@@ -1124,7 +1254,7 @@ INL void tilek(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1) {
  * +13% at 256 rows, +10% at 8; Q4_1 loses 2-4%, its m term keeping more vectors live; Q8_0's sign step is per
  * group, nothing to share); the K-quants, tiled: TGK (tilek) */
 AVX2 static int task_groups(int t, int64_t mt) {
-    if (mt <= direct_rows(t)) return 1;
+    if (mt <= direct_rows(t, 0)) return 1;   /* packed K-quants, direct up to 3 rows: TGK groups, one at a time */
     return type_block(t) == 256 ? TGK(t) : t == T_Q4_0 || t == T_Q5_0 ? 2 : 1;
 }
 
@@ -1141,7 +1271,7 @@ AVX2 static void mm_task(const mm_job *j, int64_t g0, int64_t m0, int64_t m1) {
         case T_F16: dotf_task(T_F16, j, n0, nr, m0, m1); break;
         case T_BF16: dotf_task(T_BF16, j, n0, nr, m0, m1); break;
         default:
-            if (m1 - m0 <= direct_rows(t)) direct_group(j, g, m0, m1);
+            if (m1 - m0 <= direct_rows(t, j->packed)) direct_group(j, g, m0, m1);
             else {
                 const int tg = task_groups(t, m1 - m0), ng = g1 - g < tg ? (int)(g1 - g) : tg;
                 if (type_block(t) == 256) tilek(j, g, ng, m0, m1);

@@ -387,10 +387,11 @@ static int get_scratch(PyObject *o, const char *fn, int64_t need, buf *b) {
     return 0;
 }
 
-/* packed weights (kernels.h): a 32-value type, whole groups of 8 rows */
+/* packed weights (kernels.h): a quantized type, whole groups of 8 rows */
 static int check_packable(const char *fn, int qtype, PyObject *wo) {
     if (!packable(qtype)) {
-        PyErr_Format(PyExc_ValueError, "%s: qtype %d cannot be packed (Q4_0=2 Q4_1=3 Q5_0=6 Q5_1=7 Q8_0=8 can)", fn,
+        PyErr_Format(PyExc_ValueError, "%s: qtype %d cannot be packed (Q4_0=2 Q4_1=3 Q5_0=6 Q5_1=7 Q8_0=8 "
+                     "Q4_K=12 Q5_K=13 Q6_K=14 can)", fn,
                      qtype);
         return -1;
     }
@@ -559,7 +560,7 @@ static PyObject *py_pack(PyObject *self, PyObject *args) {
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS
-    pack_ctx c = {qtype, (const uint8_t *)w.v.buf, (uint8_t *)out.v.buf, w.v.shape[1], K / 32};
+    pack_ctx c = {qtype, (const uint8_t *)w.v.buf, (uint8_t *)out.v.buf, w.v.shape[1], K / type_block(qtype)};
     int64_t G = w.v.shape[0] / GROUP;
     pool_run(pack_tasks, &c, G, chunk_for(G));
     Py_END_ALLOW_THREADS
@@ -608,7 +609,7 @@ static PyObject *py_unpack_rows(PyObject *self, PyObject *args) {
     for (int64_t i = 0; i < n; i++) {   /* a row's group back to the file's layout, then its row */
         uint8_t *rows[GROUP];
         for (int r = 0; r < GROUP; r++) rows[r] = tmp + r * rb;
-        unpack_group(qtype, (const uint8_t *)w.v.buf + id[i] / GROUP * GROUP * rb, K / 32, rows);
+        unpack_group(qtype, (const uint8_t *)w.v.buf + id[i] / GROUP * GROUP * rb, K / type_block(qtype), rows);
         memcpy((uint8_t *)out.v.buf + i * rb, rows[id[i] % GROUP], (size_t)rb);
     }
     free(tmp);

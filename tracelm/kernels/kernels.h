@@ -66,15 +66,26 @@
  *
  * No FMA: the build uses -ffp-contract=off and the AVX2 code is compiled without the fma target.
  *
- * Packed weights (x8). A matrix of a 32-value type (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0) with a multiple of 8 rows may be
- * held packed: each group of 8 rows keeps its 8 * row_bytes bytes, reordered block by block so that a kernel
- * loads a block of the 8 rows with a few vector loads instead of gathering it (llama.cpp repacks likewise). Block
- * b of the group is 8 * tb bytes at b * 8 * tb: the 8 rows' f16 d; then (Q4_1, Q5_1) their f16 m; then (Q5_0,
- * Q5_1) their 32-bit qh, its bits spread by quad: bit 8b + c of the packed dword is the file's bit 4c + b (byte b
- * holds one fifth bit of each quad c = 4 values, so a quad's fifth bits are one shift and a mask away); then the
- * quants: Q4/Q5, dword c (c = 0..3) of row r's 16 nibble bytes at 32 c + 4 r; Q8_0, row r's 32 bytes at 32 r.
- * Only the place of each byte (and of qh's bits) changes: the numbers, and so the bits, are those of the file's
- * rows.
+ * Packed weights (x8). A matrix of a quantized type (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0, Q4_K Q5_K Q6_K) with a multiple of
+ * 8 rows may be held packed: each group of 8 rows keeps its 8 * row_bytes bytes, reordered block by block so that
+ * a kernel loads a block of the 8 rows with a few vector loads instead of gathering it (llama.cpp repacks
+ * likewise). Block b of the group is 8 * tb bytes at b * 8 * tb, the file's fields in the file's order, each at
+ * 8 times its offset in the file's block, the 8 rows' units side by side: unit k of row r of a field at
+ * 8 f + 8 u k + u r (f: the field's offset in the file's block, u: its unit). The units: 2 bytes for the f16
+ * values (d; m of Q4_1, Q5_1; dmin of Q4_K, Q5_K; Q6_K's d, its last 2 bytes); 32 for Q8_0's quants; 4 for the
+ * rest (qh, nibbles, K-quant scales, ql). So a vector of 32 bytes holds one dword of each of the 8 rows: Q4/Q5,
+ * dword c (c = 0..3) of row r's 16 nibble bytes at 32 c + 4 r of the quants; Q4_K, the 12 scale bytes as 3 such
+ * vectors at 32 (lane r: row r's kscales u0, u1, u2), the 128 nibble bytes as 32 at 128; Q5_K, its qh as 8 at
+ * 128, the nibbles at 384; Q6_K, ql as 32 at 0, qh as 16 at 1024, the 16 scales as 4 at 1536, d at 1664.
+ * Some bits move too. Q5_0 / Q5_1's 32-bit qh, spread by quad: bit 8b + c of the packed dword is the file's bit
+ * 4c + b (byte b holds one fifth bit of each quad c = 4 values, so a quad's fifth bits are one shift and a mask
+ * away). Q6_K's 6-bit values, regrouped in the three bytes that hold 4 of them: with a = ql[64h + l] (the low
+ * nibbles of values v = 128h + l and v + 64), b = ql[64h + 32 + l] (of v + 32, v + 96) and c = qh[32h + l] (the
+ * top 2 bits of v, v + 32, v + 64, v + 96, from bit 0), h = 0, 1, l = 0..31, the packed block holds in a's place
+ * v's 6 bits | the top bits of v + 64 << 6, in b's place v + 32's 6 bits | the top bits of v + 96 << 6, in c's
+ * place the low nibbles of v + 64 | v + 96 << 4 (so two quads of 6-bit values are one mask away, two a few
+ * shifts). Only the place of each byte and of these bits changes: the numbers, and so the bits, are those of the
+ * file's rows.
  */
 #ifndef TRACELM_KERNELS_H
 #define TRACELM_KERNELS_H
@@ -406,7 +417,7 @@ extern const kernel_path avx2_path;   /* only if compiled for x86-64 */
 int avx2_compiled(void);
 
 /* packed weights (x8): which types, and the layout both ways (one group of 8 rows of nb blocks) */
-static inline int packable(int t) { return t == T_Q4_0 || t == T_Q4_1 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q8_0; }
+static inline int packable(int t) { return !is_float_type(t) && type_block(t) > 0; }
 void pack_group(int qtype, const uint8_t *const rows[8], int64_t nb, uint8_t *out);
 void unpack_group(int qtype, const uint8_t *group, int64_t nb, uint8_t *const rows[8]);
 

@@ -218,7 +218,7 @@ static void mm_group(const mm_job *j, int64_t group, int64_t m0, int64_t m1) {
         if (!own) abort();
         uint8_t *rows[GROUP];
         for (int r = 0; r < GROUP; r++) rows[r] = own + r * j->row_bytes;
-        unpack_group(t, base, j->K / 32, rows);
+        unpack_group(t, base, j->K / type_block(t), rows);
         base = own;
     }
     for (int64_t n = n0; n < n1; n++) {
@@ -315,16 +315,16 @@ void dequantize_rows(int t, const uint8_t *w, int64_t row_bytes, int64_t K, floa
     }
 }
 
-/* ---- packed weights (x8, kernels.h): where byte i of row r's block goes in the group's block ---- */
+/* ---- packed weights (x8, kernels.h): where byte i of row r's block goes in the group's block ----
+ * The block's fields in the file's order, each at 8 times its offset in the file's block, the 8 rows' units
+ * side by side: f16 values (d, m, dmin) in units of 2 bytes, Q8_0's quants in one unit of 32, the rest in dwords.
+ * f16 fields: the first 2 bytes (4 for Q4_1, Q5_1, Q4_K, Q5_K: d, m / dmin), and Q6_K's d, its last 2. */
 static int packed_pos(int t, int r, int i) {
-    const int has_m = t == T_Q4_1 || t == T_Q5_1, has_qh = t == T_Q5_0 || t == T_Q5_1;
-    const int qh_at = has_m ? 4 : 2, qs_at = 2 + 2 * has_m + 4 * has_qh;   /* in the file's block */
-    const int pqh = 16 + 16 * has_m, pqs = pqh + 32 * has_qh;            /* in the packed block */
-    if (i < 2) return 2 * r + i;                                          /* d */
-    if (has_m && i < 4) return 16 + 2 * r + (i - 2);                     /* m */
-    if (has_qh && i < qh_at + 4) return pqh + 4 * r + (i - qh_at);       /* qh */
-    int j = i - qs_at;
-    return t == T_Q8_0 ? pqs + 32 * r + j : pqs + 32 * (j / 4) + 4 * r + j % 4;
+    const int head = t == T_Q6_K ? 0 : t == T_Q4_1 || t == T_Q5_1 || t == T_Q4_K || t == T_Q5_K ? 4 : 2;
+    const int tail = t == T_Q6_K ? 208 : type_bytes(t);   /* f16 from here on */
+    const int f0 = i < head ? 0 : i < tail ? head : tail;  /* where byte i's run of units starts */
+    const int u = f0 == head ? (t == T_Q8_0 ? 32 : 4) : 2;
+    return 8 * f0 + 8 * u * ((i - f0) / u) + u * r + (i - f0) % u;
 }
 
 /* Q5_0 / Q5_1 packed: qh's bits spread by quad, bit 8b + c = the file's bit 4c + b (kernels.h), and back, a byte
@@ -350,9 +350,34 @@ static uint32_t qh_gather(uint32_t s) {
 }
 static void wr32(uint8_t *p, uint32_t v) { for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i)); }
 
+/* Q6_K packed: the three bytes of 4 values (kernels.h) -- the file's a = ql[64h + l] (low nibble: value 128h + l,
+ * high: + 64), b = ql[64h + 32 + l] (values + 32, + 96), c = qh[32h + l] (their top 2 bits, 2 each) -- regrouped
+ * in place: a = value l's 6 bits | top bits of l + 64 << 6, b = l + 32's | top bits of l + 96 << 6, c = the low
+ * nibbles of l + 64 | l + 96 << 4; and back */
+static void q6_regroup(uint8_t *a, uint8_t *b, uint8_t *c) {
+    const uint8_t A = *a, B = *b, C = *c;
+    *a = (uint8_t)((A & 15) | (C & 0x03) << 4 | (C & 0x30) << 2);
+    *b = (uint8_t)((B & 15) | (C & 0x0c) << 2 | (C & 0xc0));
+    *c = (uint8_t)((A >> 4) | (B & 0xf0));
+}
+static void q6_ungroup(uint8_t *a, uint8_t *b, uint8_t *c) {
+    const uint8_t A = *a, B = *b, C = *c;
+    *a = (uint8_t)((A & 15) | (C & 15) << 4);
+    *b = (uint8_t)((B & 15) | (C & 0xf0));
+    *c = (uint8_t)((A >> 4 & 3) | (B >> 4 & 3) << 2 | (A >> 6) << 4 | (B >> 6) << 6);
+}
+/* a row's 64 triples of a Q6_K block, at the places pos gives them (the file's block: pos NULL) */
+static void q6_triples(uint8_t *blk, const int *pos, void (*f)(uint8_t *, uint8_t *, uint8_t *)) {
+    for (int h = 0; h < 2; h++)
+        for (int l = 0; l < 32; l++) {
+            const int i = 64 * h + l, j = i + 32, k = 128 + 32 * h + l;
+            f(blk + (pos ? pos[i] : i), blk + (pos ? pos[j] : j), blk + (pos ? pos[k] : k));
+        }
+}
+
 /* packed_pos of every byte of a block of the 8 rows (a table: the loops below run over millions of blocks); qh_at:
  * where a row's qh starts in the file's block (Q5_0, Q5_1; -1: the type has none) */
-#define MAX_TB 34
+#define MAX_TB 210
 static int qh_at(int t) { return t == T_Q5_0 ? 2 : t == T_Q5_1 ? 4 : -1; }
 static void packed_table(int t, int pos[8][MAX_TB]) {
     for (int r = 0; r < 8; r++)
@@ -369,6 +394,7 @@ void pack_group(int t, const uint8_t *const rows[8], int64_t nb, uint8_t *out) {
             uint8_t *blk = out + b * 8 * tb;
             for (int i = 0; i < tb; i++) blk[pos[r][i]] = rows[r][b * tb + i];
             if (at >= 0) wr32(blk + pos[r][at], qh_spread(rd32(blk + pos[r][at])));
+            if (t == T_Q6_K) q6_triples(blk, pos[r], q6_regroup);
         }
 }
 
@@ -382,5 +408,6 @@ void unpack_group(int t, const uint8_t *group, int64_t nb, uint8_t *const rows[8
             const uint8_t *blk = group + b * 8 * tb;
             for (int i = 0; i < tb; i++) rows[r][b * tb + i] = blk[pos[r][i]];
             if (at >= 0) wr32(rows[r] + b * tb + at, qh_gather(rd32(blk + pos[r][at])));
+            if (t == T_Q6_K) q6_triples(rows[r] + b * tb, NULL, q6_ungroup);
         }
 }

@@ -34,7 +34,7 @@ class QMatrix:
     part is one kernel call. `halves`: how the activations meet quantized blocks (the run config's
     `activations`): 1, one int8 block per weight block (llama.cpp's q8 precision); 2, a hi and a lo int8 block
     (~15 bits, twice the work).
-    `packed`: the parts of a 32-value type in whole groups of 8 rows hold their bytes reordered for the kernels
+    `packed`: the parts of a quantized type in whole groups of 8 rows hold their bytes reordered for the kernels
     (`kernels.pack`: the same numbers, fewer loads per block); `kernels.unpack_rows` gives the file's rows back."""
 
     shape: tuple[int, int]
