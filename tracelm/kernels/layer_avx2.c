@@ -144,7 +144,6 @@ AVX2 static void rope_row(const rope_job *j, int64_t t) {
  * memory between groups of dims -- one chain per key and head over d = 0..hd-1 from 0, as ever. */
 #define SB 256
 #define STREAM_KEYS 512   /* a span this long streams from memory: prefetch (shorter ones: measured, it costs) */
-INL int streams(const attend_job *j, int64_t t) { return j->spans[2 * t + 1] - j->spans[2 * t] >= STREAM_KEYS; }
 #define PF_DIMS 8   /* key rows prefetched ahead (measured at 2000 keys, with PV_AHEAD 16 -> 64: ~10 % less time) */
 #define STEP4(a, q0, q1, q2, q3)                                                                              \
     a = _mm256_add_ps(a, _mm256_mul_ps(q0, k0));                                                              \
@@ -348,7 +347,7 @@ INL float lane_sum(const float *p, int64_t n) {
 }
 
 /* acc[0..8V) = acc + sum_i p_i v_i[0..8V) over n keys in order (V = 8, 4 or 1 vectors of dims); v: key 0's first
- * dim. The values PV_AHEAD keys on are prefetched (a long span's stream from memory; a hint past the end is harmless) */
+ * dim. pf: the values PV_AHEAD keys on are prefetched (a long span's stream; a hint past the end is harmless) */
 #define PV_AHEAD 64
 #define PV(V, T, LOAD)                                                                                        \
     INL void pv##V##_##T(const T *v, int64_t sl, const float *p, int64_t n, float *acc, int pf) {             \
@@ -604,7 +603,8 @@ AVX2 static void attend_scores(const attend_job *j, int64_t t, int64_t h0, int64
         for (; d + 8 <= hd; d += 8) ST(qs + h * hd8 + d, _mm256_mul_ps(LD(q + d), vscale));
         for (; d < hd; d++) qs[h * hd8 + d] = q[d] * j->scale;
     }
-    scores(j, kvh, j->spans[2 * t] + i0, i1 - i0, nh, qs, tile, s + i0, s_s, streams(j, t));
+    const int pf = j->spans[2 * t + 1] - j->spans[2 * t] >= STREAM_KEYS;   /* the whole span's n */
+    scores(j, kvh, j->spans[2 * t] + i0, i1 - i0, nh, qs, tile, s + i0, s_s, pf);
 }
 
 AVX2 static void weighted(const attend_job *j, int64_t t, int64_t h0, int64_t nh, int64_t d0, int64_t d1,
