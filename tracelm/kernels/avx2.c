@@ -844,14 +844,14 @@ INL __m256 dotk_direct(int t, int two, const uint8_t *const *rows, const xblock2
     for (int64_t b = 0; b < nb; b++, xh++, xl++) {
         const int64_t o = b * tb;
         const __m256i bsh = ld256(xh->bsum), bsl = ld256(xl->bsum);
-        __m256 dxh = _mm256_set1_ps(xh->d), dxl = _mm256_set1_ps(xl->d);
+        __m256 dxh = _mm256_set1_ps(xh->d), dxl = _mm256_set1_ps(xl->d), d, dmin;
         for (int64_t c = 0; c < GROUP * tb; c += 64) _mm_prefetch((const char *)rows[0] + pf + GROUP * o + c, _MM_HINT_T0);
+        kscales_d(t, 0, rows, NULL, o, &d, &dmin);
         __m256i H0, H1, H2, H3, H4, H5, H6, H7, L0, L1, L2, L3, L4, L5, L6, L7;
         if (t == T_Q6_K) {
 #define K6(r) k6_direct(two, rows[r] + o, xh, xl, bsh, bsl, &H##r, &L##r);
             K6(0) K6(1) K6(2) K6(3) K6(4) K6(5) K6(6) K6(7)
 #undef K6
-            __m256 d = halves8(rows, o + 208);
             const __m256i ah = hsum8(H0, H1, H2, H3, H4, H5, H6, H7);
             COMBINE_D(v8, acc_hi, d, dxh, ah);
             if (two) {
@@ -868,8 +868,6 @@ INL __m256 dotk_direct(int t, int two, const uint8_t *const *rows, const xblock2
 #undef K45
             __m256i ah = hsum8(H0, H1, H2, H3, H4, H5, H6, H7), bh, bl;
             hsum8_halves(B0, B1, B2, B3, B4, B5, B6, B7, &bh, &bl);
-            __m256 d, dmin;
-            scales8(rows, o, &d, &dmin);
             COMBINE_K(v8, acc_hi, d, dmin, dxh, ah, bh);
             if (two) {
                 const __m256i al = hsum8(L0, L1, L2, L3, L4, L5, L6, L7);
