@@ -4,6 +4,7 @@ default model (downloaded once into TRACELM_HOME; tests that need it skip with a
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import gguf
@@ -25,6 +26,15 @@ def byte_level_vocab() -> list[str]:
             mapping[b] = chr(256 + n)
             n += 1
     return [mapping[b] for b in range(256)]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a Python child process: this one's, with the parent's whole import path (the checkout
+    first, then every folder this interpreter imports from) as PYTHONPATH, so a child finds tracelm and its
+    dependencies wherever they are installed (a venv, a `pip install --target` folder on PYTHONPATH, the source
+    tree) -- plus `extra`."""
+    path = [str(REPO), *(p for p in sys.path if p and Path(p).is_dir())]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(path)), **extra}
 
 
 TINY = dict(n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=96, n_ctx=4096, rope_base=10000.0)

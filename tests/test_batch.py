@@ -9,7 +9,6 @@ items on a local Ray cluster with 2 actors give the local engine's results item 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,13 +16,13 @@ from pathlib import Path
 import attrs
 import pytest
 
+from tests.conftest import child_env
 from tracelm import TracelmError
 from tracelm.audit.verify import read_trace, verify
 from tracelm.cli import main
 from tracelm.session import run_config
 from tracelm.tools.batch import BatchOptions, done_ids, item_seed, run_batch, trace_name
 
-REPO = Path(__file__).resolve().parents[1]
 WORDS = ("hello", "world", "the cat", "a dog", "hell", "lll", "he said", "ok", "zebra", "qux", "elle", "oh")
 SETTINGS = ["context=128", "sampling.seed=5"]  # as `--set context=128 --seed 5`
 SAME = ("text", "finish_reason", "prompt_tokens", "completion_tokens", "seed")  # what two runs must agree on
@@ -129,7 +128,7 @@ def test_killed_run_resumes_to_the_uninterrupted_results(tiny_gguf, items, refer
     out = tmp_path / "results.jsonl"
     args = ["batch", str(tiny_gguf), "--input", str(items), "--output", str(out), "--set", "context=128",
             "--seed", "5", "--batch-size", "8"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)}  # the killed run's scratch traces
+    env = child_env(TMPDIR=str(tmp_path))  # the killed run's scratch traces
     child = subprocess.run([sys.executable, "-c", KILLED_AFTER, "120", *args], env=env, capture_output=True,
                            timeout=300)
     assert child.returncode == -9, child.stderr.decode()[-2000:]

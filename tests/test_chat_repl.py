@@ -5,6 +5,7 @@ that still sees the first two, /save, then /load in a new process."""
 from __future__ import annotations
 
 import io
+import shlex
 import shutil
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, write_tiny_gguf
+from tests.conftest import TINY, child_env, write_tiny_gguf
 from tests.test_server_helpers import REPO
 from tracelm.io.session_file import read_session
 from tracelm.session import Session
@@ -145,7 +146,7 @@ class Tmux:
 
 
 def chat_command(model: Path, home: Path, log: Path) -> str:
-    env = f"TRACELM_HOME={home} PYTHONPATH={REPO}"
+    env = f"TRACELM_HOME={home} PYTHONPATH={shlex.quote(child_env()['PYTHONPATH'])}"
     args = (f"{sys.executable} -m tracelm.cli chat --model {model} --context {LONG_CONTEXT} --max-tokens 8 "
             f"--temperature 0.8 --set threads=1 --set 'sampling.logit_bias=[[{EOS}, -100]]'")
     return f"cd {REPO} && env {env} {args} 2>{log}; echo chat exited $?; sleep 60"

@@ -361,8 +361,15 @@ def attrs_evolve(x, **kw):
     return attrs.evolve(x, **kw)
 
 
+def qwen_tool_turns():
+    return parse_request({"model": "m", "messages": [
+        *ASK, {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"celsius\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "21 C"}]}, "chat").messages
+
+
 @pytest.mark.model
-def test_qwen_markers_are_its_tokens_and_its_template_renders_tools_as_transformers_does(qwen_coder_path):
+def test_qwen_markers_are_its_tokens_and_its_template_renders_tools(qwen_coder_path):
     from tracelm.io.chat_template import render_chat
     from tracelm.io.grammar import Matcher
     from tracelm.io.loader import ModelFile
@@ -377,17 +384,25 @@ def test_qwen_markers_are_its_tokens_and_its_template_renders_tools_as_transform
     mask = m.mask()
     i = tok.token_id("<tool_call>")
     assert (int(mask[i >> 5]) >> (i & 31)) & 1 and int(mask.astype("uint32").view("uint32").sum() != 0)
-    messages = parse_request({"model": "m", "messages": [
-        *ASK, {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
-            "name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"celsius\"}"}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "21 C"}]}, "chat").messages
-    ours = render_chat(template, messages, tools=[WEATHER])
+    ours = render_chat(template, qwen_tool_turns(), tools=[WEATHER])
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
     assert call in ours
     assert "<tool_response>\n21 C\n</tool_response>" in ours
     assert ours.index('"get_weather"') < ours.index("<|im_start|>user")  # the tools in the system turn
-    transformers = pytest.importorskip("transformers")
+
+
+@pytest.mark.model
+@pytest.mark.reference
+def test_qwen_template_renders_tools_as_transformers_does(qwen_coder_path):
+    import transformers
     from tokenizers import Tokenizer, models
+
+    from tracelm.io.chat_template import render_chat
+    from tracelm.io.loader import ModelFile
+
+    template = ModelFile(str(qwen_coder_path)).tokenizer.chat_template
+    messages = qwen_tool_turns()
+    ours = render_chat(template, messages, tools=[WEATHER])
 
     stand_in = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
     hf = transformers.PreTrainedTokenizerFast(tokenizer_object=stand_in, chat_template=template)

@@ -294,3 +294,13 @@ def test_outputs_held_for_rendering_stay_bounded() -> None:
     tr.flush()
     events = [json.loads(x) for x in stream.getvalue().splitlines()]
     assert [e["layer"] for e in events] == list(range(100)) and [e["mean"] for e in events] == list(range(100))
+
+
+def test_trace_plot_draws_the_grid_and_the_rate(traced, tmp_path, capsys) -> None:
+    pytest.importorskip("matplotlib", reason="matplotlib is in the plot extra")
+    out = tmp_path / "plot.png"
+    assert main(["trace", "plot", str(traced[0]), "--out", str(out), "--stat", "maxabs"]) == 0
+    assert "pass 1's grid of max |x|" in capsys.readouterr().err
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
+    assert main(["trace", "plot", str(traced[0]), "--out", str(out), "--token", "99"]) == 2
+    assert "--token 99: the trace has passes 0..5" in capsys.readouterr().err

@@ -2,7 +2,7 @@
 `/` streams and its stop button ends generation on the server (its counters say so); the viewer at `/trace` shows
 a chat's trace as a grid, says a tampered trace is broken at the right line, and marks a replay report's first
 divergent cell (`tracelm trace view TRACE --replay REPORT`). Every page is watched: no console error, no request
-off localhost (a guard that also has its own must-fail case). `tracelm trace plot` draws a PNG.
+off localhost (a guard that also has its own must-fail case).
 
 The screenshots in docs/img (linked from the README) are written here: the chat and the viewer on SmolLM2 when
 the model is available, the replay divergence on the tiny synthetic model."""
@@ -271,16 +271,6 @@ def test_the_guard_catches_console_errors_and_requests_off_localhost(page, tiny_
         page.wait_for_timeout(50)
     with pytest.raises(AssertionError, match="requests off localhost: .*example.invalid"):
         page.guard.check()
-
-
-def test_trace_plot_draws_the_grid_and_the_rate(tiny_trace, tmp_path, capsys) -> None:
-    pytest.importorskip("matplotlib", reason="matplotlib is in the plot extra")
-    out = tmp_path / "plot.png"
-    assert main(["trace", "plot", str(tiny_trace[1]), "--out", str(out), "--stat", "maxabs"]) == 0
-    assert "pass 1's grid of max |x|" in capsys.readouterr().err
-    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
-    assert main(["trace", "plot", str(tiny_trace[1]), "--out", str(out), "--token", "99"]) == 2
-    assert "--token 99: the trace has passes 0..5" in capsys.readouterr().err
 
 
 @pytest.mark.model

@@ -10,21 +10,25 @@ A `Matcher` follows one generation: `mask()` is the packed bitmask of the tokens
 the constrain stage), `consume(token)` advances it. `state` is a running sha256-128 over what it has been
 through -- the constraint's digest, then per token the digest of the mask it was drawn under and the token
 id -- so two runs whose states agree went through the same masks and tokens (the trace's token events carry
-it). Grammar problems (invalid JSON or schema, a bad regex or Lark grammar) are TracelmErrors naming them.
+it). Grammar problems (invalid JSON or schema, a bad regex or Lark grammar) are TracelmErrors naming them; any
+other exception the library raises (a version whose API differs, an internal failure) is a `GrammarLibraryError`
+with the library's own message and version, so a request that meets one is refused, not crashed on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from tracelm.io.tokenizer import CONTROL, UNKNOWN, UNUSED, USER_DEFINED, Tokenizer
-from tracelm.state.errors import TracelmError
+from tracelm.state.errors import GrammarLibraryError, TracelmError
 from tracelm.state.records import Constraint
 
 # JSON whitespace between tokens as llama.cpp's JSON-schema grammars allow it: one space, or a newline and up to
@@ -37,6 +41,25 @@ def _llguidance() -> Any:
     import llguidance
 
     return llguidance
+
+
+@contextlib.contextmanager
+def library(where: str) -> Iterator[None]:
+    """Around every call into llguidance: what it raises, other than tracelm's own errors, becomes a
+    GrammarLibraryError naming `where`, the library's version and its message (first line)."""
+    try:
+        yield
+    except TracelmError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- the library's exceptions are not part of its API
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            ver = version("llguidance")
+        except PackageNotFoundError:
+            ver = "?"
+        raise GrammarLibraryError(f"{where}: the grammar library (llguidance {ver}) raised "
+                                  f"{type(e).__name__}: {_first_line(str(e))}") from None
 
 
 def vocabulary(tok: Tokenizer) -> list[bytes]:
@@ -80,12 +103,18 @@ class _Vocab:
 def ll_tokenizer(tok: Tokenizer) -> Any:
     """llguidance's tokenizer (its token trie) for `tok`, built once per tokenizer."""
     llg = _llguidance()
-    return llg.LLTokenizer(llg.TokenizerWrapper(_Vocab(tok)), eos_token=end_ids(tok))
+    with library(f"{tok.source}: the vocabulary's token trie"):
+        return llg.LLTokenizer(llg.TokenizerWrapper(_Vocab(tok)), eos_token=end_ids(tok))
 
 
 @functools.lru_cache(maxsize=64)
 def grammar_text(constraint: Constraint) -> str:
     """The llguidance grammar of a constraint (TracelmError naming the problem for a source it cannot read)."""
+    with library(f"constraint {constraint.kind}"):
+        return _grammar_text(constraint)
+
+
+def _grammar_text(constraint: Constraint) -> str:
     llg, kind, src = _llguidance(), constraint.kind, constraint.source
     where = f"constraint {kind}"
     if kind == "json_object":
@@ -159,24 +188,28 @@ class Matcher:
         self.constraint, self.n_vocab = constraint, tok.n_vocab
         self.digest = constraint_digest(constraint)
         self.state = self.digest
-        self._m = llg.LLMatcher(ll_tokenizer(tok), grammar_text(constraint), log_level=0)
-        if self._m.is_error():
-            raise TracelmError(f"constraint {constraint.kind}: {_first_line(self._m.get_error())}")
+        self.where = where = f"constraint {constraint.kind}"
+        text = grammar_text(constraint)
+        with library(where):
+            self._m = llg.LLMatcher(ll_tokenizer(tok), text, log_level=0)
+            if self._m.is_error():
+                raise TracelmError(f"{where}: {_first_line(self._m.get_error())}")
         self._words = (tok.n_vocab + 31) // 32
 
     def mask(self) -> np.ndarray:
         """The tokens allowed next: a packed int32 bitmask (stages/constrain.py)."""
-        mask = np.frombuffer(self._m.compute_bitmask(), np.int32)
-        if self._m.is_error():
-            raise TracelmError(f"constraint {self.constraint.kind}: {_first_line(self._m.get_error())}")
+        with library(self.where):
+            mask = np.frombuffer(self._m.compute_bitmask(), np.int32)
+            if self._m.is_error():
+                raise TracelmError(f"{self.where}: {_first_line(self._m.get_error())}")
         return mask[: self._words]
 
     def consume(self, token: int, mask_hash: str) -> None:
         """Advance past `token`, drawn under the mask of digest `mask_hash` (`mask_digest`); the state hash takes
         both."""
-        if not self._m.consume_token(token):
-            raise TracelmError(f"constraint {self.constraint.kind}: token {token} refused: "
-                               f"{_first_line(self._m.get_error())}")
+        with library(self.where):
+            if not self._m.consume_token(token):
+                raise TracelmError(f"{self.where}: token {token} refused: {_first_line(self._m.get_error())}")
         h = hashlib.sha256(bytes.fromhex(self.state))
         h.update(bytes.fromhex(mask_hash))
         h.update(int(token).to_bytes(4, "little"))
@@ -185,7 +218,8 @@ class Matcher:
     @property
     def stopped(self) -> bool:
         """The grammar is complete: no token but end-of-generation may follow."""
-        return self._m.is_stopped()
+        with library(self.where):
+            return self._m.is_stopped()
 
 
 def mask_digest(mask: np.ndarray) -> str:

@@ -21,7 +21,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,7 @@ from tracelm.server.params import GenerationRequest, parse_json, parse_request
 from tracelm.server.queue import Engine, Job, QueueFull
 from tracelm.server.tools import ToolCallSplitter, function_grammar, split_reply, template_tool_format, tool_grammar
 from tracelm.session import Session, chat_prompt, encode_chat, shift_chat, template_budget
-from tracelm.state.errors import TracelmError
+from tracelm.state.errors import GrammarLibraryError, TracelmError
 from tracelm.state.records import Constraint
 from tracelm.state.run_config import RunConfig
 from tracelm.version import __version__
@@ -198,22 +198,15 @@ class Server:
     def _check_sampling(self, req: GenerationRequest, sampling: Any) -> None:
         """A 400 naming the argument unless the request's constraint compiles and its logit_bias ids exist (runs in
         a thread of the pool: a grammar's first use builds the vocabulary's token trie)."""
-        try:
+        with refused("logit_bias"):
             self.session.check_sampling(attrs.evolve(sampling, constraint=None))
-        except TracelmError as e:
-            raise bad(f"logit_bias: {e}", "logit_bias") from None
         if req.constraint_param == "tools":  # each function's schema alone first, so an error names it
             for i, fn in enumerate(req.tools.functions):
-                try:
+                with refused(f"tools[{i}].function.parameters"):
                     self.session.check_sampling(attrs.evolve(sampling, constraint=Constraint("lark",
                                                                                              function_grammar(fn))))
-                except TracelmError as e:
-                    param = f"tools[{i}].function.parameters"
-                    raise bad(f"{param}: {e}", param) from None
-        try:
+        with refused(req.constraint_param):
             self.session.check_sampling(sampling)
-        except TracelmError as e:
-            raise bad(f"{req.constraint_param}: {e}", req.constraint_param) from None
 
     def _max_tokens(self, req: GenerationRequest, n_prompt: int) -> int:
         n_ctx = self.cfg.context
@@ -282,6 +275,18 @@ class Server:
         return StreamingResponse(shape.stream(ndjson), media_type="application/x-ndjson" if ndjson else
                                  "text/event-stream", headers={"x-request-id": rid, "Cache-Control": "no-cache",
                                                                "X-Accel-Buffering": "no"})
+
+
+@contextlib.contextmanager
+def refused(param: str) -> Iterator[None]:
+    """A TracelmError inside becomes a 400 naming `param`; one the grammar library raised is also logged, in one
+    line (a library that fails on a request is worth an operator's eye, not a traceback)."""
+    try:
+        yield
+    except TracelmError as e:
+        if isinstance(e, GrammarLibraryError):
+            log.warning("refused a request's %s: %s", param, e)
+        raise bad(f"{param}: {e}", param) from None
 
 
 def _add_note(choice: dict[str, Any], done: dict[str, Any]) -> None:

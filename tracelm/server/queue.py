@@ -53,7 +53,7 @@ from tracelm.session import (
     top_logprobs,
     write_footer,
 )
-from tracelm.state.errors import TracelmError
+from tracelm.state.errors import GrammarLibraryError, TracelmError
 from tracelm.state.records import Choice, SamplingParams
 from tracelm.state.run_config import TraceOptions
 
@@ -435,6 +435,8 @@ class Engine:
                 self.sessions.drop(job.session_id)
                 release_memory()
             if isinstance(e, TracelmError):  # a user-caused error the checks before admission did not catch
+                if isinstance(e, GrammarLibraryError):
+                    log.warning("request %s refused: %s", job.request_id, e)
                 self._post(job, "error", ApiError(400, str(e)))
             else:  # never let one request take the worker down; the client gets a plain 500
                 self.counters.failed += 1

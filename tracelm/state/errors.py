@@ -43,3 +43,8 @@ class ResourceError(TracelmError):
 
 class TraceFormatError(TracelmError):
     """A trace line that cannot be read as a trace event (e.g. JSON nested too deeply)."""
+
+
+class GrammarLibraryError(TracelmError):
+    """The grammar library (llguidance) raised on a constraint: its message and version, named with the
+    constraint. Reported like any bad input (a 400 on the server) and logged in one line."""
