@@ -51,8 +51,8 @@ HASH = {"sha1": hashes.SHA1, "sha256": hashes.SHA256, "sha384": hashes.SHA384, "
 @attrs.frozen
 class Step:
     name: str
-    ok: bool
-    detail: str = ""
+    ok: bool | None  # None: a fact shown, neither passed nor failed (e.g. a key the policy does not name, when
+    detail: str = ""  # the evidence may still attest it)
 
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "ok": self.ok, "detail": self.detail}
@@ -154,9 +154,10 @@ def check_binding(checks: Checks, document: Any, signing_key: str | None, header
     binding = checks.parse("binding", lambda: binding_from_dict(document.get("binding")))
     if signing_key is not None:
         same = binding.public_key.hex() == signing_key
-        checks.check("binding names the signing key", same,
-                     f"key {signing_key[:16]}" if same else f"the trace is signed by key {signing_key[:16]}, the "
-                     f"evidence binds key {binding.public_key.hex()[:16]}", "key_not_in_evidence")
+        signer = _fingerprint(signing_key)
+        checks.check("binding names the signing key", same, f"key {signer}" if same else
+                     f"the trace is signed by key {signer}, the evidence binds key "
+                     f"{hashlib.sha256(binding.public_key).hexdigest()[:16]}", "key_not_in_evidence")
     if header is not None:
         for field in ("tracelm_version", "model_sha256"):
             same = getattr(binding, field) == header.get(field)
@@ -179,7 +180,8 @@ def check_report_data(checks: Checks, report_data: bytes, binding: Binding) -> N
                  f"sha256 of nonce {binding.nonce.hex()[:32]}" if report_data[32:] == want[32:] else
                  "the evidence was made for another nonce (a replayed quote)", "stale_nonce")
     checks.check("report data: key, version, model", hmac.compare_digest(report_data[:32], want[:32]),
-                 f"sha256 of the binding of key {binding.public_key.hex()[:16]}" if report_data[:32] == want[:32]
+                 f"sha256 of the binding of key {hashlib.sha256(binding.public_key).hexdigest()[:16]}"
+                 if report_data[:32] == want[:32]
                  else "the evidence is over another key, tracelm version or model than the binding names",
                  "other_key")
 
@@ -204,6 +206,14 @@ def verify_evidence(checks: Checks, evidence: dict[str, Any], policy: Policy) ->
     checks.check("evidence kind", False, f"{provider} evidence; the policy accepts {', '.join(names) or 'none'}",
                  "other_platform")
     raise AssertionError  # unreachable: the check above raised
+
+
+def _fingerprint(public_key_hex: str) -> str:
+    """A raw public key's fingerprint as messages show it (sha256, first 16 hex digits)."""
+    try:
+        return hashlib.sha256(bytes.fromhex(public_key_hex)).hexdigest()[:16]
+    except ValueError:
+        return public_key_hex[:16]
 
 
 def _hex_bytes(text: Any, what: str) -> bytes:

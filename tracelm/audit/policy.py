@@ -131,6 +131,13 @@ def load_policy(path: str | os.PathLike | None = None, public_keys: tuple[str, .
     return Policy(keys, level, tpm, snp, tdx, _time(tree.get("time"), where), source)
 
 
+def key_policy(public_keys: list[Any], source: str = "--public-key") -> Policy:
+    """A policy that trusts these Ed25519 public keys (none: the default policy, which trusts no key)."""
+    if not public_keys:
+        return Policy()
+    return Policy({fingerprint(k): source for k in public_keys}, source=source)
+
+
 def _known(tree: dict[str, Any], known: tuple[str, ...], where: str) -> None:
     for key in tree:
         if key not in known:
