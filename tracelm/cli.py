@@ -340,6 +340,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def cmd_attest(args: argparse.Namespace) -> int:
     """`tracelm attest verify FILE`: evidence (GET /v1/attestation's answer, a raw SEV-SNP report or TDX quote)
     under the policy; `tracelm attest tpm-setup`: the TPM's EK and AK made persistent, the AK's public key written."""
+    if args.action == "pcr":
+        return _attest_pcr(args.file_list)
     if args.action == "tpm-setup":
         from tracelm.io.attest.provider import TpmOptions, tpm_setup
 
@@ -349,11 +351,11 @@ def cmd_attest(args: argparse.Namespace) -> int:
         return 0
     from tracelm.audit.trust import verify_document
 
-    if not args.file:
-        raise TracelmError("attest verify: give the evidence FILE")
-    verdict = verify_document(args.file, _policy(args), args.nonce)
-    print(json.dumps({"file": args.file, **verdict.as_dict()}, indent=1) if args.json else
-          f"{args.file}: {verdict.describe()}")
+    if len(args.file_list) != 1:
+        raise TracelmError("attest verify: give one evidence FILE")
+    path = args.file_list[0]
+    verdict = verify_document(path, _policy(args), args.nonce)
+    print(json.dumps({"file": path, **verdict.as_dict()}, indent=1) if args.json else f"{path}: {verdict.describe()}")
     return verdict.exit_status
 
 
@@ -660,11 +662,13 @@ def _add_audit_commands(sub: Any) -> None:
     sp.set_defaults(fn=cmd_replay)
 
     sp = sub.add_parser("attest", help="verify attestation evidence under your policy (verify: GET /v1/attestation's "
-                        "answer, or a raw SEV-SNP report or TDX quote), or make a TPM's attestation key persistent "
-                        "and write its public key (tpm-setup)", formatter_class=argparse.RawDescriptionHelpFormatter,
+                        "answer, or a raw SEV-SNP report or TDX quote), make a TPM's attestation key persistent and "
+                        "write its public key (tpm-setup), or compute the PCR value files extend to (pcr)",
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
                         epilog="attest verify exits as trace verify (docs/trust.md):\n" + _exit_table())
-    sp.add_argument("action", choices=("verify", "tpm-setup"))
-    sp.add_argument("file", metavar="FILE", nargs="?", help="verify: the evidence")
+    sp.add_argument("action", choices=("verify", "tpm-setup", "pcr"))
+    sp.add_argument("file_list", metavar="FILE", nargs="*", help="verify: the evidence; pcr: the files an operator "
+                    "extends into a PCR (sha256 bank), in order: prints their sha256 and the PCR's value")
     sp.add_argument("--nonce", metavar="HEX", help="verify: the nonce you sent to GET /v1/attestation (a document "
                     "answering another nonce is refused as replayed)")
     _trust_options(sp)
@@ -673,6 +677,27 @@ def _add_audit_commands(sub: Any) -> None:
                     "swtpm:host=127.0.0.1,port=2321; default: $TPM2TOOLS_TCTI)")
     sp.add_argument("--out", metavar="FILE", help="tpm-setup: where the AK's public key (PEM) is written")
     sp.set_defaults(fn=cmd_attest)
+
+
+def _attest_pcr(files: list[str]) -> int:
+    """`tracelm attest pcr FILE...`: each file's sha256 and the value of a sha256 PCR that starts at zero and is
+    extended with them in order (what an operator's boot script extends into PCR 23, what the auditor's policy
+    then expects)."""
+    from tracelm.io.attest.tpm import extend
+    from tracelm.io.registry import path_sha256
+
+    if not files:
+        raise TracelmError("attest pcr: give the files extended into the PCR, in order (e.g. the tracelm wheel, the "
+                           "model file)")
+    value = bytes(32)
+    for f in files:
+        if not os.path.exists(f):
+            raise TracelmError(f"{f}: no such file")
+        digest = path_sha256(f)  # a model folder: as a trace header's model_sha256 is
+        value = extend(value, bytes.fromhex(digest))
+        print(f"{digest}  {f}")
+    print(f"{value.hex()}  PCR value after extending a zero sha256 PCR with these, in order")
+    return 0
 
 
 def _trust_options(sp: argparse.ArgumentParser) -> None:

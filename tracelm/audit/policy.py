@@ -216,7 +216,8 @@ def _tpm(tree: Any, base: Path, where: str) -> TpmPolicy:
         if bank not in sizes or not isinstance(values, dict):
             raise PolicyError(f"{where}.pcrs.{bank}: a bank is one of {', '.join(sizes)}, mapping PCRs to values")
         for index, value in values.items():
-            if not isinstance(index, int) or not 0 <= index < 24:
+            index = int(index) if isinstance(index, str) and index.isdigit() else index  # "23" (JSON) or 23
+            if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < 24:
                 raise PolicyError(f"{where}.pcrs.{bank}: PCR {index!r} is not 0..23")
             pcrs.setdefault(bank, {})[index] = _hex(value, sizes[bank], f"{where}.pcrs.{bank}.{index}")
     return TpmPolicy(aks, cas, pcrs)

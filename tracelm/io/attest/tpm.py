@@ -162,6 +162,11 @@ def pcr_digest(values: list[bytes], hash_name: str) -> bytes:
     return hashlib.new(hash_name, b"".join(values)).digest()
 
 
+def extend(value: bytes, digest: bytes, hash_name: str = "sha256") -> bytes:
+    """TPM2_PCR_Extend: the PCR's new value H(old value || digest)."""
+    return hashlib.new(hash_name, value + digest).digest()
+
+
 def selection_text(selection: tuple[tuple[str, tuple[int, ...]], ...]) -> str:
     """"sha256:0,1,2,23" (tpm2-tools' notation), banks joined by '+'."""
     return "+".join(f"{bank}:{','.join(map(str, pcrs))}" for bank, pcrs in selection)
