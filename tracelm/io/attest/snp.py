@@ -133,7 +133,10 @@ def vcek_hwid(cert: x509.Certificate) -> bytes:
 def cert_table(auxblob: bytes) -> dict[str, bytes]:
     """The certificates in an extended report's table (entries of GUID, offset, length; an all-zero entry ends
     it): name (vcek, vlek, ask, ark) -> DER."""
-    out, at = {}, 0
+    out: dict[str, bytes] = {}
+    if not auxblob:  # the host supplied no certificates
+        return out
+    at = 0
     names = {v: k for k, v in CERT_GUIDS.items()}
     while at + 24 <= len(auxblob):
         guid, offset, length = auxblob[at:at + 16], int.from_bytes(auxblob[at + 16:at + 20], "little"), \
