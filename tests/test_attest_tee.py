@@ -11,11 +11,10 @@ import threading
 from pathlib import Path
 
 import pytest
-from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
 from tests.conftest import FIXTURES
-from tracelm.audit.attest import REFUSALS, Checks, Refusal, verify_snp, verify_tdx
+from tracelm.audit.attest import REFUSALS, Checks, Refusal, verify_snp
 from tracelm.audit.policy import load_policy
 from tracelm.cli import main
 from tracelm.io.attest import certs
