@@ -250,6 +250,28 @@ def test_trace_view_marks_the_first_divergent_cell(page, tiny_trace, diverged_re
         viewer.stop()
 
 
+def test_trace_view_labels_a_signed_trace_and_shows_its_verdict(page, tiny_trace, tmp_path) -> None:
+    """Issue 29: the viewer labelled an Ed25519-signed trace "unsigned"; issue 31: its verdict under the policy the
+    viewer was given (--public-key: trusted), every step listed."""
+    assert main(["trace", "keygen", "--out", str(tmp_path / "k")]) == 0
+    signed = tmp_path / "signed.jsonl"
+    record(tiny_trace[0], signed, "--sign-key", str(tmp_path / "k"))
+    for extra, box in (((), "untrusted"), (("--public-key", str(tmp_path / "k.pub")), "trusted")):
+        viewer = Viewer(str(signed), *extra)
+        try:
+            page.goto(viewer.url)
+            page.wait_for_selector(f"#verdict.{box}")
+            summary = page.inner_text("#summary")
+            assert "signed (ed25519, key " in summary and "unsigned" not in summary, summary
+            state = page.inner_text("#verdict-state")
+            assert state.startswith("chain intact, trusted: signed by key" if box == "trusted" else
+                                    "chain intact, signed by key"), state
+            assert "ok signature: ed25519" in page.inner_text("#verdict-steps")
+            page.guard.check()
+        finally:
+            viewer.stop()
+
+
 def test_trace_view_refuses_what_is_not_a_trace(tmp_path) -> None:
     junk = tmp_path / "x.jsonl"
     junk.write_text("{}\n")
