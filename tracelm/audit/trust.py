@@ -145,8 +145,8 @@ def verify_document(path: str | os.PathLike, policy: Policy, nonce_hex: str | No
             binding, evidence = check_binding(checks, document, None, None, nonce)
             report_data, what = verify_evidence(checks, evidence, policy)
             check_report_data(checks, report_data, binding)
-            line = (f"attested ({what}): trace key {binding.public_key.hex()[:16]} (sha256 "
-                    f"{hashlib.sha256(binding.public_key).hexdigest()[:16]}) is bound to this evidence")
+            line = (f"attested ({what}): trace key {hashlib.sha256(binding.public_key).hexdigest()[:16]} is bound to "
+                    "this evidence" + (", made for your nonce" if nonce is not None else ""))
         else:
             kind = "tdx_guest" if data[:2] == b"\x04\x00" and data[4:5] == b"\x81" else "sev_guest"
             report_data, what = verify_evidence(checks, {"provider": "tsm", "tsm_provider": kind,
