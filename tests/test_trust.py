@@ -222,3 +222,12 @@ def test_the_exit_statuses_are_in_the_help() -> None:
         for code, meaning in table:
             assert f"{code:2d}  {meaning[:40]}" in " ".join(text.split("\n")), (command, code)
     assert {code for code, _ in EXIT_TABLE} == set(range(12))
+
+
+def test_docs_print_the_exit_statuses_the_code_gives() -> None:
+    """docs/trust.md's table is the code's (tracelm/audit/exits.py), row for row."""
+    from tracelm.audit.exits import EXIT_TABLE
+
+    text = (REPO / "docs" / "trust.md").read_text()
+    rows = re.findall(r"^\| (\d+) \| (.+?) \|$", text, re.MULTILINE)
+    assert [(int(code), meaning) for code, meaning in rows] == list(EXIT_TABLE)
