@@ -83,14 +83,17 @@ def test_serve_attest_tpm_then_verify_and_replay_with_the_policy(tiny_gguf, tpm,
     config = {"model": str(tiny_gguf), "context": 128, "max_tokens": 6, "threads": 1,
               "sampling": {"temperature": 0.0}, "server": {"trace_dir": str(tmp_path / "traces")},
               "attest": {"tpm_tcti": tpm.tcti}}
-    server = ServerProcess(tmp_path / "serve", config, args=("--attest", "tpm"))
+    server = ServerProcess(tmp_path / "serve", config, env={"TRACELM_API_KEY": "k-123"}, args=("--attest", "tpm"))
+    auth = {"Authorization": "Bearer k-123"}
     try:
         r = server.request("POST", "/v1/chat/completions", {"model": "tiny", "messages": [
-            {"role": "user", "content": "hello"}], "max_tokens": 6})
+            {"role": "user", "content": "hello"}], "max_tokens": 6}, auth)
         assert r.status == 200, r.text
-        fresh = server.request("GET", "/v1/attestation?nonce=" + "ab" * 32)
+        assert server.request("GET", "/v1/attestation?nonce=" + "ab" * 32).status == 401  # behind the API key
+        fresh = server.request("GET", "/v1/attestation?nonce=" + "ab" * 32, headers=auth)
         assert fresh.status == 200, fresh.text
-        assert server.request("GET", "/v1/attestation?nonce=zz").status == 400
+        for bad in ("zz", "", "00" * 65):
+            assert server.request("GET", f"/v1/attestation?nonce={bad}", headers=auth).status == 400
     finally:
         server.stop()
     (trace,) = (tmp_path / "traces").iterdir()
@@ -231,6 +234,58 @@ def test_evidence_from_another_tpm(tiny_gguf, other_tpm, policy, tmp_path, capsy
     code, text = verify(capsys, out, "--policy", str(policy))
     assert code == REFUSALS["other_platform"] == 7, text
     assert "[ok] quote signed by the AK" in text and "[FAIL] AK is the policy's: the quote is signed by AK" in text
+
+
+def test_batch_traces_are_attested(tiny_gguf, tpm, policy, tmp_path, capsys) -> None:
+    """`tracelm batch --attest tpm`: one ephemeral key for the run signs every item's trace, each attested."""
+    items = tmp_path / "in.jsonl"
+    items.write_text("\n".join(json.dumps({"id": f"q{i}", "prompt": f"hello {i}", "max_tokens": 2}) for i in range(3)))
+    assert main(["batch", "--model", str(tiny_gguf), "--set", "context=64", "--input", str(items), "--output",
+                 str(tmp_path / "out.jsonl"), "--traces", str(tmp_path / "traces"), "--attest", "tpm", "--set",
+                 f"attest.tpm_tcti={tpm.tcti}"]) == 0
+    keys = set()
+    for trace in (tmp_path / "traces").iterdir():
+        code, out = verify(capsys, trace, "--policy", str(policy))
+        assert code == 0 and "attested (tpm" in out, out
+        keys.add(json.loads(trace.read_text().splitlines()[0])["public_key"])
+    assert len(keys) == 1
+
+
+def test_hostile_attestation_fields_get_a_verdict_never_a_traceback(attested, policy) -> None:
+    """Whatever a forger puts in the header's attestation (wrong types, sizes, nesting), the verdict names a
+    refusal: 300 mutations, each re-chained and re-signed with the run's own key."""
+    import random
+
+    from tracelm.audit.policy import load_policy
+    from tracelm.audit.trust import judge
+    from tracelm.audit.verify import parse_trace
+
+    path, session = attested
+    rng = random.Random(31)
+    values = [None, 0, -1, 2 ** 70, 1.5, True, "", "zz", "00", "ff" * 200, [], {}, [1, 2], {"a": {"b": []}}]
+    pol = load_policy(policy)
+
+    def leaves(obj, at=()):
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                yield from leaves(v, (*at, k))
+        yield at
+
+    original = json.loads(path.read_text().splitlines()[0])["attestation"]
+    spots = list(leaves(original))
+    for i in range(300):
+        def mutate(events):
+            node, spot = events[0], ("attestation", *rng.choice(spots))
+            for k in spot[:-1]:
+                node = node[k]
+            if spot[-1] in node and rng.random() < 0.15:
+                del node[spot[-1]]
+            else:
+                node[spot[-1]] = rng.choice(values)
+        forged = forge(path, path.with_name(f"mut{i}.jsonl"), mutate, signer=session.signer)
+        verdict = judge(parse_trace(forged.read_bytes(), forged), pol)
+        assert verdict.level != "attested" or verdict.ok, verdict.describe()
+        assert verdict.exit_status in (0, *REFUSALS.values()), verdict.describe()
 
 
 def test_replay_refuses_with_the_same_status(attested, tpm, tmp_path, capsys) -> None:
