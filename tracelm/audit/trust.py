@@ -77,52 +77,63 @@ def judge(trace: Trace, policy: Policy, hmac_key: bytes | None = None, hmac_name
     if not chain.intact:
         return _verdict("broken", policy, f"broken at line {chain.bad_line}: {chain.message}", steps, chain)
     mac_checked = hmac_signed and hmac_key is not None
-    if hmac_signed:
-        steps.append(Step("HMAC", True if mac_checked else None, f"every mac checked with the secret in "
-                          f"{hmac_name or 'the key given'}" if mac_checked else "macs not checked: no secret given "
-                          "(--key-env)"))
-    elif hmac_key is not None:
-        steps.append(Step("HMAC", None, "the trace carries no macs: the secret given authenticates nothing"))
-    fp = chain.key_fingerprint
-    if fp is None:
-        steps.append(Step("signature", None, "none (no signature_algorithm in the header)"))
-    else:
-        named = policy.keys.get(fp)
-        steps.append(Step("signature", True, f"{chain.signature_algorithm}, key {fp[:16]}, verified over the footer's "
-                                             "chain hash"))
-        steps.append(Step("key trusted by the policy", True if named else None, f"named by {named}" if named else
-                          f"key {fp[:16]} is not named by {policy.source}"))
-    attested, refusal, what = None, None, ""
-    if policy.attests and fp is not None:
+    steps += _signing_steps(chain, policy, hmac_signed, mac_checked, hmac_key is not None, hmac_name)
+    what, refusal = None, None
+    if policy.attests and chain.key_fingerprint is not None:
         checks = Checks()
         try:
             what = _attest(checks, header, policy)
-            attested = True
         except Refusal as r:
             refusal = r
         steps += checks.steps
     elif header.get("attestation") is not None:
         steps.append(Step("attestation", None, "the trace carries evidence; not checked: the policy names no "
                                                "attestation requirements"))
-    key = f"key {str(fp)[:16]}"
-    if attested:
+    key = f"key {str(chain.key_fingerprint)[:16]}"
+    if what is not None:
         return _verdict("attested", policy, f"attested ({what}): signed by {key}, which the evidence binds", steps,
                         chain, basis="evidence")
-    basis = "key" if fp is not None and fp in policy.keys else "hmac" if mac_checked else ""
-    if basis == "key":
-        level, line = "trusted", f"trusted: signed by {key} ({chain.signature_algorithm}), named by {policy.keys[fp]}"
-    elif basis == "hmac":
-        level, line = "trusted", f"trusted: HMAC-signed, every mac checked with the secret in {hmac_name or 'the key'}"
-    elif fp is not None:
-        level, line = "signed", (f"signed by {key} ({chain.signature_algorithm}), which {policy.source} does not "
-                                 "trust: it shows who holds that key wrote it, not who that is")
-    else:
-        level, line = "intact", ("intact but unsigned: the hash chain shows the trace is whole, not who wrote it; "
-                                 + ("its macs were not checked (no secret given): " if hmac_signed else "")
-                                 + "nothing was authenticated")
+    level, basis, line = _unattested(chain, policy, hmac_signed, mac_checked, hmac_name)
     if refusal is not None:
         line += f"; not attested: {refusal.message}"
     return _verdict(level, policy, line, steps, chain, refusal, basis)
+
+
+def _signing_steps(chain: Verdict, policy: Policy, hmac_signed: bool, mac_checked: bool, secret_given: bool,
+                   hmac_name: str | None) -> list[Step]:
+    """The steps that say what signed an intact trace: its macs, its Ed25519 signature, whether the policy names
+    the key."""
+    steps = []
+    if hmac_signed:
+        steps.append(Step("HMAC", True if mac_checked else None, f"every mac checked with the secret in "
+                          f"{hmac_name or 'the key given'}" if mac_checked else "macs not checked: no secret given "
+                          "(--key-env)"))
+    elif secret_given:
+        steps.append(Step("HMAC", None, "the trace carries no macs: the secret given authenticates nothing"))
+    fp = chain.key_fingerprint
+    if fp is None:
+        return [*steps, Step("signature", None, "none (no signature_algorithm in the header)")]
+    named = policy.keys.get(fp)
+    return [*steps, Step("signature", True, f"{chain.signature_algorithm}, key {fp[:16]}, verified over the footer's "
+                                            "chain hash"),
+            Step("key trusted by the policy", True if named else None, f"named by {named}" if named else
+                 f"key {fp[:16]} is not named by {policy.source}")]
+
+
+def _unattested(chain: Verdict, policy: Policy, hmac_signed: bool, mac_checked: bool,
+                hmac_name: str | None) -> tuple[str, str, str]:
+    """An intact trace's level short of attested, what it rests on, and its headline."""
+    fp, key = chain.key_fingerprint, f"key {str(chain.key_fingerprint)[:16]}"
+    if fp is not None and fp in policy.keys:
+        return "trusted", "key", f"trusted: signed by {key} ({chain.signature_algorithm}), named by {policy.keys[fp]}"
+    if mac_checked:
+        return "trusted", "hmac", f"trusted: HMAC-signed, every mac checked with the secret in {hmac_name or 'the key'}"
+    if fp is not None:
+        return "signed", "", (f"signed by {key} ({chain.signature_algorithm}), which {policy.source} does not trust: "
+                              "it shows who holds that key wrote it, not who that is")
+    return "intact", "", ("intact but unsigned: the hash chain shows the trace is whole, not who wrote it; "
+                          + ("its macs were not checked (no secret given): " if hmac_signed else "")
+                          + "nothing was authenticated")
 
 
 def verify_document(path: str | os.PathLike, policy: Policy, nonce_hex: str | None = None) -> TrustVerdict:
