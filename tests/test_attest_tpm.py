@@ -106,6 +106,7 @@ def test_serve_attest_tpm_then_verify_and_replay_with_the_policy(tiny_gguf, tpm,
     code = main(["replay", str(trace), "--policy", str(policy)])
     out = capsys.readouterr().out
     assert code == 0 and "every stage output bit-identical" in out and "trust: attested (tpm" in out, out
+    assert "  [ok] quote signed by the AK" in out and "  [ok] report data: key, version, model" in out  # each step
     # the client's check before sending anything: fresh evidence over its nonce, the same key as the traces'
     doc = tmp_path / "attestation.json"
     doc.write_text(fresh.text)

@@ -109,7 +109,8 @@ class ReplayReport:
     def describe(self) -> str:
         lines = list(self.notes)
         if self.trust is not None:
-            lines.append("trust: " + self.trust.headline)
+            headline, *steps = self.trust.lines()
+            lines += ["trust: " + headline, *steps]
         if self.checked:
             lines.append("checked: " + "; ".join(self.checked))
         if self.divergence is None:

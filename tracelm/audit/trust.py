@@ -51,11 +51,15 @@ class TrustVerdict:
     def ok(self) -> bool:
         return self.exit_status == 0
 
-    def describe(self) -> str:
-        """The headline, then each step ([ok] / [FAIL]), then what the exit status means when it is not 0."""
-        lines = [self.headline]
+    def lines(self) -> list[str]:
+        """The headline, then each step: [ok], [FAIL], or [--] for a fact that neither passes nor fails."""
         mark = {True: "ok", False: "FAIL", None: "--"}
-        lines += [f"  [{mark[s.ok]}] {s.name}" + (f": {s.detail}" if s.detail else "") for s in self.steps]
+        return [self.headline, *(f"  [{mark[s.ok]}] {s.name}" + (f": {s.detail}" if s.detail else "")
+                                 for s in self.steps)]
+
+    def describe(self) -> str:
+        """`lines`, then what the exit status means when it is not 0."""
+        lines = self.lines()
         if not self.ok:
             lines.append(f"exit {self.exit_status}: {self.level}, below the required level {self.require!r}"
                          if self.level in LEVELS[1:] else f"exit {self.exit_status}: {self.level}")
