@@ -289,6 +289,64 @@ def test_hostile_attestation_fields_get_a_verdict_never_a_traceback(attested, po
         assert verdict.exit_status in (0, *REFUSALS.values()), verdict.describe()
 
 
+def make_ca(name: str):
+    """A CA key and its self-signed certificate (a cloud vTPM vendor's stand-in)."""
+    import datetime as dt
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = dt.datetime.now(dt.UTC)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+            .serial_number(1).not_valid_before(now - dt.timedelta(days=1)).not_valid_after(now + dt.timedelta(days=30))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    return key, cert
+
+
+def ak_certificate(ca, ak_pem: Path, out: Path) -> Path:
+    import datetime as dt
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.x509.oid import NameOID
+
+    key, ca_cert = ca
+    now = dt.datetime.now(dt.UTC)
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "AK")]))
+            .issuer_name(ca_cert.subject).public_key(serialization.load_pem_public_key(ak_pem.read_bytes()))
+            .serial_number(2).not_valid_before(now - dt.timedelta(days=1)).not_valid_after(now + dt.timedelta(days=30))
+            .sign(key, hashes.SHA256()))
+    out.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return out
+
+
+def test_an_ak_certificate_chaining_to_the_policys_ca(tiny_gguf, tpm, measured, tmp_path, capsys) -> None:
+    """A policy may name the CA of the AK's certificate (as a cloud vTPM's vendor issues one) instead of the AK:
+    the evidence carries the certificate (attest.tpm_ak_cert); another CA's is refused."""
+    from cryptography.hazmat.primitives.serialization import Encoding
+
+    vendor, other = make_ca("vTPM vendor CA"), make_ca("another CA")
+    for name, ca in (("vendor", vendor), ("other", other)):
+        (tmp_path / f"{name}.pem").write_bytes(ca[1].public_bytes(Encoding.PEM))
+    cert = ak_certificate(vendor, tpm.ak_pem, tmp_path / "ak-cert.pem")
+    out = tmp_path / "run.jsonl"
+    with Session(str(tiny_gguf), settings=[*settings(tpm), f"attest.tpm_ak_cert={cert}"]) as session:
+        session.generate("hello", max_tokens=2, trace=out)
+    by_ca = tmp_path / "by-ca.yaml"
+    by_ca.write_text(json.dumps({"attestation": {"tpm": {"ak_ca": [str(tmp_path / "vendor.pem")],
+                                                         "pcrs": {"sha256": {"23": measured.hex()}}}}}))
+    code, text = verify(capsys, out, "--policy", str(by_ca))
+    assert code == 0 and "[ok] AK certificate chains to the policy's CA: vTPM vendor CA" in text, text
+    by_ca.write_text(json.dumps({"attestation": {"tpm": {"ak_ca": [str(tmp_path / "other.pem")]}}}))
+    code, text = verify(capsys, out, "--policy", str(by_ca))
+    assert code == REFUSALS["other_platform"] and "[FAIL] AK certificate chains to the policy's CA" in text, text
+
+
 def test_replay_refuses_with_the_same_status(attested, tpm, tmp_path, capsys) -> None:
     other = write_policy(tmp_path / "other-pcr.yaml", tpm.ak_pem, bytes(32))
     assert main(["replay", str(attested[0]), "--policy", str(other)]) == 8

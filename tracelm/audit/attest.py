@@ -116,6 +116,13 @@ def _issued_by(child: x509.Certificate, parent: x509.Certificate) -> bool:
     return True
 
 
+def _is_ca(cert: x509.Certificate) -> bool:
+    try:
+        return bool(cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca)
+    except x509.ExtensionNotFound:
+        return False
+
+
 def _valid_at(cert: x509.Certificate, at: dt.datetime) -> bool:
     return cert.not_valid_before_utc <= at <= cert.not_valid_after_utc
 
@@ -134,6 +141,8 @@ def _chain(checks: Checks, name: str, chain: list[x509.Certificate], root: x509.
         ok = _issued_by(child, parent)
         checks.check(f"{name}: {_name(child)} issued by {_name(parent)}", ok,
                      "signature verified" if ok else "not signed by it", "evidence_invalid")
+        checks.check(f"{name}: {_name(parent)} is a CA", _is_ca(parent), "basic constraints: CA" if _is_ca(parent)
+                     else "not a CA certificate: it may not issue others", "evidence_invalid")
     for cert in path:
         checks.check(f"{name}: {_name(cert)} valid", _valid_at(cert, at),
                      f"{cert.not_valid_before_utc:%Y-%m-%d} to {cert.not_valid_after_utc:%Y-%m-%d}, checked at "
