@@ -341,13 +341,16 @@ def cmd_attest(args: argparse.Namespace) -> int:
     """`tracelm attest verify FILE`: evidence (GET /v1/attestation's answer, a raw SEV-SNP report or TDX quote)
     under the policy; `tracelm attest tpm-setup`: the TPM's EK and AK made persistent, the AK's public key written."""
     if args.action == "pcr":
-        return _attest_pcr(args.file_list)
+        from tracelm.tools.attest import pcr_after
+
+        print("\n".join(pcr_after(args.file_list)))
+        return 0
     if args.action == "tpm-setup":
-        from tracelm.io.attest.provider import TpmOptions, tpm_setup
+        from tracelm.tools.attest import setup
 
         if not args.out:
             raise TracelmError("attest tpm-setup: give --out FILE (the AK's public key, PEM, for the auditor)")
-        print(tpm_setup(TpmOptions(tcti=args.tcti), args.out))
+        print(setup(args.tcti, args.out))
         return 0
     from tracelm.audit.trust import verify_document
 
@@ -677,27 +680,6 @@ def _add_audit_commands(sub: Any) -> None:
                     "swtpm:host=127.0.0.1,port=2321; default: $TPM2TOOLS_TCTI)")
     sp.add_argument("--out", metavar="FILE", help="tpm-setup: where the AK's public key (PEM) is written")
     sp.set_defaults(fn=cmd_attest)
-
-
-def _attest_pcr(files: list[str]) -> int:
-    """`tracelm attest pcr FILE...`: each file's sha256 and the value of a sha256 PCR that starts at zero and is
-    extended with them in order (what an operator's boot script extends into PCR 23, what the auditor's policy
-    then expects)."""
-    from tracelm.io.attest.tpm import extend
-    from tracelm.io.registry import path_sha256
-
-    if not files:
-        raise TracelmError("attest pcr: give the files extended into the PCR, in order (e.g. the tracelm wheel, the "
-                           "model file)")
-    value = bytes(32)
-    for f in files:
-        if not os.path.exists(f):
-            raise TracelmError(f"{f}: no such file")
-        digest = path_sha256(f)  # a model folder: as a trace header's model_sha256 is
-        value = extend(value, bytes.fromhex(digest))
-        print(f"{digest}  {f}")
-    print(f"{value.hex()}  PCR value after extending a zero sha256 PCR with these, in order")
-    return 0
 
 
 def _trust_options(sp: argparse.ArgumentParser) -> None:

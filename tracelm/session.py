@@ -30,6 +30,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from tracelm.io.attest.binding import parse_nonce
 from tracelm.io.chat_template import RenderBudget, encode_chat
 from tracelm.io.grammar import closed as closed_schema
 from tracelm.io.grammar import unspellable
@@ -48,14 +49,14 @@ from tracelm.pipeline.runner import (
     feed_together,
     speculation,
 )
-from tracelm.pipeline.trace import Tracer, trace_key, trace_signer, write_footer, write_header
+from tracelm.pipeline.trace import Tracer, signature_fields, trace_key, trace_signer, write_footer, write_header
 from tracelm.stages.sample import top_logprobs
 
 # what the server, replay and the tools use of the engine, through the front door
 __all__ = ["SUFFIX", "Generation", "GenerationStats", "RenderBudget", "Runner", "Session", "ThreadLimits", "Tracer",
            "chat_prompt", "check_sampling", "closed_schema", "encode_chat", "held_bytes", "load_conversation",
-           "numerics", "release_memory", "run_config", "save_conversation", "shift_chat",
-           "template_budget", "top_logprobs", "trace_key", "unspellable", "write_footer"]
+           "numerics", "parse_nonce", "release_memory", "run_config", "save_conversation", "shift_chat",
+           "signature_fields", "template_budget", "top_logprobs", "trace_key", "unspellable", "write_footer"]
 from tracelm.state.errors import SessionIncompatible, TracelmError
 from tracelm.state.records import SamplingParams
 from tracelm.state.run_config import ACTIVATION_MODES, RunConfig

@@ -34,14 +34,20 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tracelm.audit.policy import Policy, load_policy
-from tracelm.io.attest.binding import parse_nonce
-from tracelm.io.trace_keys import ALGORITHM, fingerprint, public_hex
 from tracelm.server.errors import ApiError, bad
 from tracelm.server.pages import page_routes
 from tracelm.server.params import GenerationRequest, parse_json, parse_request
 from tracelm.server.queue import Engine, Job, QueueFull
 from tracelm.server.tools import ToolCallSplitter, function_grammar, split_reply, template_tool_format, tool_grammar
-from tracelm.session import Session, chat_prompt, encode_chat, shift_chat, template_budget
+from tracelm.session import (
+    Session,
+    chat_prompt,
+    encode_chat,
+    parse_nonce,
+    shift_chat,
+    signature_fields,
+    template_budget,
+)
 from tracelm.state.errors import GrammarLibraryError, TracelmError
 from tracelm.state.records import Constraint
 from tracelm.state.run_config import RunConfig
@@ -143,10 +149,8 @@ class Server:
         except TracelmError as e:
             log.error("attestation failed: %s", e)
             raise ApiError(503, f"the TEE gave no evidence: {e}", code="attestation_failed") from None
-        public = self.session.signer.public_key()  # type: ignore[union-attr]
-        key = {"signature_algorithm": ALGORITHM, "public_key": public_hex(public),
-               "public_key_sha256": fingerprint(public)}
-        return JSONResponse({**document, **key}, headers={"Cache-Control": "no-store"})
+        return JSONResponse({**document, **signature_fields(self.session.signer)},
+                            headers={"Cache-Control": "no-store"})
 
     def _no_model(self, name: str) -> ApiError:
         return ApiError(404, f"The model '{name[:200]}' does not exist; this server serves '{self.model_id}'",
