@@ -157,8 +157,9 @@ def check_binding(checks: Checks, document: Any, signing_key: str | None, header
     """The binding of an attestation document ({"binding", "evidence"}: a trace header's `attestation`, or GET
     /v1/attestation's answer), before the evidence itself: present, naming `signing_key` (hex, the trace's key),
     the header's tracelm version and model, and `nonce` when the caller asked with one."""
-    checks.check("evidence present", isinstance(document, dict) and isinstance(document.get("evidence"), dict),
-                 "the header carries attestation evidence" if isinstance(document, dict) else
+    present = isinstance(document, dict) and isinstance(document.get("evidence"), dict)
+    checks.check("evidence present", present, "attestation evidence and its binding" if present else
+                 "the attestation holds no evidence object" if isinstance(document, dict) else
                  "the trace carries no attestation evidence: its key vouches only for itself", "no_evidence")
     binding = checks.parse("binding", lambda: binding_from_dict(document.get("binding")))
     if signing_key is not None:
