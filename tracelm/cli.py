@@ -275,7 +275,6 @@ def _streams(text: str) -> tuple[int, ...]:
 
 def cmd_trace(args: argparse.Namespace) -> int:
     from tracelm.audit.keys import keygen
-    from tracelm.audit.trust import judge
     from tracelm.audit.verify import read_trace, summary
     from tracelm.session import trace_key
 
@@ -288,11 +287,13 @@ def cmd_trace(args: argparse.Namespace) -> int:
         raise TracelmError(f"trace {args.action}: give the TRACE file")
     if args.action in ("view", "plot"):
         return _trace_view_or_plot(args)
+    if args.action == "show":
+        print(summary(read_trace(args.trace)))
+        return 0
+    from tracelm.audit.trust import judge  # cryptography: only where a signature or evidence is checked
+
     policy = _policy(args)
     trace = read_trace(args.trace)
-    if args.action == "show":
-        print(summary(trace))
-        return 0
     verdict = judge(trace, policy, trace_key(args.key_env) if args.key_env else None, args.key_env)
     if args.json:
         print(json.dumps({"trace": args.trace, **verdict.as_dict()}, indent=1))
