@@ -208,7 +208,8 @@ def test_each_result_names_a_trace_that_verifies(tiny_gguf, items, reference, tm
         assert verify(trace, None).intact
         assert trace.events[-1]["hash"] == r["trace_hash"] and trace.header["seed"] == r["seed"]
     first = traces / got[json.dumps("q0")]["trace"]
-    assert main(["trace", "verify", str(first)]) == 0
+    assert main(["trace", "verify", str(first)]) == 3  # issue 31: intact but unsigned (was 0)
+    assert main(["trace", "verify", str(first), "--require", "intact"]) == 0
     # must fail: an edited trace no longer verifies
     lines = first.read_text().splitlines()
     edited = lines[0].replace('"max_tokens":4', '"max_tokens":5')

@@ -326,7 +326,7 @@ def test_an_interrupted_run_verifies_and_replays_up_to_it(tiny, tmp_path, capsys
             traced(tiny, out, after(4, interrupt))
     footer = json.loads(out.read_text().splitlines()[-1])
     assert footer["status"] == "interrupted" and footer["last_token"] == 3
-    code = main(["trace", "verify", str(out)])
+    code = main(["trace", "verify", str(out), "--require", "intact"])
     text = capsys.readouterr().out
     assert code == 0 and "interrupted at token 3" in text, text
     report = replay(out)
@@ -347,8 +347,8 @@ def test_ctrl_c_during_a_traced_cli_run_writes_an_interrupted_footer(tiny, tmp_p
     assert proc.returncode == 130 and "Traceback" not in err, err
     footer = json.loads(out.read_text().splitlines()[-1])
     assert footer["status"] == "interrupted" and footer["finish_reason"] == "cancelled"
-    verify = subprocess.run([sys.executable, "-m", "tracelm.cli", "trace", "verify", str(out)], capture_output=True,
-                            text=True, timeout=60)
+    verify = subprocess.run([sys.executable, "-m", "tracelm.cli", "trace", "verify", str(out), "--require", "intact"],
+                            capture_output=True, text=True, timeout=60)
     assert verify.returncode == 0 and f"interrupted at token {footer['last_token']}" in verify.stdout
 
 

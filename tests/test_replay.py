@@ -42,8 +42,9 @@ def test_sampled_run_replays_bit_for_bit(recorded, capsys) -> None:
     assert report.status == REPRODUCED and report.divergence is None and report.first_bit_difference is None
     assert report.compared == len(lines) - 2  # every event but the header and the footer
     assert report.bit_exact == sum('"event":"stage"' in x for x in lines)
-    code, out = run_replay(capsys, trace)
-    assert code == 0 and "every stage output bit-identical" in out
+    code, out = run_replay(capsys, trace)  # issue 29: reproduced, but unsigned: said, and exit 3 (was 0)
+    assert code == 3 and "every stage output bit-identical" in out and "nothing was authenticated" in out, out
+    assert run_replay(capsys, trace, "--require", "intact")[0] == 0
 
 
 def test_summary_level_replays_by_statistics(recorded, tmp_path, capsys) -> None:

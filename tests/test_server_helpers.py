@@ -36,7 +36,7 @@ class ServerProcess:
     """`python -m tracelm.cli serve CONFIG --port P` with the config written from a dict."""
 
     def __init__(self, workdir: Path, config: dict[str, Any], env: dict[str, str] | None = None,
-                 startup_timeout: float = 120.0):
+                 startup_timeout: float = 120.0, args: tuple[str, ...] = ()):
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         cfg_path = workdir / "serve.yaml"
@@ -46,7 +46,7 @@ class ServerProcess:
         full_env.update(env or {})
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tracelm.cli", "serve", str(cfg_path), "--port", str(self.port)],
+                [sys.executable, "-m", "tracelm.cli", "serve", str(cfg_path), "--port", str(self.port), *args],
                 cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env)
         deadline = time.monotonic() + startup_timeout
         while True:

@@ -102,13 +102,16 @@ def test_a_signed_run_verifies_with_the_public_key(signed, keys, capsys) -> None
     assert sum('"sig":' in line for line in signed.read_text().splitlines()) == 1  # the footer only
     code, out = verify_cli(capsys, signed, "--public-key", str(keys["a.pub"]))
     assert code == 0, out
-    assert f"signed (ed25519, key {fp(keys['a.pub'])}); signature checked with the public key" in out
-    code, out = verify_cli(capsys, signed)  # no key given: checked against the header's own key, and said so
-    assert code == 0 and "checked only against the key the header names" in out, out
+    assert f"trusted: signed by key {fp(keys['a.pub'])} (ed25519)" in out
+    # issue 31: no key given, the header's own key is checked but trusted by no one: exit 4, no longer 0
+    code, out = verify_cli(capsys, signed)
+    assert code == 4 and f"signed by key {fp(keys['a.pub'])} (ed25519), which the default policy does not " \
+                         "trust" in out, out
     report = replay(signed, public_key=_public(keys["a.pub"]))
-    assert report.status == REPRODUCED, report.describe()
-    assert "signature was checked with the public key" in report.describe()
+    assert report.status == REPRODUCED and report.exit_status == 0, report.describe()
+    assert f"trust: trusted: signed by key {fp(keys['a.pub'])}" in report.describe()
     assert main(["replay", str(signed), "--public-key", str(keys["a.pub"])]) == REPRODUCED
+    assert main(["replay", str(signed)]) == 4  # reproduced, but by a key no one named
 
 
 def _public(path: Path):
@@ -120,17 +123,18 @@ def _public(path: Path):
 def test_an_unsigned_trace_is_said_to_be_unsigned(tiny_gguf, keys, tmp_path, capsys) -> None:
     out = tmp_path / "plain.jsonl"
     record(tiny_gguf, out)
-    code, text = verify_cli(capsys, out)
-    assert code == 0 and "unsigned" in text, text
-    code, text = verify_cli(capsys, out, "--public-key", str(keys["a.pub"]))
-    assert code == 1 and "line 1: the trace is not signed" in text, text
+    code, text = verify_cli(capsys, out)  # issue 31: intact but unsigned is exit 3 (was 0)
+    assert code == 3 and "intact but unsigned" in text and "nothing was authenticated" in text, text
+    code, text = verify_cli(capsys, out, "--public-key", str(keys["a.pub"]))  # (was 1: "not signed")
+    assert code == 3 and "intact but unsigned" in text, text
+    assert verify_cli(capsys, out, "--require", "intact")[0] == 0  # an auditor who accepts unsigned traces says so
 
 
 def test_another_key_is_named_by_both_fingerprints(signed, keys, capsys) -> None:
-    code, out = verify_cli(capsys, signed, "--public-key", str(keys["b.pub"]))
-    assert code == 1 and "TAMPERED" in out, out
-    assert f"signed with key {fp(keys['a.pub'])}, not with the given public key {fp(keys['b.pub'])}" in out
-    assert main(["replay", str(signed), "--public-key", str(keys["b.pub"])]) == 2
+    code, out = verify_cli(capsys, signed, "--public-key", str(keys["b.pub"]))  # issue 31: exit 4 (was 1, TAMPERED)
+    assert code == 4 and "TAMPERED" not in out, out
+    assert f"signed by key {fp(keys['a.pub'])} (ed25519), which --public-key {keys['b.pub']} does not trust" in out
+    assert main(["replay", str(signed), "--public-key", str(keys["b.pub"])]) == 4  # reproduced, untrusted (was 2)
 
 
 def test_a_rechained_forgery_fails_at_the_footer(signed, keys, tmp_path, capsys) -> None:
@@ -149,9 +153,8 @@ def test_a_rechained_forgery_fails_at_the_footer(signed, keys, tmp_path, capsys)
             events[0].pop(k)
         events[-1].pop("sig")
     unsigned = edit_trace(signed, tmp_path / "stripped.jsonl", strip_signature)
-    assert verify_cli(capsys, unsigned)[1].count("unsigned") == 1
     code, out = verify_cli(capsys, unsigned, "--public-key", str(keys["a.pub"]))
-    assert code == 1 and "not signed" in out
+    assert code == 3 and "intact but unsigned" in out, out  # whole, but the key you trust signed nothing
 
 
 def test_a_signature_elsewhere_or_missing_is_refused(signed, keys, tmp_path, capsys) -> None:
@@ -180,7 +183,7 @@ def test_an_interrupted_signed_run_verifies(tiny_gguf, keys, tmp_path, capsys) -
     footer = json.loads(out.read_text().splitlines()[-1])
     assert footer["status"] == "interrupted" and "sig" in footer
     code, text = verify_cli(capsys, out, "--public-key", str(keys["a.pub"]))
-    assert code == 0 and "interrupted at token 3" in text and "signature checked with the public key" in text, text
+    assert code == 0 and "interrupted at token 3" in text and f"trusted: signed by key {fp(keys['a.pub'])}" in text
 
 
 def test_a_version_3_trace_still_verifies_and_replays(tiny_gguf, tmp_path) -> None:

@@ -109,8 +109,9 @@ def test_trace_content(tiny_gguf, traced) -> None:
 
 def test_verify_intact(traced, capsys) -> None:
     path, lines = traced
-    code, out = verify(path, capsys)
-    assert code == 0 and f"intact: {len(lines)} lines" in out
+    code, out = verify(path, capsys)  # issue 31: whole but unsigned is exit 3 (was 0), nothing authenticated
+    assert code == 3 and f"intact: {len(lines)} lines" in out and "nothing was authenticated" in out
+    assert verify(path, capsys, "--require", "intact")[0] == 0
 
 
 def _tampered(tmp_path: Path, lines: list[str]) -> Path:
@@ -183,9 +184,10 @@ def test_hmac_signed_trace(tiny_gguf, tmp_path, capsys, monkeypatch) -> None:
     path = tmp_path / "signed.jsonl"
     lines = record(tiny_gguf, path, "--trace-key-env", KEY_ENV)
     assert all('"mac":"' in x for x in lines)
-    assert verify(path, capsys, "--key-env", KEY_ENV)[0] == 0
-    code, out = verify(path, capsys)  # without the key: the chain is checked, the signature is not
-    assert code == 0 and "NOT checked" in out
+    code, out = verify(path, capsys, "--key-env", KEY_ENV)  # the secret the auditor gave: trusted
+    assert code == 0 and f"trusted: HMAC-signed, every mac checked with the secret in {KEY_ENV}" in out, out
+    code, out = verify(path, capsys)  # without the key the macs authenticate nothing: exit 3 (issue 31; was 0)
+    assert code == 3 and "macs not checked" in out and "nothing was authenticated" in out, out
     monkeypatch.setenv("OTHER_KEY", "wrong")
     code, out = verify(path, capsys, "--key-env", "OTHER_KEY")
     assert code == 1 and "line 1:" in out
@@ -204,8 +206,8 @@ def test_hmac_signed_trace(tiny_gguf, tmp_path, capsys, monkeypatch) -> None:
     # an unsigned trace cannot be authenticated
     unsigned = tmp_path / "unsigned.jsonl"
     record(tiny_gguf, unsigned)
-    code, out = verify(unsigned, capsys, "--key-env", KEY_ENV)
-    assert code == 1 and "not signed" in out
+    code, out = verify(unsigned, capsys, "--key-env", KEY_ENV)  # (issue 31: exit 3, unsigned; was 1)
+    assert code == 3 and "the trace carries no macs" in out, out
     monkeypatch.delenv(KEY_ENV)
     code, out = verify(path, capsys, "--key-env", KEY_ENV)
     assert code == 2 and KEY_ENV in out
@@ -217,7 +219,7 @@ def test_summary_level_has_statistics_but_no_digests(tiny_gguf, tmp_path, capsys
     stages = [json.loads(x) for x in lines if '"event":"stage"' in x]
     assert stages and all("digest" not in e and e["rms"] > 0 for e in stages)
     assert json.loads(lines[0])["level"] == "summary"
-    assert verify(path, capsys)[0] == 0
+    assert verify(path, capsys, "--require", "intact")[0] == 0
 
 
 def test_show(traced, capsys) -> None:

@@ -132,8 +132,8 @@ def test_viewer_shows_the_chat_trace_as_a_grid(page, tiny_server) -> None:
     link = page.locator(".msg.assistant .foot a.trace-link").last
     link.wait_for()
     page.goto(tiny_server.base_url + link.get_attribute("href"))
-    page.wait_for_selector("#verdict.intact")
-    assert page.inner_text("#verdict-state") == "chain intact"
+    page.wait_for_selector("#verdict.untrusted")  # issue 31: whole, but unsigned: below the default policy
+    assert page.inner_text("#verdict-state") == "chain intact, unsigned: nothing authenticated"
     assert page.locator("#tokens .tok").count() == 5
     # a pass's grid: the model-level row and the 2 layers, each stage a column; each cell its value and digest
     page.locator("#tokens .tok").nth(2).click()
@@ -168,8 +168,8 @@ def test_viewer_says_a_tampered_trace_is_broken_at_its_line(page, tiny_server, t
     page.wait_for_selector("#verdict.broken")
     assert page.inner_text("#verdict-state") == f"broken at line {n + 1}"
     assert "content does not match its hash" in page.inner_text("#verdict-why")
-    page.set_input_files("#trace-file", str(tiny_trace[1]))  # the untouched one: intact
-    page.wait_for_selector("#verdict.intact")
+    page.set_input_files("#trace-file", str(tiny_trace[1]))  # the untouched one: intact (unsigned)
+    page.wait_for_selector("#verdict.untrusted")
     junk = tmp_path / "notes.txt"
     junk.write_text("not a trace\n")
     page.set_input_files("#trace-file", str(junk))
@@ -250,6 +250,28 @@ def test_trace_view_marks_the_first_divergent_cell(page, tiny_trace, diverged_re
         viewer.stop()
 
 
+def test_trace_view_labels_a_signed_trace_and_shows_its_verdict(page, tiny_trace, tmp_path) -> None:
+    """Issue 29: the viewer labelled an Ed25519-signed trace "unsigned"; issue 31: its verdict under the policy the
+    viewer was given (--public-key: trusted), every step listed."""
+    assert main(["trace", "keygen", "--out", str(tmp_path / "k")]) == 0
+    signed = tmp_path / "signed.jsonl"
+    record(tiny_trace[0], signed, "--sign-key", str(tmp_path / "k"))
+    for extra, box in (((), "untrusted"), (("--public-key", str(tmp_path / "k.pub")), "trusted")):
+        viewer = Viewer(str(signed), *extra)
+        try:
+            page.goto(viewer.url)
+            page.wait_for_selector(f"#verdict.{box}")
+            summary = page.inner_text("#summary")
+            assert "signed (ed25519, key " in summary and "unsigned" not in summary, summary
+            state = page.inner_text("#verdict-state")
+            assert state.startswith("chain intact, trusted: signed by key" if box == "trusted" else
+                                    "chain intact, signed by key"), state
+            assert "ok signature: ed25519" in page.inner_text("#verdict-steps")
+            page.guard.check()
+        finally:
+            viewer.stop()
+
+
 def test_trace_view_refuses_what_is_not_a_trace(tmp_path) -> None:
     junk = tmp_path / "x.jsonl"
     junk.write_text("{}\n")
@@ -291,7 +313,7 @@ def test_screenshots_of_the_chat_and_the_viewer_on_smollm2(page, smollm2_path, t
         IMG.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(IMG / "chat.png"))
         page.goto(server.base_url + last_reply(page).locator("a.trace-link").get_attribute("href"))
-        page.wait_for_selector("#verdict.intact")
+        page.wait_for_selector("#verdict.untrusted")
         page.locator("#tokens .tok").nth(1).click()
         page.locator("#grid td:not(.empty)").nth(20).click()
         page.screenshot(path=str(IMG / "trace-viewer.png"), full_page=True)

@@ -37,6 +37,10 @@ def _load_config(args: argparse.Namespace) -> Any:
         overrides.append(f"trace.file={json.dumps(args.trace)}")
     if getattr(args, "sign_key", None):
         overrides.append(f"trace.sign_key={json.dumps(os.path.abspath(args.sign_key))}")
+    if getattr(args, "attest", None):
+        overrides.append(f"attest.provider={args.attest}")
+    if getattr(args, "policy", None):
+        overrides.append(f"trace.policy={json.dumps(os.path.abspath(args.policy))}")
     cfg = run_config(None, args.config, overrides)
     from tracelm.audit.keys import check_sign_key
 
@@ -270,8 +274,8 @@ def _streams(text: str) -> tuple[int, ...]:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    from tracelm.audit.keys import keygen, public_key
-    from tracelm.audit.verify import read_trace, summary, verify
+    from tracelm.audit.keys import keygen
+    from tracelm.audit.verify import read_trace, summary
     from tracelm.session import trace_key
 
     if args.action == "keygen":
@@ -283,16 +287,27 @@ def cmd_trace(args: argparse.Namespace) -> int:
         raise TracelmError(f"trace {args.action}: give the TRACE file")
     if args.action in ("view", "plot"):
         return _trace_view_or_plot(args)
-    trace = read_trace(args.trace)
     if args.action == "show":
-        print(summary(trace))
+        print(summary(read_trace(args.trace)))
         return 0
-    verdict = verify(trace, trace_key(args.key_env) if args.key_env else None, public_key(args.public_key))
-    if verdict.intact:
-        print(f"{args.trace}: {verdict.message}")
-        return 0
-    print(f"{args.trace}: TAMPERED: {verdict.message}")
-    return 1
+    from tracelm.audit.trust import judge  # cryptography: only where a signature or evidence is checked
+
+    policy = _policy(args)
+    trace = read_trace(args.trace)
+    verdict = judge(trace, policy, trace_key(args.key_env) if args.key_env else None, args.key_env)
+    if args.json:
+        print(json.dumps({"trace": args.trace, **verdict.as_dict()}, indent=1))
+    else:
+        print(f"{args.trace}: {'TAMPERED: ' if verdict.level == 'broken' else ''}{verdict.describe()}")
+    return verdict.exit_status
+
+
+def _policy(args: argparse.Namespace) -> Any:
+    """The auditor's policy: --policy FILE, each --public-key FILE trusted, --require LEVEL."""
+    from tracelm.audit.policy import load_policy
+
+    return load_policy(getattr(args, "policy", None), tuple(getattr(args, "public_key", None) or ()),
+                       getattr(args, "require", None))
 
 
 def _trace_view_or_plot(args: argparse.Namespace) -> int:
@@ -309,19 +324,43 @@ def _trace_view_or_plot(args: argparse.Namespace) -> int:
     from tracelm.session import trace_key
 
     key = TraceKey(trace_key(args.key_env), args.key_env) if args.key_env else None
-    serve_viewer(Path(args.trace), Path(args.replay) if args.replay else None, key, args.port)
+    serve_viewer(Path(args.trace), Path(args.replay) if args.replay else None, key, args.port, _policy(args))
     return 0
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from tracelm.audit.keys import public_key
     from tracelm.audit.replay import replay
     from tracelm.session import trace_key
 
     key = trace_key(args.key_env) if args.key_env else None
-    report = replay(args.trace, args.model, args.allow_model_change, key, public_key(args.public_key))
+    report = replay(args.trace, args.model, args.allow_model_change, key, policy=_policy(args), key_name=args.key_env)
     print(json.dumps({"trace": args.trace, **report.as_dict()}, indent=1) if args.json else report.describe())
-    return report.status
+    return report.exit_status
+
+
+def cmd_attest(args: argparse.Namespace) -> int:
+    """`tracelm attest verify FILE`: evidence (GET /v1/attestation's answer, a raw SEV-SNP report or TDX quote)
+    under the policy; `tracelm attest tpm-setup`: the TPM's EK and AK made persistent, the AK's public key written."""
+    if args.action == "pcr":
+        from tracelm.tools.attest import pcr_after
+
+        print("\n".join(pcr_after(args.file_list)))
+        return 0
+    if args.action == "tpm-setup":
+        from tracelm.tools.attest import setup
+
+        if not args.out:
+            raise TracelmError("attest tpm-setup: give --out FILE (the AK's public key, PEM, for the auditor)")
+        print(setup(args.tcti, args.out))
+        return 0
+    from tracelm.audit.trust import verify_document
+
+    if len(args.file_list) != 1:
+        raise TracelmError("attest verify: give one evidence FILE")
+    path = args.file_list[0]
+    verdict = verify_document(path, _policy(args), args.nonce)
+    print(json.dumps({"file": path, **verdict.as_dict()}, indent=1) if args.json else f"{path}: {verdict.describe()}")
+    return verdict.exit_status
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -428,6 +467,9 @@ def _run_options(sp: argparse.ArgumentParser) -> None:
 def _sign_key_option(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--sign-key", metavar="FILE", help="sign each trace's footer with this Ed25519 private key (PEM, "
                     "`tracelm trace keygen`); `trace verify --public-key FILE.pub` checks it (trace.sign_key)")
+    sp.add_argument("--attest", choices=("tpm", "tsm"), help="sign every trace with an Ed25519 key made in memory at "
+                    "start (trace.key: ephemeral) and bind it to this TEE's evidence in each trace header: a TPM 2.0 "
+                    "quote (tpm2-tools) or a configfs-tsm SEV-SNP / TDX report (attest.provider; docs/trust.md)")
 
 
 def _add_run_commands(sub: Any) -> None:
@@ -472,6 +514,8 @@ def _add_run_commands(sub: Any) -> None:
                     "(finish_reason length, or 400 before its first token; server.request_cpu_seconds, default 600, "
                     "0 = no limit)")
     _sign_key_option(sp)
+    sp.add_argument("--policy", metavar="FILE", help="the trust policy (YAML, docs/trust.md) the trace viewer and "
+                    "POST /api/trace/verify judge traces by (trace.policy; default: no key trusted)")
     sp.set_defaults(fn=cmd_serve)
 
     sp = sub.add_parser("soak", help="a server (in a child process) under concurrent chat clients over many session "
@@ -565,15 +609,17 @@ def _add_audit_commands(sub: Any) -> None:
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_validate)
 
-    sp = sub.add_parser("trace", help="check a trace's hash chain and signature (verify), summarise it (show), open it "
-                        "in the web viewer (view) or draw its stage grid and tokens/s (plot), without the model; "
-                        "keygen: a new Ed25519 key pair for --sign-key")
+    sp = sub.add_parser("trace", help="judge a trace under your trust policy (verify: broken, intact, signed, trusted "
+                        "or attested), summarise it (show), open it in the web viewer (view) or draw its stage grid "
+                        "and tokens/s (plot), without the model; keygen: a new Ed25519 key pair for --sign-key",
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        epilog="trace verify exits (docs/trust.md):\n" + _exit_table())
     sp.add_argument("action", choices=("verify", "show", "view", "plot", "keygen"))
     sp.add_argument("trace", metavar="TRACE", nargs="?")
     sp.add_argument("--key-env", metavar="NAME", help="verify, view: also check every line's HMAC, key from env var "
-                    "NAME")
-    sp.add_argument("--public-key", metavar="FILE", help="verify: check the footer's Ed25519 signature with this "
-                    "public key (PEM, keygen's FILE.pub)")
+                    "NAME (a secret you share with the operator: a checked HMAC counts as trusted)")
+    _trust_options(sp)
+    sp.add_argument("--json", action="store_true", help="verify: the verdict and its steps as JSON")
     sp.add_argument("--replay", metavar="REPORT", help="view: also show this `tracelm replay --json` report")
     sp.add_argument("--port", type=int, default=0, help="view: port on 127.0.0.1 (default: any free one)")
     sp.add_argument("--out", metavar="FILE", help="plot: the image to write (.png, .svg, .pdf); keygen: the private "
@@ -606,17 +652,50 @@ def _add_audit_commands(sub: Any) -> None:
                     "(RLIMIT_DATA; 0: none): an allocation past it is a MemoryError crash")
     sp.set_defaults(fn=cmd_fuzz)
 
-    sp = sub.add_parser("replay", help="re-run a trace and report the first stage or token where the runs part")
+    sp = sub.add_parser("replay", help="re-run a trace and report the first stage or token where the runs part",
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        epilog="replay exits (docs/trust.md):\n" + _exit_table(replay=True))
     sp.add_argument("trace", metavar="TRACE")
     sp.add_argument("--model", help="model file or registry name (default: the recorded one)")
     sp.add_argument("--allow-model-change", action="store_true",
                     help="replay even if the model's sha256 differs from the recorded one")
     sp.add_argument("--key-env", metavar="NAME", help="check the trace's HMAC first, key from env var NAME")
-    sp.add_argument("--public-key", metavar="FILE", help="check the trace's Ed25519 signature first with this public "
-                    "key (PEM)")
+    _trust_options(sp)
     sp.add_argument("--json", action="store_true", help="print the report as JSON (`tracelm trace view TRACE "
                     "--replay REPORT` shows it on the trace's grid)")
     sp.set_defaults(fn=cmd_replay)
+
+    sp = sub.add_parser("attest", help="verify attestation evidence under your policy (verify: GET /v1/attestation's "
+                        "answer, or a raw SEV-SNP report or TDX quote), make a TPM's attestation key persistent and "
+                        "write its public key (tpm-setup), or compute the PCR value files extend to (pcr)",
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        epilog="attest verify exits as trace verify (docs/trust.md):\n" + _exit_table())
+    sp.add_argument("action", choices=("verify", "tpm-setup", "pcr"))
+    sp.add_argument("file_list", metavar="FILE", nargs="*", help="verify: the evidence; pcr: the files an operator "
+                    "extends into a PCR (sha256 bank), in order: prints their sha256 and the PCR's value")
+    sp.add_argument("--nonce", metavar="HEX", help="verify: the nonce you sent to GET /v1/attestation (a document "
+                    "answering another nonce is refused as replayed)")
+    _trust_options(sp)
+    sp.add_argument("--json", action="store_true", help="verify: the verdict and its steps as JSON")
+    sp.add_argument("--tcti", metavar="TCTI", help="tpm-setup: the TPM (tpm2-tools' TCTI, e.g. "
+                    "swtpm:host=127.0.0.1,port=2321; default: $TPM2TOOLS_TCTI)")
+    sp.add_argument("--out", metavar="FILE", help="tpm-setup: where the AK's public key (PEM) is written")
+    sp.set_defaults(fn=cmd_attest)
+
+
+def _trust_options(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--policy", metavar="FILE", help="your trust policy (YAML, docs/trust.md): the keys you trust, "
+                    "the level you require, what attestation evidence must show")
+    sp.add_argument("--public-key", metavar="FILE", action="append", help="trust this Ed25519 public key (PEM, "
+                    "keygen's FILE.pub); repeatable, added to the policy's keys")
+    sp.add_argument("--require", choices=("intact", "signed", "trusted", "attested"), help="the lowest verdict that "
+                    "exits 0 (default: the policy's require; trusted, or attested with attestation requirements)")
+
+
+def _exit_table(replay: bool = False) -> str:
+    from tracelm.audit.exits import REPLAY_EXIT_TABLE, exit_table
+
+    return exit_table(REPLAY_EXIT_TABLE) if replay else exit_table()
 
 
 def _add_bench_command(sub: Any) -> None:

@@ -21,6 +21,8 @@ import ctypes
 import ctypes.util
 import functools
 import os
+import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from tracelm.io.attest.binding import parse_nonce
 from tracelm.io.chat_template import RenderBudget, encode_chat
 from tracelm.io.grammar import closed as closed_schema
 from tracelm.io.grammar import unspellable
@@ -46,17 +49,17 @@ from tracelm.pipeline.runner import (
     feed_together,
     speculation,
 )
-from tracelm.pipeline.trace import Tracer, trace_key, trace_signer, write_footer, write_header
+from tracelm.pipeline.trace import Tracer, signature_fields, trace_key, trace_signer, write_footer, write_header
 from tracelm.stages.sample import top_logprobs
 
 # what the server, replay and the tools use of the engine, through the front door
 __all__ = ["SUFFIX", "Generation", "GenerationStats", "RenderBudget", "Runner", "Session", "ThreadLimits", "Tracer",
            "chat_prompt", "check_sampling", "closed_schema", "encode_chat", "held_bytes", "load_conversation",
-           "numerics", "release_memory", "run_config", "save_conversation", "shift_chat",
-           "template_budget", "top_logprobs", "trace_key", "unspellable", "write_footer"]
+           "numerics", "parse_nonce", "release_memory", "run_config", "save_conversation", "shift_chat",
+           "signature_fields", "template_budget", "top_logprobs", "trace_key", "unspellable", "write_footer"]
 from tracelm.state.errors import SessionIncompatible, TracelmError
 from tracelm.state.records import SamplingParams
-from tracelm.state.run_config import ACTIVATION_MODES, RunConfig, TraceOptions
+from tracelm.state.run_config import ACTIVATION_MODES, RunConfig
 
 
 class ThreadLimits:
@@ -109,6 +112,13 @@ def run_config(model: str | None = None, config: str | os.PathLike | RunConfig |
         cfg = load_run_config(config, settings)
     if cfg.trace.file and cfg.trace.level == "off":  # a trace file alone means the digest level
         cfg = attrs.evolve(cfg, trace=attrs.evolve(cfg.trace, level="digest"))
+    if cfg.trace.key == "ephemeral" and cfg.trace.sign_key is not None:
+        raise TracelmError("trace.key: ephemeral and trace.sign_key both name a signing key: keep one")
+    if cfg.attest.provider != "off" and cfg.trace.key != "ephemeral":  # evidence binds a key made in the TEE
+        if cfg.trace.sign_key is not None:
+            raise TracelmError(f"attest.provider {cfg.attest.provider} binds an ephemeral key made in memory at start; "
+                               "drop trace.sign_key (a key from a file could have been copied out of the TEE)")
+        cfg = attrs.evolve(cfg, trace=attrs.evolve(cfg.trace, key="ephemeral"))
     return cfg if model is None else attrs.evolve(cfg, model=model)
 
 
@@ -238,6 +248,12 @@ def load_conversation(path: str | os.PathLike, runner: Runner, model_sha256: str
     return saved
 
 
+def _ephemeral_key() -> Any:
+    from tracelm.io.trace_keys import ephemeral_key
+
+    return ephemeral_key()
+
+
 def session_path(name: str) -> Path:
     """Where `tracelm chat --session NAME` keeps a conversation: TRACELM_HOME/sessions/NAME.tlsession."""
     if not name or name.startswith(".") or not all(c.isalnum() or c in "._-" for c in name):
@@ -276,6 +292,11 @@ class Session:
         self.last_trace_hash: str | None = None  # ... of the last call's trace (None: it wrote none)
         self.shifted = 0  # tokens of the conversation the last chat turn's context shift left out
         self._sha256: str | None = None
+        # trace.key: ephemeral: the key that signs every trace of this session, made now in memory, never written
+        self.signer = _ephemeral_key() if self.cfg.trace.key == "ephemeral" else None
+        self.started_ms = int(time.time() * 1000)
+        self._start_attestation: dict[str, Any] | None = None
+        self._attest_lock = threading.Lock()
 
     @property
     def model(self) -> LoadedModel:
@@ -290,6 +311,30 @@ class Session:
         if self._sha256 is None:
             self._sha256 = path_sha256(self.path)
         return self._sha256
+
+    def attestation(self, nonce: bytes | None = None) -> dict[str, Any]:
+        """The attestation document of this session's ephemeral key ({"binding", "evidence"}: docs/trust.md): with
+        `nonce`, fresh evidence over it (GET /v1/attestation); without, the evidence made at start over the start
+        time (every trace header carries it), made once."""
+        if self.cfg.attest.provider == "off" or self.signer is None:
+            raise TracelmError("this run attests nothing: start it with --attest tpm|tsm (attest.provider)")
+        if nonce is not None:
+            return self._attest(nonce)
+        with self._attest_lock:
+            if self._start_attestation is None:
+                from tracelm.io.attest.binding import start_nonce
+
+                self._start_attestation = self._attest(start_nonce(self.started_ms))
+            return self._start_attestation
+
+    def _attest(self, nonce: bytes) -> dict[str, Any]:
+        from tracelm.io.attest.binding import Binding
+        from tracelm.io.attest.provider import evidence
+        from tracelm.io.trace_keys import public_raw
+        from tracelm.version import __version__
+
+        binding = Binding(public_raw(self.signer.public_key()), __version__, self.model_sha256, nonce)
+        return {"binding": binding.as_dict(), "evidence": evidence(self.cfg.attest, binding.report_data())}
 
     @property
     def runner(self) -> Runner:
@@ -458,19 +503,20 @@ class Session:
         cfg = self.cfg if cfg is None else cfg
         if path is not None:
             level = cfg.trace.level if cfg.trace.level != "off" else "digest"
-            cfg = attrs.evolve(cfg, trace=TraceOptions(level=level, file=str(path), sign_key=cfg.trace.sign_key))
+            cfg = attrs.evolve(cfg, trace=attrs.evolve(cfg.trace, level=level, file=str(path)))
         if cfg.trace.level == "off" or not cfg.trace.file:
             yield None
             return
         key = trace_key(key_env) if key_env else None
-        signer = trace_signer(cfg.trace.sign_key)
+        signer = self.signer or trace_signer(cfg.trace.sign_key)
+        attestation = self.attestation() if cfg.attest.provider != "off" else None
         try:
             stream = open(Path(cfg.trace.file), "wb")  # noqa: SIM115  (the Tracer writes UTF-8)
         except OSError as e:
             raise TracelmError(f"{cfg.trace.file}: cannot write trace: {e.strerror}") from None
         with stream:
             tracer = Tracer(stream, cfg.trace.level, key=key, signer=signer)
-            write_header(tracer, cfg, self.model, ids, continues)
+            write_header(tracer, cfg, self.model, ids, continues, attestation)
             try:
                 yield tracer
             finally:

@@ -22,7 +22,9 @@ from typing import Any
 
 import attrs
 
-from tracelm.audit.verify import Trace, Verdict, read_trace, verify
+from tracelm.audit.policy import Policy, key_policy
+from tracelm.audit.trust import TrustVerdict, judge
+from tracelm.audit.verify import Trace, read_trace
 from tracelm.io.registry import path_sha256
 from tracelm.io.run_config import record_from_dict, run_config_from_dict
 from tracelm.pipeline.runner import GenerationStats, common_prefix
@@ -30,13 +32,13 @@ from tracelm.pipeline.trace import CHAIN_FIELDS, Tracer, is_timing_field, tokeni
 from tracelm.session import Session
 from tracelm.state.errors import TracelmError
 from tracelm.state.records import SamplingParams
-from tracelm.state.run_config import RunConfig, TraceOptions
+from tracelm.state.run_config import AttestOptions, RunConfig, TraceOptions
 
 STATS_RTOL = 1e-3
 STATS_ATOL = 1e-6
 STATS = ("mean", "rms", "maxabs")
 REPLAYED = ("generate", "stage", "token")  # the events a replay produces (the rest are not compared)
-REPRODUCED, DIVERGED = 0, 1  # exit statuses; 2 (cannot replay) is a TracelmError
+REPRODUCED, DIVERGED = 0, 1  # the comparison's outcome; 2 (cannot replay) is a TracelmError
 
 
 class _Diverged(Exception):
@@ -95,9 +97,20 @@ class ReplayReport:
     notes: list[str] = attrs.Factory(list)
     checked: list[str] = attrs.Factory(list)  # what was recomputed and compared with the recording
     interrupted_at: int | None = None  # a trace of an interrupted run: replayed up to its last complete token
+    trust: TrustVerdict | None = None  # who wrote the trace, under the auditor's policy
+
+    @property
+    def exit_status(self) -> int:
+        """DIVERGED when the runs part; else the trust verdict's (0 when it meets the policy's requirement)."""
+        if self.status != REPRODUCED or self.trust is None:
+            return self.status
+        return self.trust.exit_status
 
     def describe(self) -> str:
         lines = list(self.notes)
+        if self.trust is not None:
+            headline, *steps = self.trust.lines()
+            lines += ["trust: " + headline, *steps]
         if self.checked:
             lines.append("checked: " + "; ".join(self.checked))
         if self.divergence is None:
@@ -113,12 +126,18 @@ class ReplayReport:
         if self.first_bit_difference is not None and self.first_bit_difference != self.divergence:
             lines.append("first bit-level difference (within tolerance):")
             lines.append("  " + self.first_bit_difference.describe().replace("\n", "\n  "))
+        if self.divergence is None and self.trust is not None and not self.trust.ok:
+            what = ("nothing was authenticated: the values reproduce, but who recorded them is unknown"
+                    if self.trust.level == "intact" else "the values reproduce, but the trace does not meet the "
+                    f"required trust level {self.trust.require!r}")
+            lines.append(f"exit {self.exit_status}: {self.trust.level}: {what}")
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
         """`tracelm replay --json`: the verdict, the counts, and where the runs part (null when they do not)."""
         part = lambda d: d.as_dict() if d is not None else None  # noqa: E731
-        return {"status": "reproduced" if self.status == REPRODUCED else "diverged", "exit_status": self.status,
+        return {"status": "reproduced" if self.status == REPRODUCED else "diverged", "exit_status": self.exit_status,
+                "trust": None if self.trust is None else self.trust.as_dict(),
                 "compared": self.compared, "bit_exact": self.bit_exact, "within_tolerance": self.within_tolerance,
                 "divergence": part(self.divergence), "first_bit_difference": part(self.first_bit_difference),
                 "notes": list(self.notes), "message": self.describe()}
@@ -215,16 +234,20 @@ class _Comparer:
 
 
 def replay(path: str | Path, model: str | None = None, allow_model_change: bool = False,
-           key: bytes | None = None, public_key: Any = None) -> ReplayReport:
+           key: bytes | None = None, public_key: Any = None, policy: Policy | None = None,
+           key_name: str | None = None) -> ReplayReport:
     """Re-run the trace at `path` and compare event by event, then the header's and the footer's recomputable
-    fields. TracelmError when it cannot be replayed.
+    fields. TracelmError when it cannot be replayed (not a trace, a broken chain, no model).
 
     The run is opened as recorded: a Session on the header's config (its compute, weights, context,
     speculation and thread count), against `model` when given instead of the recorded file. A trace of an
-    interrupted run (footer status "interrupted") is replayed up to its last recorded event. `key` (HMAC) and
-    `public_key` (Ed25519) authenticate the trace first, as `verify` does."""
+    interrupted run (footer status "interrupted") is replayed up to its last recorded event. The trace is judged
+    first (tracelm/audit/trust.py) under `policy` (by default: the keys `public_key` names, an Ed25519 public key,
+    trusted; `key`: the HMAC secret, named `key_name`); the report's `trust` and `exit_status` say how far it is
+    trusted."""
     trace = read_trace(path)
-    verdict = verify(trace, key, public_key)
+    trust = judge(trace, policy or key_policy([public_key] if public_key is not None else []), key, key_name)
+    verdict = trust.chain
     if not verdict.intact:
         raise TracelmError(f"{trace.path}: cannot replay a trace that is not intact ({verdict.message})")
     cfg, level = _recorded_config(trace)
@@ -238,9 +261,8 @@ def replay(path: str | Path, model: str | None = None, allow_model_change: bool 
     footer = trace.events[footer_line] or {}
     with Session(model, cfg) as session:
         report = ReplayReport(REPRODUCED, notes=_model_notes(trace, session.path, allow_model_change),
-                              interrupted_at=verdict.interrupted_at)
+                              interrupted_at=verdict.interrupted_at, trust=trust)
         same_model = not report.notes
-        report.notes += _signing_notes(verdict)
         comparer = _Comparer(trace, report, interrupted=verdict.interrupted_at is not None)
         tracer = Tracer(comparer, level)  # type: ignore[arg-type]
         tracer.seq = 1
@@ -269,19 +291,6 @@ def replay(path: str | Path, model: str | None = None, allow_model_change: bool 
         except _Diverged:
             pass
     return report
-
-
-def _signing_notes(verdict: Verdict) -> list[str]:
-    """What the trace's signing says about who wrote it."""
-    if verdict.signature_algorithm is not None:
-        how = "checked with the public key" if verdict.signature_checked else ("checked only against the key its "
-                                                                                "header names (give --public-key)")
-        return [f"the trace is signed ({verdict.signature_algorithm}, key {str(verdict.key_fingerprint)[:16]}); its "
-                f"signature was {how}"]
-    if not verdict.signed:
-        return ["the trace is unsigned: its hash chain shows it is whole, not who wrote it; every value below was "
-                "recomputed and compared with the recorded one"]
-    return []
 
 
 def _check_header(trace: Trace, session: Session, first_call: dict[str, Any], comparer: _Comparer,
@@ -343,7 +352,7 @@ def _recorded_config(trace: Trace) -> tuple[RunConfig, str]:
     level = h.get("level")
     if level not in ("summary", "digest"):
         raise TracelmError(f"{trace.path}: header level {level!r} is not summary or digest")
-    return attrs.evolve(cfg, trace=TraceOptions()), level
+    return attrs.evolve(cfg, trace=TraceOptions(), attest=AttestOptions()), level  # a replay signs and attests nothing
 
 
 def _model_notes(trace: Trace, path: Path, allow_model_change: bool) -> list[str]:

@@ -55,8 +55,8 @@ class _Signature:
     def describe(self) -> str:
         if self.algorithm is None:
             return ""
-        how = ("signature checked with the public key" if self.given else "signature checked only against the key "
-               "the header names (give --public-key to authenticate it)")
+        how = ("signature checked with the public key given" if self.given else "signature checked against the key "
+               "the header names (whether that key is trusted is the policy's call)")
         return f"signed ({self.algorithm}, key {self.short}); {how}"
 
 

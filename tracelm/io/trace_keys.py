@@ -29,6 +29,15 @@ def public_hex(key: Ed25519PublicKey) -> str:
     return key.public_bytes(*_RAW).hex()
 
 
+def public_raw(key: Ed25519PublicKey) -> bytes:
+    return key.public_bytes(*_RAW)
+
+
+def ephemeral_key() -> Ed25519PrivateKey:
+    """A new Ed25519 key held in memory only (`trace.key: ephemeral`): nothing writes it anywhere."""
+    return Ed25519PrivateKey.generate()
+
+
 def fingerprint(key: Ed25519PublicKey) -> str:
     """sha256 of the raw public key, hex (64 digits; messages show the first 16)."""
     return hashlib.sha256(key.public_bytes(*_RAW)).hexdigest()

@@ -509,11 +509,12 @@ def _jsonable(x: Any) -> Any:
 _JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), default=_jsonable)  # a line's json.dumps
 
 
-def write_header(tracer: Tracer, run_config: Any, model: Any, prompt_ids: list[int], continues: str | None = None
-                 ) -> None:
+def write_header(tracer: Tracer, run_config: Any, model: Any, prompt_ids: list[int], continues: str | None = None,
+                 attestation: dict[str, Any] | None = None) -> None:
     """The opening event: everything needed to know what the run was and to repeat it. `continues`: the last
     line hash of the trace this one follows (a chat resumed from a session file), written as the field
-    `continues` (absent otherwise)."""
+    `continues` (absent otherwise). `attestation`: the evidence binding the signing key to the TEE ({"binding",
+    "evidence"}, docs/trust.md), written as the field `attestation` (absent otherwise)."""
     from tracelm.io.registry import path_sha256
     from tracelm.io.run_config import config_as_dict
     from tracelm.version import __version__
@@ -528,6 +529,7 @@ def write_header(tracer: Tracer, run_config: Any, model: Any, prompt_ids: list[i
         hash_algorithm="sha256",
         mac_algorithm="hmac-sha256" if tracer.key is not None else None,
         **signature_fields(tracer.signer),
+        **({"attestation": attestation} if attestation is not None else {}),
         tracelm_version=__version__,
         config=config_as_dict(run_config),
         model_file=str(Path(model.path).resolve()),

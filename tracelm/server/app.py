@@ -33,12 +33,21 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from tracelm.audit.policy import Policy, load_policy
 from tracelm.server.errors import ApiError, bad
 from tracelm.server.pages import page_routes
 from tracelm.server.params import GenerationRequest, parse_json, parse_request
 from tracelm.server.queue import Engine, Job, QueueFull
 from tracelm.server.tools import ToolCallSplitter, function_grammar, split_reply, template_tool_format, tool_grammar
-from tracelm.session import Session, chat_prompt, encode_chat, shift_chat, template_budget
+from tracelm.session import (
+    Session,
+    chat_prompt,
+    encode_chat,
+    parse_nonce,
+    shift_chat,
+    signature_fields,
+    template_budget,
+)
 from tracelm.state.errors import GrammarLibraryError, TracelmError
 from tracelm.state.records import Constraint
 from tracelm.state.run_config import RunConfig
@@ -68,6 +77,9 @@ class Server:
         self.session = session
         self.engine = Engine(session)
         self.created = int(time.time())
+        self.policy = load_policy(cfg.trace.policy) if cfg.trace.policy else Policy()  # the viewer's verdicts
+        if cfg.attest.provider != "off":
+            session.attestation()  # the evidence every trace header carries, made now: a TEE that cannot attest fails
 
     def app(self) -> Starlette:
         @contextlib.asynccontextmanager
@@ -84,6 +96,7 @@ class Server:
             Route("/v1/models/{model_id:path}", self.model_info, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/attestation", self.attestation, methods=["GET"]),
             *page_routes(self),  # the chat page at / and the trace viewer at /trace (pages.py)
         ]
         handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error}
@@ -118,6 +131,26 @@ class Server:
         if request.path_params["model_id"] not in self.model_names:
             raise self._no_model(request.path_params["model_id"])
         return JSONResponse(self._model_card())
+
+    async def attestation(self, request: Request) -> Response:
+        """Fresh evidence binding the server's ephemeral trace key to this TEE, over the caller's nonce
+        (`?nonce=HEX`, up to 64 bytes): a client checks it (`tracelm attest verify`) before sending anything."""
+        self._check_key(request)
+        if self.cfg.attest.provider == "off":
+            raise ApiError(404, "this server attests nothing (start it with --attest tpm|tsm)", code="not_attested")
+        try:
+            nonce = parse_nonce(request.query_params.get("nonce", ""), "nonce")
+        except TracelmError as e:
+            raise bad(str(e), "nonce") from None
+        if not nonce:
+            raise bad("give a fresh nonce: GET /v1/attestation?nonce=HEX (1 to 64 bytes)", "nonce")
+        try:
+            document = await run_in_threadpool(self.session.attestation, nonce)
+        except TracelmError as e:
+            log.error("attestation failed: %s", e)
+            raise ApiError(503, f"the TEE gave no evidence: {e}", code="attestation_failed") from None
+        return JSONResponse({**document, **signature_fields(self.session.signer)},
+                            headers={"Cache-Control": "no-store"})
 
     def _no_model(self, name: str) -> ApiError:
         return ApiError(404, f"The model '{name[:200]}' does not exist; this server serves '{self.model_id}'",

@@ -4,8 +4,9 @@ tracelm/server/web (no build step, nothing fetched from elsewhere: they work off
 Routes (`page_routes`, registered by `Server.app`; `viewer_app` serves the viewer alone for `tracelm trace view`):
 - GET /, GET /trace, GET /static/NAME: the pages and their files;
 - GET /api/info: what the chat page needs (model, context, default sampling, whether the server traces);
-- POST /api/trace/verify: a trace file's bytes -> its verification (tracelm.audit.verify, the same check as
-  `tracelm trace verify`) and its events, or {"not_a_trace": why};
+- POST /api/trace/verify: a trace file's bytes -> its verdict under the policy the pages were given
+  (tracelm.audit.trust.judge, the same as `tracelm trace verify`; the default policy trusts no key) and its events,
+  or {"not_a_trace": why};
 - GET /api/trace/request/ID: the same for the trace the server wrote for request ID (with server.trace_dir);
 - GET /api/trace/preloaded, GET /api/replay/preloaded: the files `tracelm trace view` was given.
 """
@@ -26,7 +27,9 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from tracelm.audit.verify import Trace, Verdict, parse_trace, read_trace, verify
+from tracelm.audit.policy import Policy
+from tracelm.audit.trust import TrustVerdict, judge
+from tracelm.audit.verify import Trace, parse_trace, read_trace
 from tracelm.state.errors import TracelmError
 
 WEB = Path(__file__).with_name("web")
@@ -59,6 +62,7 @@ class Pages:
     trace: Path | None = None
     replay: dict[str, Any] | None = None
     key: TraceKey | None = None
+    policy: Policy = attrs.Factory(Policy)  # whose keys and attestation requirements the verdicts use
 
     def routes(self) -> list[Route]:
         routes = [
@@ -134,26 +138,35 @@ class Pages:
         return JSONResponse(self.described(trace), headers=NO_STORE)
 
     def described(self, trace: Trace) -> dict[str, Any]:
-        """A trace as the viewer shows it: its verification (the chain; with the key, every signature) and its
-        events as parsed (null for a line that is not JSON)."""
+        """A trace as the viewer shows it: its verdict under the policy (the chain; with the key, every mac; the
+        signature, whether the policy trusts its key, the attestation evidence) and its events as parsed (null for
+        a line that is not JSON)."""
         key = self.key.key if self.key is not None and trace.header.get("mac_algorithm") else None
-        verdict = verify(trace, key)
+        verdict = judge(trace, self.policy, key, None if key is None else self.key.name)  # type: ignore[union-attr]
         return {"name": trace.path.name, "verdict": verdict_dict(verdict, self.key if key else None),
                 "events": trace.events}
 
 
-def verdict_dict(verdict: Verdict, key: TraceKey | None) -> dict[str, Any]:
-    """The verdict and the one-line state the viewer shows: 'chain intact', 'broken at line N', and for a
-    signed trace checked with the key, 'signed by key K'."""
-    if not verdict.intact:
-        state = f"broken at line {verdict.bad_line}"
-    elif verdict.mac_checked and key is not None:
-        state = f"chain intact, signed by key {key.name} (sha256 {key.fingerprint})"
-    elif verdict.signed:
-        state = "chain intact, signed (signatures not checked: the viewer has no key)"
+def verdict_dict(verdict: TrustVerdict, key: TraceKey | None) -> dict[str, Any]:
+    """The chain's verdict and the trust verdict, with the one-line state the viewer shows: 'broken at line N', or
+    'chain intact, ' and the trust level ('unsigned: nothing authenticated', 'signed by key K, which the policy
+    does not trust', 'trusted: ...', 'attested (...)')."""
+    chain = verdict.chain
+    assert chain is not None
+    fp = str(chain.key_fingerprint)[:16]
+    if verdict.level == "broken":
+        state = f"broken at line {chain.bad_line}"
+    elif verdict.level == "attested":
+        state = "chain intact, " + verdict.headline.split(":")[0]
+    elif verdict.level == "trusted":
+        state = (f"chain intact, trusted: signed by key {fp}" if verdict.basis == "key" else
+                 f"chain intact, trusted: every mac checked with key {key.name if key else '?'} (sha256 "
+                 f"{key.fingerprint if key else '?'})")
+    elif verdict.level == "signed":
+        state = f"chain intact, signed by key {fp}, which the policy does not trust"
     else:
-        state = "chain intact"
-    return {**attrs.asdict(verdict), "state": state}
+        state = "chain intact, unsigned: nothing authenticated"
+    return {**attrs.asdict(chain), **verdict.as_dict(), "state": state}
 
 
 def page_routes(server: Any) -> list[Route]:
@@ -162,13 +175,14 @@ def page_routes(server: Any) -> list[Route]:
     info = {"model": server.model_id, "context": cfg.context, "max_tokens": cfg.max_tokens, "system": cfg.system,
             "api_key_required": server.api_key is not None,
             "sampling": {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p}}
-    return Pages(info=info, trace_dir=server.engine.trace_dir).routes()
+    return Pages(info=info, trace_dir=server.engine.trace_dir, policy=server.policy).routes()
 
 
-def viewer_app(trace: Path, replay: dict[str, Any] | None = None, key: TraceKey | None = None) -> Starlette:
+def viewer_app(trace: Path, replay: dict[str, Any] | None = None, key: TraceKey | None = None,
+               policy: Policy | None = None) -> Starlette:
     """The trace viewer alone, with `trace` (and a replay report) preloaded: `tracelm trace view`."""
     read_trace(trace)  # not a trace at all: say so before serving
-    return Starlette(routes=Pages(trace=trace, replay=replay, key=key).routes())
+    return Starlette(routes=Pages(trace=trace, replay=replay, key=key, policy=policy or Policy()).routes())
 
 
 async def _capped_body(request: Request) -> bytes | None:
@@ -208,11 +222,12 @@ def read_replay_report(path: Path) -> dict[str, Any]:
     return report
 
 
-def serve_viewer(trace: Path, replay: Path | None, key: TraceKey | None, port: int) -> None:
+def serve_viewer(trace: Path, replay: Path | None, key: TraceKey | None, port: int,
+                 policy: Policy | None = None) -> None:
     """`tracelm trace view`: the viewer on 127.0.0.1 with the files preloaded, until interrupted; prints the URL."""
     import uvicorn
 
-    app = viewer_app(trace, read_replay_report(replay) if replay is not None else None, key)
+    app = viewer_app(trace, read_replay_report(replay) if replay is not None else None, key, policy)
     try:
         sock = socket.create_server(("127.0.0.1", port))
     except OSError as e:

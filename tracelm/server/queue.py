@@ -55,7 +55,6 @@ from tracelm.session import (
 )
 from tracelm.state.errors import GrammarLibraryError, TracelmError
 from tracelm.state.records import Choice, SamplingParams
-from tracelm.state.run_config import TraceOptions
 
 log = logging.getLogger("tracelm.server")
 
@@ -483,8 +482,8 @@ class Engine:
             return None
         path = self.trace_dir / f"{job.request_id}.jsonl"
         cfg = attrs.evolve(self.cfg, prompt=job.prompt_text, max_tokens=job.max_tokens, stop=job.stop,
-                           sampling=job.sampling, trace=TraceOptions(level=self.trace_level, file=str(path),
-                                                                     sign_key=self.cfg.trace.sign_key))
+                           sampling=job.sampling, trace=attrs.evolve(self.cfg.trace, level=self.trace_level,
+                                                                     file=str(path)))
         tracer = closing.enter_context(self.session.open_trace(job.prompt_ids, cfg=cfg))
         tracer.event("request", request_id=job.request_id, session_id=job.session_id)
         return tracer

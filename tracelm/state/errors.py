@@ -48,3 +48,12 @@ class TraceFormatError(TracelmError):
 class GrammarLibraryError(TracelmError):
     """The grammar library (llguidance) raised on a constraint: its message and version, named with the
     constraint. Reported like any bad input (a 400 on the server) and logged in one line."""
+
+
+class EvidenceFormatError(TracelmError):
+    """Attestation evidence (a TPM quote, an SEV-SNP report, a TDX quote, a certificate, a binding) that does not
+    parse as its format: the message names the structure, field and offset."""
+
+
+class PolicyError(TracelmError):
+    """An auditor's trust policy (`--policy FILE`) with an unknown key, a wrong type or a file it cannot read."""

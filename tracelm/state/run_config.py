@@ -37,6 +37,23 @@ class TraceOptions:
     level: str = attrs.field(default="off", validator=v.in_(("off", "summary", "digest")))
     file: str | None = None
     sign_key: str | None = None  # an Ed25519 private key (PEM, `tracelm trace keygen`): each trace's footer is signed
+    # "ephemeral": an Ed25519 key made in memory when the run starts, never written anywhere, signs every trace (and
+    # attestation evidence binds it: `attest`)
+    key: str | None = attrs.field(default=None, validator=v.optional(v.in_(("ephemeral",))))
+    policy: str | None = None  # the auditor's trust policy (YAML) the server's viewer and verify route judge by
+
+
+@attrs.frozen(slots=True)
+class AttestOptions:
+    """Attestation evidence binding the ephemeral trace key to the TEE the run is in (docs/trust.md): a TPM 2.0
+    quote (tpm2-tools) or a configfs-tsm report (SEV-SNP, TDX)."""
+
+    provider: str = attrs.field(default="off", validator=v.in_(("off", "tpm", "tsm")))
+    tpm_tcti: str | None = None  # tpm2-tools' TCTI (default: $TPM2TOOLS_TCTI, else the TPM device)
+    tpm_ak_handle: str = "0x81010002"  # the persistent attestation key (`tracelm attest tpm-setup`)
+    tpm_pcrs: str = "sha256:0,1,2,3,4,5,6,7,23"  # the PCRs quoted (tpm2-tools' selection)
+    tpm_ak_cert: str | None = None  # the AK's certificate chain (PEM), put into the evidence (a cloud vTPM's)
+    tsm_dir: str = "/sys/kernel/config/tsm/report"  # configfs-tsm's report directory
 
 
 @attrs.frozen(slots=True)
@@ -115,5 +132,6 @@ class RunConfig:
     template_cpu_seconds: float = attrs.field(default=2.0, validator=v.gt(0))
     template_max_chars: int = attrs.field(default=1_000_000, validator=v.ge(1))
     trace: TraceOptions = TraceOptions()
+    attest: AttestOptions = AttestOptions()
     speculative: SpeculativeOptions = SpeculativeOptions()
     server: ServerOptions = ServerOptions()

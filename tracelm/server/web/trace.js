@@ -57,11 +57,32 @@ function index(events) {
   view.layers = [...layers].sort((a, b) => (a === null ? -1 : b === null ? 1 : a - b));
 }
 
+// the trust verdict (tracelm.audit.trust): broken (red), below the policy's required level (amber), meeting it
+// (green); its headline, and every step checked
 function showVerdict(verdict) {
   const box = $("verdict");
-  box.className = verdict.intact ? "intact" : "broken";
+  box.className = verdict.level === "broken" ? "broken" : verdict.ok ? "trusted" : "untrusted";
   $("verdict-state").textContent = verdict.state;
-  $("verdict-why").textContent = verdict.message;
+  $("verdict-why").textContent = verdict.ok || verdict.level === "broken" ? verdict.headline
+    : `${verdict.headline} (below the required level: ${verdict.require})`;
+  const list = $("verdict-steps");
+  list.replaceChildren();
+  for (const step of verdict.steps || []) {
+    const li = document.createElement("li");
+    li.className = step.ok === false ? "fail" : "";
+    li.textContent = `${step.ok === false ? "FAIL" : step.ok ? "ok" : "--"} ${step.name}${step.detail ? `: ${step.detail}` : ""}`;
+    list.appendChild(li);
+  }
+}
+
+function signing(head) {
+  const parts = [];
+  if (head.signature_algorithm) {
+    parts.push(`signed (${head.signature_algorithm}, key ${String(head.public_key_sha256).slice(0, 16)})`);
+  }
+  if (head.mac_algorithm) parts.push(`HMAC-signed (${head.mac_algorithm})`);
+  if (head.attestation) parts.push("with attestation evidence");
+  return parts.length ? parts.join(", ") : "unsigned";
 }
 
 function showSummary(name) {
@@ -70,7 +91,7 @@ function showSummary(name) {
   const cfg = head.config || {};
   const rows = [
     ["trace", `${name} (${head.format} v${head.trace_version}, level ${head.level}, ` +
-      `${head.mac_algorithm ? "signed" : "unsigned"}, ${view.events.length} lines)`],
+      `${signing(head)}, ${view.events.length} lines)`],
     ["model", `${head.model_file} (sha256 ${String(head.model_sha256).slice(0, 16)}...)`],
     ["sampling", JSON.stringify(cfg.sampling || {})],
     ["prompt", `${(head.prompt_ids || []).length} tokens: ${visible(head.prompt_text || "")}`],
