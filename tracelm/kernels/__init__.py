@@ -1,12 +1,12 @@
 """tracelm's compiled kernels: y = x W^T computed directly on GGUF blocks, bit-exact by construction.
 
 out[i, j] depends on x row i and w row j only -- the same float operations whatever the number of rows,
-threads or the path (AVX512-VNNI, AVX-VNNI, AVX2 or portable C). For quantized weights each x row is split per block into two int8
-blocks -- hi (d = amax/127) and lo, the same quantizer on the residual x - d*q -- so the activations keep ~15
-bits; for each half the integer dot of each weight block is exact and one fixed float update per block
-follows, block after block from k = 0, and out = acc_hi + acc_lo. For F32/F16/BF16 weights the f32 products
-go to 32 lanes (k mod 32) and one fixed reduction tree. kernels.h states the order in full; portable.c is its
-plain-C reading.
+threads or the path (AVX512-VNNI, AVX-VNNI, AVX2 or portable C). For quantized weights each x row is split
+per block into two int8 blocks -- hi (d = amax/127) and lo, the same quantizer on the residual x - d*q -- so
+the activations keep ~15 bits; for each half the integer dot of each weight block is exact and one fixed float
+update per block follows, block after block from k = 0, and out = acc_hi + acc_lo. For F32/F16/BF16 weights
+the f32 products go to 32 lanes (k mod 32) and one fixed reduction tree. kernels.h states the order in full;
+portable.c is its plain-C reading.
 
     out = matmul(x, w_rows, qtype)        # x float32 [M, K], w_rows uint8 [N, row_bytes] (the GGUF rows)
     matmul(x, w_rows, qtype, out=y[:, lo:hi])   # out may have a row stride (unit column stride)

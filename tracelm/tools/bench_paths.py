@@ -1,10 +1,10 @@
 """`tracelm bench paths`: the kernel paths this CPU runs (avx512vnni, avxvnni, avx2, portable), side by side on one
 model in one process, alternated round by round so that the machine's drift falls on every path alike.
 
-After a round that warms every path up, each round, for each path: prefill of a prompt, then decode of a few tokens, and the weight products of one
-prefill pass alone. Reported per path: the median with min and max over the rounds, and each median's ratio to the
-avx2 path's. The paths must agree bit for bit (their contract, kernels.h): the prompt's last logits and the decoded
-tokens are compared, and a difference fails the bench."""
+After a round that warms every path up, each round, for each path: prefill of a prompt, then decode of a few
+tokens, and the weight products of one prefill pass alone. Reported per path: the median with min and max over
+the rounds, and each median's ratio to the avx2 path's. The paths must agree bit for bit (their contract,
+kernels.h): the prompt's last logits and the decoded tokens are compared, and a difference fails the bench."""
 
 from __future__ import annotations
 
