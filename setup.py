@@ -1,7 +1,8 @@
 """Build of tracelm's compiled kernels (tracelm.kernels._core); everything else is in pyproject.toml.
 
 Flags: -O2, no fast-math, no FMA contraction (the fixed float order is the kernels' contract), and never
--march=native: the AVX2 functions carry their own target attribute and are chosen at run time by CPUID.
+-march=native: the AVX2 and VNNI functions carry their own target attributes and are chosen at run time by CPUID
+(and a self-test against the portable path: kernels/selftest.c).
 """
 
 from setuptools import Extension, setup
@@ -28,6 +29,7 @@ setup(
         Extension(
             "tracelm.kernels._core",
             sources=["tracelm/kernels/core.c", "tracelm/kernels/portable.c", "tracelm/kernels/avx2.c",
+                     "tracelm/kernels/avxvnni.c", "tracelm/kernels/avx512vnni.c", "tracelm/kernels/selftest.c",
                      "tracelm/kernels/layer.c", "tracelm/kernels/layer_portable.c", "tracelm/kernels/layer_avx2.c",
                      "tracelm/kernels/trace_stats.c", "tracelm/kernels/sha256.c"],
             depends=["tracelm/kernels/kernels.h", "tracelm/kernels/layer_math.h", "tracelm/kernels/pyglue.h",

@@ -450,7 +450,8 @@ def test_env_var_forces_portable_path():
 
 def test_threads_and_paths_api():
     assert kernels.SUPPORTED == {0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30}
-    assert kernels.path() in ("avx2", "portable") and "portable" in PATHS
+    assert kernels.path() in ("avx512vnni", "avxvnni", "avx2", "portable") and "portable" in PATHS
+    assert kernels.path() == PATHS[0]  # the best path that passed its self-test
     kernels.set_threads(2)
     assert kernels.threads() == 2
     kernels.set_threads(1)
@@ -522,3 +523,56 @@ def test_bad_input_names_the_argument():
     ro.flags.writeable = False
     with pytest.raises(ValueError, match="out must be a writable"):
         mm(x, w, 2, ro, scratch)
+
+
+def test_every_path_passed_its_self_test():
+    """Every path this CPU has met the portable path bit for bit on the self-test's battery before it ran."""
+    report = kernels.selftest()
+    assert report["portable"][0] == "passed" and set(PATHS) <= set(report)
+    for name in PATHS:
+        status, detail = report[name]
+        assert status == "passed", (name, detail)
+    for name, (status, _) in report.items():
+        assert status in ("passed", "unsupported"), (name, status)  # paths() tested every one the CPU has
+
+
+SELFTEST_FAULT = """
+import sys, warnings
+broken = sys.argv[1]
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    from tracelm import kernels
+    assert broken not in kernels.paths() and kernels.path() != broken, kernels.paths()
+status, detail = kernels.selftest()[broken]
+assert status == "refused" and "differs from the portable path" in detail, (status, detail)
+assert any(broken in str(w.message) and "refused" in str(w.message) for w in seen), [str(w.message) for w in seen]
+try:
+    kernels.use_path(broken)
+    raise SystemExit("use_path took a refused path")
+except ValueError as e:
+    assert "self-test failed" in str(e), e
+print(kernels.path())
+"""
+
+
+@pytest.mark.parametrize("broken", [p for p in PATHS if p != "portable"] or ["(none)"])
+def test_a_path_that_differs_in_one_bit_is_refused(broken):
+    """TRACELM_SELFTEST_FAULT flips one bit of one product of that path's self-test: the path is refused (not in
+    paths(), not chosen, use_path says why) with a warning, and the next best runs."""
+    if broken == "(none)":
+        pytest.skip("this CPU runs only the portable path, which is the reference")
+    env = dict(os.environ, TRACELM_SELFTEST_FAULT=broken)
+    env.pop("TRACELM_KERNELS", None)
+    res = subprocess.run([sys.executable, "-c", SELFTEST_FAULT, broken], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == next(p for p in PATHS if p != broken)
+
+
+def test_env_var_picks_each_path():
+    """TRACELM_KERNELS=NAME at import runs that path (each path this CPU has)."""
+    for name in PATHS:
+        env = dict(os.environ, TRACELM_KERNELS=name)
+        res = subprocess.run([sys.executable, "-c", "from tracelm import kernels; print(kernels.path())"], env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0 and res.stdout.strip() == name, (name, res.stderr)

@@ -223,6 +223,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             report = speculative_bench(args.model, args.draft_tokens, n_decode=args.decode_tokens, **engine)
         elif args.what == "kernels":
             report = {**bench_kernel_types(), **bench_kernels(args.model, compute=args.compute)}
+        elif args.what == "paths":
+            from tracelm.tools.bench_paths import bench_paths
+
+            report = bench_paths(args.model, args.prompt_tokens, args.decode_tokens, args.repeats or 5, **engine)
         elif args.what == "batch":
             from tracelm.tools.bench_batch import bench_batch
 
@@ -704,8 +708,10 @@ def _add_bench_command(sub: Any) -> None:
                         "`bench batch`: --items prompts as one `tracelm batch` vs separate runs, and on Ray; "
                         "`bench speculative`: prompt-lookup decoding "
                         "vs plain; `bench kernels`: dequantization and "
-                        "weight-product rates at the model's shapes)")
-    sp.add_argument("what", nargs="?", choices=("model", "tokenizer", "kernels", "speculative", "server", "batch"),
+                        "weight-product rates at the model's shapes; `bench paths`: the kernel paths this CPU runs, "
+                        "alternated over --repeats rounds, their rates and ratios to avx2, and their bits compared)")
+    sp.add_argument("what", nargs="?",
+                    choices=("model", "tokenizer", "kernels", "paths", "speculative", "server", "batch"),
                     default="model")
     sp.add_argument("--streams", default="1,2,4,8", metavar="N1,N2,...",
                     help="bench server: concurrent streams decoded together through the server's engine (1..8 each); "
@@ -743,7 +749,7 @@ def _add_bench_command(sub: Any) -> None:
                     "sampled, and the grammar stage's ms per token and share of decode time")
     sp.add_argument("--repeats", type=int, help="--trace-overhead: runs of the lock-step decode (default 7; the "
                     "overheads are the runs' median); --grammar: plain and constrained runs; --compare: prefills timed "
-                    "per engine (the best counts); default 3")
+                    "per engine (the best counts); bench paths: rounds (default 5); default 3")
     sp.add_argument("--compare", action="store_true",
                     help="instead: tracelm, llama-cpp-python and transformers (each when installed) on the same GGUF, "
                     "prompt ids and threads, each in its own process; prints their rates, peak RSS and ratios")

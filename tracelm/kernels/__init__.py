@@ -1,16 +1,20 @@
 """tracelm's compiled kernels: y = x W^T computed directly on GGUF blocks, bit-exact by construction.
 
 out[i, j] depends on x row i and w row j only -- the same float operations whatever the number of rows,
-threads or the path (AVX2 or portable C). For quantized weights each x row is split per block into two int8
-blocks -- hi (d = amax/127) and lo, the same quantizer on the residual x - d*q -- so the activations keep ~15
-bits; for each half the integer dot of each weight block is exact and one fixed float update per block
-follows, block after block from k = 0, and out = acc_hi + acc_lo. For F32/F16/BF16 weights the f32 products
-go to 32 lanes (k mod 32) and one fixed reduction tree. kernels.h states the order in full; portable.c is its
-plain-C reading.
+threads or the path (AVX512-VNNI, AVX-VNNI, AVX2 or portable C). For quantized weights each x row is split
+per block into two int8 blocks -- hi (d = amax/127) and lo, the same quantizer on the residual x - d*q -- so
+the activations keep ~15 bits; for each half the integer dot of each weight block is exact and one fixed float
+update per block follows, block after block from k = 0, and out = acc_hi + acc_lo. For F32/F16/BF16 weights
+the f32 products go to 32 lanes (k mod 32) and one fixed reduction tree. kernels.h states the order in full;
+portable.c is its plain-C reading.
 
     out = matmul(x, w_rows, qtype)        # x float32 [M, K], w_rows uint8 [N, row_bytes] (the GGUF rows)
     matmul(x, w_rows, qtype, out=y[:, lo:hi])   # out may have a row stride (unit column stride)
     set_threads(2); path(); use_path("portable")
+
+Paths: the best one this CPU has is chosen at import (CPUID), but only after it met the portable path bit for bit
+on a fixed battery of products and layer rows (kernels/selftest.c, ~10 ms); a path that differs in a single bit is
+refused, with a RuntimeWarning, and the next best runs. selftest() says what each path's check found.
 
 The rest of a layer, in the same discipline (one fixed order of float steps, written down in kernels.h; the same
 bits on both paths, at any thread count, for a row alone or in a pass): rms_norm, rms_norm_add, rope, attend,
@@ -19,14 +23,16 @@ depends on the C library either.
 
 Threads: at import, all CPUs this process may run on (os.sched_getaffinity); set_threads(n) changes it.
 
-Environment: TRACELM_KERNELS=portable forces the portable path at import; TRACELM_SPIN_US (default 200) is
-how long idle workers spin before they sleep.
+Environment: TRACELM_KERNELS=NAME (portable, avx2, avxvnni, avx512vnni) picks that path at import where it may run;
+TRACELM_SPIN_US (default 200) is how long idle workers spin before they sleep; TRACELM_SELFTEST_FAULT=NAME makes
+that path's self-test fail (for tests of the refusal).
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -43,9 +49,8 @@ PACKABLE = frozenset((Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K))  # types 
 
 set_threads = _core.set_threads  # set_threads(n): n threads in all, the calling thread included
 threads = _core.threads
-path = _core.path  # "avx2" | "portable"
-use_path = _core.use_path  # use_path("portable" | "avx2"): for tests and comparisons
-paths = _core.paths  # the paths this CPU can run
+path = _core.path  # "avx512vnni" | "avxvnni" | "avx2" | "portable"
+
 # the trace's kernels (trace_stats.c): stage events held as they come (each output's statistics then, its bytes for the
 # digests), the statistics and digests of a batch of them, the batch's JSON lines and hash chain
 TraceHolder = _core.TraceHolder  # TraceHolder(arena, meta, stats, stage_ids, refused, keep).note(stage, layer, ...)
@@ -55,6 +60,45 @@ trace_lines_post = _core.trace_lines_post  # the same arguments -> PendingLines,
 quantize_rows = _core.quantize_rows  # quantize_rows(x, qtype, scratch, halves=2): x's int8 blocks as matmul
 # makes them (x row m -> block rows 2m = hi, 2m + 1 = lo; with halves=1, row m = hi), each
 # scratch_bytes(M, K, qtype, halves) // (halves M) bytes
+
+
+def selftest() -> dict[str, tuple[str, str]]:
+    """Each compiled path's self-test against the portable path: {name: (status, detail)}, status 'passed' (detail:
+    cases and ms), 'refused' (the first case that differs), 'untested' (not used yet: `paths()` tests them all) or
+    'unsupported' (this CPU lacks its instructions)."""
+    return _core.selftest()
+
+
+_warned: set[str] = set()
+
+
+def _warn_refused() -> None:
+    """A RuntimeWarning for each path whose self-test failed since the last call."""
+    for name, (status, detail) in selftest().items():
+        if status == "refused" and name not in _warned:
+            _warned.add(name)
+            warnings.warn(f"tracelm kernels: the {name} path is refused: {detail}; running {path()}", RuntimeWarning,
+                          stacklevel=3)
+
+
+def paths() -> tuple[str, ...]:
+    """The paths this CPU can run that passed their self-test, best first (self-tests each one not yet used)."""
+    try:
+        return _core.paths()
+    finally:
+        _warn_refused()
+
+
+def use_path(name: str) -> None:
+    """Run `name` from now on (for tests and comparisons): self-tested at its first use; ValueError if this CPU
+    lacks it or its self-test failed."""
+    try:
+        _core.use_path(name)
+    finally:
+        _warn_refused()
+
+
+_warn_refused()
 
 
 def default_threads() -> int:

@@ -18,13 +18,60 @@
  */
 #include "kernels.h"
 
+/* This file is compiled three times (setup.py): as itself, the AVX2 path; from avxvnni.c with VNNI 1 and from
+ * avx512vnni.c with VNNI 2, the VNNI paths, where the integer dot of a dword's 4 unsigned weight bytes with 4 signed
+ * activation bytes is one vpdpbusd into int32 (VEX-encoded AVX-VNNI, or EVEX-encoded AVX512-VNNI on 256-bit
+ * vectors) instead of maddubs -> int16 pairs -> madd. The integers are the same, so every path gives the same bits;
+ * only the int16 budgets (runs of 4 or 8 quads) and the scale vectors' format (int16 pairs for madd, int32 for
+ * mullo) differ. */
+#ifndef VNNI
+#define VNNI 0
+#endif
+#if VNNI == 1
+#define TARGET "avx2,f16c,avxvnni"
+#define PATH_SYM avxvnni_path
+#define PATH_NAME "avxvnni"
+#elif VNNI == 2
+#define TARGET "avx2,f16c,avx512f,avx512bw,avx512vl,avx512vnni"
+#define PATH_SYM avx512vnni_path
+#define PATH_NAME "avx512vnni"
+#else
+#define TARGET "avx2,f16c"
+#define PATH_SYM avx2_path
+#define PATH_NAME "avx2"
+#endif
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 
-#define AVX2 __attribute__((target("avx2,f16c")))
-#define INL static inline __attribute__((always_inline, target("avx2,f16c")))
+#define AVX2 __attribute__((target(TARGET)))
+#define INL static inline __attribute__((always_inline, target(TARGET)))
 
+#if !VNNI
 int avx2_compiled(void) { return 1; }
+#endif
+
+/* acc + the products of w's unsigned bytes with x's signed bytes. DOTACC: AVX2 in int16 pairs (maddubs, then an
+ * int16 add: mind the budget), VNNI in int32 dwords (vpdpbusd); SUM32 widens such an accumulator to dwords (VNNI:
+ * it is one); DOT32: the dword sums added to an int32 accumulator; SCALE32: dwords times a scale vector (AVX2: int16
+ * pairs times int16 scales, madd; VNNI: int32 times int32, mullo); SUB16: an offset taken off an accumulator */
+#if VNNI == 1
+#define DOTACC(acc, w, x) _mm256_dpbusd_avx_epi32(acc, w, x)
+#elif VNNI == 2
+#define DOTACC(acc, w, x) _mm256_dpbusd_epi32(acc, w, x)
+#endif
+#if VNNI
+#define SUM32(acc) (acc)
+#define DOT32(acc, w, x) DOTACC(acc, w, x)
+#define SCALE32(s, sc) _mm256_mullo_epi32(s, sc)
+#define SUB16(a, b) _mm256_sub_epi32(a, b)
+#else
+#define DOTACC(acc, w, x) _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x))
+#define SUM32(acc) _mm256_madd_epi16(acc, _mm256_set1_epi16(1))
+#define DOT32(acc, w, x) _mm256_add_epi32(acc, SUM32(_mm256_maddubs_epi16(w, x)))
+#define SCALE32(s, sc) _mm256_madd_epi16(s, sc)
+#define SUB16(a, b) _mm256_sub_epi16(a, b)
+#endif
 
 /* keep a vector in a register, opaque to the compiler: a loaded vector is then not folded into each of its uses
  * as a load again, and a chain of integer adds is not reassociated into a tree that computes every product
@@ -62,13 +109,10 @@ INL __m256i hsum8(__m256i s0, __m256i s1, __m256i s2, __m256i s3, __m256i s4, __
     return _mm256_add_epi32(_mm256_permute2x128_si256(f, g, 0x20), _mm256_permute2x128_si256(f, g, 0x31));
 }
 
-/* maddubs outputs of 8 rows (16 int16 each, 8-bit weights: each at most 2*128*127 = 32512, so none can be added
- * to another in int16) -> lane r = row r's sum */
+/* DOTACC outputs of 8 rows (AVX2: maddubs, 16 int16 each, 8-bit weights: each at most 2*128*127 = 32512, so none
+ * can be added to another in int16; VNNI: 8 int32) -> lane r = row r's sum */
 INL __m256i rowsums8(__m256i p0, __m256i p1, __m256i p2, __m256i p3, __m256i p4, __m256i p5, __m256i p6, __m256i p7) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    return hsum8(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones), _mm256_madd_epi16(p2, ones),
-                 _mm256_madd_epi16(p3, ones), _mm256_madd_epi16(p4, ones), _mm256_madd_epi16(p5, ones),
-                 _mm256_madd_epi16(p6, ones), _mm256_madd_epi16(p7, ones));
+    return hsum8(SUM32(p0), SUM32(p1), SUM32(p2), SUM32(p3), SUM32(p4), SUM32(p5), SUM32(p6), SUM32(p7));
 }
 
 INL int weight_bits(int t) { return t == T_Q4_0 || t == T_Q4_1 ? 4 : t == T_Q5_0 || t == T_Q5_1 ? 5 : 8; }
@@ -327,7 +371,7 @@ INL void dot32_chunk(int t, const ubuf32 *u0, const ubuf32 *u1, int nkb, int ng,
                      const xblock32 *x1, const xblock32 *x2, const xblock32 *x3, __m256 *a0, __m256 *a1, __m256 *a2,
                      __m256 *a3) {
     const int off = t == T_Q4_0 ? 8 : t == T_Q5_0 ? 16 : 0, bits = weight_bits(t), four = ng == 2 || nx > 2;
-    const __m256i ones = _mm256_set1_epi16(1), z = _mm256_setzero_si256();
+    const __m256i z = _mm256_setzero_si256();
     __m256 f0 = *a0, f1 = *a1, f2 = four ? *a2 : _mm256_setzero_ps(), f3 = four ? *a3 : _mm256_setzero_ps();
     for (int kb = 0; kb < nkb; kb++, x0++, x1++, x2++, x3++) {
         __m256i i0 = z, i1 = z, i2 = z, i3 = z;
@@ -338,27 +382,26 @@ INL void dot32_chunk(int t, const ubuf32 *u0, const ubuf32 *u1, int nkb, int ng,
                               s1 = ng == 2 ? u1->s[kb][c] : s0;
                 const __m256i b0 = BQ(x0->q, c), b1 = BQ(x1->q, c), b2 = nx > 2 ? BQ(x2->q, c) : b0,
                               b3 = nx > 2 ? BQ(x3->q, c) : b1;
-#define P(k) i##k = _mm256_add_epi32(i##k, _mm256_madd_epi16(_mm256_maddubs_epi16(ng == 2 && (k) >= 2 ? w1 : w0, \
-                     _mm256_sign_epi8(BK(k), ng == 2 && (k) >= 2 ? s1 : s0)), ones)); REG(i##k);
+#define P(k) i##k = DOT32(i##k, ng == 2 && (k) >= 2 ? w1 : w0, _mm256_sign_epi8(BK(k), ng == 2 && (k) >= 2 ? s1 : s0)); \
+             REG(i##k);
                 P(0) P(1) if (four) { P(2) P(3) }
 #undef P
             }
         } else {
-            /* 4-bit: all 8 quads in int16 lanes; 5-bit: quads 0..3 and 4..7 apart */
+            /* AVX2, 4-bit: all 8 quads in int16 lanes; 5-bit: quads 0..3 and 4..7 apart. VNNI: all in int32 */
             __m256i h0 = z, h1 = z, h2 = z, h3 = z;
 #pragma GCC unroll 8
             for (int c = 0; c < 8; c++) {
                 const __m256i w0 = u0->v[kb][c], w1 = ng == 2 ? u1->v[kb][c] : w0;
                 const __m256i b0 = BQ(x0->q, c), b1 = BQ(x1->q, c), b2 = nx > 2 ? BQ(x2->q, c) : b0,
                               b3 = nx > 2 ? BQ(x3->q, c) : b1;
-#define P(k) { const __m256i p_ = _mm256_maddubs_epi16(ng == 2 && (k) >= 2 ? w1 : w0, BK(k));                       \
-               if (bits == 5 && c >= 4) { h##k = _mm256_add_epi16(h##k, p_); REG(h##k); }                            \
-               else { i##k = _mm256_add_epi16(i##k, p_); REG(i##k); } }
+#define P(k) { const __m256i w_ = ng == 2 && (k) >= 2 ? w1 : w0;                                                  \
+               if (bits == 5 && c >= 4 && !VNNI) { h##k = DOTACC(h##k, w_, BK(k)); REG(h##k); }                      \
+               else { i##k = DOTACC(i##k, w_, BK(k)); REG(i##k); } }
                 P(0) P(1) if (four) { P(2) P(3) }
 #undef P
             }
-#define R(k) i##k = bits == 4 ? _mm256_madd_epi16(i##k, ones) \
-                              : _mm256_add_epi32(_mm256_madd_epi16(i##k, ones), _mm256_madd_epi16(h##k, ones));
+#define R(k) i##k = bits == 4 || VNNI ? SUM32(i##k) : _mm256_add_epi32(SUM32(i##k), SUM32(h##k));
             R(0) R(1) if (four) { R(2) R(3) }
 #undef R
         }
@@ -386,7 +429,7 @@ INL void dot32_chunk(int t, const ubuf32 *u0, const ubuf32 *u1, int nkb, int ng,
 INL __m256 dot32v_direct(int t, int two, int pk, const uint8_t *const *rows, const xblock32 *xh, const xblock32 *xl,
                          int64_t nb, int64_t pf) {
     const int tb = type_bytes(t), off = t == T_Q4_0 ? 8 : t == T_Q5_0 ? 16 : 0, five = weight_bits(t) == 5;
-    const __m256i f = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), z = _mm256_setzero_si256();
+    const __m256i f = _mm256_set1_epi8(15), z = _mm256_setzero_si256();
     __m256 acc_hi = _mm256_setzero_ps(), acc_lo = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, xh++, xl++) {
         const int64_t o = b * tb;
@@ -397,11 +440,11 @@ INL __m256 dot32v_direct(int t, int two, int pk, const uint8_t *const *rows, con
         __m256i T0, T1, T2, T3, QH = z;
         __m256 d, m;
         block32(t, pk, rows, p, o, &T0, &T1, &T2, &T3, &QH, &d, &m);
-        /* int16 sums: 4-bit, all 8 quads in ha / la; 5-bit, quads 0 1 4 5 there, 2 3 6 7 in hb / lb */
+        /* AVX2's int16 sums: 4-bit, all 8 quads in ha / la; 5-bit, quads 0 1 4 5 there, 2 3 6 7 in hb / lb */
         __m256i ha = z, la = z, hb = z, lb = z;
 #define QUAD(V, c, H, L)                                                                     \
-        H = _mm256_add_epi16(H, _mm256_maddubs_epi16(V, BQ(xh->q, c))); REG(H);              \
-        if (two) { L = _mm256_add_epi16(L, _mm256_maddubs_epi16(V, BQ(xl->q, c))); REG(L); }
+        H = DOTACC(H, V, BQ(xh->q, c)); REG(H);                                              \
+        if (two) { L = DOTACC(L, V, BQ(xl->q, c)); REG(L); }
 #define PAIR(Ta, Tb, c, H, L)   /* quads c, c + 1 (low nibbles) and c + 4, c + 5 (high) */    \
         {                                                                                    \
             __m256i v0 = _mm256_and_si256(Ta, f), v1 = _mm256_and_si256(Tb, f);              \
@@ -422,8 +465,8 @@ INL __m256 dot32v_direct(int t, int two, int pk, const uint8_t *const *rows, con
 #undef QUAD
 #define HALF(HA, HB, X, ACC)                                                                            \
         {                                                                                               \
-            __m256i i = _mm256_madd_epi16(HA, ones);                                                    \
-            if (five) i = _mm256_add_epi32(i, _mm256_madd_epi16(HB, ones));                             \
+            __m256i i = SUM32(HA);                                                                      \
+            if (five) i = _mm256_add_epi32(i, SUM32(HB));                                               \
             if (off) i = _mm256_sub_epi32(i, _mm256_set1_epi32(off * X->sum));                          \
             const __m256 dx = _mm256_set1_ps(X->d);                                                     \
             if (t == T_Q4_1 || t == T_Q5_1) COMBINE_DM(v8, ACC, d, m, dx, i, _mm256_set1_epi32(X->sum)); \
@@ -438,7 +481,9 @@ INL __m256 dot32v_direct(int t, int two, int pk, const uint8_t *const *rows, con
 
 /* ---- few x rows, Q8_0: row by row (the vertical layout would cost a full transpose and one madd per quad for
  * 2 x halves), one maddubs per row-block and x half, summed across rows by rowsums8 ---- */
-INL __m256i dot_direct(__m256i w, __m256i xv) { return _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w)); }
+INL __m256i dot_direct(__m256i w, __m256i xv) {
+    return DOTACC(_mm256_setzero_si256(), _mm256_abs_epi8(w), _mm256_sign_epi8(xv, w));
+}
 
 /* one x row's hi (and, if two, lo) half against 8 weight rows, each block's weights loaded once for both:
  * returns acc_hi (+ acc_lo) */
@@ -484,7 +529,8 @@ INL __m256 q8_direct(int two, int pk, const uint8_t *const *rows, const xblock32
  * ==================================================================================================== */
 typedef struct {          /* one super-block of a group's 8 rows, unpacked */
     __m256i v[64];        /* quad e/4: 0..15 / 0..31 / 0..63 */
-    __m256i sc[16];       /* Q4_K/Q5_K: sub-block j's scale (j < 8); Q6_K: sub-block i's; int16, twice per lane */
+    __m256i sc[16];       /* Q4_K/Q5_K: sub-block j's scale (j < 8); Q6_K: sub-block i's; int16 twice per lane
+                           * (VNNI: int32) */
     __m256i corr[4];      /* Q4_K/Q5_K: (mn_2k, mn_2k+1), k < 4: int16 pairs */
     float d[GROUP], dmin[GROUP];
 } ubufk;                  /* 2.7 KB */
@@ -545,7 +591,9 @@ INL void kscale_vecs(int t, int pk, const uint8_t *const *rows, const uint8_t *p
     if (t == T_Q6_K) {
         kdwords(pk, rows, p, o, 192, 4, U);
 #pragma GCC unroll 16
-        for (int i = 0; i < 16; i++) sc[i] = _mm256_srai_epi16(lane_bytes(U[i / 4], -1, i % 4, -1, i % 4), 8);
+        for (int i = 0; i < 16; i++)
+            sc[i] = VNNI ? _mm256_srai_epi32(lane_bytes(U[i / 4], -1, -1, -1, i % 4), 24)
+                         : _mm256_srai_epi16(lane_bytes(U[i / 4], -1, i % 4, -1, i % 4), 8);
         return;
     }
     kdwords(pk, rows, p, o, 4, 3, U);   /* kscales' u0, u1, u2 */
@@ -557,7 +605,7 @@ INL void kscale_vecs(int t, int pk, const uint8_t *const *rows, const uint8_t *p
     const __m256i e = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(T3, 4), m4),
                                       _mm256_and_si256(_mm256_srli_epi32(T2, 2), m2));   /* sc4..7, mn4..7 */
 #pragma GCC unroll 8
-    for (int j = 0; j < 8; j++) sc[j] = lane_bytes(j < 4 ? a : c, j % 4, -1, j % 4, -1);
+    for (int j = 0; j < 8; j++) sc[j] = lane_bytes(j < 4 ? a : c, j % 4, -1, VNNI ? -1 : j % 4, -1);
 #pragma GCC unroll 4
     for (int k = 0; k < 4; k++) corr[k] = lane_bytes(k < 2 ? b : e, 2 * (k % 2), -1, 2 * (k % 2) + 1, -1);
 }
@@ -639,6 +687,11 @@ INL void unpackk(int t, int pk, const uint8_t *const *rows, int64_t b0, int nks,
  * k6off: those pairs of a chunk's super-blocks of one x half-row, sub-block i's the dword i of its super-block's 16. */
 typedef struct { int32_t d[KS_MAX][16]; } k6off;
 INL void k6_offsets(const xblock256 *x, int nks, k6off *o) {
+    if (VNNI) {   /* the int32 sums need no wrapping: sub-block i's offset is 32 sum q over its 16 values */
+        for (int kb = 0; kb < nks; kb++)
+            for (int i = 0; i < 16; i++) o->d[kb][i] = 32 * x[kb].bsum[i];
+        return;
+    }
     const __m256i k32 = _mm256_set1_epi8(32), seq = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int kb = 0; kb < nks; kb++) {
         __m256i h[4];   /* values 64p..64p+63 (sub-blocks 4p..4p+3): dword 0, 1 of lane 0 = sub-block 4p, 4p + 2 */
@@ -696,14 +749,14 @@ INL void dotk_chunk(int t, const ubufk *u0, const ubufk *u1, int nks, int ng, in
 #pragma GCC unroll 4
                 for (int q = 0; q < 4; q++) {
                     BX(16 * i, q)
-#define P(k) s##k = _mm256_add_epi16(s##k, _mm256_maddubs_epi16(VK(k, 4 * i + q), BK(k))); REG(s##k);
+#define P(k) s##k = DOTACC(s##k, VK(k, 4 * i + q), BK(k)); REG(s##k);
                     P(0) P(1) if (four) { P(2) P(3) }
 #undef P
                 }
                 {
                     const __m256i b0 = K6OFF(o0, kb, i), b1 = K6OFF(o1, kb, i), b2 = nx > 2 ? K6OFF(o2, kb, i) : b0,
                                   b3 = nx > 2 ? K6OFF(o3, kb, i) : b1;
-#define P(k) A##k = _mm256_add_epi32(A##k, _mm256_madd_epi16(_mm256_sub_epi16(s##k, BK(k)), SK(k, i))); REG(A##k);
+#define P(k) A##k = _mm256_add_epi32(A##k, SCALE32(SUB16(s##k, BK(k)), SK(k, i))); REG(A##k);
                     P(0) P(1) if (four) { P(2) P(3) }
 #undef P
                 }
@@ -719,13 +772,13 @@ INL void dotk_chunk(int t, const ubufk *u0, const ubufk *u1, int nks, int ng, in
 #pragma GCC unroll 8
                 for (int q = 0; q < 8; q++) {
                     BX(32 * j, q)
-#define P(k) if (t == T_Q5_K && q >= 4) { h##k = _mm256_add_epi16(h##k, _mm256_maddubs_epi16(VK(k, 8 * j + q), BK(k))); REG(h##k); } \
-             else { s##k = _mm256_add_epi16(s##k, _mm256_maddubs_epi16(VK(k, 8 * j + q), BK(k))); REG(s##k); }
+#define P(k) if (t == T_Q5_K && q >= 4 && !VNNI) { h##k = DOTACC(h##k, VK(k, 8 * j + q), BK(k)); REG(h##k); } \
+             else { s##k = DOTACC(s##k, VK(k, 8 * j + q), BK(k)); REG(s##k); }
                     P(0) P(1) if (four) { P(2) P(3) }
 #undef P
                 }
-#define M(k) A##k = _mm256_add_epi32(A##k, t == T_Q5_K ? _mm256_add_epi32(_mm256_madd_epi16(s##k, SK(k, j)), _mm256_madd_epi16(h##k, SK(k, j))) \
-                                                       : _mm256_madd_epi16(s##k, SK(k, j)));
+#define M(k) A##k = _mm256_add_epi32(A##k, t == T_Q5_K && !VNNI ? _mm256_add_epi32(SCALE32(s##k, SK(k, j)), SCALE32(h##k, SK(k, j))) \
+                                                                : SCALE32(s##k, SK(k, j)));
                 M(0) M(1) if (four) { M(2) M(3) }
 #undef M
             }
@@ -908,17 +961,17 @@ INL __m256 dotk_packed(int t, int two, const uint8_t *g, const xblock256 *xh, co
                     const int k = 4 * (i % 2) + q;   /* (the loads a quad does not need go unused) */
                     const __m256i v = q6_quad(m, ld256(p + 32 * (16 * h + k)), ld256(p + 32 * (16 * h + 8 + k)),
                                               ld256(p + 8 * 128 + 32 * (8 * h + k)));
-                    sh = _mm256_add_epi16(sh, _mm256_maddubs_epi16(v, BQ(xh->q + 16 * i, q))); REG(sh);
-                    if (two) { sl = _mm256_add_epi16(sl, _mm256_maddubs_epi16(v, BQ(xl->q + 16 * i, q))); REG(sl); }
+                    sh = DOTACC(sh, v, BQ(xh->q + 16 * i, q)); REG(sh);
+                    if (two) { sl = DOTACC(sl, v, BQ(xl->q + 16 * i, q)); REG(sl); }
                 }
-                Ah = _mm256_add_epi32(Ah, _mm256_madd_epi16(_mm256_sub_epi16(sh, K6OFF(&oh, 0, i)), sc[i]));
-                if (two) Al = _mm256_add_epi32(Al, _mm256_madd_epi16(_mm256_sub_epi16(sl, K6OFF(&ol, 0, i)), sc[i]));
+                Ah = _mm256_add_epi32(Ah, SCALE32(SUB16(sh, K6OFF(&oh, 0, i)), sc[i]));
+                if (two) Al = _mm256_add_epi32(Al, SCALE32(SUB16(sl, K6OFF(&ol, 0, i)), sc[i]));
             }
             COMBINE_D(v8, acc_hi, d, dxh, Ah);
             if (two) COMBINE_D(v8, acc_lo, d, dxl, Al);
             continue;
         }
-        const int five = t == T_Q5_K, run = five ? 4 : 8, qs = 8 * (five ? 48 : 16);
+        const int five = t == T_Q5_K, run = five && !VNNI ? 4 : 8, qs = 8 * (five ? 48 : 16);
         const __m256i b4 = _mm256_set1_epi8(0x10);
 #pragma GCC unroll 4
         for (int c = 0; c < 4; c++)   /* qs dwords 8c..8c+7: sub-blocks 2c (low nibbles) and 2c + 1 (high) */
@@ -936,14 +989,13 @@ INL __m256 dotk_packed(int t, int two, const uint8_t *g, const xblock256 *xh, co
                         v1 = _mm256_or_si256(v1, _mm256_and_si256(2 * c + 1 <= 4 ? _mm256_slli_epi16(H, 3 - 2 * c)
                                                                                  : _mm256_srli_epi16(H, 2 * c - 3), b4));
                     }
-#define Q4(S, V, o) S = _mm256_add_epi16(S, _mm256_maddubs_epi16(V, BQ(o, k))); REG(S);
+#define Q4(S, V, o) S = DOTACC(S, V, BQ(o, k)); REG(S);
                     Q4(s0h, v0, xh->q + 64 * c) Q4(s1h, v1, xh->q + 64 * c + 32)
                     if (two) { Q4(s0l, v0, xl->q + 64 * c) Q4(s1l, v1, xl->q + 64 * c + 32) }
 #undef Q4
                 }
-                Ah = _mm256_add_epi32(Ah, _mm256_add_epi32(_mm256_madd_epi16(s0h, sc[2 * c]), _mm256_madd_epi16(s1h, sc[2 * c + 1])));
-                if (two)
-                    Al = _mm256_add_epi32(Al, _mm256_add_epi32(_mm256_madd_epi16(s0l, sc[2 * c]), _mm256_madd_epi16(s1l, sc[2 * c + 1])));
+                Ah = _mm256_add_epi32(Ah, _mm256_add_epi32(SCALE32(s0h, sc[2 * c]), SCALE32(s1h, sc[2 * c + 1])));
+                if (two) Al = _mm256_add_epi32(Al, _mm256_add_epi32(SCALE32(s0l, sc[2 * c]), SCALE32(s1l, sc[2 * c + 1])));
             }
         COMBINE_K(v8, acc_hi, d, dmin, dxh, Ah, kmins(corr, xh));
         if (two) COMBINE_K(v8, acc_lo, d, dmin, dxl, Al, kmins(corr, xl));
@@ -1280,9 +1332,11 @@ AVX2 static void mm_task(const mm_job *j, int64_t g0, int64_t m0, int64_t m1) {
     }
 }
 
-const kernel_path avx2_path = {"avx2", quantize_row, mm_task, task_groups, &avx2_layer};
+const kernel_path PATH_SYM = {PATH_NAME, quantize_row, mm_task, task_groups, &avx2_layer};
 
 #else
+#if !VNNI
 int avx2_compiled(void) { return 0; }
-const kernel_path avx2_path = {"portable", 0, 0, 0, 0};
+#endif
+const kernel_path PATH_SYM = {PATH_NAME, 0, 0, 0, 0};   /* not compiled: no mm_task */
 #endif

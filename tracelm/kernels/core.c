@@ -42,7 +42,7 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-static double now(void) {
+static double now(void) {   /* monotonic seconds */
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
@@ -232,14 +232,47 @@ static const kernel_path *path = &portable_path;
 
 const kernel_path *current_path(void) { return path; }
 
-static int cpu_has_avx2(void) {
+/* The paths, best first. A path runs only where it was compiled (mm_task set), the CPU has its instructions, and
+ * it passed its self-test (selftest.c) against the portable path; the test runs once, at its first use. */
+enum { N_PATHS = 4 };
+static const kernel_path *const all_paths[N_PATHS] = {&avx512vnni_path, &avxvnni_path, &avx2_path, &portable_path};
+static struct { int tested, passed, cases; double ms; char msg[200]; } checks[N_PATHS];
+
+static int cpu_has(int i) {
+    if (all_paths[i] == &portable_path) return 1;
+    if (!all_paths[i]->mm_task) return 0;
 #if defined(__x86_64__) || defined(__i386__)
-    if (!avx2_compiled()) return 0;
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    if (all_paths[i] == &avx2_path) return avx2;
+    if (all_paths[i] == &avxvnni_path) return avx2 && __builtin_cpu_supports("avxvnni");
+    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 #else
     return 0;
 #endif
+}
+
+/* whether path i may run here: the CPU has it and its self-test passed (run now if it has not run) */
+static int path_ok(int i) {
+    if (!cpu_has(i)) return 0;
+    if (all_paths[i] == &portable_path) return 1;
+    if (!checks[i].tested) {
+        const char *flip = getenv("TRACELM_SELFTEST_FAULT");   /* tests: a path named here is made to fail */
+        const double t0 = now();
+        checks[i].passed = path_selftest(all_paths[i], flip && strcmp(flip, all_paths[i]->name) == 0, checks[i].msg,
+                                         sizeof checks[i].msg, &checks[i].cases) == 0;
+        checks[i].ms = 1e3 * (now() - t0);
+        checks[i].tested = 1;
+    }
+    return checks[i].passed;
+}
+
+static int path_index(const char *name) {
+    for (int i = 0; i < N_PATHS; i++)
+        if (strcmp(all_paths[i]->name, name) == 0 && (all_paths[i]->mm_task || all_paths[i] == &portable_path))
+            return i;
+    return -1;
 }
 
 /* ======================================================================================================
@@ -445,10 +478,8 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
         c.j.out = (float *)out.v.buf; c.j.ldo = ldo; c.j.xq = xrb ? sc.v.buf : NULL; c.j.xq_row_bytes = xrb;
         c.j.halves = halves;
         c.j.packed = packed;
-        c.j.n_groups = (N + GROUP - 1) / GROUP;
-        c.j.mtile = M < MTILE ? M : MTILE;
+        mm_job_plan(path, &c.j);
         c.n_mtiles = (M + c.j.mtile - 1) / c.j.mtile;
-        c.j.gstep = path->task_groups(qtype, c.j.mtile);
         c.n_gtasks = (c.j.n_groups + c.j.gstep - 1) / c.j.gstep;
         Py_BEGIN_ALLOW_THREADS
         if (xrb) {
@@ -664,23 +695,57 @@ static PyObject *py_path(PyObject *self, PyObject *noargs) {
     return PyUnicode_FromString(path->name);
 }
 
+static PyObject *py_paths(PyObject *self, PyObject *noargs) {
+    (void)self; (void)noargs;
+    PyObject *t = PyTuple_New(0);
+    for (int i = 0; t && i < N_PATHS; i++) {
+        if (!path_ok(i)) continue;
+        PyObject *name = PyUnicode_FromString(all_paths[i]->name);
+        const Py_ssize_t n = PyTuple_GET_SIZE(t);
+        if (!name || _PyTuple_Resize(&t, n + 1) < 0) { Py_XDECREF(name); Py_XDECREF(t); return NULL; }
+        PyTuple_SET_ITEM(t, n, name);
+    }
+    return t;
+}
+
 static PyObject *py_use_path(PyObject *self, PyObject *args) {
     (void)self;
     const char *name;
     if (!PyArg_ParseTuple(args, "s:use_path", &name)) return NULL;
-    if (strcmp(name, "portable") == 0) path = &portable_path;
-    else if (strcmp(name, "avx2") == 0 && cpu_has_avx2()) path = &avx2_path;
-    else {
-        PyErr_Format(PyExc_ValueError, "use_path: '%s' is not available here (portable%s)", name,
-                     cpu_has_avx2() ? ", avx2" : "");
+    const int i = path_index(name);
+    if (i < 0 || !path_ok(i)) {
+        PyObject *ok = py_paths(NULL, NULL);
+        const int refused = i >= 0 && cpu_has(i);
+        PyErr_Format(PyExc_ValueError, "use_path: '%s' is not available here (%s%s; available: %S)", name,
+                     refused ? "its self-test failed: " : "",
+                     i < 0 ? "no such path" : refused ? checks[i].msg : "this CPU lacks its instructions", ok);
+        Py_XDECREF(ok);
         return NULL;
     }
+    path = all_paths[i];
     Py_RETURN_NONE;
 }
 
-static PyObject *py_paths(PyObject *self, PyObject *noargs) {
+/* {name: (status, detail)} for every path compiled in: status 'passed' / 'refused' (detail: the first case that
+ * differs) / 'untested' (not used yet) / 'unsupported' (this CPU lacks it); detail of a pass: cases and ms */
+static PyObject *py_selftest(PyObject *self, PyObject *noargs) {
     (void)self; (void)noargs;
-    return cpu_has_avx2() ? Py_BuildValue("(ss)", "avx2", "portable") : Py_BuildValue("(s)", "portable");
+    PyObject *d = PyDict_New();
+    for (int i = 0; d && i < N_PATHS; i++) {
+        if (!all_paths[i]->mm_task && all_paths[i] != &portable_path) continue;
+        PyObject *v;
+        if (all_paths[i] == &portable_path) v = Py_BuildValue("(ss)", "passed", "the reference");
+        else if (!cpu_has(i)) v = Py_BuildValue("(ss)", "unsupported", "this CPU lacks its instructions");
+        else if (!checks[i].tested) v = Py_BuildValue("(ss)", "untested", "not used yet");
+        else if (checks[i].passed)
+            v = PyUnicode_FromFormat("%d cases in %d.%d ms", checks[i].cases, (int)checks[i].ms,
+                                     (int)(10 * checks[i].ms) % 10),
+            v = v ? Py_BuildValue("(sN)", "passed", v) : NULL;
+        else v = Py_BuildValue("(ss)", "refused", checks[i].msg);
+        if (!v || PyDict_SetItemString(d, all_paths[i]->name, v) < 0) { Py_XDECREF(v); Py_DECREF(d); return NULL; }
+        Py_DECREF(v);
+    }
+    return d;
 }
 
 static PyObject *py_shutdown(PyObject *self, PyObject *noargs) {
@@ -703,9 +768,10 @@ static PyMethodDef methods[] = {
      "scratch_bytes(M, K, qtype, halves=2): bytes of quantized x"},
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n): n threads in all (the caller included)"},
     {"threads", py_threads, METH_NOARGS, "threads(): threads in all"},
-    {"path", py_path, METH_NOARGS, "path(): 'avx2' or 'portable'"},
-    {"use_path", py_use_path, METH_VARARGS, "use_path(name): switch path"},
-    {"paths", py_paths, METH_NOARGS, "paths(): the paths this CPU can run"},
+    {"path", py_path, METH_NOARGS, "path(): the path in use ('avx512vnni', 'avxvnni', 'avx2' or 'portable')"},
+    {"use_path", py_use_path, METH_VARARGS, "use_path(name): switch path (self-tested at its first use)"},
+    {"paths", py_paths, METH_NOARGS, "paths(): the paths this CPU can run that passed their self-test, best first"},
+    {"selftest", py_selftest, METH_NOARGS, "selftest(): {path: (status, detail)} of every compiled path"},
     {"shutdown", py_shutdown, METH_NOARGS, "shutdown(): stop the worker threads"},
     {NULL, NULL, 0, NULL},
 };
@@ -718,8 +784,14 @@ PyMODINIT_FUNC PyInit__core(void) {
     if (!m) return NULL;
     if (PyModule_AddFunctions(m, layer_methods) < 0) { Py_DECREF(m); return NULL; }
     if (PyModule_AddFunctions(m, trace_methods) < 0 || add_trace_types(m) < 0) { Py_DECREF(m); return NULL; }
+    /* the best path that may run here; TRACELM_KERNELS=NAME: that one (if it may run; else the best) */
     const char *env = getenv("TRACELM_KERNELS");
-    path = (env && strcmp(env, "portable") == 0) || !cpu_has_avx2() ? &portable_path : &avx2_path;
+    const int want = env && *env ? path_index(env) : -1;
+    path = &portable_path;
+    if (want >= 0 && path_ok(want)) path = all_paths[want];
+    else
+        for (int i = 0; i < N_PATHS; i++)
+            if (path_ok(i)) { path = all_paths[i]; break; }
     const char *spin = getenv("TRACELM_SPIN_US");
     if (spin && *spin) spin_seconds = atof(spin) * 1e-6;
     static int forked_hook = 0;

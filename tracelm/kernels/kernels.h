@@ -413,8 +413,21 @@ typedef struct {
 } kernel_path;
 
 extern const kernel_path portable_path;
-extern const kernel_path avx2_path;   /* only if compiled for x86-64 */
+/* only if compiled for x86-64 (else mm_task is NULL): avx2.c, and avx2.c again with VNNI (avxvnni.c, avx512vnni.c) */
+extern const kernel_path avx2_path, avxvnni_path, avx512vnni_path;
 int avx2_compiled(void);
+
+/* a matmul job's tiling on path p, from its qtype, M and N */
+static inline void mm_job_plan(const kernel_path *p, mm_job *j) {
+    j->n_groups = (j->N + GROUP - 1) / GROUP;
+    j->mtile = j->M < MTILE ? j->M : MTILE;
+    j->gstep = p->task_groups(j->qtype, j->mtile);
+}
+
+/* selftest.c: path p against the portable path, bit for bit, on a fixed battery of types, layouts and shapes
+ * (products, the activations' quantizer, the layer kernels): 0 when every bit agrees, else -1 with msg naming the
+ * first case that differs; the number of cases checked to *cases */
+int path_selftest(const kernel_path *p, int flip, char *msg, size_t n, int *cases);
 
 /* packed weights (x8): which types, and the layout both ways (one group of 8 rows of nb blocks) */
 static inline int packable(int t) { return !is_float_type(t) && type_block(t) > 0; }

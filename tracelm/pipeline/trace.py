@@ -180,11 +180,13 @@ def blas_facts() -> list[dict[str, Any]]:
 
 
 def kernel_facts() -> dict[str, Any]:
-    """tracelm's compiled kernels: the path this CPU runs (avx2 or portable) and the pool's threads. Neither
-    changes a bit of the products; recorded so a reader sees what ran."""
+    """tracelm's compiled kernels: the path this CPU runs (avx512vnni, avxvnni, avx2 or portable), its self-test
+    against the portable path, and the pool's threads. None changes a bit of the products; recorded so a reader
+    sees what ran."""
     import tracelm.kernels as kernels
 
-    return {"path": kernels.path(), "threads": kernels.threads()}
+    status, detail = kernels.selftest()[kernels.path()]
+    return {"path": kernels.path(), "selftest": f"{status}: {detail}", "threads": kernels.threads()}
 
 
 def tokenizer_sha256(model_path: Any) -> str:

@@ -1,0 +1,47 @@
+"""`tracelm bench paths`: every kernel path on one model, alternated, with their bits compared."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import pytest
+
+from tests.conftest import write_tiny_gguf
+from tracelm import cli, kernels
+from tracelm.state.errors import TracelmError
+from tracelm.tools.bench_paths import bench_paths
+
+
+@pytest.fixture(scope="module")
+def tiny_q8(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("paths") / "tiny-q8.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
+
+
+def test_every_path_rated_with_ratios_and_the_same_bits(tiny_q8, kernels_restored):
+    names = kernels.paths()
+    before = kernels.path()
+    report = bench_paths(str(tiny_q8), n_prompt=16, n_decode=3, rounds=2, paths=names, threads=1)
+    assert report["same_bits"] is True and report["rounds"] == 2
+    assert kernels.path() == before  # put back
+    base = "avx2" if "avx2" in names else names[0]
+    for p in names:
+        entry = report[p]
+        for what in ("prefill", "decode", "products"):
+            spread = entry[f"{what}_tok_s"]
+            assert 0 < spread["min"] <= spread["median"] <= spread["max"]
+            assert (f"{what}_vs_{base}" in entry) == (p != base)
+        assert report["selftest"][p].startswith("passed")
+
+
+def test_a_path_this_cpu_cannot_run_is_refused(tiny_q8):
+    with pytest.raises(TracelmError, match="cannot run here"):
+        bench_paths(str(tiny_q8), n_prompt=8, n_decode=1, rounds=1, paths=("neon",))
+
+
+def test_cli(tiny_q8, capsys, kernels_restored):
+    assert cli.main(["bench", "paths", "--model", str(tiny_q8), "--prompt-tokens", "8", "--decode-tokens", "2",
+                     "--repeats", "1", "--threads", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["same_bits"] is True
+    assert [p for p in kernels.paths() if p != "portable"] == [k for k in report if k in kernels.paths()]

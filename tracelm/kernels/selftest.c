@@ -1,0 +1,177 @@
+/* A path is trusted only where it was checked. Before a path other than the portable one is used (core.c: at
+ * import, and at use_path), it meets the portable path on a fixed battery, bit for bit: every type's product
+ * (the file's rows and, for the quantized types, packed; 1 to 9 x rows, so both the direct and the tiled kernels
+ * and the two-group tiles run; one and two activation halves; rows that end mid-group), the activations'
+ * quantizer (its bytes), and the layer kernels' row functions (sum of squares, RMSNorm's row, the activations and
+ * exp, the max's lanes). The data is made here by a fixed generator (the same on every machine): random blocks
+ * with finite scales, x rows of several magnitudes, a row of tiny values (all-zero blocks) and a row with a large one.
+ * Single-threaded, no pool; about 10 ms for a path. */
+#include "kernels.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+
+typedef struct { uint64_t s; } rng;
+static uint32_t next32(rng *r) {   /* xorshift64* */
+    r->s ^= r->s >> 12; r->s ^= r->s << 25; r->s ^= r->s >> 27;
+    return (uint32_t)((r->s * 0x2545F4914F6CDD1DULL) >> 32);
+}
+static float unit(rng *r) { return (float)((int32_t)next32(r)) * (1.0f / 2147483648.0f); }   /* [-1, 1) */
+static uint16_t f16_scale(rng *r) {   /* +-[2^-8, 2^-6): a block scale of a real file's size */
+    return (uint16_t)((next32(r) & 0x83ffu) | ((7u + next32(r) % 2u) << 10));
+}
+static void put16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); }
+
+/* N rows of K values of type t, the file's layout: random quants, finite scales */
+static void make_rows(int t, int64_t N, int64_t K, uint8_t *w, rng *r) {
+    const int64_t nb = K / type_block(t), tb = type_bytes(t);
+    if (is_float_type(t)) {
+        for (int64_t i = 0; i < N * K; i++) {
+            if (t == T_F32) { float v = unit(r); memcpy(w + 4 * i, &v, 4); }
+            else if (t == T_F16) put16(w + 2 * i, (uint16_t)((next32(r) & 0x83ffu) | ((10u + next32(r) % 8u) << 10)));
+            else put16(w + 2 * i, (uint16_t)((next32(r) & 0x807fu) | ((120u + next32(r) % 10u) << 7)));
+        }
+        return;
+    }
+    for (int64_t b = 0; b < N * nb; b++) {
+        uint8_t *blk = w + b * tb;
+        for (int64_t i = 0; i < tb; i++) blk[i] = (uint8_t)next32(r);
+        if (t == T_Q6_K) put16(blk + 208, f16_scale(r));
+        else put16(blk, f16_scale(r));
+        if (t == T_Q4_1 || t == T_Q5_1 || t == T_Q4_K || t == T_Q5_K) put16(blk + 2, f16_scale(r));
+    }
+}
+
+/* M rows of K: magnitudes 1e-3..1e2 by row; row 3 tiny (below the quantizer's floor), row 4 one large value */
+static void make_x(int64_t M, int64_t K, float *x, rng *r) {
+    static const float mag[5] = {1.0f, 1e-3f, 1e2f, 1e-32f, 1.0f};
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k = 0; k < K; k++) x[m * K + k] = mag[m % 5] * unit(r);
+    if (M > 4) x[4 * K + K / 3] = 3e4f;
+}
+
+static void run_mm(const kernel_path *p, mm_job *j) {
+    mm_job_plan(p, j);
+    if (j->xq)
+        for (int64_t m = 0; m < j->M; m++)
+            p->quantize_row(j->qtype, j->x + m * j->K, j->K, (char *)j->xq + j->halves * m * j->xq_row_bytes,
+                            j->halves);
+    const int64_t n_gt = (j->n_groups + j->gstep - 1) / j->gstep;
+    for (int64_t m0 = 0; m0 < j->M; m0 += j->mtile)
+        for (int64_t g = 0; g < n_gt; g++)
+            p->mm_task(j, g * j->gstep, m0, m0 + j->mtile < j->M ? m0 + j->mtile : j->M);
+}
+
+#define MAX_M 9
+#define SK 512              /* values per row: 16 blocks of 32, 2 super-blocks */
+#define FK 100              /* float weights: a row that ends mid-lane-block */
+#define SN 24               /* weight rows: 3 groups (packed), or 21 (the file's rows: a last group of 5) */
+
+static const char *type_name(int t) {
+    switch (t) {
+    case T_F32: return "F32"; case T_F16: return "F16"; case T_BF16: return "BF16"; case T_Q4_0: return "Q4_0";
+    case T_Q4_1: return "Q4_1"; case T_Q5_0: return "Q5_0"; case T_Q5_1: return "Q5_1"; case T_Q8_0: return "Q8_0";
+    case T_Q4_K: return "Q4_K"; case T_Q5_K: return "Q5_K"; default: return "Q6_K";
+    }
+}
+
+static int fail(char *msg, size_t n, const char *what, int t, int pk, int halves, int64_t M) {
+    snprintf(msg, n, "%s differs from the portable path (%s, %s, %d half%s, %lld x rows)", what, type_name(t),
+             pk ? "packed" : "file rows", halves, halves == 2 ? "s" : "", (long long)M);
+    return -1;
+}
+
+static int check_products(const kernel_path *p, int flip, char *msg, size_t n, int *cases) {
+    static const int types[] = {T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1, T_Q8_0, T_Q4_K, T_Q5_K, T_Q6_K, T_F32, T_F16, T_BF16};
+    static const int64_t rows[] = {1, 2, 3, 4, 5, 9};
+    const size_t wbytes = (size_t)SN * SK * 4;   /* enough for any type */
+    uint8_t *w = malloc(wbytes), *wp = malloc(wbytes);
+    float *x = malloc(sizeof(float) * MAX_M * SK), *o0 = malloc(sizeof(float) * MAX_M * SN),
+          *o1 = malloc(sizeof(float) * MAX_M * SN);
+    const size_t xqb = (size_t)2 * MAX_M * xq_row_bytes(T_Q4_0, SK);   /* the larger of the two layouts */
+    char *q0 = malloc(xqb), *q1 = malloc(xqb);
+    int rc = 0;
+    if (!w || !wp || !x || !o0 || !o1 || !q0 || !q1) { snprintf(msg, n, "out of memory"); rc = -1; goto done; }
+    rng r = {0x9E3779B97F4A7C15ULL};
+    for (size_t ti = 0; ti < sizeof types / sizeof *types && !rc; ti++) {
+        const int t = types[ti], fl = is_float_type(t);
+        const int64_t K = fl ? FK : SK, rb = K / type_block(t) * type_bytes(t);
+        make_x(MAX_M, K, x, &r);
+        for (int pk = 0; pk <= !fl && !rc; pk++) {
+            const int64_t N = pk ? SN : SN - 3;
+            make_rows(t, N, K, w, &r);
+            if (pk)
+                for (int64_t g = 0; g < N / GROUP; g++) {
+                    const uint8_t *gr[GROUP];
+                    for (int i = 0; i < GROUP; i++) gr[i] = w + (g * GROUP + i) * rb;
+                    pack_group(t, gr, K / type_block(t), wp + g * GROUP * rb);
+                }
+            for (int halves = 1; halves <= 2 && !rc; halves++) {
+                if (fl && halves == 1) continue;
+                for (size_t mi = 0; mi < sizeof rows / sizeof *rows && !rc; mi++) {
+                    const int64_t M = rows[mi], xrb = xq_row_bytes(t, K);
+                    mm_job j = {.qtype = t, .M = M, .N = N, .K = K, .x = x, .w = pk ? wp : w, .row_bytes = rb,
+                                .ldo = N, .xq_row_bytes = xrb, .halves = halves, .packed = pk};
+                    j.out = o0; j.xq = xrb ? q0 : NULL;
+                    run_mm(&portable_path, &j);
+                    j.out = o1; j.xq = xrb ? q1 : NULL;
+                    run_mm(p, &j);
+                    if (flip && *cases == 0) o1[0] = f32_from_bits(bits_from_f32(o1[0]) ^ 1u);   /* a fault, for tests */
+                    (*cases)++;
+                    if (xrb && memcmp(q0, q1, (size_t)(halves * M * xrb)))
+                        rc = fail(msg, n, "the activations' quantized blocks", t, pk, halves, M);
+                    else if (memcmp(o0, o1, sizeof(float) * (size_t)(M * N)))
+                        rc = fail(msg, n, "the product", t, pk, halves, M);
+                }
+            }
+        }
+    }
+done:
+    free(w); free(wp); free(x); free(o0); free(o1); free(q0); free(q1);
+    return rc;
+}
+
+static int check_layer(const layer_ops *a, char *msg, size_t n, int *cases) {
+    const layer_ops *b = &portable_layer;
+    enum { D = 100 };
+    float x[D], w[D], res[D], o0[D], o1[D], s0[D], s1[D];
+    rng r = {0x2545F4914F6CDD1DULL};
+    for (int i = 0; i < D; i++) { x[i] = 4.0f * unit(&r); w[i] = 1.0f + unit(&r); res[i] = unit(&r); }
+    (*cases)++;
+    const float ss0 = b->sumsq(x, D), ss1 = a->sumsq(x, D);
+    if (bits_from_f32(ss0) != bits_from_f32(ss1)) { snprintf(msg, n, "rms_norm's sum of squares differs"); return -1; }
+    const float inv = rms_inv(ss0, D, 1e-6f);
+    for (int withres = 0; withres < 2; withres++) {
+        (*cases)++;
+        b->rms_row(x, w, withres ? res : NULL, inv, D, o0);
+        a->rms_row(x, w, withres ? res : NULL, inv, D, o1);
+        if (memcmp(o0, o1, sizeof o0)) { snprintf(msg, n, "rms_norm's row differs"); return -1; }
+    }
+    static const int acts[] = {ACT_SILU, ACT_GELU_TANH, FN_EXP, FN_TANH};
+    for (int k = 0; k < 4; k++) {
+        (*cases)++;
+        const float *bb = acts[k] <= ACT_GELU_TANH ? res : NULL;
+        b->map_row(acts[k], x, bb, D, o0);
+        a->map_row(acts[k], x, bb, D, o1);
+        if (memcmp(o0, o1, sizeof o0)) { snprintf(msg, n, "the elementwise function %d differs", acts[k]); return -1; }
+    }
+    (*cases)++;
+    memcpy(s0, x, sizeof x); memcpy(s1, x, sizeof x);
+    b->exps(s0, D, 3.0f);
+    a->exps(s1, D, 3.0f);
+    if (memcmp(s0, s1, sizeof s0)) { snprintf(msg, n, "attention's exps differ"); return -1; }
+    (*cases)++;
+    lanes8 l0, l1;
+    memset(&l0, 0, sizeof l0); memset(&l1, 0, sizeof l1);
+    b->lane_max(x, D, &l0);
+    a->lane_max(x, D, &l1);
+    if (memcmp(&l0, &l1, sizeof l0)) { snprintf(msg, n, "attention's max lanes differ"); return -1; }
+    return 0;
+}
+
+int path_selftest(const kernel_path *p, int flip, char *msg, size_t n, int *cases) {
+    *cases = 0;
+    msg[0] = 0;
+    if (check_products(p, flip, msg, n, cases)) return -1;
+    return check_layer(p->layer, msg, n, cases);
+}

@@ -1,0 +1,77 @@
+"""`tracelm bench paths`: the kernel paths this CPU runs (avx512vnni, avxvnni, avx2, portable), side by side on one
+model in one process, alternated round by round so that the machine's drift falls on every path alike.
+
+After a round that warms every path up, each round, for each path: prefill of a prompt, then decode of a few
+tokens, and the weight products of one prefill pass alone. Reported per path: the median with min and max over
+the rounds, and each median's ratio to the avx2 path's. The paths must agree bit for bit (their contract,
+kernels.h): the prompt's last logits and the decoded tokens are compared, and a difference fails the bench."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from tracelm.state.errors import TracelmError
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": round(statistics.median(values), 2), "min": round(min(values), 2), "max": round(max(values), 2)}
+
+
+def bench_paths(model_name: str, n_prompt: int = 128, n_decode: int = 32, rounds: int = 5,
+                paths: tuple[str, ...] | None = None, **engine: Any) -> dict[str, Any]:
+    import tracelm.kernels as kernels
+    from tracelm.tools.bench import bench_ids, open_session, product_pass_seconds
+
+    names = tuple(paths) if paths else tuple(p for p in kernels.paths() if p != "portable") or ("portable",)
+    unknown = [p for p in names if p not in kernels.paths()]
+    if unknown:
+        raise TracelmError(f"bench paths: {', '.join(unknown)} cannot run here (self-tested paths: "
+                           f"{', '.join(kernels.paths())})")
+    before = kernels.path()
+    rates: dict[str, dict[str, list[float]]] = {p: {"prefill": [], "decode": [], "products": []} for p in names}
+    outputs: dict[str, tuple[bytes, list[int]]] = {}
+    try:
+        with open_session(model_name, **engine) as session:
+            model = session.model
+            runner = session.new_runner(n_prompt + n_decode + 1)
+            ids = bench_ids(model.tokenizer, n_prompt)
+            for r in range(rounds + 1):   # round 0 warms every path up and is not counted
+                for p in names:
+                    kernels.use_path(p)
+                    runner.cache.reset()
+                    t0 = time.perf_counter()
+                    logits = runner.prefill(ids).values[-1]
+                    t1 = time.perf_counter()
+                    tokens = [int(np.argmax(logits))]
+                    for _ in range(n_decode):
+                        tokens.append(int(np.argmax(runner.step(tokens[-1]).values[-1])))
+                    t2 = time.perf_counter()
+                    seen = (np.ascontiguousarray(logits, np.float32).tobytes(), tokens)
+                    if outputs.setdefault(p, seen) != seen or outputs[names[0]] != seen:
+                        raise TracelmError(f"bench paths: the {p} path's logits or tokens differ from the "
+                                           f"{names[0]} path's: the kernels' contract is broken on this CPU")
+                    if r == 0:
+                        continue
+                    rates[p]["prefill"].append(n_prompt / (t1 - t0))
+                    rates[p]["decode"].append(n_decode / (t2 - t1))
+                    rates[p]["products"].append(n_prompt / product_pass_seconds(model.weights, model.cfg, n_prompt, 1))
+    finally:
+        kernels.use_path(before)
+    report: dict[str, Any] = {"model": model_name, "threads": kernels.threads(), "rounds": rounds,
+                              "prompt_tokens": n_prompt, "decode_tokens": n_decode,
+                              "selftest": {k: f"{s}: {d}" for k, (s, d) in kernels.selftest().items()},
+                              "same_bits": True}
+    base = "avx2" if "avx2" in names else names[0]
+    for p in names:
+        entry: dict[str, Any] = {}
+        for what, values in rates[p].items():
+            entry[f"{what}_tok_s"] = _spread(values)
+            if p != base:
+                ratios = [a / b for a, b in zip(values, rates[base][what], strict=True)]
+                entry[f"{what}_vs_{base}"] = _spread(ratios)
+        report[p] = entry
+    return report
