@@ -1,6 +1,7 @@
 """The HTTP side: an OpenAI-compatible API on Starlette, served by uvicorn.
 
-Routes: GET /health, GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions.
+Routes: GET /health, GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions; and for
+scripts: GET /metrics (Prometheus, metrics.py).
 A generation request naming any model is served by the one loaded model (as llama-server and Ollama do), and the
 reply's `model` is the served model's id; with `server.strict_model` (`tracelm serve --strict-model`) another name
 is a 404. `n` choices are sampled from one prefill; tools are rendered, constrained and parsed (server/tools.py).
@@ -29,12 +30,14 @@ import attrs
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tracelm.audit.policy import Policy, load_policy
 from tracelm.server.errors import ApiError, bad
+from tracelm.server.metrics import Metrics, MetricsMiddleware, metrics_routes
 from tracelm.server.pages import page_routes
 from tracelm.server.params import GenerationRequest, parse_json, parse_request
 from tracelm.server.queue import Engine, Job, QueueFull
@@ -76,6 +79,7 @@ class Server:
         self.api_key = api_key or None
         self.session = session
         self.engine = Engine(session)
+        self.metrics = Metrics(self.engine)  # this server's own Prometheus registry (GET /metrics)
         self.created = int(time.time())
         self.policy = load_policy(cfg.trace.policy) if cfg.trace.policy else Policy()  # the viewer's verdicts
         if cfg.attest.provider != "off":
@@ -98,9 +102,12 @@ class Server:
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/attestation", self.attestation, methods=["GET"]),
             *page_routes(self),  # the chat page at / and the trace viewer at /trace (pages.py)
+            *metrics_routes(self),  # GET /metrics (metrics.py)
         ]
         handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error}
-        return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)  # type: ignore[arg-type]
+        middleware = [Middleware(MetricsMiddleware, metrics=self.metrics, routes=routes)]  # type: ignore[arg-type]
+        return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan,  # type: ignore[arg-type]
+                         middleware=middleware)
 
     # -- plain endpoints ---------------------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,7 @@ class Job:
     cpu_limit: float = 0.0  # CPU seconds it may use (server.request_cpu_seconds; 0: no limit)
     cpu_used: float = 0.0  # its prefill's, and its share of each batched step's (worker thread only)
     remaining: int = 0  # its choices started and not yet ended (worker thread only)
+    arrived: float = attrs.Factory(time.monotonic)  # when it was made (time to first token counts from here)
     events: asyncio.Queue = attrs.Factory(asyncio.Queue)
     gone: threading.Event = attrs.Factory(threading.Event)  # the client went away
 
@@ -151,6 +153,7 @@ class Active:
     closing: contextlib.ExitStack = attrs.Factory(contextlib.ExitStack)  # closes the trace file
     entries: list[dict[str, Any]] = attrs.Factory(list)  # logprobs of the tokens behind text not yet posted
     ended: bool = False
+    sampled: bool = False  # its first token is drawn (time to first token observed)
 
     def cancelled(self) -> bool:
         return self.job.gone.is_set() or time.monotonic() > self.job.deadline or self.job.over_cpu
@@ -191,6 +194,8 @@ class Engine:
         self.active: list[Active] = []  # the batch: sequences decoding together (worker thread only)
         self._outbox: list[tuple[Job, tuple[Any, ...]]] | None = None  # a step's events, posted together
         self._waiting: deque[Job] = deque()  # taken from the queue, not yet in the batch
+        # called on the worker thread with the seconds from a job's arrival to its first token (server metrics)
+        self.on_first_token: Callable[[float], None] | None = None
         self._thread = threading.Thread(target=self._work, name="tracelm-engine", daemon=True)
 
     # -- the event loop's side ---------------------------------------------------------------------------
@@ -343,6 +348,8 @@ class Engine:
             for a in list(self.active):
                 try:
                     text = a.gen.step(draft)
+                    if not a.sampled and a.gen.stats.finish_reason != "cancelled":
+                        self._first_token(a)
                     if text:
                         self._post(a.job, "piece", text, a.entries[:], a.index)
                         a.entries.clear()
@@ -365,6 +372,12 @@ class Engine:
         share = (time.process_time() - cpu0) / max(len(stepping), 1)  # each sequence's part of the step
         for a in stepping:
             a.job.cpu_used += share
+
+    def _first_token(self, a: Active) -> None:
+        """A sequence drew its first token: the time since its job arrived goes to `on_first_token` (choice 0's)."""
+        a.sampled = True
+        if a.index == 0 and self.on_first_token is not None:
+            self.on_first_token(time.monotonic() - a.job.arrived)
 
     def _post(self, job: Job, *event: Any) -> None:
         """Post an event to a job: within a step's sampling, with the step's others (post_all); else at once."""
