@@ -1,5 +1,6 @@
 """The endpoints people script against, on a live `tracelm serve` over loopback, each driven by its real client
-where one exists: GET /metrics (Prometheus text, read back with prometheus_client's parser)."""
+where one exists: GET /metrics (Prometheus text, read back with prometheus_client's parser), POST /tokenize and
+/detokenize (llama-server's shapes)."""
 
 from __future__ import annotations
 
@@ -89,5 +90,33 @@ def test_each_server_has_its_own_registry(tiny_session):
     assert a.metrics.registry.get_sample_value("tracelm_http_requests_total", {"route": "/x", "status": "200"}) == 1
     assert b.metrics.registry.get_sample_value("tracelm_http_requests_total", {"route": "/x", "status": "200"}) is None
     assert prometheus_client.REGISTRY.get_sample_value("tracelm_generated_tokens_total") is None
+
+
+# --- /tokenize, /detokenize --------------------------------------------------------------------------------------
+
+
+def test_tokenize_and_detokenize_in_llama_servers_shapes(tiny_server, tiny_session):
+    s, tok = tiny_server, tiny_session.tokenizer
+    text = "hello é<|endoftext|>"
+    ids = post(s, "/tokenize", {"content": text}).json()["tokens"]
+    assert ids == tok.encode(text, add_bos=False, parse_special=True)  # parse_special defaults to true
+    assert ids[-1] == tok.eos_id and ids[:2] == [tok.token_id("hell"), tok.token_id("o")]
+    plain = post(s, "/tokenize", {"content": text, "parse_special": False}).json()["tokens"]
+    assert tok.eos_id not in plain and len(plain) > len(ids)
+    pieces = post(s, "/tokenize", {"content": "hello é", "with_pieces": True}).json()["tokens"]
+    assert pieces[:2] == [{"id": tok.token_id("hell"), "piece": "hell"}, {"id": tok.token_id("o"), "piece": "o"}]
+    assert pieces[-2:] == [{"id": pieces[-2]["id"], "piece": [0xC3]}, {"id": pieces[-1]["id"], "piece": [0xA9]}]
+    assert post(s, "/detokenize", {"tokens": ids}).json() == {"content": text}
+    assert post(s, "/detokenize", {"tokens": []}).json() == {"content": ""}
+
+    assert s.request("POST", "/tokenize", {"content": "hi"}).status == 401  # behind the key
+    assert_openai_error(post(s, "/tokenize", {}), 400, param="content")
+    assert_openai_error(post(s, "/tokenize", {"content": 5}), 400, param="content")
+    assert_openai_error(post(s, "/tokenize", {"content": "hi", "with_pieces": "yes"}), 400, param="with_pieces")
+    assert_openai_error(post(s, "/tokenize", {"content": "hi", "bogus": 1}), 400, param="bogus")
+    assert_openai_error(post(s, "/detokenize", {"tokens": [1, tok.n_vocab]}), 400, param="tokens[1]")
+    assert_openai_error(post(s, "/detokenize", {"tokens": "hi"}), 400, param="tokens")
+    assert_openai_error(post(s, "/detokenize", b"[1, 2"), 400)
+    assert s.health()["status"] == "ok"
 
 

@@ -1,7 +1,7 @@
 """The HTTP side: an OpenAI-compatible API on Starlette, served by uvicorn.
 
 Routes: GET /health, GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions; and for
-scripts: GET /metrics (Prometheus, metrics.py).
+scripts: GET /metrics (Prometheus, metrics.py), POST /tokenize and /detokenize (tokens.py).
 A generation request naming any model is served by the one loaded model (as llama-server and Ollama do), and the
 reply's `model` is the served model's id; with `server.strict_model` (`tracelm serve --strict-model`) another name
 is a 404. `n` choices are sampled from one prefill; tools are rendered, constrained and parsed (server/tools.py).
@@ -41,6 +41,7 @@ from tracelm.server.metrics import Metrics, MetricsMiddleware, metrics_routes
 from tracelm.server.pages import page_routes
 from tracelm.server.params import GenerationRequest, parse_json, parse_request
 from tracelm.server.queue import Engine, Job, QueueFull
+from tracelm.server.tokens import token_routes
 from tracelm.server.tools import ToolCallSplitter, function_grammar, split_reply, template_tool_format, tool_grammar
 from tracelm.session import (
     Session,
@@ -103,6 +104,7 @@ class Server:
             Route("/v1/attestation", self.attestation, methods=["GET"]),
             *page_routes(self),  # the chat page at / and the trace viewer at /trace (pages.py)
             *metrics_routes(self),  # GET /metrics (metrics.py)
+            *token_routes(self),  # /tokenize, /detokenize (tokens.py)
         ]
         handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error}
         middleware = [Middleware(MetricsMiddleware, metrics=self.metrics, routes=routes)]  # type: ignore[arg-type]
