@@ -1,15 +1,20 @@
 """The endpoints people script against, on a live `tracelm serve` over loopback, each driven by its real client
 where one exists: GET /metrics (Prometheus text, read back with prometheus_client's parser), POST /tokenize and
-/detokenize (llama-server's shapes)."""
+/detokenize (llama-server's shapes), POST /v1/embeddings (the `openai` client; checked against transformers on
+SmolLM2)."""
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.test_server_helpers import ServerProcess, assert_openai_error
+from tests.test_smollm2 import hf_model  # noqa: F401 -- the transformers reference, a fixture
 
+openai = pytest.importorskip("openai", reason="the openai client is in the test extra")
 parser = pytest.importorskip("prometheus_client.parser")
 
 KEY = "endpoints-key-0123456789"
@@ -120,3 +125,81 @@ def test_tokenize_and_detokenize_in_llama_servers_shapes(tiny_server, tiny_sessi
     assert s.health()["status"] == "ok"
 
 
+# --- /v1/embeddings -----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_client(tiny_server):
+    c = openai.OpenAI(base_url=tiny_server.base_url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    yield c
+    c.close()
+
+
+def test_embeddings_with_the_openai_client(tiny_server, tiny_client, tiny_session):
+    texts = ["hello there", "hi", "a longer text about nothing in particular"]
+    out = tiny_client.embeddings.create(model=tiny_server.model_id, input=texts)  # the client asks for base64
+    got = np.array([d.embedding for d in out.data], np.float32)
+    want = np.array([tiny_session.embed(t) for t in texts])
+    assert [d.index for d in out.data] == [0, 1, 2] and got.shape == (3, 64)
+    assert np.allclose(got, want, atol=1e-6) and np.allclose(np.linalg.norm(got, axis=1), 1, atol=1e-6)
+    ids = [tiny_session.encode(t) for t in texts]
+    assert out.usage.prompt_tokens == out.usage.total_tokens == sum(map(len, ids))
+    assert out.model == tiny_server.model_id
+
+    floats = tiny_client.embeddings.create(model="any", input=texts[1], encoding_format="float")
+    assert np.array_equal(np.array(floats.data[0].embedding, np.float32), got[1])
+    raw = post(tiny_server, "/v1/embeddings", {"model": "any", "input": ids, "encoding_format": "base64"}).json()
+    assert np.array_equal(np.frombuffer(base64.b64decode(raw["data"][2]["embedding"]), "<f4"), got[2])
+    one = post(tiny_server, "/v1/embeddings", {"model": "any", "input": ids[0]}).json()  # one input as token ids
+    assert np.array_equal(np.array(one["data"][0]["embedding"], np.float32), got[0])
+
+    for body, param in (({"input": ""}, "input[0]"), ({"input": []}, "input"), ({"input": [["x"]]}, "input[0][0]"),
+                        ({"input": "x" * 400}, "input[0]"), ({"input": "hi", "dimensions": 8}, "dimensions"),
+                        ({"input": "hi", "encoding_format": "int8"}, "encoding_format"), ({}, "input"),
+                        ({"input": "hi", "pooling": "last"}, "pooling")):
+        assert_openai_error(post(tiny_server, "/v1/embeddings", {"model": "any", **body}), 400, param=param)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=tiny_server.base_url + "/v1", api_key="wrong", max_retries=0).embeddings.create(
+            model="any", input="hi")
+    assert tiny_server.health()["status"] == "ok"
+
+
+# --- on the real model ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path):
+    config = {"model": str(smollm2_path), "context": 512, "max_tokens": 16, "threads": 1,
+              "sampling": {"temperature": 0.0, "repeat_penalty": 1.0}}
+    s = ServerProcess(tmp_path_factory.mktemp("endpoints-smollm2"), config)
+    yield s
+    s.stop()
+
+
+TEXTS = ["The cat sat on the mat.", "Embeddings pool the final hidden state of every position of a text.",
+         "Paris is the capital of France"]
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+@pytest.mark.model
+@pytest.mark.reference
+def test_embeddings_agree_with_transformers(smollm2_server, smollm2, hf_model):  # noqa: F811
+    """Mean pooling through the server and the openai client, last-token pooling through Session.embed: each
+    within 1e-3 of transformers' final hidden state (after the final norm) of the same model, in cosine."""
+    import torch
+
+    from tracelm import Session
+
+    client = openai.OpenAI(base_url=smollm2_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    served = client.embeddings.create(model="smollm2-135m-instruct", input=TEXTS).data
+    session = Session(smollm2)
+    for text, item in zip(TEXTS, served, strict=True):
+        ids = smollm2.tokenizer.encode(text)
+        with torch.no_grad():
+            h = hf_model.model(torch.tensor([ids])).last_hidden_state[0].numpy()
+        assert cosine(np.array(item.embedding), h.mean(axis=0)) > 1 - 1e-3
+        assert cosine(session.embed(text, pooling="last"), h[-1]) > 1 - 1e-3
+    assert cosine(np.array(served[0].embedding), np.array(served[1].embedding)) < 0.99  # texts apart stay apart

@@ -1,7 +1,7 @@
 """The HTTP side: an OpenAI-compatible API on Starlette, served by uvicorn.
 
 Routes: GET /health, GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions; and for
-scripts: GET /metrics (Prometheus, metrics.py), POST /tokenize and /detokenize (tokens.py).
+scripts: GET /metrics (Prometheus, metrics.py), POST /tokenize, /detokenize and /v1/embeddings (tokens.py).
 A generation request naming any model is served by the one loaded model (as llama-server and Ollama do), and the
 reply's `model` is the served model's id; with `server.strict_model` (`tracelm serve --strict-model`) another name
 is a 404. `n` choices are sampled from one prefill; tools are rendered, constrained and parsed (server/tools.py).
@@ -104,7 +104,7 @@ class Server:
             Route("/v1/attestation", self.attestation, methods=["GET"]),
             *page_routes(self),  # the chat page at / and the trace viewer at /trace (pages.py)
             *metrics_routes(self),  # GET /metrics (metrics.py)
-            *token_routes(self),  # /tokenize, /detokenize (tokens.py)
+            *token_routes(self),  # /tokenize, /detokenize, /v1/embeddings (tokens.py)
         ]
         handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error}
         middleware = [Middleware(MetricsMiddleware, metrics=self.metrics, routes=routes)]  # type: ignore[arg-type]
