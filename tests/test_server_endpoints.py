@@ -1,7 +1,7 @@
 """The endpoints people script against, on a live `tracelm serve` over loopback, each driven by its real client
 where one exists: GET /metrics (Prometheus text, read back with prometheus_client's parser), POST /tokenize and
 /detokenize (llama-server's shapes), POST /v1/embeddings (the `openai` client; checked against transformers on
-SmolLM2)."""
+SmolLM2), and Ollama's /api/chat, /api/generate, /api/tags, /api/show (the `ollama` client, unchanged)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from tests.test_server_helpers import ServerProcess, assert_openai_error
 from tests.test_smollm2 import hf_model  # noqa: F401 -- the transformers reference, a fixture
 
 openai = pytest.importorskip("openai", reason="the openai client is in the test extra")
+ollama = pytest.importorskip("ollama", reason="the ollama client is in the test extra")
 parser = pytest.importorskip("prometheus_client.parser")
 
 KEY = "endpoints-key-0123456789"
@@ -164,6 +165,65 @@ def test_embeddings_with_the_openai_client(tiny_server, tiny_client, tiny_sessio
     assert tiny_server.health()["status"] == "ok"
 
 
+# --- Ollama ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_ollama(tiny_server):
+    return ollama.Client(host=tiny_server.base_url, headers=AUTH, timeout=60)
+
+
+def test_ollama_client_tags_show_generate_and_chat(tiny_server, tiny_ollama, tiny_client, tiny_gguf):
+    s, c = tiny_server, tiny_ollama
+    models = c.list().models
+    assert [m.model for m in models] == [f"{s.model_id}:latest"] and models[0].details.family == "llama"
+    assert models[0].size == tiny_gguf.stat().st_size and models[0].digest
+    shown = c.show(s.model_id)
+    assert shown.details.format == "gguf" and shown.modelinfo["general.architecture"] == "llama"
+
+    opts = {"temperature": 0, "num_predict": 6}
+    whole = c.generate(model=s.model_id, prompt="hello", options=opts)  # the model's template around the prompt
+    chat_ref = tiny_client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hello"}],
+                                                   max_tokens=6, temperature=0)
+    assert whole.done and whole.response == chat_ref.choices[0].message.content
+    assert whole.eval_count == chat_ref.usage.completion_tokens and whole.done_reason == "length"
+    assert whole.prompt_eval_count == chat_ref.usage.prompt_tokens and whole.total_duration > 0
+    parts = list(c.generate(model=s.model_id, prompt="hello", options=opts, stream=True))
+    assert "".join(p.response for p in parts) == whole.response and parts[-1].done and not parts[0].done
+    assert parts[-1].eval_count == whole.eval_count
+
+    raw = c.generate(model=s.model_id, prompt="hello", raw=True, options=opts)  # the prompt as it is
+    ref = tiny_client.completions.create(model="x", prompt="hello", max_tokens=6, temperature=0)
+    assert raw.response == ref.choices[0].text
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
+    reply = c.chat(model=s.model_id, messages=messages, options=opts)
+    ref = tiny_client.chat.completions.create(model="x", messages=messages, max_tokens=6, temperature=0)
+    assert reply.message.role == "assistant" and reply.message.content == ref.choices[0].message.content
+    chunks = list(c.chat(model=s.model_id, messages=messages, options=opts, stream=True))
+    assert "".join(ch.message.content for ch in chunks) == reply.message.content and chunks[-1].done
+
+    assert c.generate(model=s.model_id, prompt="").done_reason == "load"  # Ollama's "load the model"
+
+
+def test_ollama_errors_are_ollamas_shape(tiny_server, tiny_ollama):
+    s, c = tiny_server, tiny_ollama
+    for call, status, word in (
+            (lambda: c.generate(model=s.model_id, prompt="hi", options={"mirostat": 2}), 400, "options.mirostat"),
+            (lambda: c.generate(model=s.model_id, prompt="hi", options={"num_predict": 0}), 400, "num_predict"),
+            (lambda: c.chat(model=s.model_id, messages=[{"role": "robot", "content": "hi"}]), 400, "role"),
+            (lambda: c.chat(model=s.model_id, messages=[{"role": "user", "content": "hi"}], think=True), 400,
+             "thinking"),
+            (lambda: c.generate(model=s.model_id, prompt="hi", options={"temperature": "hot"}), 400, "temperature"),
+            (lambda: ollama.Client(host=s.base_url).list(), 401, "API key")):
+        with pytest.raises(ollama.ResponseError) as e:
+            call()
+        assert e.value.status_code == status and word in e.value.error, e.value.error
+    r = s.request("POST", "/api/generate", {"model": s.model_id, "prompt": "hi", "stream": "no"}, AUTH)
+    assert r.status == 400 and set(r.json()) == {"error"} and "stream" in r.json()["error"]
+    assert s.health()["status"] == "ok"
+
+
 # --- on the real model ---------------------------------------------------------------------------------------------
 
 
@@ -174,6 +234,24 @@ def smollm2_server(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path)
     s = ServerProcess(tmp_path_factory.mktemp("endpoints-smollm2"), config)
     yield s
     s.stop()
+
+
+@pytest.mark.model
+def test_ollama_chat_on_smollm2(smollm2_server, smollm2):
+    from tracelm.pipeline.runner import Runner
+    from tracelm.session import chat_prompt
+    from tracelm.state.records import SamplingParams
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    runner = Runner(smollm2, 512)
+    want = "".join(runner.generate(chat_prompt(smollm2, messages), 12, SamplingParams(temperature=0.0,
+                                                                                     repeat_penalty=1.0)))
+    c = ollama.Client(host=smollm2_server.base_url, timeout=120)
+    reply = c.chat(model="smollm2-135m-instruct", messages=messages, options={"num_predict": 12, "temperature": 0})
+    assert reply.message.content == want and "Paris" in want
+    parts = list(c.chat(model="smollm2-135m-instruct", messages=messages, stream=True,
+                        options={"num_predict": 12, "temperature": 0}))
+    assert "".join(p.message.content for p in parts) == want
 
 
 TEXTS = ["The cat sat on the mat.", "Embeddings pool the final hidden state of every position of a text.",

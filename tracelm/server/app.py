@@ -1,7 +1,8 @@
 """The HTTP side: an OpenAI-compatible API on Starlette, served by uvicorn.
 
 Routes: GET /health, GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions; and for
-scripts: GET /metrics (Prometheus, metrics.py), POST /tokenize, /detokenize and /v1/embeddings (tokens.py).
+scripts: GET /metrics (Prometheus, metrics.py), POST /tokenize, /detokenize and /v1/embeddings (tokens.py); and
+Ollama's /api/chat, /api/generate, /api/tags, /api/show, /api/version (ollama.py).
 A generation request naming any model is served by the one loaded model (as llama-server and Ollama do), and the
 reply's `model` is the served model's id; with `server.strict_model` (`tracelm serve --strict-model`) another name
 is a 404. `n` choices are sampled from one prefill; tools are rendered, constrained and parsed (server/tools.py).
@@ -38,6 +39,7 @@ from starlette.routing import Route
 from tracelm.audit.policy import Policy, load_policy
 from tracelm.server.errors import ApiError, bad
 from tracelm.server.metrics import Metrics, MetricsMiddleware, metrics_routes
+from tracelm.server.ollama import ollama_routes
 from tracelm.server.pages import page_routes
 from tracelm.server.params import GenerationRequest, parse_json, parse_request
 from tracelm.server.queue import Engine, Job, QueueFull
@@ -105,6 +107,7 @@ class Server:
             *page_routes(self),  # the chat page at / and the trace viewer at /trace (pages.py)
             *metrics_routes(self),  # GET /metrics (metrics.py)
             *token_routes(self),  # /tokenize, /detokenize, /v1/embeddings (tokens.py)
+            *ollama_routes(self, Shape),  # Ollama's /api/chat, /api/generate, /api/tags, ... (ollama.py)
         ]
         handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error}
         middleware = [Middleware(MetricsMiddleware, metrics=self.metrics, routes=routes)]  # type: ignore[arg-type]
@@ -269,7 +272,12 @@ class Server:
 
     async def _generate(self, request: Request, kind: str) -> Response:
         self._check_key(request)
-        req = parse_request(parse_json(await self._body(request)), kind)
+        return await self.answer(request, parse_request(parse_json(await self._body(request)), kind), Shape)
+
+    async def answer(self, request: Request, req: GenerationRequest, shape_of: type[Shape]) -> Response:
+        """Run a checked request on the engine and answer it in the shapes of `shape_of` (Shape: OpenAI's; the
+        Ollama routes give theirs, ollama.py): one JSON body, or a stream framed as the shape says."""
+        kind = req.kind
         if self.strict_model and req.model not in self.model_names:
             raise self._no_model(req.model)
         if req.n > self.engine.max_batch:
@@ -305,7 +313,7 @@ class Server:
                 raise first[1]
             if first[0] == "gone":
                 return Response(status_code=499)
-            shape = Shape(self, req, rid, job)
+            shape = shape_of(self, req, rid, job)
             if not req.stream:
                 return JSONResponse(await shape.collect(), headers={"x-request-id": rid})
             streaming = True
@@ -313,7 +321,7 @@ class Server:
             watcher.cancel()  # from here on the streaming response watches for the client going away
             if not streaming:
                 job.gone.set()  # nobody reads any more (a no-op once the job is done)
-        ndjson = _wants_ndjson(request)
+        ndjson = shape.ndjson(request)
         return StreamingResponse(shape.stream(ndjson), media_type="application/x-ndjson" if ndjson else
                                  "text/event-stream", headers={"x-request-id": rid, "Cache-Control": "no-cache",
                                                                "X-Accel-Buffering": "no"})
@@ -362,6 +370,10 @@ class Shape:
         self.chat = req.kind == "chat"
         tools = req.tools if self.chat and req.tools is not None and req.tools.active else None
         self.tool_names = {f.name for f in tools.functions} if tools is not None else None  # None: no tool calls
+
+    def ndjson(self, request: Request) -> bool:
+        """Whether a stream goes out as JSON lines (else as Server-Sent Events)."""
+        return _wants_ndjson(request)
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.server.model_id,
