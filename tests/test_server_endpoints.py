@@ -206,6 +206,22 @@ def test_ollama_client_tags_show_generate_and_chat(tiny_server, tiny_ollama, tin
     assert c.generate(model=s.model_id, prompt="").done_reason == "load"  # Ollama's "load the model"
 
 
+def test_ollama_client_embed(tiny_server, tiny_ollama, tiny_client):
+    s, c = tiny_server, tiny_ollama
+    texts = ["hello there", "hi"]
+    want = [d.embedding for d in tiny_client.embeddings.create(model="x", input=texts, encoding_format="float").data]
+    out = c.embed(model=s.model_id, input=texts)
+    assert np.array_equal(np.array(out.embeddings, np.float32), np.array(want, np.float32))
+    assert out.prompt_eval_count == sum(len(post(s, "/tokenize", {"content": t}).json()["tokens"]) for t in texts)
+    assert np.array_equal(np.array(c.embeddings(model=s.model_id, prompt="hi").embedding, np.float32),
+                          np.array(want[1], np.float32))
+    long = "x" * 400  # 400 tokens: cut to the context of 128 unless truncate is false
+    assert c.embed(model=s.model_id, input=long).prompt_eval_count == CONTEXT
+    with pytest.raises(ollama.ResponseError) as e:
+        c.embed(model=s.model_id, input=long, truncate=False)
+    assert e.value.status_code == 400 and "context" in e.value.error
+
+
 def test_ollama_errors_are_ollamas_shape(tiny_server, tiny_ollama):
     s, c = tiny_server, tiny_ollama
     for call, status, word in (

@@ -1,5 +1,6 @@
 """Ollama's API over the served model, so Ollama clients (the `ollama` Python package, tools written for Ollama) work
-unchanged: POST /api/chat, POST /api/generate, GET /api/tags, POST /api/show, GET /api/version.
+unchanged: POST /api/chat, POST /api/generate, POST /api/embed (and the older /api/embeddings), GET /api/tags,
+POST /api/show, GET /api/version.
 
 A request is translated into the OpenAI body the other routes take (options -> sampling arguments, `format` ->
 `response_format`) and checked by the same code (params.py), then runs on the engine as theirs do
@@ -13,7 +14,8 @@ true: then the prompt is the text given. A request with no prompt (no messages) 
 "load"`, as Ollama answers. Options for the hardware or the loader (num_ctx, num_gpu, num_thread, use_mmap, ...)
 are accepted and ignored (the server's settings stand); options tracelm cannot honour (mirostat, tfs_z,
 typical_p at other than their neutral values), images, tools, thinking, `template`, `suffix`, `context` and
-logprobs are 400s that name them.
+logprobs are 400s that name them. /api/embed embeds each `input` as /v1/embeddings does (tokens.py: unit-length
+vectors, `server.pooling`), cutting an input to the context unless `truncate` is false.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from starlette.routing import Route
 
 from tracelm.server.errors import ApiError, bad, kind_of
 from tracelm.server.params import parse_json, parse_request
+from tracelm.server.tokens import TokenRoutes, check_dimensions
 from tracelm.version import __version__
 
 OLLAMA_VERSION = "0.12.0"  # the Ollama API version these routes follow (GET /api/version)
@@ -45,6 +48,8 @@ _IGNORED = frozenset({"numa", "num_ctx", "num_batch", "num_gpu", "main_gpu", "lo
 _NEUTRAL = {"mirostat": (0,), "tfs_z": (1, 1.0), "typical_p": (1, 1.0), "penalize_newline": (True, False)}
 _CHAT = frozenset({"model", "messages", "tools", "format", "options", "stream", "keep_alive", "think", "logprobs",
                    "top_logprobs"})
+_EMBED = frozenset({"model", "input", "truncate", "options", "keep_alive", "dimensions"})
+_EMBEDDINGS = frozenset({"model", "prompt", "options", "keep_alive"})
 _GENERATE = frozenset({"model", "prompt", "suffix", "system", "template", "context", "stream", "raw", "format",
                        "images", "options", "keep_alive", "think", "logprobs", "top_logprobs"})
 
@@ -215,6 +220,7 @@ def ollama_error(e: ApiError) -> Response:
 class OllamaRoutes:
     def __init__(self, server: Any, openai_shape: type):
         self.server = server
+        self.tokens = TokenRoutes(server)  # the embeddings' inputs and their Task on the engine
         self.shapes = {key: type(f"Ollama{key.title()}Shape", (OllamaShape, openai_shape), {"key": key})
                        for key in ("message", "response")}
 
@@ -230,6 +236,8 @@ class OllamaRoutes:
 
         return [Route("/api/chat", answered(self.chat), methods=["POST"]),
                 Route("/api/generate", answered(self.generate), methods=["POST"]),
+                Route("/api/embed", answered(self.embed), methods=["POST"]),
+                Route("/api/embeddings", answered(self.embeddings), methods=["POST"]),
                 Route("/api/tags", answered(self.tags), methods=["GET"]),
                 Route("/api/show", answered(self.show), methods=["POST"]),
                 Route("/api/version", answered(self.version), methods=["GET"])]
@@ -284,6 +292,31 @@ class OllamaRoutes:
             req = parse_request({**out, "messages": [*turns, {"role": "user", "content": prompt}]}, "chat")
         return await self.server.answer(request, req, self.shapes["response"])
 
+    async def embed(self, request: Request) -> Response:
+        body = await self._body(request)
+        refuse(body, _EMBED)
+        options(body.get("options"))  # checked; none of them changes an embedding
+        truncate = body.get("truncate")
+        if truncate is not None and not isinstance(truncate, bool):
+            raise bad(f"'truncate' must be a boolean, got {kind_of(truncate)}", "truncate")
+        check_dimensions(body.get("dimensions"), self.server.model.cfg.n_embd)
+        t0 = time.monotonic()
+        vectors, inputs = await self.tokens.vectors(body.get("input"), truncate is not False)
+        return JSONResponse({"model": body["model"], "embeddings": [v.tolist() for v in vectors],
+                             "total_duration": ns(time.monotonic() - t0), "load_duration": 0,
+                             "prompt_eval_count": sum(len(ids) for ids in inputs)})
+
+    async def embeddings(self, request: Request) -> Response:
+        """The older embeddings route: one `prompt`, one `embedding`."""
+        body = await self._body(request)
+        refuse(body, _EMBEDDINGS)
+        options(body.get("options"))
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise bad(f"'prompt' is required: the text to embed (a string), got {kind_of(prompt)}", "prompt")
+        vectors, _ = await self.tokens.vectors(prompt)
+        return JSONResponse({"embedding": vectors[0].tolist()})
+
     async def _card(self) -> dict[str, Any]:
         """The model as /api/tags and /api/show describe it."""
         s = self.server
@@ -314,7 +347,7 @@ class OllamaRoutes:
                 f"{cfg.arch}.attention.head_count": cfg.n_head, f"{cfg.arch}.attention.head_count_kv": cfg.n_head_kv}
         return JSONResponse({"modelfile": f"FROM {s.session.path}\n", "parameters": parameters,
                              "template": s.model.chat_template or "", "details": card["details"],
-                             "model_info": info, "capabilities": ["completion"],
+                             "model_info": info, "capabilities": ["completion", "embedding"],
                              "modified_at": card["modified_at"]})
 
     async def version(self, _request: Request) -> Response:

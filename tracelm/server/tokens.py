@@ -64,6 +64,13 @@ def token_ids(x: Any, n_vocab: int, where: str) -> list[int]:
     return list(x)
 
 
+def check_dimensions(dims: Any, n_embd: int) -> None:
+    """`dimensions`, when given, must be the model's own embedding size (embeddings are not shortened)."""
+    if dims is not None and (isinstance(dims, bool) or dims != n_embd):
+        raise bad(f"'dimensions' must be this model's embedding size, {n_embd} (it does not shorten its "
+                  f"embeddings), got {str(dims)[:40]}", "dimensions")
+
+
 def piece(tok: Any, token: int) -> str | list[int]:
     """A token's text when its bytes are UTF-8, else the list of its bytes (llama-server's `with_pieces`)."""
     b = tok.token_bytes(token)
@@ -115,9 +122,9 @@ class TokenRoutes:
         ids = token_ids(body["tokens"], self.tok.n_vocab, "tokens")
         return JSONResponse({"content": await run_in_threadpool(self.tok.decode, ids)})
 
-    def _inputs(self, x: Any) -> list[list[int]]:
+    def _inputs(self, x: Any, truncate: bool = False) -> list[list[int]]:
         """OpenAI's input -- a text, an array of texts, an array of token ids, or an array of those -- as the token
-        ids of each input, each within the context (runs in a thread of the pool)."""
+        ids of each input, each within the context, or cut to it when `truncate` (runs in a thread of the pool)."""
         if isinstance(x, str):
             x = [x]
         elif isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x):
@@ -141,11 +148,32 @@ class TokenRoutes:
                 raise bad(f"'{where}' must be a string or an array of token ids, got {kind_of(item)}", where)
             if not ids:
                 raise bad(f"'{where}' is empty: nothing to embed", where)
+            if len(ids) > n_ctx and truncate:
+                ids = ids[:n_ctx]
             if len(ids) > n_ctx:
                 raise bad(f"'{where}' is {len(ids)} tokens; this model's context is {n_ctx} tokens", where,
                           "context_length_exceeded")
             out.append(ids)
         return out
+
+    async def vectors(self, raw: Any, truncate: bool = False) -> tuple[list[np.ndarray], list[list[int]]]:
+        """The embeddings of OpenAI-style `input` (see `_inputs`) and each input's token ids, computed on the engine
+        as a Task (a 429 when its queue is full)."""
+        server = self.server
+        inputs = await run_in_threadpool(self._inputs, raw, truncate)
+        pooling = server.cfg.server.pooling
+        task = Task(inputs, lambda runner, ids: embedding(runner, ids, pooling),
+                    deadline=time.monotonic() + server.cfg.server.request_timeout)
+        try:
+            server.engine.submit(task)
+        except QueueFull as e:
+            raise ApiError(429, "The server is busy: its request queue is full; retry after a while",
+                           kind="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(e.retry_after)}) from None
+        try:
+            return await asyncio.wrap_future(task.future), inputs
+        except TracelmError as e:
+            raise ApiError(400, str(e)) from None
 
     async def embeddings(self, request: Request) -> Response:
         server = self.server
@@ -159,27 +187,10 @@ class TokenRoutes:
         if encoding not in ("float", "base64"):
             raise bad(f"'encoding_format' must be \"float\" or \"base64\", got {str(encoding)[:40]}",
                       "encoding_format")
-        n_embd = server.model.cfg.n_embd
-        dims = body.get("dimensions")
-        if dims is not None and (isinstance(dims, bool) or dims != n_embd):
-            raise bad(f"'dimensions' must be this model's embedding size, {n_embd} (it does not shorten its "
-                      f"embeddings), got {str(dims)[:40]}", "dimensions")
+        check_dimensions(body.get("dimensions"), server.model.cfg.n_embd)
         if body.get("user") is not None and not isinstance(body["user"], str):
             raise bad(f"'user' must be a string, got {kind_of(body['user'])}", "user")
-        inputs = await run_in_threadpool(self._inputs, body.get("input"))
-        pooling = server.cfg.server.pooling
-        task = Task(inputs, lambda runner, ids: embedding(runner, ids, pooling),
-                    deadline=time.monotonic() + server.cfg.server.request_timeout)
-        try:
-            server.engine.submit(task)
-        except QueueFull as e:
-            raise ApiError(429, "The server is busy: its request queue is full; retry after a while",
-                           kind="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(e.retry_after)}) from None
-        try:
-            vectors = await asyncio.wrap_future(task.future)
-        except TracelmError as e:
-            raise ApiError(400, str(e)) from None
+        vectors, inputs = await self.vectors(body.get("input"))
         data = [{"object": "embedding", "index": i, "embedding": encode_vector(v, encoding)}
                 for i, v in enumerate(vectors)]
         n = sum(len(ids) for ids in inputs)
