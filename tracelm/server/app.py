@@ -2,7 +2,7 @@
 
 Routes: GET /health, GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions; and for
 scripts: GET /metrics (Prometheus, metrics.py), POST /tokenize, /detokenize and /v1/embeddings (tokens.py); and
-Ollama's /api/chat, /api/generate, /api/tags, /api/show, /api/version (ollama.py).
+Ollama's /api/chat, /api/generate, /api/embed, /api/tags, /api/show, /api/version (ollama.py).
 A generation request naming any model is served by the one loaded model (as llama-server and Ollama do), and the
 reply's `model` is the served model's id; with `server.strict_model` (`tracelm serve --strict-model`) another name
 is a 404. `n` choices are sampled from one prefill; tools are rendered, constrained and parsed (server/tools.py).
