@@ -50,11 +50,13 @@ from tracelm.pipeline.runner import (
     speculation,
 )
 from tracelm.pipeline.trace import Tracer, signature_fields, trace_key, trace_signer, write_footer, write_header
+from tracelm.stages.pool import POOLINGS, pool
 from tracelm.stages.sample import top_logprobs
 
 # what the server, replay and the tools use of the engine, through the front door
-__all__ = ["SUFFIX", "Generation", "GenerationStats", "RenderBudget", "Runner", "Session", "ThreadLimits", "Tracer",
-           "chat_prompt", "check_sampling", "closed_schema", "encode_chat", "held_bytes", "load_conversation",
+__all__ = ["POOLINGS", "SUFFIX", "Generation", "GenerationStats", "RenderBudget", "Runner", "Session", "ThreadLimits",
+           "Tracer", "chat_prompt", "check_sampling", "closed_schema", "embedding", "encode_chat", "held_bytes",
+           "load_conversation",
            "numerics", "parse_nonce", "release_memory", "run_config", "save_conversation", "shift_chat",
            "signature_fields", "template_budget", "top_logprobs", "trace_key", "unspellable", "write_footer"]
 from tracelm.state.errors import SessionIncompatible, TracelmError
@@ -173,6 +175,12 @@ def release_memory() -> None:
     trim = _libc("malloc_trim")
     if trim is not None:
         trim(0)
+
+
+def embedding(runner: Runner, ids: Sequence[int], pooling: str = "mean") -> np.ndarray:
+    """The unit-length f32 embedding of `ids`: their final hidden states (after the output norm) pooled by
+    `pooling` (mean or last, stages/pool.py), computed on `runner`'s Cache emptied first."""
+    return pool(runner.hidden(ids), pooling)
 
 
 def template_budget(cfg: RunConfig) -> RenderBudget:
@@ -425,6 +433,16 @@ class Session:
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
         check_fits(len(ids), 0, max(len(ids), 1))
         return Runner(self.model, len(ids)).logits(ids)
+
+    def embed(self, text: str | Sequence[int], pooling: str = "mean") -> np.ndarray:
+        """The unit-length f32 [n_embd] embedding of `text` (or token ids as they are): its positions' final hidden
+        states, after the output norm, pooled by `pooling` ("mean" or "last"), computed on a fresh Cache of exactly
+        its length (the conversation's is left as it is). No token is sampled."""
+        if pooling not in POOLINGS:
+            raise TracelmError(f"pooling: expected one of {', '.join(POOLINGS)}, got {pooling!r}")
+        ids = self.encode(text) if isinstance(text, str) else [int(i) for i in text]
+        check_fits(len(ids), 0, max(len(ids), 1))
+        return embedding(Runner(self.model, len(ids)), ids, pooling)
 
     def chat_stream(self, message: str, **kwargs: Any) -> Iterator[str]:
         """The reply to `message` as the next user turn of this session's conversation, rendered with the

@@ -122,23 +122,27 @@ class Batch:
         x = h.x[-1:] if len(ends) == 1 else h.x[[e - 1 for e in ends]]
         return last, Hidden(x, last.starts[0])
 
-    def split(self, logits: Logits) -> list[Logits]:
+    def split(self, out: Logits | Hidden) -> list[Any]:
+        """Each part's rows of a stacked output (logits, or the final hidden state)."""
         if len(self.parts) == 1:
-            return [logits]
-        return [rows_of(logits, a, b, s) for a, b, s in zip(self.bounds, self.bounds[1:], self.starts, strict=False)]
+            return [out]
+        return [rows_of(out, a, b, s) for a, b, s in zip(self.bounds, self.bounds[1:], self.starts, strict=False)]
 
 
 def forward(cfg: ModelConfig, w: ModelWeights, cache: Cache, ids: Sequence[int], all_logits: bool = False,
-            call: StageCall = plain_call) -> Logits:
+            call: StageCall = plain_call, hidden: bool = False) -> Logits | Hidden:
     """Run T = len(ids) new positions (prefill: T > 1 in one batched pass; decode: T = 1).
 
-    Returns logits of the last position, or of every position when all_logits.
+    Returns logits of the last position, or of every position when all_logits; with `hidden`, the final hidden
+    state instead (after output_norm; the head is not run): what embeddings pool.
     """
-    return forward_batch(cfg, w, [Part(cache, ids, call)], all_logits)[0]
+    return forward_batch(cfg, w, [Part(cache, ids, call)], all_logits, hidden)[0]
 
 
-def forward_batch(cfg: ModelConfig, w: ModelWeights, parts: Sequence[Part], all_logits: bool = False) -> list[Logits]:
-    """One pass over several sequences (see the module docstring): the logits of each part, in order."""
+def forward_batch(cfg: ModelConfig, w: ModelWeights, parts: Sequence[Part], all_logits: bool = False,
+                  hidden: bool = False) -> list[Logits] | list[Hidden]:
+    """One pass over several sequences (see the module docstring): the logits of each part, in order (with
+    `hidden`, each part's final hidden state, after output_norm)."""
     ids = [np.asarray(p.ids, dtype=np.int64) for p in parts]
     batch = Batch(parts, [p.cache.n_past for p in parts], [len(i) for i in ids])
     r = route(w)
@@ -152,10 +156,10 @@ def forward_batch(cfg: ModelConfig, w: ModelWeights, parts: Sequence[Part], all_
     if not all_logits:
         batch, h = batch.last_rows(h)
     x = batch.call("output_norm", None, r.rms_norm, h, w.output_norm, cfg.rms_eps)
-    logits = batch.call("head", None, head, x, w.output)
+    out = x if hidden else batch.call("head", None, head, x, w.output)
     for p, i in zip(parts, ids, strict=True):
         p.cache.commit(i)
-    return batch.split(logits)
+    return batch.split(out)
 
 
 def layer_note(parts: Sequence[Part]) -> Tracer | bool | None:

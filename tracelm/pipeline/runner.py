@@ -155,6 +155,17 @@ class Runner:
         """f32 logits of every position of `ids`: [T, vocab]."""
         return np.asarray(self.prefill(ids, all_logits=True).values)
 
+    def hidden(self, ids: Sequence[int]) -> np.ndarray:
+        """The final hidden state of every position of `ids` -- after the output norm, the head not run -- f32
+        [T, n_embd], computed on this runner's Cache emptied first (what embeddings pool; no token is sampled)."""
+        check_fits(len(ids), 0, self.cache.n_ctx)
+        self.cache.reset()
+        cfg, weights = self.model.cfg, self.model.weights
+        with np.errstate(all="ignore"):  # a non-finite value is reported by check_logits, not warned about
+            out = forward(cfg, weights, self.cache, ids, all_logits=True, hidden=True)
+        check_logits(out.x, cfg, weights, self.cache.tokens, out.start)
+        return np.asarray(out.x)
+
     def part(self, ids: Sequence[int], tracer: Tracer | None = None) -> Part:
         """This runner's share of a batched pass: its Cache, the ids to feed, the tracer's hook."""
         return Part(self.cache, ids, tracer.call if tracer is not None else plain_call)

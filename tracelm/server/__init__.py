@@ -4,7 +4,9 @@
 - params.py: OpenAI request bodies -> checked requests, and the OpenAI error shape;
 - queue.py: the engine: one worker thread serving a bounded queue in arrival order;
 - sessions.py: conversations whose KV cache is kept between requests (bounded, least recently used out);
-- guard.py: uvicorn's h11 protocol with a time and a size limit on the request head (408 / 431).
+- guard.py: uvicorn's h11 protocol with a time and a size limit on the request head (408 / 431);
+- metrics.py: GET /metrics (Prometheus, a registry per server); tokens.py: /tokenize, /detokenize (llama-server's
+  shapes), /v1/embeddings; ollama.py: Ollama's /api routes over the same engine.
 
 Starlette + uvicorn: a small, well-kept ASGI pair whose streaming response notices a client that hangs
 up; request bodies are checked by hand (params.py) so every mistake gets the OpenAI error shape.

@@ -1,6 +1,8 @@
 """The HTTP side: an OpenAI-compatible API on Starlette, served by uvicorn.
 
-Routes: GET /health, GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions.
+Routes: GET /health, GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions; and for
+scripts: GET /metrics (Prometheus, metrics.py), POST /tokenize, /detokenize and /v1/embeddings (tokens.py); and
+Ollama's /api/chat, /api/generate, /api/embed, /api/tags, /api/show, /api/version (ollama.py).
 A generation request naming any model is served by the one loaded model (as llama-server and Ollama do), and the
 reply's `model` is the served model's id; with `server.strict_model` (`tracelm serve --strict-model`) another name
 is a 404. `n` choices are sampled from one prefill; tools are rendered, constrained and parsed (server/tools.py).
@@ -29,15 +31,19 @@ import attrs
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tracelm.audit.policy import Policy, load_policy
 from tracelm.server.errors import ApiError, bad
+from tracelm.server.metrics import Metrics, MetricsMiddleware, metrics_routes
+from tracelm.server.ollama import ollama_routes
 from tracelm.server.pages import page_routes
 from tracelm.server.params import GenerationRequest, parse_json, parse_request
 from tracelm.server.queue import Engine, Job, QueueFull
+from tracelm.server.tokens import token_routes
 from tracelm.server.tools import ToolCallSplitter, function_grammar, split_reply, template_tool_format, tool_grammar
 from tracelm.session import (
     Session,
@@ -76,6 +82,7 @@ class Server:
         self.api_key = api_key or None
         self.session = session
         self.engine = Engine(session)
+        self.metrics = Metrics(self.engine)  # this server's own Prometheus registry (GET /metrics)
         self.created = int(time.time())
         self.policy = load_policy(cfg.trace.policy) if cfg.trace.policy else Policy()  # the viewer's verdicts
         if cfg.attest.provider != "off":
@@ -98,9 +105,14 @@ class Server:
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/attestation", self.attestation, methods=["GET"]),
             *page_routes(self),  # the chat page at / and the trace viewer at /trace (pages.py)
+            *metrics_routes(self),  # GET /metrics (metrics.py)
+            *token_routes(self),  # /tokenize, /detokenize, /v1/embeddings (tokens.py)
+            *ollama_routes(self, Shape),  # Ollama's /api/chat, /api/generate, /api/tags, ... (ollama.py)
         ]
         handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error}
-        return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)  # type: ignore[arg-type]
+        middleware = [Middleware(MetricsMiddleware, metrics=self.metrics, routes=routes)]  # type: ignore[arg-type]
+        return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan,  # type: ignore[arg-type]
+                         middleware=middleware)
 
     # -- plain endpoints ---------------------------------------------------------------------------------
 
@@ -260,7 +272,12 @@ class Server:
 
     async def _generate(self, request: Request, kind: str) -> Response:
         self._check_key(request)
-        req = parse_request(parse_json(await self._body(request)), kind)
+        return await self.answer(request, parse_request(parse_json(await self._body(request)), kind), Shape)
+
+    async def answer(self, request: Request, req: GenerationRequest, shape_of: type[Shape]) -> Response:
+        """Run a checked request on the engine and answer it in the shapes of `shape_of` (Shape: OpenAI's; the
+        Ollama routes give theirs, ollama.py): one JSON body, or a stream framed as the shape says."""
+        kind = req.kind
         if self.strict_model and req.model not in self.model_names:
             raise self._no_model(req.model)
         if req.n > self.engine.max_batch:
@@ -296,7 +313,7 @@ class Server:
                 raise first[1]
             if first[0] == "gone":
                 return Response(status_code=499)
-            shape = Shape(self, req, rid, job)
+            shape = shape_of(self, req, rid, job)
             if not req.stream:
                 return JSONResponse(await shape.collect(), headers={"x-request-id": rid})
             streaming = True
@@ -304,7 +321,7 @@ class Server:
             watcher.cancel()  # from here on the streaming response watches for the client going away
             if not streaming:
                 job.gone.set()  # nobody reads any more (a no-op once the job is done)
-        ndjson = _wants_ndjson(request)
+        ndjson = shape.ndjson(request)
         return StreamingResponse(shape.stream(ndjson), media_type="application/x-ndjson" if ndjson else
                                  "text/event-stream", headers={"x-request-id": rid, "Cache-Control": "no-cache",
                                                                "X-Accel-Buffering": "no"})
@@ -353,6 +370,10 @@ class Shape:
         self.chat = req.kind == "chat"
         tools = req.tools if self.chat and req.tools is not None and req.tools.active else None
         self.tool_names = {f.name for f in tools.functions} if tools is not None else None  # None: no tool calls
+
+    def ndjson(self, request: Request) -> bool:
+        """Whether a stream goes out as JSON lines (else as Server-Sent Events)."""
+        return _wants_ndjson(request)
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.server.model_id,

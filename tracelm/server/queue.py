@@ -21,11 +21,16 @@ in order, once every sequence has sampled and before the pass (`post_all`: one w
 not one per token). A job ends early when its client
 is gone (`Job.gone`), its time limit passes or its CPU budget is spent (`Job.cpu_used`: its prefill's CPU time and its
 share of each step's): it is asked before every token, so generation stops within one token.
+
+A `Task` is work that runs the model without sampling (the texts of an embeddings request): admitted into the same
+bounded queue, it runs on the worker thread, one item per step boundary (so it shares the model with the batch
+and never holds it up for more than one item's pass), each on a scratch runner; its future gets the results.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hashlib
 import logging
@@ -33,6 +38,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +87,7 @@ class Job:
     cpu_limit: float = 0.0  # CPU seconds it may use (server.request_cpu_seconds; 0: no limit)
     cpu_used: float = 0.0  # its prefill's, and its share of each batched step's (worker thread only)
     remaining: int = 0  # its choices started and not yet ended (worker thread only)
+    arrived: float = attrs.Factory(time.monotonic)  # when it was made (time to first token counts from here)
     events: asyncio.Queue = attrs.Factory(asyncio.Queue)
     gone: threading.Event = attrs.Factory(threading.Event)  # the client went away
 
@@ -92,6 +99,19 @@ class Job:
     @property
     def over_cpu(self) -> bool:
         return 0 < self.cpu_limit < self.cpu_used
+
+
+@attrs.define(eq=False)
+class Task:
+    """Work on the model without sampling: `fn(runner, item)` for each item in order, on the worker thread, one per
+    step boundary, each on a scratch runner (its Cache is the function's to reset); `future` gets the list of
+    results, or the first exception (an ApiError past `deadline`, time.monotonic())."""
+
+    items: list[Any]
+    fn: Callable[[Runner, Any], Any]
+    deadline: float
+    future: concurrent.futures.Future = attrs.Factory(concurrent.futures.Future)
+    results: list[Any] = attrs.Factory(list)
 
 
 def post_all(events: list[tuple[Job, tuple[Any, ...]]]) -> None:
@@ -151,6 +171,7 @@ class Active:
     closing: contextlib.ExitStack = attrs.Factory(contextlib.ExitStack)  # closes the trace file
     entries: list[dict[str, Any]] = attrs.Factory(list)  # logprobs of the tokens behind text not yet posted
     ended: bool = False
+    sampled: bool = False  # its first token is drawn (time to first token observed)
 
     def cancelled(self) -> bool:
         return self.job.gone.is_set() or time.monotonic() > self.job.deadline or self.job.over_cpu
@@ -191,6 +212,9 @@ class Engine:
         self.active: list[Active] = []  # the batch: sequences decoding together (worker thread only)
         self._outbox: list[tuple[Job, tuple[Any, ...]]] | None = None  # a step's events, posted together
         self._waiting: deque[Job] = deque()  # taken from the queue, not yet in the batch
+        self._tasks: deque[Task] = deque()  # taken from the queue, not yet done (run one item per step boundary)
+        # called on the worker thread with the seconds from a job's arrival to its first token (server metrics)
+        self.on_first_token: Callable[[float], None] | None = None
         self._thread = threading.Thread(target=self._work, name="tracelm-engine", daemon=True)
 
     # -- the event loop's side ---------------------------------------------------------------------------
@@ -221,8 +245,8 @@ class Engine:
         """Requests admitted and waiting for a place in the batch."""
         return max(0, self._outstanding - len(self.active))
 
-    def submit(self, job: Job) -> None:
-        """Admit a job in arrival order, or raise QueueFull at once."""
+    def submit(self, job: Job | Task) -> None:
+        """Admit a job (or a Task) in arrival order, or raise QueueFull at once."""
         with self._lock:
             if self._outstanding >= self._limit:
                 self.counters.rejected += 1
@@ -238,11 +262,12 @@ class Engine:
         every active sequence, the forward passes of all of them in one batched pass."""
         stopping = False
         while not stopping or self.active:
-            block = not self.active and not self._waiting and not stopping
+            block = not self.active and not self._waiting and not self._tasks and not stopping
             stopping = self._take(block) or stopping
             if stopping:
                 self._cancel_all()
             self._admit()
+            self._task_item()
             t0, c0 = time.perf_counter(), time.thread_time()
             self._step()
             self.counters.step_seconds += time.perf_counter() - t0
@@ -257,7 +282,7 @@ class Engine:
                 return False
             if job is None:
                 return True
-            self._waiting.append(job)
+            (self._tasks if isinstance(job, Task) else self._waiting).append(job)
             block = False
 
     def _cancel_all(self) -> None:
@@ -266,6 +291,33 @@ class Engine:
         while self._waiting:
             job = self._waiting.popleft()
             job.post("error", ApiError(503, "the server is shutting down", headers={"Retry-After": "1"}))
+            self._release()
+        while self._tasks:
+            self._tasks.popleft().future.set_exception(ApiError(503, "the server is shutting down",
+                                                                headers={"Retry-After": "1"}))
+            self._release()
+
+    def _task_item(self) -> None:
+        """Run the next item of the oldest Task on a scratch runner; the Task leaves when its items are done (or one
+        failed, or its time is up)."""
+        if not self._tasks:
+            return
+        task = self._tasks[0]
+        try:
+            if time.monotonic() > task.deadline:
+                raise ApiError(503, "the request ran past its time limit (server.request_timeout)",
+                               headers={"Retry-After": "1"})
+            runner = self._scratch.pop() if self._scratch else self.session.new_runner()
+            try:
+                task.results.append(task.fn(runner, task.items[len(task.results)]))
+            finally:
+                self._scratch.append(runner)
+            if len(task.results) == len(task.items):
+                task.future.set_result(task.results)
+        except Exception as e:  # noqa: BLE001 -- the task's caller answers it
+            task.future.set_exception(e)
+        if task.future.done():
+            self._tasks.popleft()
             self._release()
 
     def _admit(self) -> None:
@@ -343,6 +395,8 @@ class Engine:
             for a in list(self.active):
                 try:
                     text = a.gen.step(draft)
+                    if not a.sampled and a.gen.stats.finish_reason != "cancelled":
+                        self._first_token(a)
                     if text:
                         self._post(a.job, "piece", text, a.entries[:], a.index)
                         a.entries.clear()
@@ -365,6 +419,12 @@ class Engine:
         share = (time.process_time() - cpu0) / max(len(stepping), 1)  # each sequence's part of the step
         for a in stepping:
             a.job.cpu_used += share
+
+    def _first_token(self, a: Active) -> None:
+        """A sequence drew its first token: the time since its job arrived goes to `on_first_token` (choice 0's)."""
+        a.sampled = True
+        if a.index == 0 and self.on_first_token is not None:
+            self.on_first_token(time.monotonic() - a.job.arrived)
 
     def _post(self, job: Job, *event: Any) -> None:
         """Post an event to a job: within a step's sampling, with the step's others (post_all); else at once."""
