@@ -191,11 +191,16 @@ class Runner:
         `tracer`, when given, records this call: its generate event, every stage call and every token.
         """
         gen = self.start(prompt_ids, max_tokens, sampling, stop, cancel=cancel, on_token=on_token, tracer=tracer)
-        while not gen.done:
-            text = gen.step(self.draft_tokens)
-            if text:
-                yield text
-            feed_together([gen])
+        try:
+            while not gen.done:
+                text = gen.step(self.draft_tokens)
+                if text:
+                    yield text
+                feed_together([gen])
+        except (GeneratorExit, KeyboardInterrupt):  # closed early (chat's Ctrl-C) or interrupted: as far as it got
+            gen.stats.finish_reason = "cancelled"
+            gen.close()
+            raise
         text = gen.close()
         if text:
             yield text
