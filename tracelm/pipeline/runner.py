@@ -300,6 +300,14 @@ class Generation:
         """The logits of the positions `feed` asked for."""
         self.rows, self.feed = list(logits.values), []
 
+    def end_here(self) -> None:
+        """End after the token just sampled ("stop"), the caller's decision (the server's tool calls): the ids
+        waiting to be fed are dropped, as after the last token of any generation."""
+        if self.feed:  # guesses waiting in `feed` are not in the Cache (ones already fed are: `close` drops them)
+            self.guesses = []
+        self.feed = []
+        self._end("stop")
+
     def _end(self, reason: str) -> str:
         self.stats.finish_reason, self.done = reason, True
         return ""
