@@ -21,16 +21,17 @@ RENDERED = "<s>USER: hi</s>\n<s>ASSISTANT: "
 ASK = [{"role": "user", "content": "hi"}]
 
 
-def hf_folder(path: Path, where: str) -> Path:
+def hf_folder(path: Path, where: str, pad: bool = True) -> Path:
     """The tiny safetensors folder with a byte-level tokenizer.json and the template `where` says: in
-    tokenizer_config.json, in chat_template.jinja, or both (the config's then a decoy)."""
+    tokenizer_config.json, in chat_template.jinja, or both (the config's then a decoy). Its tokenizer has 258
+    tokens, padded to the model's 512 rows unless `pad` is false."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     tiny_folder(path)
     tok = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(byte_level_vocab())}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<s>", "</s>", *(f"<pad{i}>" for i in range(254))])  # the model's 512 rows
+    tok.add_special_tokens(["<s>", "</s>", *(f"<pad{i}>" for i in range(254 if pad else 0))])
     tok.save(str(path / "tokenizer.json"))
     config = {"bos_token": "<s>", "eos_token": "</s>"}
     if where == "config":
@@ -81,3 +82,15 @@ def test_server_renders_the_folders_template(tmp_path):
         assert header(tmp_path / "traces" / f"{r.json()['id']}.jsonl")["prompt_text"] == RENDERED
     finally:
         server.stop()
+
+
+def test_rows_past_the_vocabulary_are_never_sampled(tmp_path):
+    """A model with more embedding rows than its tokenizer has tokens (Qwen2.5's folders: 151936 rows, 151665
+    tokens) samples only tokens: the padding rows are no candidates."""
+    from tracelm import Session
+
+    folder = hf_folder(tmp_path / "m", "config", pad=False)
+    with Session(str(folder), settings=["context=64", "threads=1"]) as s:
+        assert s.tokenizer.n_vocab == 258 and s.model.cfg.n_vocab == 512
+        s.generate("hi", max_tokens=40, temperature=1.5, seed=1)
+        assert len(s.stats.tokens) == 40 and max(s.stats.tokens) < 258

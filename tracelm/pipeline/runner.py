@@ -228,6 +228,7 @@ class Generation:
         self.cancel, self.on_token, self.tracer = cancel, on_token, tracer
         self.stats = runner.stats
         self.history = list(prompt_ids)
+        self.n_tokens = runner.model.tokenizer.n_vocab  # Qwen2.5's folders: 151936 rows, 151665 tokens
         self.decoder = runner.model.tokenizer.stream_decoder()
         self.pending, self.stopped = "", False
         self.rows = [row]  # logits rows ready to sample from, in position order
@@ -243,7 +244,7 @@ class Generation:
         stats, tok, runner = self.stats, self.runner.model.tokenizer, self.runner
         if self.cancel is not None and self.cancel():
             return self._end("cancelled")
-        row = self.rows.pop(0)
+        row = self.rows.pop(0)[: self.n_tokens]  # a model's rows past its vocabulary (padding) are no tokens
         logits, mask_hash = self._constrain(row)
         choice = sample(logits, self.sampling, self.rng, np.asarray(self.history))
         if self.matcher is not None:
