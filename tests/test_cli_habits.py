@@ -66,8 +66,7 @@ def test_llama_cpp_short_flags_set_the_config(monkeypatch):
     import tracelm.cli as cli
 
     seen = {}
-    monkeypatch.setattr(cli, "cmd_run", lambda args: seen.setdefault("cfg", cli._load_config(args)) and 0)
-    build_parser().parse_args  # noqa: B018 -- the parser is built by main
+    monkeypatch.setattr(cli, "cmd_run", lambda args: seen.update(cfg=cli._load_config(args)) or 0)
     main(["run", "-m", "smollm2-135m-instruct", "-t", "3", "-c", "512", "-n", "7", "--top-k", "5", "--top-p", "0.5",
           "--min-p", "0.1", "--temp", "0.3", "-s", "9", "--repeat-penalty", "1.1", "-p", "hi"])
     cfg = seen["cfg"]
