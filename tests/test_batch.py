@@ -9,6 +9,7 @@ items on a local Ray cluster with 2 actors give the local engine's results item 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -244,3 +245,22 @@ def test_ray_results_equal_the_local_engines(ray_cluster, tiny_gguf, reference, 
     for r in list(got.values())[10:14]:  # written by the actors
         trace = read_trace(traces / r["trace"])
         assert verify(trace, None).intact and trace.events[-1]["hash"] == r["trace_hash"]
+
+
+def test_progress_bar_says_it_loads_then_shows_tokens_per_second(tmp_path, capsys) -> None:
+    import time
+
+    from tracelm.tools.batch import Outcome, Progress, ResultFile
+
+    opts = BatchOptions(run_config(), tmp_path / "in.jsonl", tmp_path / "out.jsonl", progress=True)
+    out = ResultFile(opts.output)
+    bar = Progress(out, 2, opts)
+    bar.loading("tiny.gguf")
+    assert "loading tiny.gguf" in capsys.readouterr().err
+    bar.loaded()
+    time.sleep(0.15)  # past the bar's redraw interval
+    bar.emit(Outcome(1, "a", {"id": "a", "completion_tokens": 30}))
+    bar.close()
+    out.close()
+    err = capsys.readouterr().err
+    assert "generating" in err and re.search(r"[0-9.]+ tok/s", err) and "1/2" in err

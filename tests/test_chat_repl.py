@@ -5,6 +5,7 @@ that still sees the first two, /save, then /load in a new process."""
 from __future__ import annotations
 
 import io
+import json
 import shlex
 import shutil
 import subprocess
@@ -212,3 +213,39 @@ def test_tmux_helper_fails_on_what_is_not_shown(tmp_path: Path) -> None:
             term.wait_for("goodbye", timeout=1)
     finally:
         term.close()
+
+
+def test_stats_after_ctrl_c_show_the_stopped_replys_rate(long_gguf: Path, home: Path, tmp_path: Path) -> None:
+    """Ctrl-C stops a reply (chat closes its stream): /stats then says the tokens/s of what was generated, and a
+    traced reply ends with an interrupted footer."""
+    import signal
+
+    class CtrlCAfter(io.StringIO):
+        armed, pieces = False, 0
+
+        def write(self, text: str) -> int:
+            if self.armed:
+                self.pieces += 1
+                if self.pieces == 5:
+                    signal.raise_signal(signal.SIGINT)  # as a terminal's Ctrl-C: StopFlag's handler
+            return super().write(text)
+
+    session = tiny_session(long_gguf, "context=1024", "max_tokens=200", f"sampling.logit_bias=[[{EOS}, -100]]")
+    out = CtrlCAfter()
+    lines = iter([f"/trace {tmp_path / 't.jsonl'}", "hello", "/stats"])
+
+    def read(prompt: str) -> str:
+        line = next(lines, None)
+        if line is None:
+            raise EOFError
+        out.armed = line == "hello"
+        return line
+
+    ChatRepl(session, None, out=out, read=read).run()
+    text = out.getvalue()
+    assert "[stopped: 2 messages kept]" in text
+    rate = float(text.split("last reply: ")[1].split("decode ")[1].split(" tok/s")[0])
+    n = session.stats.n_generated
+    assert 0 < n < 200 and rate > 0 and f"last reply: {n} tokens (stopped)" in text
+    footer = json.loads((tmp_path / "t.jsonl").read_text().splitlines()[-1])
+    assert footer["event"] == "footer" and footer["status"] == "interrupted" and footer["n_generated"] == n

@@ -17,6 +17,7 @@ from tests.conftest import FIXTURES, REPO
 L2C = FIXTURES / "llama2c"
 MODEL, TOK = L2C / "stories260K.bin", L2C / "tok512.bin"
 CONFIG = str(REPO / "configs" / "stories260k.yaml")
+FILES = ("--model", str(MODEL), "--set", f"tokenizer={TOK}")  # the config's files, from the shared fixtures
 
 pytestmark = pytest.mark.skipif(not MODEL.is_file(), reason=f"fixture {MODEL} not present")
 
@@ -106,7 +107,7 @@ def test_run_greedy_ids_follow_run_c() -> None:
 
 
 def test_tracelm_run_with_config() -> None:
-    proc = tracelm("run", CONFIG, "--max-tokens", "16")
+    proc = tracelm("run", CONFIG, *FILES, "--max-tokens", "16")
     assert proc.returncode == 0, proc.stderr
     assert "16 generated" in proc.stderr
 
@@ -114,7 +115,7 @@ def test_tracelm_run_with_config() -> None:
 def test_trace_of_a_llama2c_run_verifies_and_replays(tmp_path) -> None:
     """The header hashes the .bin and its separate tokenizer.bin (not GGUF metadata); replay reloads both."""
     trace = tmp_path / "s.jsonl"
-    proc = tracelm("run", CONFIG, "--max-tokens", "6", "--temperature", "0.8", "--trace", str(trace))
+    proc = tracelm("run", CONFIG, *FILES, "--max-tokens", "6", "--temperature", "0.8", "--trace", str(trace))
     assert proc.returncode == 0, proc.stderr
     header = json.loads(trace.read_text().splitlines()[0])
     assert header["tokenizer_sha256"] == hashlib.sha256((L2C / "tok512.bin").read_bytes()).hexdigest()
@@ -142,7 +143,7 @@ def test_export_to_gguf_gives_identical_logits(tmp_path) -> None:
 def test_size_not_matching_header_is_a_clear_error(tmp_path) -> None:
     bad = tmp_path / "cut.bin"
     bad.write_bytes(MODEL.read_bytes()[:-4])
-    proc = tracelm("run", CONFIG, "--model", str(bad), "--max-tokens", "2")
+    proc = tracelm("run", CONFIG, "--model", str(bad), "--set", f"tokenizer={TOK}", "--max-tokens", "2")
     assert proc.returncode == 2
     err = proc.stderr.strip().splitlines()
     assert len(err) == 1 and "cut.bin" in err[0] and "1056536 bytes" in err[0] and "needs 1056540" in err[0]

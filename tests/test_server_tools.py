@@ -80,7 +80,9 @@ def serve(work: Path, model: Path, context: int = CONTEXT, **server) -> ServerPr
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, tools_gguf: Path):
-    s = serve(tmp_path_factory.mktemp("tools-server"), tools_gguf)
+    work = tmp_path_factory.mktemp("tools-server")
+    s = serve(work, tools_gguf, trace_dir=str(work / "traces"))
+    s.traces = work / "traces"
     s.model_id = tools_gguf.stem
     yield s
     s.stop()
@@ -292,7 +294,7 @@ def test_splitter_gives_the_same_content_and_calls_for_any_cut():
              '\n</tool_call>\n<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>')
     content, calls = split_reply(reply, {"get_weather"})
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris", "unit": "celsius"})]
-    assert content.startswith("Let me look.") and '"nope"' in content  # an unknown function's block stays text
+    assert content == "Let me look."  # an unknown function's block is dropped: no markup in the content
     from tracelm.server.tools import ToolCallSplitter
 
     for cut in range(1, 12):
@@ -308,6 +310,90 @@ def test_splitter_gives_the_same_content_and_calls_for_any_cut():
         assert [k for k, _x in items] == ["call"] and json.loads(items[0][1].arguments)["city"] == "Rome"
     assert split_reply('{"name": "nope", "arguments": {}}', {"get_weather"})[1] == []
     assert split_reply('<tool_call>\n{"name": "get_weather", "arguments": {"ci', {"get_weather"})[1] == []
+
+
+PING = {"type": "function", "function": {"name": "ping", "strict": True,
+                                         "parameters": {"type": "object", "properties": {}}}}
+
+
+def pieces(reply: str, cut: int, names: set[str], parallel: bool = True) -> tuple[str, list[tuple[str, dict]]]:
+    """The reply through a ToolCallSplitter `cut` characters at a time: its content and (name, arguments) calls."""
+    from tracelm.server.tools import ToolCallSplitter
+
+    s = ToolCallSplitter(names, parallel)
+    items = [x for i in range(0, len(reply), cut) for x in s.push(reply[i : i + cut])] + s.finish()
+    return ("".join(x for k, x in items if k == "content"),
+            [(x.name, json.loads(x.arguments)) for k, x in items if k == "call"])
+
+
+def test_a_repeated_call_is_sent_once_and_markup_never_reaches_the_content():
+    """Issue 30 item 6: Qwen2.5-Coder-0.5B under tool_choice required gave three copies of one call and then a
+    block cut short by max_tokens, its <tool_call> markup in `content`."""
+    block = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+    again = block.replace('{"city": "Paris", "unit": "celsius"}', '{"unit": "celsius",  "city": "Paris"}')
+    other = block.replace("Paris", "Rome")
+    reply = f"{block}\n{again}\n{other}\n{block}\n<tool_call>\n{{\"name\": \"get_weather\", \"argu"
+    paris, rome = ("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_weather", {"city": "Rome",
+                                                                                          "unit": "celsius"})
+    for cut in (1, 5, 13, len(reply)):
+        assert pieces(reply, cut, {"get_weather"}) == ("", [paris, rome])
+        assert pieces(reply, cut, {"get_weather"}, parallel=False) == ("", [paris])
+    assert split_reply(reply, {"get_weather"})[0] is None
+    assert split_reply("Sure. " + block[:30], {"get_weather"}) == ("Sure.", [])  # a call cut short: dropped
+    assert split_reply('{"name": "get_weather", "argu', {"get_weather"}) == ("", [])  # a bare one too
+    from tracelm.server.tools import ExcessCalls
+
+    watch = ExcessCalls({"get_weather"})
+    assert not watch(block + "\n") and not watch(other[:40]) and not watch(other[40:]) and watch(again)
+    single = ExcessCalls({"get_weather"}, parallel=False)
+    assert not single(block) and single(other)
+
+
+def test_a_fenced_json_call_is_a_call():
+    """Issue 30 item 6: under `auto` small models write a call as a Markdown ```json block."""
+    call = '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}'
+    oslo = ("get_weather", {"city": "Oslo", "unit": "celsius"})
+    for reply, want in [
+        (f"```json\n{call}\n```", ("", [oslo])),
+        (f"I will check.\n\n```json\n{call}\n```\n", ("I will check.", [oslo])),
+        (f"```\n[{call}, {call.replace('Oslo', 'Bergen')}]\n```", ("", [oslo, ("get_weather", {"city": "Bergen",
+                                                                                              "unit": "celsius"})])),
+        ("Code:\n```python\nprint(1)\n```\nDone.", ("Code:\n```python\nprint(1)\n```\nDone.", [])),
+        ('```json\n{"name": "nope", "arguments": {}}\n```', ('```json\n{"name": "nope", "arguments": {}}\n```', [])),
+        ("Use `x` or ``y``.", ("Use `x` or ``y``.", [])),
+        (f"```json\n{call[:30]}", ("", [])),  # a fenced call cut short: dropped
+        ("```\nunfinished code", ("```\nunfinished code", [])),
+    ]:
+        for cut in (1, 4, 9, len(reply)):
+            assert pieces(reply, cut, {"get_weather"}) == want, (reply, cut)
+
+
+def test_required_ends_at_a_repeated_call(server):
+    """A tool without arguments, tool_choice required, parallel calls allowed, the end token biased away: the
+    random model can only write the same call again and again. The reply is that one call (finish_reason
+    tool_calls, no content), streamed or not; the trace's footer says the server ended the run, and it replays."""
+    import subprocess
+    import sys
+
+    from tests.conftest import child_env
+
+    body = {"tools": [PING], "tool_choice": "required", "max_tokens": 400, "temperature": 0.8, "seed": 2,
+            "logit_bias": {"259": -100}}
+    whole = ok(chat(server, **body))
+    c = whole["choices"][0]
+    assert c["finish_reason"] == "tool_calls" and c["message"]["content"] is None, c
+    assert [t["function"]["name"] for t in c["message"]["tool_calls"]] == ["ping"]
+    assert whole["usage"]["completion_tokens"] < 400
+    chunks = sse(chat(server, stream=True, **body))
+    deltas = [d for ch in chunks for d in ch["choices"][0]["delta"].get("tool_calls") or []]
+    assert {d["index"] for d in deltas} == {0} and not any(ch["choices"][0]["delta"].get("content") for ch in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    trace = server.traces / f"{whole['id']}.jsonl"
+    footer = json.loads(trace.read_text().splitlines()[-1])
+    assert footer["status"] == "interrupted" and footer["finish_reason"] == "stop"
+    replayed = subprocess.run([sys.executable, "-m", "tracelm.cli", "replay", str(trace), "--require", "intact"],
+                              capture_output=True, text=True, timeout=120, env=child_env())
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
 
 
 def test_parse_request_of_tools_and_tool_turns():

@@ -306,3 +306,14 @@ def test_trace_plot_draws_the_grid_and_the_rate(traced, tmp_path, capsys) -> Non
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
     assert main(["trace", "plot", str(traced[0]), "--out", str(out), "--token", "99"]) == 2
     assert "--token 99: the trace has passes 0..5" in capsys.readouterr().err
+
+
+def test_trace_plot_and_show_say_the_same_decode_rate(traced, tmp_path, capsys) -> None:
+    """One definition of decode tokens/s (pipeline.trace.decode_rate, over the footer's wall time): `trace show`
+    and `trace plot` say the same figure for the same trace."""
+    pytest.importorskip("matplotlib", reason="matplotlib is in the plot extra")
+    assert main(["trace", "show", str(traced[0])]) == 0
+    shown = re.search(r"decode ([0-9.]+) tok/s", capsys.readouterr().out)
+    assert main(["trace", "plot", str(traced[0]), "--out", str(tmp_path / "p.png")]) == 0
+    plotted = re.search(r"decode ([0-9.]+) tok/s", capsys.readouterr().err)
+    assert shown and plotted and shown.group(1) == plotted.group(1)

@@ -28,8 +28,8 @@ def _load_config(args: argparse.Namespace) -> Any:
     from tracelm.session import run_config
 
     overrides = list(args.set or [])
-    for flag, key in (("prompt", "prompt"), ("max_tokens", "max_tokens"), ("temperature", "sampling.temperature"),
-                      ("seed", "sampling.seed"), ("context", "context"), ("model", "model")):
+    _model_as_positional(args)
+    for flag, key in OPTION_KEYS:
         value = getattr(args, flag, None)
         if value is not None:
             overrides.append(f"{key}={json.dumps(value)}")
@@ -51,6 +51,64 @@ def _load_config(args: argparse.Namespace) -> Any:
     import attrs
 
     return attrs.evolve(cfg, sampling=attrs.evolve(cfg.sampling, constraint=constraint))
+
+
+# command-line options -> the config keys they set
+OPTION_KEYS = (("prompt", "prompt"), ("max_tokens", "max_tokens"), ("temperature", "sampling.temperature"),
+               ("seed", "sampling.seed"), ("context", "context"), ("model", "model"), ("threads", "threads"),
+               ("system", "system"), ("top_k", "sampling.top_k"), ("top_p", "sampling.top_p"),
+               ("min_p", "sampling.min_p"), ("repeat_penalty", "sampling.repeat_penalty"))
+
+
+def _model_as_positional(args: argparse.Namespace) -> None:
+    """`tracelm run smollm2-135m-instruct`: a positional that names a model rather than a config is the model."""
+    from tracelm.session import positional_is_model
+
+    value = getattr(args, "config", None)
+    if value is None or not positional_is_model(value):
+        return
+    if getattr(args, "model", None) is not None:
+        raise TracelmError(f"{value!r} names a model and so does --model: give it once (the positional is a config: "
+                           "a YAML file or a packaged config's name)")
+    args.model, args.config, args.model_from_positional = value, None, True
+
+
+def _positional_hint(args: argparse.Namespace, error: TracelmError) -> str:
+    """What to add to an error about a model named by the positional that is no file: it could have meant a config."""
+    value = getattr(args, "model", None)
+    if not getattr(args, "model_from_positional", False) or not value or value not in str(error):
+        return ""
+    from pathlib import Path
+
+    from tracelm.session import packaged_configs
+
+    if Path(value).expanduser().exists():
+        return ""
+    return (f" ({value!r} was read as a model; a config is a .yaml file or a packaged config's name: "
+            f"{', '.join(packaged_configs())})")
+
+
+def _stdin_prompt(args: argparse.Namespace) -> None:
+    """`echo "Tell me a joke" | tracelm run --model M`: without --prompt, a stdin that is no terminal is the prompt
+    (`--prompt -` reads it in any case); an empty one leaves the config's prompt."""
+    if args.prompt not in (None, "-") or (args.prompt is None and _stdin_is_terminal()):
+        return
+    try:
+        text = sys.stdin.read()
+    except (OSError, ValueError):  # no readable stdin (closed, or a test runner's stand-in)
+        text = ""
+    if text.endswith("\n"):
+        text = text[:-1]
+    if args.prompt == "-" and not text:
+        raise TracelmError("--prompt -: stdin is empty")
+    args.prompt = text or None
+
+
+def _stdin_is_terminal() -> bool:
+    try:
+        return sys.stdin is None or sys.stdin.isatty()
+    except (OSError, ValueError):
+        return True
 
 
 def _constraint(args: argparse.Namespace) -> Any:
@@ -77,8 +135,9 @@ def _constraint(args: argparse.Namespace) -> Any:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from tracelm.session import Session
+    from tracelm.session import Session, decode_rate
 
+    _stdin_prompt(args)
     with Session(config=_load_config(args)) as session, _interrupt_as_cancel() as interrupted:
         cfg = session.cfg
         ids = session.encode(cfg.prompt)
@@ -92,7 +151,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         trace = f"; the trace {cfg.trace.file} ends with an interrupted footer" if cfg.trace.file else ""
         print(f"[interrupted after {s.n_generated} generated tokens{trace}]", file=sys.stderr)
         return 130
-    rate = s.n_generated / s.decode_seconds if s.decode_seconds else 0.0
+    rate = decode_rate(s.n_generated, s.decode_seconds)
     spec = (f", {s.n_generated / max(s.n_passes, 1):.2f} tokens per pass, {s.n_accepted}/{s.n_drafted} drafted "
             "accepted" if s.n_drafted else "")
     print(f"[{s.n_prompt} prompt tokens, {s.n_generated} generated ({s.finish_reason}), "
@@ -133,12 +192,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_batch(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from tracelm.tools.batch import BatchOptions, is_model_name, run_batch
+    from tracelm.tools.batch import BatchOptions, run_batch
 
-    if args.config is not None and is_model_name(args.config):  # CONFIG_OR_MODEL: a model on the defaults
-        if args.model is not None:
-            raise TracelmError(f"batch: {args.config!r} names a model and so does --model: give it once")
-        args.model, args.config = args.config, None
+    _model_as_positional(args)  # CONFIG_OR_MODEL: a model on the defaults
     opts = BatchOptions(_load_config(args), Path(args.input), Path(args.output),
                         Path(args.traces) if args.traces else None, args.strict, args.engine, args.address,
                         args.actors, args.cpus_per_actor, args.batch_size)
@@ -438,26 +494,56 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-CONFIG_HELP = ("YAML run config: a file, or a packaged config's name (smollm2, gemma3, qwen2.5-coder); default: "
-               "the built-in defaults")
+CONFIG_HELP = ("a YAML run config (a file, or a packaged config's name: smollm2, gemma3, qwen2.5-coder, stories260k), "
+               "or a model (a registry name or a model path, as --model takes); default: the built-in defaults")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tracelm.version import __version__
+
     p = argparse.ArgumentParser(prog="tracelm", description="Auditable LLM inference on the CPU.")
+    p.add_argument("--version", action="version", version=f"tracelm {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     for add in (_add_run_commands, _add_batch_command, _add_file_commands, _add_audit_commands, _add_bench_command):
         add(sub)
     return p
 
 
+def _model_options(sp: argparse.ArgumentParser, defaults: str = "") -> None:
+    """The model and its engine, as llama.cpp spells them too (-m, -c/--ctx-size, -n/--n-predict, -t)."""
+    sp.add_argument("-m", "--model", help="registry name or model path: a GGUF file, a Hugging Face folder, a "
+                    "llama2.c .bin (overrides the config's model)")
+    sp.add_argument("-c", "--context", "--ctx-size", dest="context", type=int, metavar="N",
+                    help="positions of the KV cache: prompt + reply (config key context)")
+    sp.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens", type=int, metavar="N",
+                    help=f"most tokens to generate{defaults} (max_tokens)")
+    sp.add_argument("-t", "--threads", type=int, metavar="N", help="kernel threads; 0 = one per core (threads)")
+    sp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key, e.g. --set "
+                    "sampling.min_p=0.1 (repeatable; docs/usage.md lists the keys)")
+
+
+def _sampling_options(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--temperature", "--temp", dest="temperature", type=float, metavar="T",
+                    help="sampling temperature; 0 = greedy (sampling.temperature)")
+    sp.add_argument("-s", "--seed", type=int, help="the sampler's random seed (sampling.seed)")
+    sp.add_argument("--top-k", type=int, metavar="K", help="keep the K likeliest tokens; 0 = off (sampling.top_k)")
+    sp.add_argument("--top-p", type=float, metavar="P", help="keep the likeliest tokens whose probabilities add up to "
+                    "P; 1.0 = off (sampling.top_p)")
+    sp.add_argument("--min-p", type=float, metavar="P", help="drop tokens less likely than P times the likeliest; "
+                    "0 = off (sampling.min_p)")
+    sp.add_argument("--repeat-penalty", type=float, metavar="R", help="penalise recently seen tokens; 1.0 = off "
+                    "(sampling.repeat_penalty)")
+
+
+def _system_option(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("-sys", "--system", "--system-prompt", dest="system", metavar="TEXT", help="the system prompt of "
+                    "a chat (config key system; default: the chat template's own)")
+
+
 def _run_options(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("config", nargs="?", help=CONFIG_HELP)
-    sp.add_argument("--max-tokens", type=int)
-    sp.add_argument("--temperature", type=float)
-    sp.add_argument("--seed", type=int)
-    sp.add_argument("--context", type=int)
-    sp.add_argument("--model", help="registry name or model path (overrides the config)")
-    sp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key")
+    sp.add_argument("config", nargs="?", metavar="CONFIG_OR_MODEL", help=CONFIG_HELP)
+    _model_options(sp)
+    _sampling_options(sp)
     g = sp.add_mutually_exclusive_group()  # sampling.constraint in a config
     g.add_argument("--json", action="store_true", help="constrain the output to a JSON object")
     g.add_argument("--schema", metavar="FILE", help="constrain the output to JSON valid against this JSON schema "
@@ -479,7 +565,8 @@ def _sign_key_option(sp: argparse.ArgumentParser) -> None:
 def _add_run_commands(sub: Any) -> None:
     sp = sub.add_parser("run", help="generate text from a prompt, streaming to stdout")
     _run_options(sp)
-    sp.add_argument("--prompt")
+    sp.add_argument("-p", "--prompt", help="the text to continue (no chat template: `tracelm chat` applies one); "
+                    "default: stdin when it is not a terminal, else the config's prompt; - reads stdin")
     sp.add_argument("--trace", metavar="FILE", help="write a JSON-lines trace (level digest by default)")
     sp.add_argument("--trace-key-env", metavar="NAME", help="sign the trace with HMAC-SHA256, key from env var NAME")
     sp.set_defaults(fn=cmd_run)
@@ -487,6 +574,7 @@ def _add_run_commands(sub: Any) -> None:
     sp = sub.add_parser("chat", help="multi-turn chat with the model's chat template (at a terminal: line editing, "
                         "Ctrl-C stops a reply, /help lists the commands; piped: one turn per line of stdin)")
     _run_options(sp)
+    _system_option(sp)
     sp.add_argument("--message", action="append", help="a user turn (repeatable) instead of stdin")
     sp.add_argument("--session", metavar="NAME", help="resume the conversation saved as NAME (in TRACELM_HOME/"
                     "sessions) and save it after each reply; a new NAME starts one")
@@ -495,12 +583,12 @@ def _add_run_commands(sub: Any) -> None:
     sp.set_defaults(fn=cmd_chat)
 
     sp = sub.add_parser("serve", help="an OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, streaming")
-    sp.add_argument("config", nargs="?", help=CONFIG_HELP + "; its server: section sets the limits")
-    sp.add_argument("--max-tokens", type=int, help="default max_tokens of a request that gives none")
-    sp.add_argument("--temperature", type=float, help="default temperature of a request that gives none")
-    sp.add_argument("--context", type=int, help="positions of each KV cache (prompt + completion)")
-    sp.add_argument("--model", help="registry name or model path (overrides the config)")
-    sp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key")
+    sp.add_argument("config", nargs="?", metavar="CONFIG_OR_MODEL", help=CONFIG_HELP + "; a config's server: "
+                    "section sets the limits")
+    _model_options(sp, defaults=" when a request gives no max_tokens")
+    sp.add_argument("--temperature", "--temp", dest="temperature", type=float, metavar="T",
+                    help="default temperature of a request that gives none")
+    _system_option(sp)
     sp.add_argument("--host", help="address to listen on (default: server.host of the config, 127.0.0.1)")
     sp.add_argument("--port", type=int, help="port (default: server.port of the config, 8080; 0 = any free port)")
     sp.add_argument("--sessions", metavar="DIR", help="also save session_id conversations in DIR, so that they "
@@ -546,6 +634,7 @@ def _add_batch_command(sub: Any) -> None:
                         "frequency_penalty, presence_penalty. An item without a seed gets one derived from --seed "
                         "and its id.")
     _run_options(sp)
+    _system_option(sp)
     sp.add_argument("--input", required=True, metavar="FILE", help="JSON lines, one item each")
     sp.add_argument("--output", required=True, metavar="FILE", help="JSON lines, one result each, appended; ids "
                     "already in it are skipped")
@@ -761,7 +850,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except TracelmError as e:
-        print(f"tracelm: error: {e}", file=sys.stderr)
+        print(f"tracelm: error: {e}{_positional_hint(args, e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

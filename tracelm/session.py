@@ -36,7 +36,7 @@ from tracelm.io.grammar import closed as closed_schema
 from tracelm.io.grammar import unspellable
 from tracelm.io.loader import LoadedModel, ModelFile
 from tracelm.io.registry import home, path_sha256
-from tracelm.io.run_config import load_run_config
+from tracelm.io.run_config import load_run_config, packaged_configs, positional_is_model
 from tracelm.io.session_file import SUFFIX, SavedSession, check_session, config_dict, read_session, write_session
 from tracelm.pipeline.bounds import check_run
 from tracelm.pipeline.runner import (
@@ -49,16 +49,24 @@ from tracelm.pipeline.runner import (
     feed_together,
     speculation,
 )
-from tracelm.pipeline.trace import Tracer, signature_fields, trace_key, trace_signer, write_footer, write_header
+from tracelm.pipeline.trace import (
+    Tracer,
+    decode_rate,
+    signature_fields,
+    trace_key,
+    trace_signer,
+    write_footer,
+    write_header,
+)
 from tracelm.stages.pool import POOLINGS, pool
 from tracelm.stages.sample import top_logprobs
 
 # what the server, replay and the tools use of the engine, through the front door
 __all__ = ["POOLINGS", "SUFFIX", "Generation", "GenerationStats", "RenderBudget", "Runner", "Session", "ThreadLimits",
-           "Tracer", "chat_prompt", "check_sampling", "closed_schema", "embedding", "encode_chat", "held_bytes",
-           "load_conversation",
-           "numerics", "parse_nonce", "release_memory", "run_config", "save_conversation", "shift_chat",
-           "signature_fields", "template_budget", "top_logprobs", "trace_key", "unspellable", "write_footer"]
+           "Tracer", "chat_prompt", "check_sampling", "closed_schema", "decode_rate", "embedding", "encode_chat",
+           "held_bytes", "load_conversation", "numerics", "packaged_configs", "parse_nonce", "positional_is_model",
+           "release_memory", "run_config", "save_conversation", "shift_chat", "signature_fields", "template_budget",
+           "top_logprobs", "trace_key", "unspellable", "write_footer"]
 from tracelm.state.errors import SessionIncompatible, TracelmError
 from tracelm.state.records import SamplingParams
 from tracelm.state.run_config import ACTIVATION_MODES, RunConfig
@@ -410,11 +418,13 @@ class Session:
         self.last_trace_hash = None
         with self.open_trace(ids, trace, trace_key_env, cfg, continues=trace_continues) as tracer:
             out = []
+            pieces = self.runner.generate(ids, max_tokens, params, stop, tracer=tracer, cancel=cancel)
             try:
-                for piece in self.runner.generate(ids, max_tokens, params, stop, tracer=tracer, cancel=cancel):
+                for piece in pieces:
                     out.append(piece)
                     yield piece
-            except KeyboardInterrupt:
+            except (KeyboardInterrupt, GeneratorExit):  # Ctrl-C, or the caller closed the stream (chat's Ctrl-C)
+                pieces.close()  # the statistics and the Cache as far as it got
                 if tracer is not None:  # the events up to the interruption, closed by a footer that says so
                     write_footer(tracer, self.runner.stats, "".join(out), status="interrupted")
                 raise

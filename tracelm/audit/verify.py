@@ -13,7 +13,14 @@ from typing import Any
 
 import attrs
 
-from tracelm.pipeline.trace import FOOTER_STATUSES, FORMAT, GENESIS, READABLE_VERSIONS, TRACE_VERSION
+from tracelm.pipeline.trace import (
+    FOOTER_STATUSES,
+    FORMAT,
+    GENESIS,
+    READABLE_VERSIONS,
+    TRACE_VERSION,
+    decode_rate,
+)
 from tracelm.state.errors import TracelmError
 
 _LINE = re.compile(rb'^(\{.*),"hash":"([0-9a-f]{64})"(?:,"mac":"([0-9a-f]{64})")?(?:,"sig":"([0-9a-f]{128})")?\}$',
@@ -275,7 +282,7 @@ def summary(trace: Trace, top_layers: int = 5) -> str:
     out.append(f"output     {len(tokens)} tokens ({finish}): {text!r}")
     if footer:
         n_gen, dec = _real(footer.get("n_generated")), _real(footer.get("decode_seconds"))
-        rate = f", decode {n_gen / dec:.1f} tok/s" if dec else ""
+        rate = f", decode {decode_rate(n_gen, dec):.1f} tok/s" if dec else ""
         out.append(f"time       prefill {_real(footer.get('prefill_seconds')):.3f} s, decode {dec:.3f} s{rate} "
                    f"(with tracing)")
     if not stages:

@@ -13,6 +13,7 @@ import numpy as np
 
 import tracelm.kernels as kernels
 from tracelm.io import registry
+from tracelm.io.chat_template import chat_template_from_metadata
 from tracelm.io.gguf_file import GGUFFile, model_config
 from tracelm.io.tokenizer import Tokenizer
 from tracelm.io.tokenizer_formats import from_gguf_metadata, from_hf_json, from_llama2c, from_sentencepiece
@@ -36,7 +37,10 @@ class LoadedModel:
 
     @property
     def chat_template(self) -> str | None:
-        return self.metadata.get("tokenizer.chat_template")
+        """The model's chat template, decided here for chat, the server, batch and Session: the GGUF's
+        `tokenizer.chat_template`, else its tokenizer's (a Hugging Face folder's `chat_template.jinja` or
+        `tokenizer_config.json`); None: the built-in one for the vocabulary (`builtin_template_for`)."""
+        return chat_template_from_metadata(self.metadata) or self.tokenizer.chat_template
 
 
 class ModelFile:

@@ -85,16 +85,41 @@ def packaged_configs() -> list[str]:
     return sorted(p.stem for p in PACKAGED.glob("*.yaml"))
 
 
+def positional_is_model(value: str) -> bool:
+    """`tracelm run CONFIG_OR_MODEL`: False for a YAML config (a .yaml or .yml path, or the name of a packaged
+    config that is no file here), True for anything else (a registry name, a model file or folder, hf:ORG/REPO)."""
+    if Path(value).suffix in (".yaml", ".yml"):
+        return False
+    return Path(value).expanduser().exists() or value not in packaged_configs()
+
+
 def config_path(path: str | Path) -> Path:
     """A config file: `path` itself, or a packaged config named `path` (with or without .yaml)."""
     p = Path(path)
-    if p.exists() or p.parent != Path("."):
+    if p.exists():
         return p
-    shipped = PACKAGED / (p.name if p.suffix == ".yaml" else f"{p.name}.yaml")
-    if shipped.exists():
+    shipped = PACKAGED / (p.name if p.suffix in (".yaml", ".yml") else f"{p.name}.yaml")
+    if p.parent == Path(".") and shipped.exists():
         return shipped
-    raise TracelmError(f"{path}: no such config file, nor a packaged config (packaged: "
-                       f"{', '.join(packaged_configs())})")
+    names = packaged_configs()
+    if p.stem in names:  # configs/smollm2.yaml outside the source tree: the packaged one has that name
+        hint = f"; the packaged config of that name is named without a path: `tracelm run {p.stem}`"
+    else:
+        hint = f", nor a packaged config (packaged: {', '.join(names)}; named without a path)"
+    raise TracelmError(f"{path}: no such config file{hint}; a model is named with --model NAME")
+
+
+def _model_file(name: str, config: Path) -> str:
+    """A config's relative `model` or `tokenizer` path: from the working directory, else beside the config, else in
+    the model cache (TRACELM_HOME/models: where a packaged config's files that tracelm cannot download go)."""
+    from tracelm.io.registry import home
+
+    if Path(name).expanduser().exists():
+        return name
+    for base in (config.parent, home() / "models"):
+        if (base / name).exists():
+            return str(base / name)
+    return name
 
 
 def load_run_config(path: str | Path | None, overrides: Iterable[str] = ()) -> RunConfig:
@@ -113,12 +138,10 @@ def load_run_config(path: str | Path | None, overrides: Iterable[str] = ()) -> R
             raise TracelmError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
         if not isinstance(tree, dict):
             raise TracelmError(f"{path}: a config is a mapping of keys, got {type(tree).__name__}")
-        for key in ("model", "tokenizer"):  # a relative path: from the working directory, else the config's
+        for key in ("model", "tokenizer"):  # a relative path: see _model_file
             model = tree.get(key)
             if isinstance(model, str) and ("/" in model or model.endswith((".gguf", ".bin"))):
-                local = Path(path).parent / model
-                if not Path(model).exists() and local.exists():
-                    tree[key] = str(local)
+                tree[key] = _model_file(model, Path(path))
     for item in overrides:
         _apply_override(tree, item)
     return _build(RunConfig, tree)

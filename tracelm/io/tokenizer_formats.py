@@ -478,15 +478,30 @@ def from_hf_json(path: str | Path) -> Tokenizer:
     if add_bos is None:  # the post-processor decides: does it put BOS in front?
         with_special = hf.encode("a", add_special_tokens=True).ids
         add_bos = ids["bos_token_id"] is not None and with_special[:1] == [ids["bos_token_id"]]
-    template = config.get("chat_template")
-    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-    if template is None and (jinja := path.with_name("chat_template.jinja")).is_file():
-        template = jinja.read_text(encoding="utf-8")
+    template = hf_chat_template(path.parent, config)
     return Tokenizer(
         pieces=pieces, types=types, token_bytes=token_bytes, encoder=HFEncoder(hf), special_ids=ids,
         add_bos=add_bos, add_eos=bool(config.get("add_eos_token", False)), strip_first_space=strip,
         kind="tokenizer.json", source=path.name,
-        chat_template=template if isinstance(template, str) and template.strip() else None,
+        chat_template=template,
     )  # fmt: skip
+
+
+def hf_chat_template(folder: Path, config: Mapping[str, Any]) -> str | None:
+    """A Hugging Face folder's chat template, as transformers picks it: `chat_template.jinja` when the folder has
+    one, else `tokenizer_config.json`'s `chat_template` (its "default" one when it names several); None without."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        try:
+            template = jinja.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise TracelmError(f"{jinja}: cannot read the chat template: {e}") from None
+    else:
+        template = config.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        if template is not None and not isinstance(template, str):
+            raise TracelmError(f"{folder / 'tokenizer_config.json'}: chat_template must be a string (or a list of "
+                               f"named templates), got {type(template).__name__}")
+    return template if isinstance(template, str) and template.strip() else None

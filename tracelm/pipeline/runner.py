@@ -202,11 +202,16 @@ class Runner:
         `tracer`, when given, records this call: its generate event, every stage call and every token.
         """
         gen = self.start(prompt_ids, max_tokens, sampling, stop, cancel=cancel, on_token=on_token, tracer=tracer)
-        while not gen.done:
-            text = gen.step(self.draft_tokens)
-            if text:
-                yield text
-            feed_together([gen])
+        try:
+            while not gen.done:
+                text = gen.step(self.draft_tokens)
+                if text:
+                    yield text
+                feed_together([gen])
+        except (GeneratorExit, KeyboardInterrupt):  # closed early (chat's Ctrl-C) or interrupted: as far as it got
+            gen.stats.finish_reason = "cancelled"
+            gen.close()
+            raise
         text = gen.close()
         if text:
             yield text
@@ -234,6 +239,7 @@ class Generation:
         self.cancel, self.on_token, self.tracer = cancel, on_token, tracer
         self.stats = runner.stats
         self.history = list(prompt_ids)
+        self.n_tokens = runner.model.tokenizer.n_vocab  # Qwen2.5's folders: 151936 rows, 151665 tokens
         self.decoder = runner.model.tokenizer.stream_decoder()
         self.pending, self.stopped = "", False
         self.rows = [row]  # logits rows ready to sample from, in position order
@@ -249,7 +255,7 @@ class Generation:
         stats, tok, runner = self.stats, self.runner.model.tokenizer, self.runner
         if self.cancel is not None and self.cancel():
             return self._end("cancelled")
-        row = self.rows.pop(0)
+        row = self.rows.pop(0)[: self.n_tokens]  # a model's rows past its vocabulary (padding) are no tokens
         logits, mask_hash = self._constrain(row)
         choice = sample(logits, self.sampling, self.rng, np.asarray(self.history))
         if self.matcher is not None:
@@ -305,6 +311,14 @@ class Generation:
     def take(self, logits: Logits) -> None:
         """The logits of the positions `feed` asked for."""
         self.rows, self.feed = list(logits.values), []
+
+    def end_here(self) -> None:
+        """End after the token just sampled ("stop"), the caller's decision (the server's tool calls): the ids
+        waiting to be fed are dropped, as after the last token of any generation."""
+        if self.feed:  # guesses waiting in `feed` are not in the Cache (ones already fed are: `close` drops them)
+            self.guesses = []
+        self.feed = []
+        self._end("stop")
 
     def _end(self, reason: str) -> str:
         self.stats.finish_reason, self.done = reason, True

@@ -564,6 +564,13 @@ def signature_fields(signer: Any) -> dict[str, Any]:
             "public_key_sha256": fingerprint(public)}
 
 
+def decode_rate(n_generated: int, decode_seconds: float) -> float:
+    """Decode tokens per second, the one definition every report uses (`tracelm run`, chat's /stats, `trace show`,
+    `trace plot`): tokens generated over the wall time of the decode loop (sampling, grammar and tracing included,
+    prefill not); 0.0 when no time was measured."""
+    return n_generated / decode_seconds if decode_seconds > 0 else 0.0
+
+
 def write_footer(tracer: Tracer, stats: Any, text: str | None = None, status: str = "complete") -> None:
     """The closing event: whether the run completed, counts of every kind of event, the output, and timing totals.
     `status` "interrupted": the run was stopped (Ctrl-C) after the token `last_token`; the chain resumes from

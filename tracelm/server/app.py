@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -44,7 +45,14 @@ from tracelm.server.pages import page_routes
 from tracelm.server.params import GenerationRequest, parse_json, parse_request
 from tracelm.server.queue import Engine, Job, QueueFull
 from tracelm.server.tokens import token_routes
-from tracelm.server.tools import ToolCallSplitter, function_grammar, split_reply, template_tool_format, tool_grammar
+from tracelm.server.tools import (
+    ExcessCalls,
+    ToolCallSplitter,
+    function_grammar,
+    split_reply,
+    template_tool_format,
+    tool_grammar,
+)
 from tracelm.session import (
     Session,
     chat_prompt,
@@ -295,10 +303,13 @@ class Server:
             raise bad(f"sampling parameters: {e}") from None
         await run_in_threadpool(self._check_sampling, req, sampling)
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        tools = req.tools if kind == "chat" and req.tools is not None and req.tools.active else None
         job = Job(request_id=rid, prompt_ids=ids, prompt_text=prompt_text, max_tokens=max_tokens, sampling=sampling,
                   stop=req.stop, deadline=time.monotonic() + self.cfg.server.request_timeout,
                   loop=asyncio.get_running_loop(), session_id=req.session_id, logprobs=req.logprobs, n=req.n,
-                  cpu_limit=self.cfg.server.request_cpu_seconds)
+                  cpu_limit=self.cfg.server.request_cpu_seconds,
+                  watch=None if tools is None else functools.partial(ExcessCalls, {f.name for f in tools.functions},
+                                                                     tools.parallel))
         try:
             self.engine.submit(job)
         except QueueFull as e:
@@ -370,6 +381,7 @@ class Shape:
         self.chat = req.kind == "chat"
         tools = req.tools if self.chat and req.tools is not None and req.tools.active else None
         self.tool_names = {f.name for f in tools.functions} if tools is not None else None  # None: no tool calls
+        self.parallel = tools is None or tools.parallel
 
     def ndjson(self, request: Request) -> bool:
         """Whether a stream goes out as JSON lines (else as Server-Sent Events)."""
@@ -427,7 +439,7 @@ class Shape:
         message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
         finish = done["finish_reason"]
         if self.tool_names is not None:
-            message["content"], calls = split_reply(text, self.tool_names)
+            message["content"], calls = split_reply(text, self.tool_names, self.parallel)
             if calls:
                 message["tool_calls"] = [c.openai() for c in calls]
                 finish = "tool_calls" if finish == "stop" else finish
@@ -526,7 +538,7 @@ class Shape:
         n = self.req.n
         self.pending: list[list[dict[str, Any]]] = [[] for _ in range(n)]  # logprobs not yet sent
         self.offsets, self.calls = [0] * n, [0] * n  # completions' text_offset; tool calls sent, per choice
-        self.splitters = ([ToolCallSplitter(self.tool_names) for _ in range(n)]
+        self.splitters = ([ToolCallSplitter(self.tool_names, self.parallel) for _ in range(n)]
                           if self.chat and self.tool_names is not None else None)
         dones: list[dict[str, Any]] = [{} for _ in range(n)]
         finished = False

@@ -90,6 +90,9 @@ class Job:
     arrived: float = attrs.Factory(time.monotonic)  # when it was made (time to first token counts from here)
     events: asyncio.Queue = attrs.Factory(asyncio.Queue)
     gone: threading.Event = attrs.Factory(threading.Event)  # the client went away
+    # a new watcher per choice: fed the choice's text, True ends it there (finish "stop"; its trace's footer says
+    # interrupted: the server ended it, not the run's own rules). Tool calls: server/tools.py's ExcessCalls
+    watch: Callable[[], Callable[[str], bool]] | None = None
 
     def post(self, *event: Any) -> None:
         """From the worker thread: hand an event to the request's coroutine."""
@@ -172,6 +175,8 @@ class Active:
     entries: list[dict[str, Any]] = attrs.Factory(list)  # logprobs of the tokens behind text not yet posted
     ended: bool = False
     sampled: bool = False  # its first token is drawn (time to first token observed)
+    watch: Callable[[str], bool] | None = None  # the job's watcher of this choice's text
+    cut: bool = False  # ended by its watcher
 
     def cancelled(self) -> bool:
         return self.job.gone.is_set() or time.monotonic() > self.job.deadline or self.job.over_cpu
@@ -344,7 +349,7 @@ class Engine:
             job.post("error", ApiError(503, "the request waited in the queue past its time limit "
                                             "(server.request_timeout)", headers={"Retry-After": "1"}))
             return self._release()
-        a = Active(job, t0)
+        a = Active(job, t0, watch=job.watch() if job.watch is not None else None)
         job.remaining = 1
         forks: list[Active] = []
         try:
@@ -361,7 +366,7 @@ class Engine:
                     a.tracer.event("fork", choices=job.n, seeds=[choice_seed(job.sampling.seed, i)
                                                                  for i in range(job.n)])
                 for i in range(1, job.n):
-                    forks.append(Active(job, t0, index=i))
+                    forks.append(Active(job, t0, index=i, watch=job.watch() if job.watch is not None else None))
                     self._fork(forks[-1], a, snapshot)
             job.cpu_used += time.process_time() - cpu0
         except Exception as e:  # noqa: BLE001 -- mapped to the job's error answer
@@ -400,6 +405,9 @@ class Engine:
                     if text:
                         self._post(a.job, "piece", text, a.entries[:], a.index)
                         a.entries.clear()
+                        if a.watch is not None and not a.gen.done and a.watch(text):
+                            a.gen.end_here()
+                            a.cut = True
                     if a.gen.done:
                         self._finish(a)
                 except Exception as e:  # noqa: BLE001 -- mapped to the job's error answer
@@ -445,7 +453,7 @@ class Engine:
             self._post(a.job, "piece", text, a.entries[:], a.index)
         stats = a.runner.stats
         if a.tracer is not None:
-            write_footer(a.tracer, stats)
+            write_footer(a.tracer, stats, status="interrupted" if a.cut else "complete")
         self._end(a)
         finish, note = stats.finish_reason, None
         if finish == "cancelled":

@@ -18,7 +18,11 @@ arguments under its `parameters` JSON schema (`%json`): `required` is one or mor
 calls (text cannot contain the marker token, so a call it starts is always a valid one), or one bare call without
 the markers (`{"name": ..., "arguments": ...}` alone, as small models such as Qwen2.5-Coder-0.5B often answer): text
 cannot start like one, so such a reply is a valid call too. `none` renders no tools and constrains nothing.
-`ToolCallSplitter` turns the text into content and calls, piece by piece (streaming) or at once.
+`ToolCallSplitter` turns the text into content and calls, piece by piece (streaming) or at once. Under `auto` it
+also takes a call written as a fenced block (```json, then {"name": ..., "arguments": ...} naming a function of the
+request, then ```). A call is sent once: a repeat (same name and arguments) is dropped, and so is any call after
+the first when `parallel_tool_calls` is false; the engine ends a reply at its first dropped call (`ExcessCalls`:
+small models repeat one call until max_tokens). No <tool_call> markup and no call cut short reaches `content`.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from tracelm.session import closed_schema, unspellable
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 BARE = '{"name"'  # how a bare call (no markers) begins, whitespace aside
+FENCE = "```"  # a call written as a Markdown code block (```json ... ```), as small models do under `auto`
+FENCE_LANGUAGES = ("", "json", "tool_call")  # the info strings of a fence that may hold a call
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_TOOLS = 128
 # JSON whitespace inside arguments as tracelm's other JSON grammars allow it (tracelm/io/grammar.py)
@@ -237,69 +243,127 @@ def _call(block: str, names: set[str]) -> ToolCall | None:
     return ToolCall(new_call_id(), obj["name"], json.dumps(args, ensure_ascii=False))
 
 
+def _fenced_calls(block: str, names: set[str]) -> list[ToolCall] | None:
+    """The calls of a fenced block (```json + a call object, or an array of them, + ```), or None when it holds
+    none (another language, not JSON, or not calls of the request's functions)."""
+    head, _, body = block[len(FENCE) : -len(FENCE)].partition("\n")
+    if head.strip().lower() not in FENCE_LANGUAGES:
+        return None
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    items = obj if isinstance(obj, list) and obj else [obj]
+    calls = [_call(json.dumps(x, ensure_ascii=False), names) for x in items]
+    return None if any(c is None for c in calls) else calls
+
+
+def _begins_bare(text: str) -> bool:
+    compact = re.sub(r"\s+", "", text)
+    return BARE.startswith(compact) or compact.startswith(BARE)
+
+
 def _hold(text: str) -> int:
-    """How many trailing characters of content to hold back: a suffix that may begin a call marker, and the
-    whitespace before it (dropped if a call follows)."""
-    k = next((k for k in range(min(len(OPEN) - 1, len(text)), 0, -1) if OPEN.startswith(text[-k:])), 0)
+    """How many trailing characters of content to hold back: a suffix that may begin a call marker or a fence,
+    and the whitespace before it (dropped if a call follows)."""
+    k = next((k for k in range(min(len(OPEN) - 1, len(text)), 0, -1)
+              if OPEN.startswith(text[-k:]) or FENCE.startswith(text[-k:])), 0)
     return len(text) - len(text[: len(text) - k].rstrip())
 
 
 class ToolCallSplitter:
     """A reply's text, fed piece by piece, as what to send: ("content", text) and ("call", ToolCall) items.
 
-    Content goes out as it comes, except what might begin a <tool_call> marker; each block becomes a call once its
-    </tool_call> arrives. A block that is not a call of a known function (or one cut short) is sent as content."""
+    Content goes out as it comes, except what might begin a <tool_call> marker or a code fence; each block becomes a
+    call once its </tool_call> arrives, each fenced block (```json) once its closing fence does, if it holds calls of
+    known functions (else it is content). A call is sent once: one that repeats an earlier one (name and arguments),
+    or a second one when `parallel` is false, is dropped and counted in `excess`. Markup never reaches the content:
+    a <tool_call> block that is not a call, or one cut short, is dropped, as is a bare call cut short."""
 
-    def __init__(self, names: set[str]):
+    def __init__(self, names: set[str], parallel: bool = True):
         self.names = names
+        self.parallel = parallel
         self.buffer = ""
         self.in_call = False
+        self.in_fence = False
+        self.space = ""  # whitespace before a fence, held back until the fence turns out to be content
         self.calls = 0
+        self.excess = 0  # calls dropped: repeats, or beyond the one allowed
+        self.seen: set[tuple[str, str]] = set()
         self.sent = False  # content has gone out (so the reply is not a bare call)
 
     def _maybe_bare(self) -> bool:
         """Nothing sent yet and the reply so far begins like a bare call: hold it all until the end."""
-        compact = re.sub(r"\s+", "", self.buffer)
-        return not self.sent and not self.calls and (BARE.startswith(compact) or compact.startswith(BARE))
+        return not self.sent and not self.calls and not self.excess and _begins_bare(self.buffer)
 
     def push(self, text: str) -> list[tuple[str, Any]]:
         self.buffer += text
         out: list[tuple[str, Any]] = []
         while True:
-            if not self.in_call and self._maybe_bare():
+            if not (self.in_call or self.in_fence) and self._maybe_bare():
                 return out
-            if not self.in_call:
-                at = self.buffer.find(OPEN)
-                if at < 0:
+            if self.in_call:
+                end = self.buffer.find(CLOSE)
+                if end < 0:
+                    return out
+                block, self.buffer = self.buffer[: end + len(CLOSE)], self.buffer[end + len(CLOSE) :].lstrip()
+                call = _call(block[len(OPEN) : end].strip(), self.names)
+                if call is not None:
+                    self._accept(out, call)
+                self.in_call = False
+            elif self.in_fence:
+                end = self.buffer.find(FENCE, len(FENCE))
+                if end < 0:
+                    return out
+                block, self.buffer = self.buffer[: end + len(FENCE)], self.buffer[end + len(FENCE) :]
+                calls = _fenced_calls(block, self.names)
+                if calls is None:
+                    self._content(out, self.space + block)
+                else:
+                    self.buffer = self.buffer.lstrip()
+                    for call in calls:
+                        self._accept(out, call)
+                self.in_fence, self.space = False, ""
+            else:
+                marks = [i for i in (self.buffer.find(OPEN), self.buffer.find(FENCE)) if i >= 0]
+                if not marks:
                     keep = _hold(self.buffer)
                     self._content(out, self.buffer[: len(self.buffer) - keep])
                     self.buffer = self.buffer[len(self.buffer) - keep :]
                     return out
-                self._content(out, self.buffer[:at].rstrip())
-                self.buffer, self.in_call = self.buffer[at:], True
-            end = self.buffer.find(CLOSE)
-            if end < 0:
-                return out
-            block, self.buffer = self.buffer[: end + len(CLOSE)], self.buffer[end + len(CLOSE) :].lstrip()
-            call = _call(block[len(OPEN) : end].strip(), self.names)
-            if call is None:
-                self._content(out, block)
-            else:
-                out.append(("call", call))
-                self.calls += 1
-            self.in_call = False
+                at = min(marks)
+                before = self.buffer[:at].rstrip()
+                self._content(out, before)
+                self.in_call = self.buffer.startswith(OPEN, at)
+                self.in_fence = not self.in_call
+                self.space = self.buffer[len(before) : at] if self.in_fence else ""
+                self.buffer = self.buffer[at:]
 
     def finish(self) -> list[tuple[str, Any]]:
-        """What is left at the end of the reply: a bare call, else (an unfinished block, held-back text) content."""
+        """What is left at the end of the reply: a bare call, else held-back text as content (an unfinished
+        <tool_call> block or bare call is dropped: a call cut short is no call, and its markup no content)."""
         out: list[tuple[str, Any]] = []
-        call = _call(self.buffer.strip(), self.names) if not self.in_call and self._maybe_bare() else None
-        if call is not None:
-            out.append(("call", call))
-            self.calls += 1
-        else:
+        if not (self.in_call or self.in_fence) and self._maybe_bare():
+            call = _call(self.buffer.strip(), self.names)
+            if call is not None:
+                self._accept(out, call)
+        elif self.in_fence:  # an unclosed fence: text the model wrote, unless a call was being written in it
+            body = self.buffer[len(FENCE) :].partition("\n")[2]
+            if not _begins_bare(body) or not body.strip():
+                self._content(out, self.space + self.buffer)
+        elif not self.in_call:
             self._content(out, self.buffer if not self.calls else self.buffer.rstrip())
-        self.buffer = ""
+        self.buffer, self.in_call, self.in_fence, self.space = "", False, False, ""
         return out
+
+    def _accept(self, out: list[tuple[str, Any]], call: ToolCall) -> None:
+        key = (call.name, json.dumps(json.loads(call.arguments), sort_keys=True))
+        if key in self.seen or (self.calls and not self.parallel):
+            self.excess += 1
+            return
+        self.seen.add(key)
+        out.append(("call", call))
+        self.calls += 1
 
     def _content(self, out: list[tuple[str, Any]], text: str) -> None:
         if text:
@@ -307,9 +371,22 @@ class ToolCallSplitter:
             self.sent = True
 
 
-def split_reply(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
+class ExcessCalls:
+    """For the engine, per choice: True once the reply has written a call the splitter drops (a repeat of an
+    earlier call, or a second one when `parallel` is false). Small models loop on one call until max_tokens; the
+    reply can end there, its calls complete."""
+
+    def __init__(self, names: set[str], parallel: bool = True):
+        self.splitter = ToolCallSplitter(names, parallel)
+
+    def __call__(self, text: str) -> bool:
+        self.splitter.push(text)
+        return self.splitter.excess > 0
+
+
+def split_reply(text: str, names: set[str], parallel: bool = True) -> tuple[str | None, list[ToolCall]]:
     """A whole reply as (content, calls); content None when the reply is only calls."""
-    s = ToolCallSplitter(names)
+    s = ToolCallSplitter(names, parallel)
     items = s.push(text) + s.finish()
     calls = [x for kind, x in items if kind == "call"]
     content = "".join(x for kind, x in items if kind == "content")

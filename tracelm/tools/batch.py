@@ -442,9 +442,17 @@ class Progress:
 
         self.out, self.opts = out, opts
         self.written = self.failed = self.bad = self.tokens = 0
-        self.t0 = time.perf_counter()
+        self.t0 = time.perf_counter()  # from when the model is loaded (`loaded`): the tokens/s of generation
         self.bar = tqdm(total=total, unit="item", file=sys.stderr, dynamic_ncols=True, leave=False,
                         disable=None if opts.progress is None else not opts.progress)
+
+    def loading(self, what: str) -> None:
+        """Say on the bar what is being loaded (before the first item, loading is all that happens)."""
+        self.bar.set_description_str(f"loading {what}", refresh=True)
+
+    def loaded(self) -> None:
+        self.bar.set_description_str("generating", refresh=True)
+        self.t0 = time.perf_counter()
 
     def emit(self, outcome: Outcome) -> None:
         if outcome.record is None:
@@ -458,8 +466,8 @@ class Progress:
             self.out.write(outcome.record)
             self.written += 1
             self.tokens += outcome.record["completion_tokens"]
-        self.bar.update(1)
         self.bar.set_postfix_str(f"{self.tokens / max(time.perf_counter() - self.t0, 1e-9):.1f} tok/s", refresh=False)
+        self.bar.update(1)
 
     def close(self) -> None:
         self.bar.close()
@@ -508,9 +516,12 @@ def run_batch(opts: BatchOptions) -> BatchReport:
     progress = Progress(out, len(items), opts)
     try:
         if items and opts.engine == "ray":
+            progress.loading(f"{Path(opts.cfg.model).name} on {opts.actors} Ray actors")
             run_on_ray(opts, items, progress.emit)
         elif items:
+            progress.loading(Path(opts.cfg.model).name)
             worker = Worker(opts.cfg, opts.batch_size, opts.traces)
+            progress.loaded()
             try:
                 worker.run(items, progress.emit)
             finally:
@@ -634,15 +645,3 @@ def _ray_outcomes(ray: Any, opts: BatchOptions, items: list[Item]) -> Iterator[O
                                                "trace_dir": traces})
     for row in ds.iter_rows():
         yield outcome_from_row(row["outcome"])
-
-
-# -- the command line's side -----------------------------------------------------------------------------------
-
-def is_model_name(value: str) -> bool:
-    """`tracelm batch CONFIG_OR_MODEL`: False for a YAML config (a .yaml or .yml path, or the name of a packaged
-    config that is no file here), True for anything else (a registry name, a model file or folder)."""
-    from tracelm.io.run_config import packaged_configs
-
-    if Path(value).suffix in (".yaml", ".yml"):
-        return False
-    return Path(value).exists() or value not in packaged_configs()

@@ -23,6 +23,7 @@ import yaml
 
 from tracelm.io.registry import home
 from tracelm.io.run_config import config_as_dict, run_config_from_dict
+from tracelm.pipeline.trace import decode_rate
 from tracelm.session import Session, session_path
 from tracelm.state.errors import TracelmError
 from tracelm.state.run_config import TraceOptions
@@ -262,7 +263,7 @@ class ChatRepl:
     def stats(self, _arg: str) -> None:
         s, cfg = self.session.stats, self.session.cfg
         used = len(self.session.runner.cache.tokens)
-        rate = s.n_generated / s.decode_seconds if s.decode_seconds else 0.0
+        rate = decode_rate(s.n_generated, s.decode_seconds)
         self.say(f"conversation: {len(self.session.messages)} messages; context: {used} of {cfg.context} positions "
                  f"held, context_policy {cfg.context_policy}")
         self.say(f"last reply: {s.n_generated} tokens ({'stopped' if self.stopped else s.finish_reason or '-'}), "

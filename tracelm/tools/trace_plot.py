@@ -12,6 +12,7 @@ import attrs
 import numpy as np
 
 from tracelm.audit.verify import read_trace, verify
+from tracelm.pipeline.trace import decode_rate
 from tracelm.state.errors import TracelmError
 
 STAT_NAMES = {"rms": "rms", "maxabs": "max |x|", "dur_us": "time (us)"}
@@ -93,15 +94,27 @@ def plot_trace(path: Path, out: Path, token: int | None = None, stat: str = "rms
     tok = token if token is not None else next((p.tok for p in runs if p.positions == 1), runs[0].tok)
     if tok not in {p.tok for p in runs}:
         raise TracelmError(f"--token {tok}: the trace has passes {runs[0].tok}..{runs[-1].tok}")
-    figure = _figure(stage_grid(trace.events, tok, stat), runs, tok, stat, f"{path.name}: {verify(trace).message}")
+    rate = footer_decode_rate(trace.events)
+    figure = _figure(stage_grid(trace.events, tok, stat), runs, tok, stat, f"{path.name}: {verify(trace).message}",
+                     rate)
     try:
         figure.savefig(out, dpi=110)
     except (OSError, ValueError) as e:
         raise TracelmError(f"{out}: cannot write the plot: {getattr(e, 'strerror', None) or e}") from None
-    return f"{out}: pass {tok}'s grid of {STAT_NAMES[stat]} and the tokens/s of {len(runs)} passes"
+    said = f"; decode {rate:.1f} tok/s (as trace show)" if rate is not None else ""
+    return f"{out}: pass {tok}'s grid of {STAT_NAMES[stat]} and the tokens/s of {len(runs)} passes{said}"
 
 
-def _figure(grid: StageGrid, runs: list[Pass], tok: int, stat: str, title: str) -> Any:
+def footer_decode_rate(events: list[dict[str, Any] | None]) -> float | None:
+    """The run's decode tokens/s from its footer (`decode_rate`, as `trace show` says it); None without a footer."""
+    footer = next((e for e in events if (e or {}).get("event") == "footer"), None)
+    n, seconds = (footer or {}).get("n_generated"), (footer or {}).get("decode_seconds")
+    if not isinstance(n, int | float) or not isinstance(seconds, int | float) or seconds <= 0:
+        return None
+    return decode_rate(n, seconds)
+
+
+def _figure(grid: StageGrid, runs: list[Pass], tok: int, stat: str, title: str, rate: float | None) -> Any:
     try:
         from matplotlib.figure import Figure
     except ImportError:
@@ -110,7 +123,7 @@ def _figure(grid: StageGrid, runs: list[Pass], tok: int, stat: str, title: str) 
     figure = Figure(figsize=(max(8.0, 1.05 * cols + 2), 0.42 * rows + 5.2), layout="constrained")
     top, bottom = figure.subplots(2, 1, height_ratios=[max(rows, 3), 5])
     _draw_grid(figure, top, grid, f"pass {tok}{' (prefill)' if tok == 0 else ''}: {STAT_NAMES[stat]} per stage")
-    _draw_rates(bottom, runs)
+    _draw_rates(bottom, runs, rate)
     figure.suptitle(title, fontsize=9)
     return figure
 
@@ -136,19 +149,23 @@ def _draw_grid(figure: Any, ax: Any, grid: StageGrid, title: str) -> None:
                 color="white" if norm is None or norm(v) < 0.6 else "black")
 
 
-def _draw_rates(ax: Any, runs: list[Pass]) -> None:
+def _draw_rates(ax: Any, runs: list[Pass], rate: float | None) -> None:
+    """Each pass's rate over its stage time alone (the stages' own compute, no sampling or tracing), and the run's
+    decode tokens/s over wall time (the footer's: the figure `trace show` and `tracelm run` print)."""
     ends = np.cumsum([p.seconds for p in runs])
     decode = [(t, p.tokens / p.seconds) for t, p in zip(ends, runs, strict=True) if p.positions <= 1 and p.seconds]
     prefill = [(t, p.positions / p.seconds) for t, p in zip(ends, runs, strict=True) if p.positions > 1 and p.seconds]
     if decode:
-        ax.plot(*zip(*decode, strict=True), marker=".", markersize=3, linewidth=1, label="decode: tokens/s per pass")
-        mean = sum(p.tokens for p in runs if p.positions <= 1) / sum(p.seconds for p in runs if p.positions <= 1)
-        ax.axhline(mean, color="grey", linestyle="--", linewidth=1, label=f"decode mean {mean:.1f} tokens/s")
+        ax.plot(*zip(*decode, strict=True), marker=".", markersize=3, linewidth=1,
+                label="decode pass: tokens / its stage time")
+    if rate is not None:
+        ax.axhline(rate, color="grey", linestyle="--", linewidth=1,
+                   label=f"decode {rate:.1f} tokens/s (wall time, with tracing; as trace show)")
     if prefill:
         ax.scatter(*zip(*prefill, strict=True), color="tab:orange", s=18, zorder=3, label="prefill: positions/s")
     ax.set_xlabel("stage time so far (s)")
     ax.set_ylabel("tokens / s")
     ax.set_yscale("log" if prefill and decode else "linear")
-    ax.set_title("tokens per second over the run (from the stage events' durations)", fontsize=10)
+    ax.set_title("tokens per second over the run (per pass: its stage events' durations)", fontsize=10)
     ax.legend(fontsize=8, loc="best")
     ax.grid(alpha=0.3)
