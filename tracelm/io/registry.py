@@ -290,10 +290,15 @@ def pull(name: str, progress: bool = True) -> Path:
 
 
 def resolve(name_or_path: str, download: bool = True) -> Path:
-    """An existing file path -> that path; a registry name -> its cached file (pulled if missing)."""
+    """An existing file path -> that path; a registry name -> its cached file (pulled if missing); `synth:NAME` ->
+    a synthetic model's file (tracelm.io.synth: written on first use)."""
     p = Path(name_or_path).expanduser()
     if p.is_file():
         return p
+    if name_or_path.startswith("synth:"):  # a registry model's family at another size, random weights
+        from tracelm.io import synth
+
+        return synth.resolve(name_or_path, download)
     spec = MODELS.get(name_or_path)
     if spec is None:
         raise _unknown(name_or_path)
