@@ -22,6 +22,7 @@ from tracelm.io.gguf_file import GGUFFile, model_config
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "smollm2.yaml")
 SMALL = "synth:smollm2-135m?layers=2"
+SMOLLM2_SHA256 = registry.MODELS["smollm2-135m-instruct"].sha256
 # sha256 over the tensors' bytes of SMALL at seed 0, in plan order: the bytes every machine must write
 SMALL_DATA_SHA256 = "3d78bf42a95fca4e18af7d16b9a7a0fc47df11c2ac64d8b5ec9527b669e2fff2"
 
@@ -33,14 +34,14 @@ def _sha(path: Path) -> str:
 @pytest.fixture
 def synth_home(tmp_path, monkeypatch) -> Path:
     """The synthetic models' cache in a temporary folder (the registry models stay where the fixtures pulled them)."""
-    monkeypatch.setattr(synth, "cache_dir", lambda: tmp_path / "synth")
+    monkeypatch.setattr(registry, "synth_home", lambda: tmp_path / "synth")
     return tmp_path / "synth"
 
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory, smollm2_path) -> Path:
     sn = synth.parse(SMALL)
-    return synth.write(sn, smollm2_path, tmp_path_factory.mktemp("synth") / sn.filename)
+    return synth.write(sn, smollm2_path, SMOLLM2_SHA256, tmp_path_factory.mktemp("synth") / sn.filename)
 
 
 @pytest.mark.parametrize(("name", "fixture"), [("smollm2-135m", "smollm2_path"), ("gemma3-270m", "gemma3_path"),
@@ -132,9 +133,10 @@ def test_norms_and_biases_are_near_one_and_zero():
 
 
 def test_same_seed_same_bytes_another_seed_others(small, smollm2_path, tmp_path):
-    again = synth.write(synth.parse(SMALL), smollm2_path, tmp_path / "again.gguf")
+    again = synth.write(synth.parse(SMALL), smollm2_path, SMOLLM2_SHA256, tmp_path / "again.gguf")
     assert _sha(again) == _sha(small)
-    other = synth.write(synth.parse("synth:smollm2-135m@1?layers=2"), smollm2_path, tmp_path / "other.gguf")
+    other = synth.write(synth.parse("synth:smollm2-135m@1?layers=2"), smollm2_path, SMOLLM2_SHA256,
+                        tmp_path / "other.gguf")
     assert _sha(other) != _sha(small)
     a, b = GGUFFile(small), GGUFFile(other)
     assert a.tensors.keys() == b.tensors.keys()
@@ -158,7 +160,7 @@ def test_written_file_is_the_plan_and_loads_and_generates(small, smollm2_path):
     cfg = model_config(gf)
     assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.n_vocab) == (2, 576, 9, 3, 49152)
     assert gf.metadata["tracelm.synth.generator"] == synth.GENERATOR
-    assert gf.metadata["tracelm.synth.base_sha256"] == registry.MODELS["smollm2-135m-instruct"].sha256
+    assert gf.metadata["tracelm.synth.base_sha256"] == SMOLLM2_SHA256
     assert gf.metadata["tokenizer.ggml.tokens"] == GGUFFile(smollm2_path).metadata["tokenizer.ggml.tokens"]
     from tracelm import Session
 

@@ -811,7 +811,10 @@ def _add_bench_command(sub: Any) -> None:
     sp.add_argument("--draft-tokens", type=int, default=15,
                     help="bench speculative: most tokens guessed per pass (prompt lookup)")
     sp.add_argument("--input-file", metavar="FILE", help="bench tokenizer: the text to encode (default: English prose)")
-    sp.add_argument("--model", default="smollm2-135m-instruct")
+    sp.add_argument("--model", default="smollm2-135m-instruct",
+                    help="registry name or model path; or synth:NAME[@SEED][?layers=N], a registry model's family at "
+                    "a published size (synth:qwen2.5-7b, synth:gemma3-4b, ...: `tracelm models list`) with random "
+                    "weights, written once into TRACELM_HOME/synth: speed without the download (docs/performance.md)")
     sp.add_argument("--prompt-tokens", type=int, default=256)
     sp.add_argument("--decode-tokens", type=int, default=128)
     sp.add_argument("--context", type=int, default=1024)

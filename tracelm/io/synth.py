@@ -9,7 +9,7 @@ The bytes depend on the name, the seed and the registry file alone: each tensor'
 raw words of a bit generator stable) seeded by the seed and the tensor's name, drawn in chunks of fixed size, turned
 into values by element-wise + - * / and IEEE rounding to f16 -- nothing depends on threads, platform or numpy's
 distribution code. A file is written once, tensor by tensor (one tensor in memory at a time), through a temporary
-file renamed into `home()/synth/`, and read from there afterwards.
+file renamed into the registry's folder for them (`TRACELM_HOME/synth`), and read from there afterwards.
 
 Types where the size differs from the registry file's: llama.cpp falls back from a K-quant to a 32-value type for
 rows that are not whole 256-value super-blocks (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0; the output matrix in
@@ -27,6 +27,8 @@ import os
 import re
 import shutil
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +39,6 @@ from gguf import GGML_QUANT_SIZES, GGUFValueType
 from gguf import GGMLQuantizationType as QType
 from tqdm import tqdm
 
-from tracelm.io import registry
 from tracelm.io.gguf_file import GGUFFile
 from tracelm.state.errors import TracelmError
 
@@ -152,26 +153,22 @@ def parse(text: str) -> SynthName:
     return SynthName(name, seed, layers)
 
 
-def cache_dir() -> Path:
-    return registry.home() / "synth"
-
-
-def resolve(text: str, download: bool = True) -> Path:
-    """The file of a synthetic model: written into `cache_dir()` on first use (the registry model it comes from
-    pulled first if need be), read from there afterwards."""
+def resolve(text: str, folder: Path, base: Callable[[str], tuple[Path, str]], download: bool = True) -> Path:
+    """The file of a synthetic model in `folder`: written there on first use from its registry model's file
+    (`base(name)`: its path, pulled if need be, and sha256), read from there afterwards."""
     sn = parse(text)
-    path = cache_dir() / sn.filename
+    path = folder / sn.filename
     if path.is_file():
         return path
     if not download:
         raise TracelmError(f"synthetic model '{sn}' is not written yet (its first use writes {path})")
-    return write(sn, registry.resolve(sn.size.base), path)
+    return write(sn, *base(sn.size.base), path)
 
 
-def list_synth() -> list[tuple[str, bool, Path]]:
-    """Every synthetic size at seed 0 as (name, written?, path)."""
-    return [(PREFIX + name, (cache_dir() / SynthName(name).filename).is_file(), cache_dir() / SynthName(name).filename)
-            for name in SIZES]
+def list_synth(folder: Path) -> list[tuple[str, bool, Path]]:
+    """Every synthetic size at seed 0 as (name, written into `folder`?, path)."""
+    paths = {PREFIX + name: folder / SynthName(name).filename for name in SIZES}
+    return [(name, path.is_file(), path) for name, path in paths.items()]
 
 
 # ---- the plan: tensor names, shapes and types ----
@@ -421,7 +418,7 @@ def nbytes(t: Planned) -> int:
 # ---- the file ----
 
 
-def write(sn: SynthName, base_path: str | os.PathLike, out: Path) -> Path:
+def write(sn: SynthName, base_path: str | os.PathLike, base_sha256: str, out: Path) -> Path:
     """Write the synthetic model `sn` from its registry file at `base_path` to `out` (through a temporary file)."""
     base = GGUFFile(base_path)
     tensors = plan(base, sn.shape)
@@ -429,14 +426,15 @@ def write(sn: SynthName, base_path: str | os.PathLike, out: Path) -> Path:
         if t.shape[-1] % GGML_QUANT_SIZES[t.qtype][0]:
             raise TracelmError(f"synthetic model {sn}: tensor {t.name} has rows of {t.shape[-1]} values, not whole "
                                f"{t.qtype.name} blocks")
-    kvs = metadata(base, sn, registry.file_sha256(base_path))
+    kvs = metadata(base, sn, base_sha256)
     out.parent.mkdir(parents=True, exist_ok=True)
     total = sum(nbytes(t) for t in tensors)
     free = shutil.disk_usage(out.parent).free
     if free < total + (64 << 20):
         raise TracelmError(f"not enough disk space in {out.parent} for {sn} ({total / 2**20:.0f} MiB needed, "
                            f"{free / 2**20:.0f} MiB free)")
-    tmp = registry._temp_name(out)
+    with tempfile.NamedTemporaryFile(dir=out.parent, prefix=f".{out.name}.", suffix=".part", delete=False) as f:
+        tmp = Path(f.name)
     try:
         w = gguf.GGUFWriter(tmp, base.metadata["general.architecture"])
         for key, value, types in kvs:

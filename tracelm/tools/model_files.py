@@ -13,7 +13,7 @@ def model_lines() -> list[str]:
     """One line per registry model (its name, whether it is downloaded, where it lives), then one per synthetic
     size at seed 0 (written on first use; any seed with `@SEED`, fewer layers with `?layers=N`)."""
     return [f"{name:32s} {'cached' if cached else 'not cached':11s} {path}" for name, cached, path in
-            [*registry.list_models(), *synth.list_synth()]]
+            [*registry.list_models(), *synth.list_synth(registry.synth_home())]]
 
 
 def pull(name: str) -> Path:
