@@ -227,3 +227,15 @@ def test_names_parse():
     assert set(synth.SIZES) >= {"qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b",
                                 "smollm2-135m", "smollm2-360m", "smollm2-1.7b", "gemma3-270m", "gemma3-1b", "gemma3-4b"}
     assert {s.base for s in synth.SIZES.values()} <= set(registry.MODELS)
+
+
+def test_an_unwritable_folder_or_a_full_disk_says_so(tmp_path, smollm2_path, monkeypatch):
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    sn = synth.parse(SMALL)
+    with pytest.raises(TracelmError, match="cannot write the synthetic model there"):
+        synth.write(sn, smollm2_path, SMOLLM2_SHA256, blocked / "synth" / sn.filename)
+    monkeypatch.setattr(synth.shutil, "disk_usage", lambda p: type("U", (), {"free": 1 << 20})())
+    with pytest.raises(TracelmError, match=r"not enough disk space in .* for synth:smollm2-135m@0\?layers=2"):
+        synth.write(sn, smollm2_path, SMOLLM2_SHA256, tmp_path / "synth" / sn.filename)
+    assert list((tmp_path / "synth").iterdir()) == []

@@ -43,7 +43,7 @@ from tracelm.io.gguf_file import GGUFFile
 from tracelm.state.errors import TracelmError
 
 PREFIX = "synth:"
-GENERATOR = 1  # the version of the bytes below: bump it (and the file names change) when they change
+GENERATOR = 1  # the version of the bytes below: bump it when they change (a file name then says `.gN`)
 QK_K = 256  # values in a K-quant super-block
 _CHUNK_ROWS = 256  # rows drawn at a time (a constant: the stream's chunking is part of the bytes)
 
@@ -118,7 +118,8 @@ class SynthName:
     @property
     def filename(self) -> str:
         layers = "" if self.layers is None else f"-layers{self.layers}"
-        return f"{self.name}{layers}-{self.seed}.gguf"
+        generator = "" if GENERATOR == 1 else f".g{GENERATOR}"  # a file of older bytes is not taken for these
+        return f"{self.name}{layers}-{self.seed}{generator}.gguf"
 
     def __str__(self) -> str:
         layers = "" if self.layers is None else f"?layers={self.layers}"
@@ -258,12 +259,15 @@ def plan(base: GGUFFile, shape: Shape) -> list[Planned]:
     for t in base.tensors.values():
         if not _BLOCK.fullmatch(t.name):
             out.append(planned(t.name, t.name, t.qtype, t.shape))
-        elif not any(p.name.startswith("blk.") for p in out):
+        elif roles:  # the layers, where the file's first layer tensor is
             out += _layers(base.name, roles, shape.n_layer, planned)
+            roles = {}
     return out
 
 
-def _layers(file: str, roles: dict[str, dict[int, Any]], n: int, planned) -> list[Planned]:
+def _layers(file: str, roles: dict[str, dict[int, Any]], n: int,
+            planned: Callable[[str, str, QType, tuple[int, ...]], Planned]) -> list[Planned]:
+    """Every layer's tensors, layer by layer, each in the order of the file's first layer."""
     n_base = 1 + max(max(layers) for layers in roles.values())
     types = {}
     for role, layers in roles.items():
@@ -427,33 +431,24 @@ def write(sn: SynthName, base_path: str | os.PathLike, base_sha256: str, out: Pa
             raise TracelmError(f"synthetic model {sn}: tensor {t.name} has rows of {t.shape[-1]} values, not whole "
                                f"{t.qtype.name} blocks")
     kvs = metadata(base, sn, base_sha256)
-    out.parent.mkdir(parents=True, exist_ok=True)
     total = sum(nbytes(t) for t in tensors)
-    free = shutil.disk_usage(out.parent).free
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(out.parent).free
+        with tempfile.NamedTemporaryFile(dir=out.parent, prefix=f".{out.name}.", suffix=".part", delete=False) as f:
+            tmp = Path(f.name)
+    except OSError as e:
+        raise TracelmError(f"{out.parent}: cannot write the synthetic model there: {e.strerror or e}") from None
     if free < total + (64 << 20):
+        tmp.unlink(missing_ok=True)
         raise TracelmError(f"not enough disk space in {out.parent} for {sn} ({total / 2**20:.0f} MiB needed, "
                            f"{free / 2**20:.0f} MiB free)")
-    with tempfile.NamedTemporaryFile(dir=out.parent, prefix=f".{out.name}.", suffix=".part", delete=False) as f:
-        tmp = Path(f.name)
+    w = gguf.GGUFWriter(tmp, base.metadata["general.architecture"])
     try:
-        w = gguf.GGUFWriter(tmp, base.metadata["general.architecture"])
-        for key, value, types in kvs:
-            _add_kv(w, key, value, types)
-        for t in tensors:
-            if t.qtype in FLOAT_TYPES:
-                w.add_tensor_info(t.name, t.shape, np.dtype(np.float32 if t.qtype == QType.F32 else np.float16),
-                                  nbytes(t))
-            else:
-                w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), nbytes(t), raw_dtype=t.qtype)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=str(sn), disable=None,
-                  file=sys.stderr) as bar:
-            for t in tensors:
-                w.write_tensor_data(tensor_data(t, sn.seed))
-                bar.update(nbytes(t))
-        w.close()
+        try:
+            _write(w, kvs, tensors, sn)
+        finally:
+            w.close()
         os.replace(tmp, out)
     except OSError as e:
         tmp.unlink(missing_ok=True)
@@ -462,3 +457,23 @@ def write(sn: SynthName, base_path: str | os.PathLike, base_sha256: str, out: Pa
         tmp.unlink(missing_ok=True)
         raise
     return out
+
+
+def _write(w: gguf.GGUFWriter, kvs: list[tuple[str, Any, tuple[int, ...]]], tensors: list[Planned],
+           sn: SynthName) -> None:
+    """The header, the metadata, the tensor table, then each tensor made and written in turn."""
+    for key, value, types in kvs:
+        _add_kv(w, key, value, types)
+    for t in tensors:
+        if t.qtype in FLOAT_TYPES:
+            w.add_tensor_info(t.name, t.shape, np.dtype(np.float32 if t.qtype == QType.F32 else np.float16), nbytes(t))
+        else:
+            w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), nbytes(t), raw_dtype=t.qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    with tqdm(total=sum(nbytes(t) for t in tensors), unit="B", unit_scale=True, unit_divisor=1024, desc=str(sn),
+              disable=None, file=sys.stderr) as bar:
+        for t in tensors:
+            w.write_tensor_data(tensor_data(t, sn.seed))
+            bar.update(nbytes(t))
