@@ -177,6 +177,7 @@ def test_resolve_writes_once_then_reuses(synth_home):
     assert registry.resolve(SMALL) == path and path.stat().st_mtime_ns == stamp
     assert registry.resolve("synth:smollm2-135m@0?layers=2") == path
     assert [p.name for p in synth_home.iterdir()] == [path.name]  # no temporary file left
+    assert path.stat().st_mode & 0o777 == 0o644
 
 
 def test_a_failed_write_leaves_nothing(synth_home, monkeypatch):

@@ -449,6 +449,7 @@ def write(sn: SynthName, base_path: str | os.PathLike, base_sha256: str, out: Pa
             _write(w, kvs, tensors, sn)
         finally:
             w.close()
+        tmp.chmod(0o644)  # as a pulled model's (a temporary file starts private)
         os.replace(tmp, out)
     except OSError as e:
         tmp.unlink(missing_ok=True)
