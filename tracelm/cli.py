@@ -512,7 +512,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _model_options(sp: argparse.ArgumentParser, defaults: str = "") -> None:
     """The model and its engine, as llama.cpp spells them too (-m, -c/--ctx-size, -n/--n-predict, -t)."""
     sp.add_argument("-m", "--model", help="registry name or model path: a GGUF file, a Hugging Face folder, a "
-                    "llama2.c .bin (overrides the config's model)")
+                    "llama2.c .bin; or synth:NAME, random weights at a registry family's published size (overrides "
+                    "the config's model)")
     sp.add_argument("-c", "--context", "--ctx-size", dest="context", type=int, metavar="N",
                     help="positions of the KV cache: prompt + reply (config key context)")
     sp.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens", type=int, metavar="N",
