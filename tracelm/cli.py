@@ -512,7 +512,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _model_options(sp: argparse.ArgumentParser, defaults: str = "") -> None:
     """The model and its engine, as llama.cpp spells them too (-m, -c/--ctx-size, -n/--n-predict, -t)."""
     sp.add_argument("-m", "--model", help="registry name or model path: a GGUF file, a Hugging Face folder, a "
-                    "llama2.c .bin (overrides the config's model)")
+                    "llama2.c .bin; or synth:NAME, random weights at a registry family's published size (overrides "
+                    "the config's model)")
     sp.add_argument("-c", "--context", "--ctx-size", dest="context", type=int, metavar="N",
                     help="positions of the KV cache: prompt + reply (config key context)")
     sp.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens", type=int, metavar="N",
@@ -811,7 +812,10 @@ def _add_bench_command(sub: Any) -> None:
     sp.add_argument("--draft-tokens", type=int, default=15,
                     help="bench speculative: most tokens guessed per pass (prompt lookup)")
     sp.add_argument("--input-file", metavar="FILE", help="bench tokenizer: the text to encode (default: English prose)")
-    sp.add_argument("--model", default="smollm2-135m-instruct")
+    sp.add_argument("--model", default="smollm2-135m-instruct",
+                    help="registry name or model path; or synth:NAME[@SEED][?layers=N], a registry model's family at "
+                    "a published size (synth:qwen2.5-7b, synth:gemma3-4b, ...: `tracelm models list`) with random "
+                    "weights, written once into TRACELM_HOME/synth: speed without the download (docs/performance.md)")
     sp.add_argument("--prompt-tokens", type=int, default=256)
     sp.add_argument("--decode-tokens", type=int, default=128)
     sp.add_argument("--context", type=int, default=1024)

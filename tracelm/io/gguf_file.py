@@ -63,6 +63,13 @@ class _Cursor:
         self.pos += size
         return value
 
+    def peek(self, fmt: str) -> Any:
+        """The value `take` would read next, without moving on."""
+        pos = self.pos
+        value = self.take(fmt)
+        self.pos = pos
+        return value
+
     def string(self) -> str:
         n = self.take("Q")
         self._need(n)
@@ -147,11 +154,14 @@ class GGUFFile:
         n_tensors, n_kv = cur.take("Q"), cur.take("Q")
         cur._fits(n_kv, _MIN_KV, "metadata")
         self.metadata: dict[str, Any] = {}
+        self.value_types: dict[str, tuple[int, ...]] = {}  # key -> its GGUF value type (an array: and its items')
         for _ in range(n_kv):
             key = cur.string()
             if key in self.metadata:
                 raise ModelFormatError(f"{name}: metadata key {key} appears twice")
-            self.metadata[key] = cur.value(cur.take("I"))
+            vtype = cur.take("I")
+            self.value_types[key] = (vtype, cur.peek("I")) if vtype == 9 else (vtype,)
+            self.metadata[key] = cur.value(vtype)
         cur._fits(n_tensors, _MIN_TENSOR_INFO, "tensor table")
         infos = [_tensor_info(cur) for _ in range(n_tensors)]
         align = checks.power_of_two(self.metadata.get("general.alignment", 32), f"{name}: general.alignment", 8)

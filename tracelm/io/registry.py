@@ -100,6 +100,11 @@ def home() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "tracelm"
 
 
+def synth_home() -> Path:
+    """Where synthetic models (`synth:NAME`, tracelm.io.synth) are written."""
+    return home() / "synth"
+
+
 def _unknown(name: str) -> TracelmError:
     return TracelmError(f"unknown model '{name}': not a file and not one of: {', '.join(MODELS)}")
 
@@ -290,10 +295,16 @@ def pull(name: str, progress: bool = True) -> Path:
 
 
 def resolve(name_or_path: str, download: bool = True) -> Path:
-    """An existing file path -> that path; a registry name -> its cached file (pulled if missing)."""
+    """An existing file path -> that path; a registry name -> its cached file (pulled if missing); `synth:NAME` ->
+    a synthetic model's file (tracelm.io.synth: written on first use)."""
     p = Path(name_or_path).expanduser()
     if p.is_file():
         return p
+    if name_or_path.startswith("synth:"):  # a registry model's family at another size, random weights
+        from tracelm.io import synth
+
+        return synth.resolve(name_or_path, synth_home(), lambda base: (resolve(base, download), MODELS[base].sha256),
+                             download)
     spec = MODELS.get(name_or_path)
     if spec is None:
         raise _unknown(name_or_path)

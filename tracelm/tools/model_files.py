@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tracelm.io import registry
+from tracelm.io import registry, synth
 from tracelm.io.export import export_gguf
 from tracelm.io.loader import load_model
 
 
 def model_lines() -> list[str]:
-    """One line per registry model: its name, whether it is downloaded, and where it lives."""
+    """One line per registry model (its name, whether it is downloaded, where it lives), then one per synthetic
+    size at seed 0 (written on first use; any seed with `@SEED`, fewer layers with `?layers=N`)."""
     return [f"{name:32s} {'cached' if cached else 'not cached':11s} {path}" for name, cached, path in
-            registry.list_models()]
+            [*registry.list_models(), *synth.list_synth(registry.synth_home())]]
 
 
 def pull(name: str) -> Path:
