@@ -80,3 +80,45 @@ def test_a_tokenizer_json_id_far_past_its_tokens_is_refused(tmp_path) -> None:
     with within(20), pytest.raises(ModelFormatError, match="tokenizer.json: token 'b' has id 3000000, far past the "
                                                            "2 tokens"):
         load_tokenizer(str(tmp_path / "tokenizer.json"))
+
+
+# ---------------------------------------------------------------- item 3: big numbers and deep nesting
+
+BIG = "9" * 401  # a JSON integer past float's range
+BIG_CASES = [("temperature", BIG), ("top_p", BIG), ("temperature", "-" + BIG), ("frequency_penalty", BIG),
+             ("repetition_penalty", BIG), ("seed", BIG), ("max_tokens", BIG),
+             ("logit_bias", '{"' + "1" * 5000 + '": 1}'), ("logit_bias", '{"1": ' + BIG + "}")]
+
+
+@pytest.mark.parametrize("field,value", BIG_CASES, ids=[f"{f}={v[:8]}" for f, v in BIG_CASES])
+def test_a_huge_number_in_a_request_is_a_400_naming_its_field(field, value) -> None:
+    from tracelm.server.errors import ApiError
+    from tracelm.server.params import parse_json, parse_request
+
+    raw = '{"model": "m", "messages": [{"role": "user", "content": "hi"}], "' + field + '": ' + value + "}"
+    with pytest.raises(ApiError) as caught:
+        parse_request(parse_json(raw.encode()), "chat")
+    error = caught.value.body()["error"]
+    assert caught.value.status == 400 and error["param"] == field and error["type"] == "invalid_request_error"
+    assert len(error["message"]) < 200 and "characters)" in error["message"], error["message"]  # named, cut short
+
+
+def test_a_batch_line_nested_deep_or_with_a_huge_number_fails_alone(tiny, tmp_path, capsys) -> None:
+    from tracelm.cli import main
+
+    good = [json.dumps({"id": i, "prompt": "hello", "max_tokens": 2}) for i in (1, 5)]
+    lines = [good[0], '{"id": 2, "prompt": ' + "[" * 100_000 + "]" * 100_000 + "}",
+             '{"id": 3, "prompt": "x", "temperature": ' + BIG + "}", '{"id": ' + "9" * 4000 + ', "prompt": "x"}',
+             good[1]]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    with within(60):
+        code = main(["batch", str(tiny), "--input", str(inp), "--output", str(out), "--set", "context=64"])
+    err = capsys.readouterr().err
+    assert code == 0 and "Traceback" not in err, err
+    assert "2 items written, 0 already done, 0 failed, 3 bad lines skipped" in err
+    for expected in (f"{inp}:2: not valid JSON (nested too deeply)",
+                     f"{inp}:3: field 'temperature': 999999999999999999999999... (401 characters) is too large",
+                     f"{inp}:4: field 'id': expected a non-empty string or a 64-bit integer"):
+        assert expected in err, expected
+    assert sorted(json.loads(x)["id"] for x in out.read_text().splitlines()) == [1, 5]

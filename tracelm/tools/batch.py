@@ -41,7 +41,7 @@ from tracelm.io.run_config import config_as_dict, record_from_dict, run_config_f
 from tracelm.server.errors import ApiError
 from tracelm.server.queue import Engine, Job
 from tracelm.session import Session, chat_prompt, shift_chat
-from tracelm.state.errors import TracelmError
+from tracelm.state.errors import TracelmError, shown
 from tracelm.state.records import SamplingParams
 from tracelm.state.run_config import RunConfig
 
@@ -151,8 +151,9 @@ def _item_id(obj: dict[str, Any]) -> str | int:
     if "id" not in obj:
         raise _field_error("id", "missing")
     value = obj["id"]
-    if isinstance(value, bool) or not isinstance(value, str | int) or value == "":
-        raise _field_error("id", f"expected a non-empty string or an integer, got {value!r}")
+    if (isinstance(value, bool) or not isinstance(value, str | int) or value == ""
+            or (isinstance(value, int) and not -(1 << 63) <= value < 1 << 63)):
+        raise _field_error("id", f"expected a non-empty string or a 64-bit integer, got {shown(value)}")
     return value
 
 
@@ -201,8 +202,10 @@ def parse_item(line: int, text: str, cfg: RunConfig) -> Item:
     """One input line as an Item; a TracelmError naming the field otherwise."""
     try:
         obj = json.loads(text)
-    except ValueError as e:
-        raise TracelmError(f"not valid JSON ({e})") from None
+    except RecursionError:
+        raise TracelmError("not valid JSON (nested too deeply)") from None
+    except ValueError as e:  # a number of more than 4300 digits too
+        raise TracelmError(f"not valid JSON ({str(e).split(';')[0]})") from None
     if not isinstance(obj, dict):
         raise TracelmError(f"expected a JSON object, got {type(obj).__name__}")
     unknown = sorted(set(obj) - set(ITEM_FIELDS))
