@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import resource
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
 import pytest
 
+from tests.conftest import child_env
 from tests.test_hardening import assert_one_line, folder_with, rewrite_gguf, run
 from tracelm.state.errors import ModelFormatError
 
@@ -122,3 +126,21 @@ def test_a_batch_line_nested_deep_or_with_a_huge_number_fails_alone(tiny, tmp_pa
                      f"{inp}:4: field 'id': expected a non-empty string or a 64-bit integer"):
         assert expected in err, expected
     assert sorted(json.loads(x)["id"] for x in out.read_text().splitlines()) == [1, 5]
+
+
+# ---------------------------------------------------------------- item 4: the template worker under `ulimit -v`
+
+RENDER = ("from tracelm.io.chat_template import render_chat; "
+          "print(render_chat(None, [{'role': 'user', 'content': 'hi'}]), end='')")
+
+
+def test_a_chat_renders_under_a_hard_address_space_limit() -> None:
+    limit = 1 << 30  # `ulimit -v 1048576`: soft and hard, inherited by the render worker
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    done = subprocess.run([sys.executable, "-c", RENDER], capture_output=True, text=True, timeout=120,
+                          env=child_env(OPENBLAS_NUM_THREADS="1"), preexec_fn=cap)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
