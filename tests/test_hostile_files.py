@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import re
 import resource
 import signal
 import subprocess
@@ -144,3 +146,148 @@ def test_a_chat_renders_under_a_hard_address_space_limit() -> None:
                           env=child_env(OPENBLAS_NUM_THREADS="1"), preexec_fn=cap)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+# ---------------------------------------------------------------- item 6: files that are not regular, names, counts
+
+
+@pytest.fixture(scope="module")
+def signed(tiny, tmp_path_factory) -> tuple[Path, Path]:
+    """A signed trace of the tiny model and its public key."""
+    from tracelm.io.trace_keys import keygen
+    from tracelm.session import Session
+
+    work = tmp_path_factory.mktemp("signed")
+    key = work / "signer.key"
+    keygen(key)
+    trace = work / "run.jsonl"
+    with Session(str(tiny), settings=["context=64", f"trace.sign_key={key}"]) as s:
+        s.generate("hello", max_tokens=2, temperature=0, trace=str(trace))
+    return trace, work / "signer.key.pub"
+
+
+@pytest.fixture()
+def fifo(tmp_path) -> Path:
+    path = tmp_path / "pipe"
+    os.mkfifo(path)
+    return path
+
+
+def test_a_fifo_is_refused_not_waited_on(tiny, signed, fifo, tmp_path, capsys) -> None:
+    from tracelm.cli import main
+    from tracelm.session import Session
+    from tracelm.state.errors import SessionFileError
+
+    trace, _ = signed
+    runs = [(["trace", "verify", str(fifo)], "trace is a FIFO (named pipe), not a regular file"),
+            (["trace", "verify", str(trace), "--public-key", str(fifo)], "the public key is a FIFO"),
+            (["batch", str(tiny), "--input", str(fifo), "--output", str(tmp_path / "o.jsonl")],
+             "batch input is a FIFO"),
+            (["replay", str(fifo)], "trace is a FIFO")]
+    for argv, message in runs:
+        with within(20):
+            code = main(argv)
+        assert_one_line(code, capsys.readouterr().err, str(fifo), message)
+    with Session(str(tiny), settings=["context=64"]) as s, within(20):
+        with pytest.raises(SessionFileError, match="session file is a FIFO"):
+            s.load(fifo)
+
+
+DEV_ZERO = ("import sys; from tracelm.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+@pytest.mark.parametrize("args,message", [(["trace", "verify", "/dev/zero"], "trace is a character device"),
+                                          (["trace", "verify", "TRACE", "--public-key", "/dev/zero"],
+                                           "the public key is a character device"),
+                                          (["batch", "MODEL", "--input", "/dev/zero", "--output", "OUT"],
+                                           "batch input is a character device")])
+def test_dev_zero_is_refused_before_it_is_read(tiny, signed, tmp_path, args, message) -> None:
+    """In a child under a 2 GiB address space: reading /dev/zero to its end fails there, not on this machine."""
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+    names = {"TRACE": str(signed[0]), "MODEL": str(tiny), "OUT": str(tmp_path / "out.jsonl")}
+    done = subprocess.run([sys.executable, "-c", DEV_ZERO, *(names.get(a, a) for a in args)], capture_output=True,
+                          text=True, timeout=120, env=child_env(OPENBLAS_NUM_THREADS="1"), preexec_fn=cap)
+    assert_one_line(done.returncode, done.stderr, "/dev/zero", message)
+
+
+def test_a_session_name_too_long_is_named(tiny, capsys, monkeypatch, tmp_path) -> None:
+    from tracelm.cli import main
+
+    monkeypatch.setenv("TRACELM_HOME", str(tmp_path))
+    code = main(["chat", "--model", str(tiny), "--session", "a" * 300, "--set", "context=64"])
+    assert_one_line(code, capsys.readouterr().err, "a session name is letters", "(1 to 128 of them)",
+                    "(300 characters)")
+
+
+def saved_session(tiny: Path, path: Path) -> Path:
+    from tracelm.session import Session
+
+    with Session(str(tiny), settings=["context=64", "max_tokens=2"]) as s:
+        s.chat("hello")
+        s.save(path)
+    return path
+
+
+@pytest.mark.parametrize("messages,message", [(5, "messages: expected an array of messages, got an integer"),
+                                              ([1], "messages[0]: expected an object with a string role"),
+                                              ([{"role": "user", "content": ["x"]}], "messages[0]: expected an")])
+def test_a_session_file_with_wrong_typed_messages_is_named(tiny, tmp_path, messages, message) -> None:
+    import attrs
+
+    from tracelm.io.session_file import read_session, write_session
+    from tracelm.session import Session
+    from tracelm.state.errors import SessionFileTampered
+
+    good = read_session(saved_session(tiny, tmp_path / "good.tlsession"))
+    bad = tmp_path / "bad.tlsession"
+    write_session(bad, attrs.evolve(good, messages=messages))  # re-hashed: its sha256 matches
+    with Session(str(tiny), settings=["context=64"]) as s:
+        with pytest.raises(SessionFileTampered, match=re.escape(message)):
+            s.load(bad)
+        assert s.messages == []  # left as it was
+
+
+def test_a_session_file_with_a_deeply_nested_header_is_named(tmp_path) -> None:
+    import hashlib
+    import struct
+
+    from tracelm.io.session_file import MAGIC, read_session
+    from tracelm.state.errors import SessionFileTampered
+
+    header = b'{"format": "tracelm-session", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    body = MAGIC + struct.pack("<Q", len(header)) + header
+    path = tmp_path / "deep.tlsession"
+    path.write_bytes(body + hashlib.sha256(body).digest())
+    with pytest.raises(SessionFileTampered, match="its header: JSON nested too deeply"):
+        read_session(path)
+
+
+def test_too_many_threads_are_named_from_the_command_line_and_a_trace_header(tiny, tmp_path, capsys) -> None:
+    from tests.test_hardening import edit_trace
+    from tracelm.cli import main
+    from tracelm.session import Session
+
+    assert_one_line(*run(capsys, tiny, "--set", "threads=300"), "config key threads", "must be <= 256: 300")
+    with Session(str(tiny), settings=["context=64"]) as s:
+        s.generate("hello", max_tokens=2, temperature=0, trace=str(tmp_path / "run.jsonl"))
+
+    def many(events: list) -> None:
+        events[0]["config"]["threads"] = 100_000
+
+    edited = edit_trace(tmp_path / "run.jsonl", tmp_path / "threads.jsonl", many)
+    code = main(["replay", str(edited)])
+    assert_one_line(code, capsys.readouterr().err, "threads.jsonl: header config: config key threads",
+                    "must be <= 256: 100000")
+
+
+def test_a_file_past_its_bound_is_refused_before_it_is_read(signed, tmp_path, capsys) -> None:
+    from tracelm.cli import main
+
+    big = tmp_path / "big.pub"
+    with open(big, "wb") as f:
+        f.truncate((1 << 20) + 1)  # sparse: 1 MiB and a byte, the bound of a key file past it
+    code = main(["trace", "verify", str(signed[0]), "--public-key", str(big)])
+    assert_one_line(code, capsys.readouterr().err, "big.pub: the public key of 1048577 bytes is larger than the "
+                                                   "1048576 bytes tracelm reads")

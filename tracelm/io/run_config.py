@@ -11,6 +11,7 @@ from typing import Any
 import attrs
 import yaml
 
+from tracelm.io.files import MiB, read_regular_text
 from tracelm.state.errors import TracelmError, cut, shown
 from tracelm.state.run_config import RunConfig
 
@@ -108,10 +109,7 @@ def load_run_config(path: str | Path | None, overrides: Iterable[str] = ()) -> R
     tree: dict[str, Any] = {}
     if path is not None:
         path = config_path(path)
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except OSError as e:
-            raise TracelmError(f"{path}: cannot read config: {e.strerror}") from None
+        text = read_regular_text(path, "config", 16 * MiB)
         try:
             tree = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
@@ -139,7 +137,10 @@ def run_config_from_dict(tree: dict[str, Any], source: str = "config") -> RunCon
     """Rebuild a RunConfig from `config_as_dict` output (e.g. a trace header), validating every key."""
     if not isinstance(tree, dict):
         raise TracelmError(f"{source}: a config is a mapping of keys, got {type(tree).__name__}")
-    return _build(RunConfig, dict(tree))
+    try:
+        return _build(RunConfig, dict(tree))
+    except TracelmError as e:
+        raise TracelmError(f"{source}: {e}") from None
 
 
 def record_from_dict(cls: type, tree: dict[str, Any], prefix: str = "") -> Any:

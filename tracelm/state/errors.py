@@ -7,8 +7,10 @@ from typing import Any
 def shown(value: Any, limit: int = 40) -> str:
     """A value for an error message, as JSON (a string as Python writes it), cut short: a number of 400 digits or a
     key of 5,000 characters names itself by its start and its length."""
+    if isinstance(value, str):
+        return repr(value) if len(value) <= limit else f"{value[: limit - 16]!r}... ({len(value)} characters)"
     try:
-        text = repr(value) if isinstance(value, str) else json.dumps(value, default=repr)
+        text = json.dumps(value, default=repr)
     except (ValueError, RecursionError):  # an integer past Python's digit limit, a nest too deep
         text = f"<{type(value).__name__}>"
     return cut(text, limit)

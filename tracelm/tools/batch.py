@@ -37,6 +37,7 @@ from typing import IO, Any
 
 import attrs
 
+from tracelm.io.files import GiB, read_regular
 from tracelm.io.run_config import config_as_dict, record_from_dict, run_config_from_dict
 from tracelm.server.errors import ApiError
 from tracelm.server.queue import Engine, Job
@@ -49,6 +50,7 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "repeat_pen
                    "frequency_penalty", "presence_penalty")
 ITEM_FIELDS = ("id", "prompt", "messages", "max_tokens", "stop", *SAMPLING_FIELDS)
 ROLES = ("system", "developer", "user", "assistant")
+MAX_INPUT_BYTES = GiB  # an input (or output, read to resume) larger than this is refused before it is read
 MAX_BATCH = 8  # the engine's limit: rows of a pass stay bitwise what they are alone (ServerOptions.max_batch)
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 _FINAL_HASH = re.compile(rb'"hash":"([0-9a-f]{64})"(?:,"mac":"[0-9a-f]{64}")?(?:,"sig":"[0-9a-f]{128}")?\}\s*$')
@@ -226,10 +228,7 @@ def parse_item(line: int, text: str, cfg: RunConfig) -> Item:
 def read_items(path: Path, cfg: RunConfig) -> tuple[list[Item], list[BadLine]]:
     """Every line of the input as an Item, or a BadLine saying why not (blank lines are skipped); the second of
     two lines with one id is a BadLine."""
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise TracelmError(f"{path}: cannot read input: {e.strerror or e}") from None
+    data = read_regular(path, "batch input", MAX_INPUT_BYTES)
     items: list[Item] = []
     bad: list[BadLine] = []
     first: dict[str, int] = {}
@@ -259,12 +258,9 @@ def done_ids(path: Path) -> tuple[set[str], int]:
     """The ids (item_key) already in an output file, and the bytes of a torn last line (one without its newline:
     what a crash in mid-write leaves), which is cut off the file. A whole line that is not a result is a
     TracelmError: the file was not written by tracelm batch, or was edited."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         return set(), 0
-    except OSError as e:
-        raise TracelmError(f"{path}: cannot read output: {e.strerror or e}") from None
+    data = read_regular(path, "batch output", MAX_INPUT_BYTES)
     *complete, tail = data.split(b"\n")  # tail: what follows the last newline (b"" when the file ends in one)
     ids: set[str] = set()
     good = 0  # bytes of complete result lines
