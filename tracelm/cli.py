@@ -124,11 +124,9 @@ def _constraint(args: argparse.Namespace) -> Any:
         path = getattr(args, flag, None)
         if path is None:
             continue
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise TracelmError(f"--{flag} {path}: cannot read: {getattr(e, 'strerror', None) or e}") from None
+        from tracelm.session import MiB, read_regular_text
+
+        text = read_regular_text(path, f"--{flag} file", 16 * MiB)
         kind = "json_schema" if flag == "schema" else "regex" if path.endswith(".regex") else "lark"
         return Constraint(kind, text.rstrip("\n") if kind == "regex" else text)
     return None

@@ -32,6 +32,7 @@ import numpy as np
 
 from tracelm.io.attest.binding import parse_nonce
 from tracelm.io.chat_template import RenderBudget, encode_chat
+from tracelm.io.files import MiB, read_regular_text
 from tracelm.io.grammar import closed as closed_schema
 from tracelm.io.grammar import unspellable
 from tracelm.io.loader import LoadedModel, ModelFile
@@ -62,15 +63,17 @@ from tracelm.stages.pool import POOLINGS, pool
 from tracelm.stages.sample import top_logprobs
 
 # what the server, replay and the tools use of the engine, through the front door
-__all__ = ["POOLINGS", "SUFFIX", "Generation", "GenerationStats", "RenderBudget", "Runner", "Session", "ThreadLimits",
-           "Tracer", "chat_prompt", "check_sampling", "closed_schema", "decode_rate", "embedding", "encode_chat",
-           "held_bytes", "load_conversation", "numerics", "packaged_configs", "parse_nonce", "positional_is_model",
-           "release_memory", "run_config", "save_conversation", "shift_chat", "signature_fields", "template_budget",
-           "top_logprobs", "trace_key", "unspellable", "write_footer"]
-from tracelm.state.errors import SessionIncompatible, TracelmError
+__all__ = ["POOLINGS", "SUFFIX", "Generation", "GenerationStats", "MiB", "RenderBudget", "Runner", "Session",
+           "ThreadLimits", "Tracer", "chat_prompt", "check_sampling", "closed_schema", "decode_rate", "embedding",
+           "encode_chat", "held_bytes", "load_conversation", "numerics", "packaged_configs", "parse_nonce",
+           "positional_is_model", "read_regular_text", "release_memory", "run_config", "save_conversation",
+           "shift_chat", "signature_fields", "template_budget", "top_logprobs", "trace_key", "unspellable",
+           "write_footer"]
+from tracelm.state.errors import SessionIncompatible, TracelmError, shown
 from tracelm.state.records import SamplingParams
 from tracelm.state.run_config import ACTIVATION_MODES, RunConfig
 
+MAX_SESSION_NAME = 128  # characters of `tracelm chat --session NAME` (a file name: the system allows 255 bytes)
 
 class ThreadLimits:
     """Threads for a run, applied now, put back by `restore()` (or on leaving a with-block): on the kernels n
@@ -272,9 +275,10 @@ def _ephemeral_key() -> Any:
 
 def session_path(name: str) -> Path:
     """Where `tracelm chat --session NAME` keeps a conversation: TRACELM_HOME/sessions/NAME.tlsession."""
-    if not name or name.startswith(".") or not all(c.isalnum() or c in "._-" for c in name):
-        raise TracelmError(f"--session {name!r}: a session name is letters, digits, '.', '_' and '-', not starting "
-                           "with '.'")
+    if (not name or len(name) > MAX_SESSION_NAME or name.startswith(".")
+            or not all(c.isalnum() or c in "._-" for c in name)):
+        raise TracelmError(f"--session {shown(name)}: a session name is letters, digits, '.', '_' and '-' (1 to "
+                           f"{MAX_SESSION_NAME} of them), not starting with '.'")
     return home() / "sessions" / f"{name}{SUFFIX}"
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import attrs
 
+from tracelm.io.files import GiB, read_regular
 from tracelm.pipeline.trace import (
     FOOTER_STATUSES,
     FORMAT,
@@ -27,6 +28,7 @@ _LINE = re.compile(rb'^(\{.*),"hash":"([0-9a-f]{64})"(?:,"mac":"([0-9a-f]{64})")
                    re.DOTALL)
 
 INTACT, TAMPERED = 0, 1  # exit statuses of `trace verify`; 2 (not a trace) is a TracelmError
+MAX_TRACE_BYTES = 4 * GiB  # a larger trace file is refused before it is read (a generated token is ~40-80 KB of it)
 
 
 @attrs.define
@@ -83,11 +85,7 @@ def read_trace(path: str | Path) -> Trace:
     """Read a trace file; raise TracelmError if it is not a trace at all (unreadable, empty, no header,
     or a format version this tracelm does not read)."""
     p = Path(path)
-    try:
-        data = p.read_bytes()
-    except OSError as e:
-        raise TracelmError(f"{p}: cannot read trace: {e.strerror or e}") from None
-    return parse_trace(data, p)
+    return parse_trace(read_regular(p, "trace", MAX_TRACE_BYTES), p)
 
 
 def parse_trace(data: bytes, p: Path) -> Trace:

@@ -229,7 +229,8 @@ def _render_here(template: str, variables: dict[str, Any], max_chars: int) -> st
 # through the worker, measured once on a busy machine), small against any prefill. The parent watches
 # the worker's CPU time (/proc/PID/stat) while it waits and kills it the moment the budget is spent (a wall-clock
 # limit of WALL_FACTOR x the budget backs that up); the worker also sets RLIMIT_CPU before each render (killed by
-# SIGXCPU should its parent be gone) and RLIMIT_AS to its size at start + WORKER_MEMORY_MB. A killed worker is
+# SIGXCPU should its parent be gone) and RLIMIT_AS to its size at start + WORKER_MEMORY_MB, each only as high as
+# the limits it was started with (`ulimit -v`, `ulimit -t`), never raising a hard one. A killed worker is
 # replaced by the next render. Replies are JSON, never pickle: the parent trusts nothing the sandbox produced.
 
 WORKER_MEMORY_MB = 512  # address space a worker may add to what it has after start (its interpreter + jinja2)
@@ -368,7 +369,8 @@ def serve_renders() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when a render stops (it kills the worker)
     page = os.sysconf("SC_PAGE_SIZE")
     size = int(Path("/proc/self/statm").read_text().split()[0]) * page
-    resource.setrlimit(resource.RLIMIT_AS, (size + (WORKER_MEMORY_MB << 20), resource.RLIM_INFINITY))
+    given = {which: resource.getrlimit(which) for which in (resource.RLIMIT_AS, resource.RLIMIT_CPU)}
+    _limit(resource, given, resource.RLIMIT_AS, size + (WORKER_MEMORY_MB << 20))
     stdin, stdout = sys.stdin.buffer.raw, sys.stdout.buffer.raw
     while True:
         try:
@@ -377,12 +379,22 @@ def serve_renders() -> None:
             return
         template, variables, budget = pickle.loads(_read_exact(stdin.fileno(), _FRAME.unpack(head)[0]))
         used = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
-        resource.setrlimit(resource.RLIMIT_CPU, (int(used + budget.cpu_seconds) + 2, resource.RLIM_INFINITY))
+        _limit(resource, given, resource.RLIMIT_CPU, int(used + budget.cpu_seconds) + 2)
         reply = _answer(template, variables, budget)
         data = json.dumps(reply).encode()  # ASCII: any lone surrogate of a message travels escaped
         _write_all(stdout.fileno(), _FRAME.pack(len(data)) + data)
         if reply.get("fatal"):
             return
+
+
+def _limit(resource: Any, given: dict[int, tuple[int, int]], which: int, wanted: int) -> None:
+    """Set the soft limit `which` to `wanted`, or to the soft limit the worker was started with when that is lower
+    (`ulimit -v`, `ulimit -t`): never above what the process was given, and its hard limit never touched (raising
+    a hard limit is not allowed, and the render would fail on every chat)."""
+    soft, hard = given[which]
+    if soft != resource.RLIM_INFINITY:
+        wanted = min(wanted, soft)
+    resource.setrlimit(which, (wanted, hard))
 
 
 def _answer(template: str, variables: dict[str, Any], budget: RenderBudget) -> dict[str, Any]:

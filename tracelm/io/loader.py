@@ -17,7 +17,7 @@ from tracelm.io.chat_template import chat_template_from_metadata
 from tracelm.io.gguf_file import GGUFFile, model_config
 from tracelm.io.tokenizer import Tokenizer
 from tracelm.io.tokenizer_formats import from_gguf_metadata, from_hf_json, from_llama2c, from_sentencepiece
-from tracelm.io.weights import kernel_weights, load_weights
+from tracelm.io.weights import check_blocks, kernel_weights, load_weights
 from tracelm.state.errors import TracelmError
 from tracelm.state.model_config import ModelConfig
 from tracelm.state.records import ModelWeights, QMatrix
@@ -59,6 +59,7 @@ class ModelFile:
             self.gguf = GGUFFile(self.path)
             self.cfg = model_config(self.gguf)
             self.metadata = self.gguf.metadata
+            check_blocks(self.gguf, self.cfg, f"{self.cfg.arch}.block_count")
         elif self.kind == "llama2c":
             from tracelm.io.llama2c import Llama2cFile
 
@@ -69,6 +70,7 @@ class ModelFile:
 
             self.hf = HFFolder(self.path)
             self.cfg, self.metadata = self.hf.cfg, self.hf.metadata
+            check_blocks(self.hf, self.cfg, "config.json: num_hidden_layers")
         self.tokenizer_path = Path(tokenizer) if tokenizer is not None else None
         if tokenizer is not None:
             self.tokenizer = load_tokenizer(tokenizer)

@@ -11,7 +11,8 @@ from typing import Any
 import attrs
 import yaml
 
-from tracelm.state.errors import TracelmError
+from tracelm.io.files import MiB, read_regular_text
+from tracelm.state.errors import TracelmError, cut, shown
 from tracelm.state.run_config import RunConfig
 
 _SCALARS = (int, float, str, bool)
@@ -32,6 +33,8 @@ def _apply_override(tree: dict[str, Any], item: str) -> None:
         node[leaf] = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError:
         node[leaf] = raw
+    except ValueError as e:  # an integer past Python's limit of digits
+        raise TracelmError(f"--set {key}: cannot read {shown(raw)}: {str(e).split(';')[0]}") from None
 
 
 def _check(value: Any, kind: Any, key: str) -> Any:
@@ -56,9 +59,12 @@ def _check(value: Any, kind: Any, key: str) -> Any:
             raise TracelmError(f"config key {key}: expected a section of keys, got {value!r}")
         return _build(kind, value, key + ".")
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            raise TracelmError(f"config key {key}: {shown(value)} is too large for a number") from None
     if kind in _SCALARS and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
-        raise TracelmError(f"config key {key}: expected {kind.__name__}, got {value!r}")
+        raise TracelmError(f"config key {key}: expected {kind.__name__}, got {shown(value)}")
     return value
 
 
@@ -74,7 +80,7 @@ def _build(cls: type, tree: dict[str, Any], prefix: str = "") -> Any:
     except (ValueError, TypeError) as e:
         message = e.args[0] if e.args and isinstance(e.args[0], str) else str(e)  # attrs' in_ adds 3 more args
         bad = next((f"{prefix}{k}" for k in kwargs if k in message), prefix.rstrip(".") or "config")
-        raise TracelmError(f"config key {bad}: {message}") from None
+        raise TracelmError(f"config key {bad}: {cut(message)}") from None
 
 
 PACKAGED = Path(__file__).resolve().parents[1] / "configs"  # configs shipped in the package (configs/ links here)
@@ -128,14 +134,13 @@ def load_run_config(path: str | Path | None, overrides: Iterable[str] = ()) -> R
     tree: dict[str, Any] = {}
     if path is not None:
         path = config_path(path)
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except OSError as e:
-            raise TracelmError(f"{path}: cannot read config: {e.strerror}") from None
+        text = read_regular_text(path, "config", 16 * MiB)
         try:
             tree = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
             raise TracelmError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+        except (ValueError, RecursionError) as e:  # an integer past Python's limit of digits, a nest too deep
+            raise TracelmError(f"{path}: not a config tracelm reads: {str(e).split(';')[0]}") from None
         if not isinstance(tree, dict):
             raise TracelmError(f"{path}: a config is a mapping of keys, got {type(tree).__name__}")
         for key in ("model", "tokenizer"):  # a relative path: see _model_file
@@ -155,7 +160,10 @@ def run_config_from_dict(tree: dict[str, Any], source: str = "config") -> RunCon
     """Rebuild a RunConfig from `config_as_dict` output (e.g. a trace header), validating every key."""
     if not isinstance(tree, dict):
         raise TracelmError(f"{source}: a config is a mapping of keys, got {type(tree).__name__}")
-    return _build(RunConfig, dict(tree))
+    try:
+        return _build(RunConfig, dict(tree))
+    except TracelmError as e:
+        raise TracelmError(f"{source}: {e}") from None
 
 
 def record_from_dict(cls: type, tree: dict[str, Any], prefix: str = "") -> Any:

@@ -23,9 +23,11 @@ import numpy as np
 
 from tracelm.io import checks
 from tracelm.io.families import BY_ARCH, BY_HF_MODEL_TYPE, HF_WRAPPER_TYPES, gguf_name
+from tracelm.io.files import MiB, read_regular_text
 from tracelm.state.errors import ModelFormatError, TracelmError
 from tracelm.state.model_config import ModelConfig
 
+MAX_JSON_BYTES = 64 * MiB  # config.json, the shards' index: larger is no model folder's
 DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
 
 @attrs.frozen
@@ -111,13 +113,7 @@ class HFFolder:
 
     def _read_config(self) -> dict[str, Any]:
         p = self.path / "config.json"
-        try:
-            text = p.read_text(encoding="utf-8")
-        except OSError as e:
-            raise TracelmError(f"{p}: cannot read: {e.strerror}") from None
-        except UnicodeDecodeError:
-            raise ModelFormatError(f"{p}: not UTF-8 text") from None
-        cfg = checks.json_object(text, str(p))
+        cfg = checks.json_object(read_regular_text(p, "config", MAX_JSON_BYTES, ModelFormatError), str(p))
         if cfg.get("model_type") in HF_WRAPPER_TYPES and "text_config" in cfg:
             return checks.mapping(cfg["text_config"], f"{p}: text_config")
         return cfg
@@ -125,10 +121,7 @@ class HFFolder:
     def _weight_files(self) -> list[Path]:
         single, index = self.path / "model.safetensors", self.path / "model.safetensors.index.json"
         if index.is_file():
-            try:
-                text = index.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as e:
-                raise TracelmError(f"{index}: cannot read: {getattr(e, 'strerror', None) or e}") from None
+            text = read_regular_text(index, "index", MAX_JSON_BYTES, ModelFormatError)
             weight_map = checks.json_object(text, str(index)).get("weight_map")
             weight_map = checks.mapping(weight_map, f"{index}: weight_map")
             files = sorted({checks.inside(self.path, f, f"{index}: weight_map[{name!r}]")

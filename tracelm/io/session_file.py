@@ -41,6 +41,8 @@ from typing import Any
 import attrs
 import numpy as np
 
+from tracelm.io import checks
+from tracelm.io.files import GiB, read_regular
 from tracelm.state.cache import CacheSnapshot, kv_row_bytes
 from tracelm.state.errors import (
     SessionFileError,
@@ -58,6 +60,7 @@ ALIGN = 64
 DIGEST_BYTES = 32
 DTYPES = ("<f4", "<f2", "|u1")  # what a Cache's keys/values are held in (|u1: kv_cache q8_0's blocks)
 SUFFIX = ".tlsession"
+MAX_SESSION_BYTES = 16 * GiB  # a larger session file is refused before it is read (it is read whole, then hashed)
 
 
 @attrs.frozen(eq=False)
@@ -150,10 +153,7 @@ def _fsync_dir(folder: Path) -> None:
 def read_session(path: str | os.PathLike) -> SavedSession:
     """Read and check a session file (see the module docstring); raise its named error when it is not whole."""
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise SessionFileError(f"{path}: cannot read session file: {e.strerror or e}") from None
+    data = read_regular(path, "session file", MAX_SESSION_BYTES, SessionFileError)
     head, start = _read_header(path, data)
     expected = start + head["data_bytes"] + DIGEST_BYTES
     if len(data) < expected:
@@ -177,10 +177,8 @@ def _read_header(path: Path, data: bytes) -> tuple[dict[str, Any], int]:
     end = len(MAGIC) + 8 + n
     if end > len(data):
         raise SessionFileTruncated(f"{path}: session file truncated inside its header ({len(data)} of {end} bytes)")
-    try:
-        head = json.loads(data[len(MAGIC) + 8 : end].decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        raise SessionFileTampered(f"{path}: session file damaged: its header is not JSON") from None
+    head = checks.json_value(data[len(MAGIC) + 8 : end], f"{path}: session file damaged: its header",
+                             SessionFileTampered)
     if not isinstance(head, dict) or head.get("format") != FORMAT:
         raise SessionFileTampered(f"{path}: session file damaged: its header has no format {FORMAT!r}")
     if head.get("format_version") != FORMAT_VERSION:
@@ -214,10 +212,29 @@ def _saved(path: Path, head: dict[str, Any], arrays: list[np.ndarray]) -> SavedS
         if len(snap.first) != len(arrays) // 2:
             raise ValueError(f"{len(snap.first)} layers listed, {len(arrays) // 2} layers of arrays")
         return SavedSession(snap, str(head["model_sha256"]), dict(head["model_config"]), str(head["compute"]),
-                            str(head["kind"]), head.get("messages"), head.get("trace_hash"), head.get("session_id"),
-                            str(head.get("model_file", "")), str(head["tracelm_version"]))
+                            str(head["kind"]), _messages(head.get("messages")), _text(head, "trace_hash"),
+                            _text(head, "session_id"), str(head.get("model_file", "")), str(head["tracelm_version"]))
     except (KeyError, TypeError, ValueError) as e:
         raise SessionFileTampered(f"{path}: session file damaged: {e}") from None
+
+
+def _messages(value: Any) -> list[dict[str, str]] | None:
+    """The header's messages: null, or an array of {"role", "content"} strings (a ValueError naming what is not)."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise ValueError(f"messages: expected an array of messages, got {checks.kind(value)}")
+    for i, m in enumerate(value):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ValueError(f"messages[{i}]: expected an object with a string role and content, got {checks.kind(m)}")
+    return value
+
+
+def _text(head: dict[str, Any], key: str) -> str | None:
+    value = head.get(key)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{key}: expected a string or null, got {checks.kind(value)}")
+    return value
 
 
 def check_session(path: str | os.PathLike, saved: SavedSession, model_sha256: str, model_config: Any,

@@ -44,6 +44,9 @@ from tracelm.io.tokenizer import (
 from tracelm.state.errors import ModelFormatError, TracelmError
 
 SPACE = "\u2581"  # SentencePiece's visible space
+# a tokenizer.json's highest id at most this many times its tokens, plus this gap (ids are dense in real ones; the
+# tables made from it are as long as the highest id)
+MAX_ID_SPREAD, MAX_ID_GAP = 4, 1 << 16
 
 
 class PreTokenizer(NamedTuple):
@@ -442,6 +445,10 @@ def from_hf_json(path: str | Path) -> Tokenizer:
             raise TracelmError(f"{cfg_path.name}: not valid JSON: {e}") from None
     vocab = hf.get_vocab(with_added_tokens=True)
     n = max(vocab.values(), default=-1) + 1
+    if n > MAX_ID_SPREAD * len(vocab) + MAX_ID_GAP:  # the tables below are n long: ids are nearly dense in a real one
+        top = max(vocab, key=vocab.__getitem__)
+        raise ModelFormatError(f"{path.name}: token {top[:40]!r} has id {n - 1}, far past the {len(vocab)} tokens "
+                               f"the file holds (ids up to {MAX_ID_SPREAD * len(vocab) + MAX_ID_GAP - 1} are read)")
     pieces = [""] * n
     for piece, i in vocab.items():
         pieces[i] = piece

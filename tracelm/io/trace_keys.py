@@ -16,7 +16,10 @@ from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from tracelm.io.files import MiB, read_regular
 from tracelm.state.errors import TracelmError
+
+MAX_KEY_BYTES = MiB  # a PEM key is a few hundred bytes
 
 ALGORITHM = "ed25519"
 SIGNED_PREFIX = b"tracelm-trace "  # what a signature covers: this, then the footer's hash (64 hex digits)
@@ -64,10 +67,7 @@ def signature_valid(key: Ed25519PublicKey, chain_hash: str, signature_hex: str) 
 
 
 def _read_pem(path: str | os.PathLike, what: str) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError as e:
-        raise TracelmError(f"{path}: cannot read the {what}: {e.strerror or e}") from None
+    return read_regular(path, f"the {what}", MAX_KEY_BYTES)
 
 
 def load_private_key(path: str | os.PathLike) -> Ed25519PrivateKey:

@@ -5,6 +5,7 @@ GGUFFile, or an HFFolder under the GGUF names."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -12,12 +13,17 @@ from gguf import GGMLQuantizationType as QType
 
 import tracelm.kernels as kernels
 from tracelm.io.gguf_file import GGUFFile
-from tracelm.state.errors import TracelmError
+from tracelm.state.errors import ModelFormatError, TracelmError
 from tracelm.state.model_config import ModelConfig
 from tracelm.state.records import LayerWeights, ModelWeights, QMatrix
 
 # The fields of LayerWeights, each with the tensors whose rows it stacks and its f32 shape.
 LayerPlan = dict[str, tuple[tuple[str, ...], tuple[int, ...]]]
+
+
+# the config's counts behind the rows of a field stacked from several tensors
+_COUNTS = {"wqkv": ("n_head", "n_head_kv", "head_dim"), "bqkv": ("n_head", "n_head_kv", "head_dim"),
+           "w_gate_up": ("n_ff",)}
 
 
 def layer_plan(gf: Any, cfg: ModelConfig, i: int) -> LayerPlan:
@@ -46,7 +52,7 @@ def layer_plan(gf: Any, cfg: ModelConfig, i: int) -> LayerPlan:
     if cfg.post_norms:
         plan["post_attn_norm"] = ((p + "post_attention_norm.weight",), (d,))
         plan["post_ffn_norm"] = ((p + "post_ffw_norm.weight",), (d,))
-    for names, shape in plan.values():
+    for field, (names, shape) in plan.items():
         parts = [_info(gf, n) for n in names]
         if len(parts) == 1:
             _expect_shape(gf, names[0], shape)
@@ -57,8 +63,24 @@ def layer_plan(gf: Any, cfg: ModelConfig, i: int) -> LayerPlan:
         if sum(t.shape[0] for t in parts) != shape[0]:
             raise TracelmError(f"{gf.name}: block {i} projections do not match the metadata ("
                                + ", ".join(f"{t.name} {list(t.shape)}" for t in parts)
-                               + f": {sum(t.shape[0] for t in parts)} rows, expected {shape[0]})")
+                               + f": {sum(t.shape[0] for t in parts)} rows, expected {shape[0]} from "
+                               + ", ".join(f"{k} {getattr(cfg, k)}" for k in _COUNTS[field]) + ")")
     return plan
+
+
+BLOCK_NAME = re.compile(r"blk\.(\d{1,9})\.")  # a block's tensors, by the canonical names
+
+
+def check_blocks(gf: Any, cfg: ModelConfig, field: str) -> None:
+    """Before anything loops over a model's blocks or sizes memory by them: the block count (read from `field`) no
+    more than the blocks whose tensors the file holds, and every block's tensors of the shapes the config's counts
+    make (heads, kv heads, head dim, FFN width; `layer_plan`, header only). A ModelFormatError names the field."""
+    held = {int(m.group(1)) for name in gf.tensors if (m := BLOCK_NAME.match(name))}
+    if cfg.n_layer > len(held):
+        raise ModelFormatError(f"{gf.name}: {field} is {cfg.n_layer}, but the file holds the tensors of "
+                               f"{len(held)} block" + "s" * (len(held) != 1))
+    for i in range(cfg.n_layer):
+        layer_plan(gf, cfg, i)
 
 
 def _expect_shape(gf: Any, name: str, shape: tuple[int, ...]) -> None:

@@ -18,7 +18,6 @@ object of token ids (as strings) to biases in [-100, 100], added to the logits b
 from __future__ import annotations
 
 import json
-import math
 import re
 from typing import Any
 
@@ -26,6 +25,7 @@ import attrs
 
 from tracelm.server.errors import bad, kind_of
 from tracelm.server.tools import ToolRequest, parse_tools
+from tracelm.state.errors import shown
 from tracelm.state.records import Constraint
 
 # Arguments every generation endpoint takes, plus tracelm's extensions (top_k, min_p, repetition_penalty,
@@ -49,6 +49,7 @@ SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1024
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+MAX_TOKEN_ID = (1 << 31) - 1  # a token id as the request may write it (then checked against the vocabulary)
 
 
 @attrs.frozen
@@ -105,21 +106,22 @@ def _integer(body: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
     if isinstance(x, bool) or not isinstance(x, int):
         raise bad(f"'{key}' must be an integer, got {kind_of(x)}", key)
     if not lo <= x <= hi:
-        raise bad(f"'{key}' must be between {lo} and {hi}, got {x}", key)
+        raise bad(f"'{key}' must be between {lo} and {hi}, got {shown(x)}", key)
     return x
 
 
 def _number(body: dict[str, Any], key: str, lo: float, hi: float, lo_open: bool = False) -> float | None:
+    """A number within lo..hi, compared as given (an integer of any size, a float: NaN and infinities fail) before
+    it becomes a float."""
     x = body.get(key)
     if x is None:
         return None
     if isinstance(x, bool) or not isinstance(x, int | float):
         raise bad(f"'{key}' must be a number, got {kind_of(x)}", key)
-    x = float(x)
-    if not math.isfinite(x) or x > hi or x < lo or (lo_open and x == lo):
+    if not lo <= x <= hi or (lo_open and x == lo):
         low = f"greater than {lo:g}" if lo_open else f"at least {lo:g}"
-        raise bad(f"'{key}' must be {low} and at most {hi:g}, got {x:g}", key)
-    return x
+        raise bad(f"'{key}' must be {low} and at most {hi:g}, got {shown(x)}", key)
+    return float(x)
 
 
 def _boolean(body: dict[str, Any], key: str) -> bool | None:
@@ -206,12 +208,13 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
         raise bad(f"'logit_bias' takes at most {MAX_LOGIT_BIAS} tokens, got {len(x)}", "logit_bias")
     out = {}
     for key in x:
-        if not (isinstance(key, str) and key.isdigit() and key.isascii()):
-            raise bad(f"'logit_bias' keys are token ids written as decimal strings, got {key!r}", "logit_bias")
+        if not (isinstance(key, str) and key.isdigit() and key.isascii() and len(key) <= 10
+                and int(key) <= MAX_TOKEN_ID):
+            raise bad(f"'logit_bias' keys are token ids (0 to {MAX_TOKEN_ID}) written as decimal strings, got "
+                      f"{shown(key)}", "logit_bias")
         bias = x[key]
         if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100.0 <= bias <= 100.0:
-            raise bad(f"'logit_bias' {key}: a bias is a number from -100 to 100, got {json.dumps(bias)[:40]}",
-                      "logit_bias")
+            raise bad(f"'logit_bias' {key}: a bias is a number from -100 to 100, got {shown(bias)}", "logit_bias")
         out[int(key)] = float(bias)
     return out
 
@@ -225,6 +228,9 @@ def _prompt(body: dict[str, Any]) -> str | list[int]:
     if isinstance(x, str):
         return x
     if isinstance(x, list) and x and all(isinstance(i, int) and not isinstance(i, bool) for i in x):
+        if not all(0 <= i <= MAX_TOKEN_ID for i in x):
+            raise bad(f"'prompt' token ids are 0 to {MAX_TOKEN_ID}, got "
+                      f"{shown(next(i for i in x if not 0 <= i <= MAX_TOKEN_ID))}", "prompt")
         return list(x)
     if isinstance(x, list) and len(x) > 1 and all(isinstance(p, str | list) for p in x):
         raise bad(f"'prompt' holds {len(x)} prompts; this server takes one per request", "prompt")

@@ -1,5 +1,25 @@
 """The error that reports bad input (a file, a config, a prompt) in one line: every layer raises it."""
 
+import json
+from typing import Any
+
+
+def shown(value: Any, limit: int = 40) -> str:
+    """A value for an error message, as JSON (a string as Python writes it), cut short: a number of 400 digits or a
+    key of 5,000 characters names itself by its start and its length."""
+    if isinstance(value, str):
+        return repr(value) if len(value) <= limit else f"{value[: limit - 16]!r}... ({len(value)} characters)"
+    try:
+        text = json.dumps(value, default=repr)
+    except (ValueError, RecursionError):  # an integer past Python's digit limit, a nest too deep
+        text = f"<{type(value).__name__}>"
+    return cut(text, limit)
+
+
+def cut(text: str, limit: int = 200) -> str:
+    """`text`, or its start and its length when longer than `limit`."""
+    return text if len(text) <= limit else f"{text[: limit - 16]}... ({len(text)} characters)"
+
 
 class TracelmError(Exception):
     """An error caused by the user's input (file, config, prompt): reported as one line, exit 2."""

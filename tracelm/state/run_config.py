@@ -16,6 +16,8 @@ KV_CACHE_DTYPES = ("f16", "f32", "q8_0")  # what the Cache holds keys and values
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1024
 MAX_SEED = (1 << 63) - 1
+MAX_THREADS = 256  # the kernels' thread pool holds at most this many (kernels.set_threads)
+MAX_CONTEXT = 1 << 27  # positions: beyond any model's trained context (a bound before any size is computed from it)
 
 
 def _check_stops(_cfg: object, _field: object, stops: tuple[str, ...]) -> None:
@@ -114,12 +116,12 @@ class RunConfig:
     # an f16 scale and 32 int8, ~half of f16's bytes; scores as integer dot products with the query rounded alike:
     # docs/architecture.md, stages/attention.py)
     kv_cache: str = attrs.field(default="f16", validator=v.in_(KV_CACHE_DTYPES))
-    context: int = attrs.field(default=2048, validator=v.gt(0))  # positions the Cache holds
+    context: int = attrs.field(default=2048, validator=[v.gt(0), v.le(MAX_CONTEXT)])  # positions the Cache holds
     # chat, when a turn's prompt + max_tokens no longer fits the context: stop (an error; the reply cut to the
     # room left) or shift (keep the system prompt and the latest shift_keep tokens of the conversation, recompute)
     context_policy: str = attrs.field(default="stop", validator=v.in_(CONTEXT_POLICIES))
     shift_keep: int = attrs.field(default=0, validator=v.ge(0))  # shift: tokens kept; 0 = half the context
-    threads: int = attrs.field(default=0, validator=v.ge(0))  # kernel (and BLAS) threads; 0 = all cores
+    threads: int = attrs.field(default=0, validator=[v.ge(0), v.le(MAX_THREADS)])  # kernel (and BLAS) threads; 0: all
     max_tokens: int = attrs.field(default=128, validator=v.ge(0))
     stop: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_check_stops)  # stop strings
     system: str | None = None  # chat: system prompt (None: the template's default)
@@ -128,7 +130,7 @@ class RunConfig:
     # linear RoPE scaling (position interpolation): every RoPE frequency divided by this. A context beyond the
     # model's trained one is refused unless this stretches the trained context to hold it (context <= trained x
     # rope_scale); 1.0 = the model as trained
-    rope_scale: float = attrs.field(default=1.0, validator=v.ge(1.0))
+    rope_scale: float = attrs.field(default=1.0, validator=[v.ge(1.0), v.le(float(MAX_CONTEXT))])
     # a chat template renders in a worker process under these (tracelm/io/chat_template.py): CPU seconds, and
     # characters of its output or of any string or list it builds
     template_cpu_seconds: float = attrs.field(default=2.0, validator=v.gt(0))

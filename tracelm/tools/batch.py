@@ -37,11 +37,12 @@ from typing import IO, Any
 
 import attrs
 
+from tracelm.io.files import GiB, read_regular
 from tracelm.io.run_config import config_as_dict, record_from_dict, run_config_from_dict
 from tracelm.server.errors import ApiError
 from tracelm.server.queue import Engine, Job
 from tracelm.session import Session, chat_prompt, shift_chat
-from tracelm.state.errors import TracelmError
+from tracelm.state.errors import TracelmError, shown
 from tracelm.state.records import SamplingParams
 from tracelm.state.run_config import RunConfig
 
@@ -49,6 +50,7 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "repeat_pen
                    "frequency_penalty", "presence_penalty")
 ITEM_FIELDS = ("id", "prompt", "messages", "max_tokens", "stop", *SAMPLING_FIELDS)
 ROLES = ("system", "developer", "user", "assistant")
+MAX_INPUT_BYTES = GiB  # an input (or output, read to resume) larger than this is refused before it is read
 MAX_BATCH = 8  # the engine's limit: rows of a pass stay bitwise what they are alone (ServerOptions.max_batch)
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 _FINAL_HASH = re.compile(rb'"hash":"([0-9a-f]{64})"(?:,"mac":"[0-9a-f]{64}")?(?:,"sig":"[0-9a-f]{128}")?\}\s*$')
@@ -151,8 +153,9 @@ def _item_id(obj: dict[str, Any]) -> str | int:
     if "id" not in obj:
         raise _field_error("id", "missing")
     value = obj["id"]
-    if isinstance(value, bool) or not isinstance(value, str | int) or value == "":
-        raise _field_error("id", f"expected a non-empty string or an integer, got {value!r}")
+    if (isinstance(value, bool) or not isinstance(value, str | int) or value == ""
+            or (isinstance(value, int) and not -(1 << 63) <= value < 1 << 63)):
+        raise _field_error("id", f"expected a non-empty string or a 64-bit integer, got {shown(value)}")
     return value
 
 
@@ -201,8 +204,10 @@ def parse_item(line: int, text: str, cfg: RunConfig) -> Item:
     """One input line as an Item; a TracelmError naming the field otherwise."""
     try:
         obj = json.loads(text)
-    except ValueError as e:
-        raise TracelmError(f"not valid JSON ({e})") from None
+    except RecursionError:
+        raise TracelmError("not valid JSON (nested too deeply)") from None
+    except ValueError as e:  # a number of more than 4300 digits too
+        raise TracelmError(f"not valid JSON ({str(e).split(';')[0]})") from None
     if not isinstance(obj, dict):
         raise TracelmError(f"expected a JSON object, got {type(obj).__name__}")
     unknown = sorted(set(obj) - set(ITEM_FIELDS))
@@ -223,10 +228,7 @@ def parse_item(line: int, text: str, cfg: RunConfig) -> Item:
 def read_items(path: Path, cfg: RunConfig) -> tuple[list[Item], list[BadLine]]:
     """Every line of the input as an Item, or a BadLine saying why not (blank lines are skipped); the second of
     two lines with one id is a BadLine."""
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise TracelmError(f"{path}: cannot read input: {e.strerror or e}") from None
+    data = read_regular(path, "batch input", MAX_INPUT_BYTES)
     items: list[Item] = []
     bad: list[BadLine] = []
     first: dict[str, int] = {}
@@ -256,12 +258,9 @@ def done_ids(path: Path) -> tuple[set[str], int]:
     """The ids (item_key) already in an output file, and the bytes of a torn last line (one without its newline:
     what a crash in mid-write leaves), which is cut off the file. A whole line that is not a result is a
     TracelmError: the file was not written by tracelm batch, or was edited."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         return set(), 0
-    except OSError as e:
-        raise TracelmError(f"{path}: cannot read output: {e.strerror or e}") from None
+    data = read_regular(path, "batch output", MAX_INPUT_BYTES)
     *complete, tail = data.split(b"\n")  # tail: what follows the last newline (b"" when the file ends in one)
     ids: set[str] = set()
     good = 0  # bytes of complete result lines

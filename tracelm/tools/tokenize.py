@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tracelm.io.files import GiB, read_regular_text
 from tracelm.io.loader import load_tokenizer
 from tracelm.state.errors import TracelmError
 
@@ -38,14 +39,7 @@ def tokenizer_report(model: str, input_file: str | None = None) -> dict[str, Any
 
 def read_text_file(path: str | Path) -> str:
     """A UTF-8 text file; bytes that are not UTF-8 are an error that names the offset."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as e:
-        raise TracelmError(f"{path}: cannot read: {e.strerror}") from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise TracelmError(f"{path}: not UTF-8 text (byte 0x{data[e.start]:02X} at offset {e.start})") from None
+    return read_regular_text(path, "input", GiB)
 
 
 def split_inputs(text: str, separator: str | None) -> list[str]:

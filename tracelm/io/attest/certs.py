@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from pathlib import Path
 from typing import Any
 
 from cryptography import x509
@@ -13,6 +12,7 @@ from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 
 from tracelm.io.attest import der
+from tracelm.io.files import read_regular
 from tracelm.state.errors import EvidenceFormatError
 
 MAX_FILE_BYTES = 16 << 20  # collateral is kilobytes; a policy naming /dev/zero is refused, not read forever
@@ -34,18 +34,7 @@ def certificates(data: bytes, what: str) -> list[x509.Certificate]:
 
 def read_file(path: str | os.PathLike, what: str) -> bytes:
     """A regular file's bytes (at most MAX_FILE_BYTES)."""
-    p = Path(path)
-    try:
-        if not p.is_file():
-            raise EvidenceFormatError(f"{p}: the {what} is not a regular file" if p.exists()
-                                      else f"{p}: no such {what} file")
-        with open(p, "rb") as f:
-            data = f.read(MAX_FILE_BYTES + 1)
-    except OSError as e:
-        raise EvidenceFormatError(f"{p}: cannot read the {what}: {e.strerror or e}") from None
-    if len(data) > MAX_FILE_BYTES:
-        raise EvidenceFormatError(f"{p}: the {what} is larger than {MAX_FILE_BYTES >> 20} MiB")
-    return data
+    return read_regular(path, f"the {what}", MAX_FILE_BYTES, EvidenceFormatError)
 
 
 def load_certificates(path: str | os.PathLike, what: str = "certificate") -> list[x509.Certificate]:
