@@ -4,7 +4,9 @@
 - params.py: OpenAI request bodies -> checked requests, and the OpenAI error shape;
 - queue.py: the engine: one worker thread serving a bounded queue in arrival order;
 - sessions.py: conversations whose KV cache is kept between requests (bounded, least recently used out);
-- guard.py: uvicorn's h11 protocol with a time and a size limit on the request head (408 / 431).
+- guard.py: uvicorn's h11 protocol with a time and a size limit on the request head (408 / 431);
+- access.py: the API key on every route but /health and the pages, and the Host / Origin checks browsers need;
+- pages.py: the chat page and the trace viewer, and their API.
 
 Starlette + uvicorn: a small, well-kept ASGI pair whose streaming response notices a client that hangs
 up; request bodies are checked by hand (params.py) so every mistake gets the OpenAI error shape.
@@ -18,6 +20,8 @@ import os
 import socket
 import sys
 from typing import Any
+
+import attrs
 
 from tracelm.state.errors import TracelmError
 
@@ -40,14 +44,14 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def uvicorn_config(app: Any, opts: Any) -> Any:
+def uvicorn_config(app: Any, opts: Any, log_level: str = "info") -> Any:
     """uvicorn's settings for the app under `opts` (ServerOptions): its h11 protocol with the request head's time
     and size limits (server/guard.py)."""
     import uvicorn
 
     from tracelm.server.guard import guarded_protocol
 
-    return uvicorn.Config(app, log_level="info", limit_concurrency=4 * (opts.queue_size + 1) + 16,
+    return uvicorn.Config(app, log_level=log_level, limit_concurrency=4 * (opts.queue_size + 1) + 16,
                           timeout_keep_alive=5, timeout_graceful_shutdown=5, server_header=False,
                           http=guarded_protocol(opts.header_timeout, opts.max_header_bytes),
                           h11_max_incomplete_event_size=opts.max_header_bytes + 1024)
@@ -66,6 +70,7 @@ def serve(cfg: Any, host: str | None = None, port: int | None = None) -> None:
     if not 0 <= port <= 65535:
         raise TracelmError(f"--port {port}: expected 0..65535")
     api_key = os.environ.get(cfg.server.api_key_env) or None
+    cfg = attrs.evolve(cfg, server=attrs.evolve(cfg.server, host=host))  # its pages answer under this name too
     sock = _listen(host, port)
     try:
         session = Session(config=cfg, progress=True)

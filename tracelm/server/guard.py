@@ -9,7 +9,9 @@ into a reset the client sees instead of the answer. `guarded_protocol` returns a
   connection opened or the previous response ended;
 - answers 431 to a head over `max_header_bytes` and then closes gracefully: the response is written, the sending
   side shut down, and what the client still sends is read and dropped (up to DRAIN_BYTES, for at most
-  LINGER_SECONDS), so the client reads the 431 rather than a reset.
+  LINGER_SECONDS), so the client reads the 431 rather than a reset;
+- closes as gracefully a connection whose response is complete before its request body is (a 413 or 401 answered
+  without reading the body): uvicorn would keep it open, dropping what arrives, for as long as the client sends.
 """
 
 from __future__ import annotations
@@ -67,9 +69,13 @@ class GuardedH11Protocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if not self.transport.is_closing():  # a kept-alive connection waits for the next head, in time
-            self._head_bytes, self._tail = 0, b""
-            self._arm()
+        if self.transport.is_closing():
+            return
+        if self.conn.their_state is h11.SEND_BODY:  # answered before the body was read: no next request here
+            self._disarm()
+            return self._linger_close()
+        self._head_bytes, self._tail = 0, b""  # a kept-alive connection waits for the next head, in time
+        self._arm()
 
     def _head_over(self, data: bytes) -> bool:
         """Count the head's bytes in `data` (up to its blank line: a body read with it is not the head's); True
@@ -106,6 +112,11 @@ class GuardedH11Protocol(H11Protocol):
         message = (f"the request head (request line and headers) is larger than {self.max_header_bytes} bytes "
                    "(server.max_header_bytes)")
         self.transport.write(_response(431, "Request Header Fields Too Large", message, "request_header_too_large"))
+        self._linger_close()
+
+    def _linger_close(self) -> None:
+        """Shut the sending side down (what was written goes out first), read and drop what the client still sends
+        for LINGER_SECONDS, then close: the client reads the answer rather than a reset."""
         self._drained = 0
         if self.transport.can_write_eof():
             self.transport.write_eof()

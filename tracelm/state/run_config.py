@@ -81,6 +81,10 @@ class ServerOptions:
     max_header_bytes: int = attrs.field(default=65536, validator=v.ge(1024))  # a larger request head gets 431
     # CPU seconds (the process's, shared among the sequences of a pass) a request may use; then it stops (0 = no limit)
     request_cpu_seconds: float = attrs.field(default=600.0, validator=v.ge(0))
+    max_upload_mb: int = attrs.field(default=64, validator=v.ge(1))  # a trace posted to the viewer: larger gets 413
+    # host names the pages, their API and browsers' requests are answered under, besides IP addresses, localhost
+    # and server.host (a DNS-rebinding page's requests carry its own name: 403)
+    allowed_hosts: tuple[str, ...] = ()
 
 
 @attrs.frozen(slots=True)
