@@ -4,7 +4,8 @@
 - params.py: OpenAI request bodies -> checked requests, and the OpenAI error shape;
 - queue.py: the engine: one worker thread serving a bounded queue in arrival order;
 - sessions.py: conversations whose KV cache is kept between requests (bounded, least recently used out);
-- guard.py: uvicorn's h11 protocol with a time and a size limit on the request head (408 / 431);
+- guard.py: uvicorn's h11 protocol with a time and a size limit on the request head (408 / 431), a time limit
+  on its body (408);
 - access.py: the API key on every route but /health and the pages, and the Host / Origin checks browsers need;
 - pages.py: the chat page and the trace viewer, and their API.
 
@@ -46,14 +47,14 @@ def _is_loopback(host: str) -> bool:
 
 def uvicorn_config(app: Any, opts: Any, log_level: str = "info") -> Any:
     """uvicorn's settings for the app under `opts` (ServerOptions): its h11 protocol with the request head's time
-    and size limits (server/guard.py)."""
+    and size limits and the body's time limit (server/guard.py)."""
     import uvicorn
 
     from tracelm.server.guard import guarded_protocol
 
     return uvicorn.Config(app, log_level=log_level, limit_concurrency=4 * (opts.queue_size + 1) + 16,
                           timeout_keep_alive=5, timeout_graceful_shutdown=5, server_header=False,
-                          http=guarded_protocol(opts.header_timeout, opts.max_header_bytes),
+                          http=guarded_protocol(opts.header_timeout, opts.max_header_bytes, opts.body_timeout),
                           h11_max_incomplete_event_size=opts.max_header_bytes + 1024)
 
 

@@ -17,20 +17,26 @@
 A client that is not a browser sends no Origin: the OpenAI API answers it under any Host.
 
 `read_body` reads a request's body up to a limit, counting as it streams in: past the limit it stops at once.
+`body_lost` answers a body that stopped coming (the client went away, or server.body_timeout passed: guard.py) with
+one line in the log.
 """
 
 from __future__ import annotations
 
 import hmac
 import ipaddress
+import logging
 from collections.abc import Iterable
 from typing import Any
 from urllib.parse import urlsplit
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 from tracelm.server.errors import ApiError
+from tracelm.server.guard import BODY_TIMED_OUT
+
+log = logging.getLogger("tracelm.server")
 
 DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
 
@@ -138,3 +144,12 @@ async def read_body(request: Request, limit: int) -> bytes | None:
             return None
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def body_lost(request: Request, _exc: Exception) -> Response:
+    """The handler of starlette's ClientDisconnect, raised while a request's body is read: one line in the log, no
+    traceback (nobody is left to answer)."""
+    why = ("not complete within server.body_timeout: closed with a 408" if request.scope.get(BODY_TIMED_OUT) else
+           "the client closed the connection before it was complete")
+    log.warning("%s %s: request body lost: %s", request.method, request.url.path[:200], why)
+    return Response(status_code=499)

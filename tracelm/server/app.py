@@ -29,12 +29,12 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tracelm.audit.policy import Policy, load_policy
-from tracelm.server.access import Access, read_body
+from tracelm.server.access import Access, body_lost, read_body
 from tracelm.server.errors import ApiError, bad
 from tracelm.server.pages import page_routes
 from tracelm.server.params import GenerationRequest, parse_json, parse_request
@@ -99,7 +99,8 @@ class Server:
             Route("/v1/attestation", self.attestation, methods=["GET"]),
             *page_routes(self),  # the chat page at / and the trace viewer at /trace (pages.py)
         ]
-        handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error}
+        handlers = {ApiError: _api_error, HTTPException: _http_error, ClientDisconnect: body_lost,
+                    Exception: _internal_error}
         opts = self.cfg.server
         access = Middleware(Access, api_key=self.api_key, allowed_hosts=(*opts.allowed_hosts, opts.host))
         return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan,  # type: ignore[arg-type]

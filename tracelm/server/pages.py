@@ -29,14 +29,14 @@ import attrs
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from tracelm.audit.policy import Policy
 from tracelm.audit.trust import TrustVerdict, judge
 from tracelm.audit.verify import Trace, parse_trace, read_trace
-from tracelm.server.access import Access, read_body
+from tracelm.server.access import Access, body_lost, read_body
 from tracelm.state.errors import TracelmError
 from tracelm.state.run_config import ServerOptions
 
@@ -193,7 +193,8 @@ def viewer_app(trace: Path, replay: dict[str, Any] | None = None, key: TraceKey 
     """The trace viewer alone, with `trace` (and a replay report) preloaded: `tracelm trace view`."""
     read_trace(trace)  # not a trace at all: say so before serving
     pages = Pages(trace=trace, replay=replay, key=key, policy=policy or Policy())
-    return Starlette(routes=pages.routes(), middleware=[Middleware(Access, api_key=None)])
+    return Starlette(routes=pages.routes(), middleware=[Middleware(Access, api_key=None)],
+                     exception_handlers={ClientDisconnect: body_lost})
 
 
 def _web_names() -> set[str]:
