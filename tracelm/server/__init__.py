@@ -45,25 +45,13 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def uvicorn_config(app: Any, opts: Any, log_level: str = "info") -> Any:
-    """uvicorn's settings for the app under `opts` (ServerOptions): its h11 protocol with the request head's time
-    and size limits and the body's time limit (server/guard.py)."""
-    import uvicorn
-
-    from tracelm.server.guard import guarded_protocol
-
-    return uvicorn.Config(app, log_level=log_level, limit_concurrency=4 * (opts.queue_size + 1) + 16,
-                          timeout_keep_alive=5, timeout_graceful_shutdown=5, server_header=False,
-                          http=guarded_protocol(opts.header_timeout, opts.max_header_bytes, opts.body_timeout),
-                          h11_max_incomplete_event_size=opts.max_header_bytes + 1024)
-
-
 def serve(cfg: Any, host: str | None = None, port: int | None = None) -> None:
     """Load the config's model (a Session: its thread limits, its runners) and serve it until interrupted
     (SIGINT / SIGTERM)."""
     import uvicorn
 
     from tracelm.server.app import Server
+    from tracelm.server.guard import uvicorn_config
     from tracelm.session import Session
 
     host = host or cfg.server.host

@@ -16,6 +16,8 @@ into a reset the client sees instead of the answer. `guarded_protocol` returns a
   LINGER_SECONDS), so the client reads the 431 rather than a reset;
 - closes as gracefully a connection whose response is complete before its request body is (a 413 or 401 answered
   without reading the body): uvicorn would keep it open, dropping what arrives, for as long as the client sends.
+
+`uvicorn_config` gives uvicorn's settings with this protocol under a config's server options.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import json
 from typing import Any
 
 import h11
+import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 LINGER_SECONDS = 5.0
@@ -158,3 +161,11 @@ def guarded_protocol(header_timeout: float, max_header_bytes: int, body_timeout:
     return type("GuardedH11Protocol", (GuardedH11Protocol,),
                 {"header_timeout": header_timeout, "max_header_bytes": max_header_bytes,
                  "body_timeout": body_timeout})
+
+
+def uvicorn_config(app: Any, opts: Any, log_level: str = "info") -> uvicorn.Config:
+    """uvicorn's settings for the app under `opts` (ServerOptions): the guarded protocol with its limits."""
+    return uvicorn.Config(app, log_level=log_level, limit_concurrency=4 * (opts.queue_size + 1) + 16,
+                          timeout_keep_alive=5, timeout_graceful_shutdown=5, server_header=False,
+                          http=guarded_protocol(opts.header_timeout, opts.max_header_bytes, opts.body_timeout),
+                          h11_max_incomplete_event_size=opts.max_header_bytes + 1024)

@@ -228,7 +228,7 @@ def serve_viewer(trace: Path, replay: Path | None, key: TraceKey | None, port: i
     """`tracelm trace view`: the viewer on 127.0.0.1 with the files preloaded, until interrupted; prints the URL."""
     import uvicorn
 
-    from tracelm.server import uvicorn_config
+    from tracelm.server.guard import uvicorn_config
 
     app = viewer_app(trace, read_replay_report(replay) if replay is not None else None, key, policy)
     try:
