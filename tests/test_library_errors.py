@@ -27,8 +27,8 @@ class InProcessServer(ServerProcess):
     def __init__(self, model: Path):
         import uvicorn
 
-        from tracelm.server import uvicorn_config
         from tracelm.server.app import Server
+        from tracelm.server.guard import uvicorn_config
         from tracelm.session import Session, run_config
 
         cfg = run_config(model=str(model), settings=["context=256", "max_tokens=4", "threads=1"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import socket
 import time
 from pathlib import Path
@@ -26,7 +27,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path):
     work = tmp_path_factory.mktemp("hardened-server")
     config = {"model": str(tiny_gguf), "context": CONTEXT, "max_tokens": 8, "threads": 1,
               "sampling": {"temperature": 0.0},
-              "server": {"header_timeout": 1.5, "session_memory_mb": 6, "max_sessions": 16,
+              "server": {"header_timeout": 1.5, "body_timeout": 1.5, "session_memory_mb": 6, "max_sessions": 16,
                          "request_cpu_seconds": 0.3}}
     s = ServerProcess(work, config)
     yield s
@@ -81,6 +82,86 @@ def test_a_body_read_with_its_head_is_not_counted_as_head(server):
         c.sendall(head.encode() + body)  # one write: the server reads the head and much of the body together
         status = c.recv(4096).split(b"\r\n", 1)[0]
     assert b" 431 " not in status, status
+
+
+def test_a_body_sent_a_byte_at_a_time_is_closed_after_the_body_timeout(server):
+    """Issue 29, item 6: the body has server.body_timeout seconds after the head; then a 408, closed, one log line."""
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000\r\n\r\n")
+    before = server.log().count("request body lost")
+    with socket.create_connection(("127.0.0.1", server.port)) as c:
+        c.sendall(head)
+        c.settimeout(0.1)
+        t0, answer = time.monotonic(), None
+        while answer is None:
+            try:
+                c.sendall(b"{")
+                answer = c.recv(4096)
+            except TimeoutError:
+                pass
+            except OSError:  # reset: closed
+                answer = b""
+            assert time.monotonic() - t0 < 10, "the connection was never closed"
+    assert 1.4 < time.monotonic() - t0 < 4
+    assert answer == b"" or answer.startswith(b"HTTP/1.1 408 "), answer
+    assert b"server.body_timeout" in answer or answer == b""
+    assert server.health()["status"] == "ok"
+    deadline = time.monotonic() + 10
+    while server.log().count("request body lost") == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.log().count("request body lost: not complete within server.body_timeout") == before + 1
+
+
+def test_a_client_dropping_mid_body_logs_one_line_and_no_traceback(server):
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100000\r\n\r\n")
+    lines = server.log().splitlines()
+    for _ in range(5):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as c:
+            c.sendall(head + b'{"model": "m", ')
+            time.sleep(0.05)
+    deadline = time.monotonic() + 10
+    while len([x for x in server.log().splitlines()[len(lines):] if "request body lost" in x]) < 5:
+        assert time.monotonic() < deadline, server.log()
+        time.sleep(0.05)
+    assert server.health()["status"] == "ok"
+    new = server.log().splitlines()[len(lines):]
+    lost = [x for x in new if "request body lost" in x]
+    assert lost == ["POST /v1/chat/completions: request body lost: the client closed the connection before it was "
+                    "complete"] * 5
+    assert not [x for x in new if "Traceback" in x or "Exception" in x or x.startswith("ERROR")], new
+
+
+def test_the_trace_dir_keeps_within_its_bound_oldest_first(tmp_path, tiny_gguf: Path):
+    """server.traces_max_mb: past it the oldest traces go first (down to 90 %); other files stay."""
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    for i in range(3):  # older traces, oldest first
+        old = traces / f"old-{i}.jsonl"
+        old.write_bytes(b"x" * (400 << 10))
+        os.utime(old, (1_000_000 + i, 1_000_000 + i))
+    (traces / "notes.txt").write_bytes(b"n" * (2 << 20))
+    config = {"model": str(tiny_gguf), "context": 256, "max_tokens": 32, "threads": 1,
+              "server": {"trace_dir": str(traces), "traces_max_mb": 1}}
+    s = ServerProcess(tmp_path / "work", config)
+    try:
+        assert sorted(p.name for p in traces.iterdir()) == ["notes.txt", "old-1.jsonl", "old-2.jsonl"]  # at start
+        written = []
+        for _ in range(8):  # about 200 KB each
+            r = s.request("POST", "/v1/completions", {"model": "m", "prompt": "hello", "max_tokens": 32})
+            assert r.status == 200, r.text
+            written.append(traces / f"{r.headers['x-request-id']}.jsonl")
+            s.wait_idle()
+            deadline = time.monotonic() + 10  # the trace closes (and the folder is bounded) just after the answer
+            while not (written[-1].exists() and sum(p.stat().st_size for p in traces.glob("*.jsonl")) <= 1 << 20):
+                assert time.monotonic() < deadline, sorted((p.name, p.stat().st_size) for p in traces.iterdir())
+                time.sleep(0.05)
+        left = sorted(traces.glob("*.jsonl"), key=lambda p: p.stat().st_mtime_ns)
+        assert not any(p.name.startswith("old-") for p in left) and left == written[-len(left):]
+        assert (traces / "notes.txt").stat().st_size == 2 << 20
+        assert s.health()["counters"]["traces_deleted"] == 3 + len(written) - len(left)
+    finally:
+        s.stop()
 
 
 def test_the_session_bound_holds_under_eviction(server):

@@ -147,6 +147,31 @@ def test_viewer_shows_the_chat_trace_as_a_grid(page, tiny_server) -> None:
     page.guard.check()
 
 
+def test_with_an_api_key_both_pages_ask_for_it_and_send_it(page, tiny_gguf, tmp_path) -> None:
+    """Issue 29: a server with a key answers the pages' API only with it; a page says so, the key typed into one page
+    is sent by both (the chat, then the viewer of its trace)."""
+    config = {"model": str(tiny_gguf), "context": 256, "max_tokens": 3, "threads": 1,
+              "server": {"trace_dir": str(tmp_path / "traces")}}
+    server = ServerProcess(tmp_path, config, env={"TRACELM_API_KEY": "page-key-42"})
+    try:
+        page.goto(server.base_url + "/")
+        page.wait_for_function("document.querySelector('#status').textContent.includes('needs its API key')")
+        page.fill("#api-key", "page-key-42")
+        page.dispatch_event("#api-key", "change")
+        page.wait_for_function("document.querySelector('#model-meta').textContent.includes('context 256')")
+        send(page, "hi")
+        link = page.locator(".msg.assistant .foot a.trace-link").last
+        link.wait_for()
+        page.goto(server.base_url + link.get_attribute("href"))
+        page.wait_for_selector("#verdict.untrusted")
+        assert page.locator("#tokens .tok").count() == 3 and page.input_value("#api-key") == "page-key-42"
+    finally:
+        server.stop()
+    assert page.guard.errors and all("status of 401" in e for e in page.guard.errors), page.guard.errors
+    page.guard.errors.clear()  # the browser's own line for the first, keyless /api/info
+    page.guard.check()
+
+
 @pytest.fixture(scope="module")
 def tiny_trace(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path) -> tuple[Path, Path]:
     """A private copy of the tiny model and a digest trace of a run on it (6 tokens)."""

@@ -21,6 +21,12 @@ bits on both paths, at any thread count, for a row alone or in a pass): rms_norm
 silu_mul, gelu_tanh_mul. Their exp and tanh are the kernels' own (a fixed polynomial, no libm), so no result
 depends on the C library either.
 
+Arguments: every entry point of _core checks what it is given against the buffers themselves (their own shapes,
+strides and dtypes, never an object's attributes) and raises a ValueError naming the argument: an array the call
+writes (out, scratch, attend's keys and values when it stores) may not share a byte with another it reads or writes,
+except where an out may be its input itself (rms_norm, rms_norm_add, rope, exp, pack: the same view); attend wants at
+least one head; out of memory inside a call is a MemoryError.
+
 Threads: at import, all CPUs this process may run on (os.sched_getaffinity); set_threads(n) changes it.
 
 Environment: TRACELM_KERNELS=NAME (portable, avx2, avxvnni, avx512vnni) picks that path at import where it may run;

@@ -337,6 +337,84 @@ void shape_str(const Py_buffer *v, char *s, size_t n) {
     if (o < n) snprintf(s + o, n - o, "]");
 }
 
+static Py_ssize_t stride_of(const Py_buffer *v, int i) {   /* in bytes; a buffer without strides is C-contiguous */
+    if (v->strides) return v->strides[i];
+    Py_ssize_t st = v->itemsize;
+    for (int k = i + 1; k < v->ndim; k++) st *= v->shape[k];
+    return st;
+}
+
+/* the bytes a buffer's items lie in: [*lo, *hi), empty when it has no items */
+void span_of(const Py_buffer *v, uintptr_t *lo, uintptr_t *hi) {
+    uintptr_t b = (uintptr_t)v->buf;
+    Py_ssize_t below = 0, above = 0;
+    for (int i = 0; i < v->ndim; i++) {
+        if (v->shape[i] == 0) {
+            *lo = *hi = b;
+            return;
+        }
+        Py_ssize_t d = (v->shape[i] - 1) * stride_of(v, i);
+        if (d < 0) below += d;
+        else above += d;
+    }
+    *lo = b + below;   /* below <= 0 */
+    *hi = b + above + v->itemsize;
+}
+
+static int same_view(const Py_buffer *a, const Py_buffer *b) {
+    if (a->buf != b->buf || a->ndim != b->ndim || a->itemsize != b->itemsize) return 0;
+    for (int i = 0; i < a->ndim; i++)
+        if (a->shape[i] != b->shape[i] || (a->shape[i] > 1 && stride_of(a, i) != stride_of(b, i))) return 0;
+    return 1;
+}
+
+/* a buffer as *R runs of *W contiguous bytes, *S bytes apart (S >= W): 1 when it is one (C-contiguous; or 2-D with
+ * unit-strided rows at a positive stride), else 0 */
+static int runs_of(const Py_buffer *v, Py_ssize_t *R, Py_ssize_t *S, Py_ssize_t *W) {
+    if (PyBuffer_IsContiguous(v, 'C')) {
+        *R = 1, *S = *W = v->len;
+        return 1;
+    }
+    if (v->ndim != 2 || (v->shape[1] > 1 && stride_of(v, 1) != v->itemsize)) return 0;
+    *R = v->shape[0], *S = stride_of(v, 0), *W = v->shape[1] * v->itemsize;
+    return *R <= 1 || *S >= *W;
+}
+
+static Py_ssize_t floor_div(Py_ssize_t a, Py_ssize_t b) { return a / b - (a % b != 0 && (a < 0) != (b < 0)); }
+
+/* whether two buffers share a byte: exactly when both are runs (runs_of) at one stride (or one is a single run),
+ * else whether their spans meet (which may refuse views that interleave without touching) */
+static int share_bytes(const Py_buffer *a, const Py_buffer *b) {
+    uintptr_t a0, a1, b0, b1;
+    span_of(a, &a0, &a1);
+    span_of(b, &b0, &b1);
+    if (a0 == a1 || b0 == b1 || a1 <= b0 || b1 <= a0) return 0;
+    Py_ssize_t ra, sa, wa, rb, sb, wb;
+    if (!runs_of(a, &ra, &sa, &wa) || !runs_of(b, &rb, &sb, &wb)) return 1;
+    const Py_ssize_t s = ra > 1 ? sa : sb;
+    if (ra > 1 && rb > 1 && sa != sb) return 1;
+    if (ra <= 1 && rb <= 1) return 1;   /* two runs whose spans meet */
+    /* run i of a, k of b: a0 + i s + x == b0 + k s + y (x < wa, y < wb) for some q = i - k in [-(rb-1), ra-1]:
+     * q s in [d - wa + 1, d + wb - 1], d = b0 - a0 */
+    const Py_ssize_t d = (Py_ssize_t)(b0 - a0);
+    Py_ssize_t qlo = -floor_div(-(d - wa + 1), s), qhi = floor_div(d + wb - 1, s);
+    if (qlo < -(rb - 1)) qlo = -(rb - 1);
+    if (qhi > ra - 1) qhi = ra - 1;
+    return qlo <= qhi;
+}
+
+int check_apart(const char *fn, const char *out_name, const Py_buffer *out, const char *in_name, const Py_buffer *in,
+                int same_ok) {
+    if (!share_bytes(out, in) || (same_ok && same_view(out, in))) return 0;
+    if (same_ok)
+        PyErr_Format(PyExc_ValueError, "%s: %s shares memory with %s: it may be %s itself (the same array), not "
+                     "overlap it otherwise", fn, out_name, in_name, in_name);
+    else
+        PyErr_Format(PyExc_ValueError, "%s: %s shares memory with %s: an array the call writes must not overlap one "
+                     "it reads (or another it writes)", fn, out_name, in_name);
+    return -1;
+}
+
 /* get a 2-D buffer of item type `fmt` ('f' float32, 'B' uint8): C-contiguous, or (row_stride) with unit column
  * stride and rows at a positive stride of at least a row apart (*ld: the row stride in items) */
 static int get2d_ld(PyObject *o, const char *fn, const char *name, char fmt, int writable, int row_stride, buf *b,
@@ -420,20 +498,16 @@ static int get_scratch(PyObject *o, const char *fn, int64_t need, buf *b) {
     return 0;
 }
 
-/* packed weights (kernels.h): a quantized type, whole groups of 8 rows */
-static int check_packable(const char *fn, int qtype, PyObject *wo) {
+/* packed weights (kernels.h): a quantized type, whole groups of 8 rows (w: the buffer itself, 2-D) */
+static int check_packable(const char *fn, int qtype, const buf *w) {
     if (!packable(qtype)) {
         PyErr_Format(PyExc_ValueError, "%s: qtype %d cannot be packed (Q4_0=2 Q4_1=3 Q5_0=6 Q5_1=7 Q8_0=8 "
                      "Q4_K=12 Q5_K=13 Q6_K=14 can)", fn,
                      qtype);
         return -1;
     }
-    PyObject *shape = PyObject_GetAttrString(wo, "shape");
-    Py_ssize_t rows = shape && PyTuple_Check(shape) && PyTuple_GET_SIZE(shape) == 2
-                      ? PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, 0)) : -1;
-    Py_XDECREF(shape);
-    PyErr_Clear();
-    if (rows < 0 || rows % GROUP) {
+    Py_ssize_t rows = w->v.shape[0];
+    if (rows % GROUP) {
         PyErr_Format(PyExc_ValueError, "%s: packed weights come in groups of %d rows, got %zd rows", fn, GROUP, rows);
         return -1;
     }
@@ -452,9 +526,9 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     PyObject *ret = NULL;
     int64_t ldo = 0;
     if (check_qtype("matmul", qtype) || check_halves("matmul", halves)) goto done;
-    if (packed && check_packable("matmul", qtype, wo)) goto done;
     if (get2d(xo, "matmul", "x", 'f', 0, &x) || get2d(wo, "matmul", "w", 'B', 0, &w) ||
-        get2d_ld(oo, "matmul", "out", 'f', 1, 1, &out, &ldo))
+        get2d_ld(oo, "matmul", "out", 'f', 1, 1, &out, &ldo) || (packed && check_packable("matmul", qtype, &w)) ||
+        check_apart("matmul", "out", &out.v, "x", &x.v, 0) || check_apart("matmul", "out", &out.v, "w", &w.v, 0))
         goto done;
     int64_t M = x.v.shape[0], Kx = x.v.shape[1], N = w.v.shape[0], K;
     if (values_per_row("matmul", qtype, w.v.shape[1], &K)) goto done;
@@ -469,7 +543,10 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
         goto done;
     }
     int64_t xrb = xq_row_bytes(qtype, K);
-    if (xrb && get_scratch(so, "matmul", halves * M * xrb, &sc)) goto done;
+    if (xrb && (get_scratch(so, "matmul", halves * M * xrb, &sc) || check_apart("matmul", "scratch", &sc.v, "x", &x.v, 0)
+                || check_apart("matmul", "scratch", &sc.v, "w", &w.v, 0) ||
+                check_apart("matmul", "scratch", &sc.v, "out", &out.v, 0)))
+        goto done;
     if (M > 0 && N > 0) {
         mm_ctx c;
         c.p = path;
@@ -518,7 +595,9 @@ static PyObject *py_quantize_rows(PyObject *self, PyObject *args) {
         goto done;
     }
     int64_t xrb = xq_row_bytes(qtype, K);
-    if (get_scratch(so, "quantize_rows", halves * M * xrb, &sc)) goto done;
+    if (get_scratch(so, "quantize_rows", halves * M * xrb, &sc) ||
+        check_apart("quantize_rows", "scratch", &sc.v, "x", &x.v, 0))
+        goto done;
     Py_BEGIN_ALLOW_THREADS
     quant_job q = {path, qtype, (const float *)x.v.buf, K, (char *)sc.v.buf, xrb, halves};
     pool_run(quant_tasks, &q, M, chunk_for(M));
@@ -539,7 +618,8 @@ static PyObject *py_dequantize(PyObject *self, PyObject *args) {
     PyObject *ret = NULL;
     int64_t K;
     if (check_qtype("dequantize", qtype) || get2d(wo, "dequantize", "w", 'B', 0, &w) ||
-        get2d(oo, "dequantize", "out", 'f', 1, &out) || values_per_row("dequantize", qtype, w.v.shape[1], &K))
+        get2d(oo, "dequantize", "out", 'f', 1, &out) || values_per_row("dequantize", qtype, w.v.shape[1], &K) ||
+        check_apart("dequantize", "out", &out.v, "w", &w.v, 0))
         goto done;
     if (out.v.shape[0] != w.v.shape[0] || out.v.shape[1] != K) {
         PyErr_Format(PyExc_ValueError, "dequantize: out must have shape [%zd, %lld], got [%zd, %zd]", w.v.shape[0],
@@ -559,12 +639,15 @@ done:
     return ret;
 }
 
-typedef struct { int qtype; const uint8_t *w; uint8_t *out; int64_t rb, nb; } pack_ctx;
+typedef struct { int qtype; const uint8_t *w; uint8_t *out; int64_t rb, nb; atomic_int no_memory; } pack_ctx;
 
 static void pack_tasks(void *ctx, int64_t g0, int64_t g1) {   /* groups g0..g1-1; out may be w (a group at a time) */
     pack_ctx *c = (pack_ctx *)ctx;
     uint8_t *tmp = malloc((size_t)(GROUP * c->rb));
-    if (!tmp) abort();
+    if (!tmp) {   /* these groups stay as they were; the call raises MemoryError */
+        atomic_store(&c->no_memory, 1);
+        return;
+    }
     for (int64_t g = g0; g < g1; g++) {
         memcpy(tmp, c->w + g * GROUP * c->rb, (size_t)(GROUP * c->rb));
         const uint8_t *rows[GROUP];
@@ -582,19 +665,25 @@ static PyObject *py_pack(PyObject *self, PyObject *args) {
     buf w = {0}, out = {0};
     PyObject *ret = NULL;
     int64_t K;
-    if (check_qtype("pack", qtype) || check_packable("pack", qtype, wo) || get2d(wo, "pack", "w", 'B', 0, &w) ||
-        get2d(oo, "pack", "out", 'B', 1, &out) || values_per_row("pack", qtype, w.v.shape[1], &K))
+    if (check_qtype("pack", qtype) || get2d(wo, "pack", "w", 'B', 0, &w) || check_packable("pack", qtype, &w) ||
+        get2d(oo, "pack", "out", 'B', 1, &out) || values_per_row("pack", qtype, w.v.shape[1], &K) ||
+        check_apart("pack", "out", &out.v, "w", &w.v, 1))
         goto done;
     if (out.v.shape[0] != w.v.shape[0] || out.v.shape[1] != w.v.shape[1]) {
         PyErr_Format(PyExc_ValueError, "pack: out must have w's shape [%zd, %zd], got [%zd, %zd]", w.v.shape[0],
                      w.v.shape[1], out.v.shape[0], out.v.shape[1]);
         goto done;
     }
-    Py_BEGIN_ALLOW_THREADS
-    pack_ctx c = {qtype, (const uint8_t *)w.v.buf, (uint8_t *)out.v.buf, w.v.shape[1], K / type_block(qtype)};
+    pack_ctx c = {qtype, (const uint8_t *)w.v.buf, (uint8_t *)out.v.buf, w.v.shape[1], K / type_block(qtype), 0};
     int64_t G = w.v.shape[0] / GROUP;
+    Py_BEGIN_ALLOW_THREADS
     pool_run(pack_tasks, &c, G, chunk_for(G));
     Py_END_ALLOW_THREADS
+    if (atomic_load(&c.no_memory)) {
+        PyErr_Format(PyExc_MemoryError, "pack: no memory for a group of %d rows of %lld bytes (out is partly packed)",
+                     GROUP, (long long)c.rb);
+        goto done;
+    }
     Py_INCREF(oo);
     ret = oo;
 done:
@@ -610,9 +699,9 @@ static PyObject *py_unpack_rows(PyObject *self, PyObject *args) {
     buf w = {0}, ids = {0}, out = {0};
     PyObject *ret = NULL;
     int64_t K;
-    if (check_qtype("unpack_rows", qtype) || check_packable("unpack_rows", qtype, wo) ||
-        get2d(wo, "unpack_rows", "w", 'B', 0, &w) || get2d(oo, "unpack_rows", "out", 'B', 1, &out) ||
-        values_per_row("unpack_rows", qtype, w.v.shape[1], &K))
+    if (check_qtype("unpack_rows", qtype) || get2d(wo, "unpack_rows", "w", 'B', 0, &w) ||
+        check_packable("unpack_rows", qtype, &w) || get2d(oo, "unpack_rows", "out", 'B', 1, &out) ||
+        values_per_row("unpack_rows", qtype, w.v.shape[1], &K) || check_apart("unpack_rows", "out", &out.v, "w", &w.v, 0))
         goto done;
     if (PyObject_GetBuffer(io, &ids.v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0 || ids.v.itemsize != 8 ||
         !(fmt_is(&ids.v, 'q') || fmt_is(&ids.v, 'l'))) {
@@ -622,6 +711,7 @@ static PyObject *py_unpack_rows(PyObject *self, PyObject *args) {
         goto done;
     }
     ids.held = 1;
+    if (check_apart("unpack_rows", "out", &out.v, "ids", &ids.v, 0)) goto done;
     int64_t n = ids.v.len / 8, R = w.v.shape[0], rb = w.v.shape[1];
     if (out.v.shape[0] != n || out.v.shape[1] != rb) {
         PyErr_Format(PyExc_ValueError, "unpack_rows: out must have shape [%lld, %lld], got [%zd, %zd]", (long long)n,
@@ -657,9 +747,15 @@ static PyObject *py_scratch_bytes(PyObject *self, PyObject *args) {
     int qtype, halves = 2;
     if (!PyArg_ParseTuple(args, "LLi|i:scratch_bytes", &M, &K, &qtype, &halves)) return NULL;
     if (check_qtype("scratch_bytes", qtype) || check_halves("scratch_bytes", halves)) return NULL;
-    if (M < 0 || K < 0 || K % type_block(qtype)) {
-        PyErr_Format(PyExc_ValueError, "scratch_bytes: need M >= 0 and K a multiple of %d, got M=%lld K=%lld",
-                     type_block(qtype), M, K);
+    if (M < 0 || K < 0 || K % type_block(qtype) || K > (1LL << 40)) {
+        PyErr_Format(PyExc_ValueError, "scratch_bytes: need M >= 0 and K a multiple of %d up to 2^40, got M=%lld "
+                     "K=%lld", type_block(qtype), M, K);
+        return NULL;
+    }
+    const long long xrb = (long long)xq_row_bytes(qtype, K);
+    if (xrb && M > LLONG_MAX / halves / xrb) {
+        PyErr_Format(PyExc_ValueError, "scratch_bytes: M=%lld rows of K=%lld values need more bytes than fit in 64 "
+                     "bits", M, K);
         return NULL;
     }
     return PyLong_FromLongLong(halves * M * (long long)xq_row_bytes(qtype, K));   /* hi (and lo) of each row */

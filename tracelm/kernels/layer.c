@@ -6,7 +6,8 @@
  *
  * Strides: every array is read through its strides (in items); the last dim of q, x, values, out, cos, sin must be
  * unit-strided, keys may have any strides (the Cache keeps them as a transposed view). An out may be its input
- * itself (rms_norm, rope) but no other overlap: its rows must lie apart.
+ * itself (rms_norm, rms_norm_add, rope, exp, tanh) but no other overlap: its rows must lie apart, and what a call
+ * writes shares no byte with anything else it reads or writes (check_apart: a ValueError).
  *
  * attend's scratch: one buffer per thread (thread-local, grown to the largest task seen, freed when the thread
  * ends): per task of nh heads over a span of n keys, qs and acc [nh][hd], a tile (keys, or q8_0's) and the scores
@@ -138,7 +139,9 @@ static PyObject *rms_common(const char *fn, PyObject *xo, PyObject *wo, double e
         get_arr(wo, fn, "w", K_F32, 1, 1, 0, &w) || unit_last(fn, "w", &w) ||
         (ro && (get_arr(ro, fn, "residual", K_F32, 2, 3, 0, &r) || unit_last(fn, "residual", &r) ||
                 same_shape(fn, "residual", &r, "x", &x))) ||
-        get_arr(oo, fn, "out", K_F32, 2, 3, 1, &out) || same_shape(fn, "out", &out, "x", &x))
+        get_arr(oo, fn, "out", K_F32, 2, 3, 1, &out) || same_shape(fn, "out", &out, "x", &x) ||
+        check_apart(fn, "out", &out.b.v, "x", &x.b.v, 1) || check_apart(fn, "out", &out.b.v, "w", &w.b.v, 0) ||
+        (ro && check_apart(fn, "out", &out.b.v, "residual", &r.b.v, 1)))
         goto done;
     as3(&x); as3(&r); as3(&out);
     if (rows_apart(fn, "out", &out)) goto done;
@@ -199,7 +202,8 @@ static PyObject *py_rope(PyObject *self, PyObject *args) {
         get_arr(so, fn, "sin", K_F32, 2, 2, 0, &sn) || unit_last(fn, "sin", &sn) ||
         same_shape(fn, "sin", &sn, "cos", &cs) ||
         get_arr(oo, fn, "out", K_F32, 3, 3, 1, &out) || same_shape(fn, "out", &out, "x", &x) ||
-        rows_apart(fn, "out", &out))
+        rows_apart(fn, "out", &out) || check_apart(fn, "out", &out.b.v, "x", &x.b.v, 1) ||
+        check_apart(fn, "out", &out.b.v, "cos", &cs.b.v, 0) || check_apart(fn, "out", &out.b.v, "sin", &sn.b.v, 0))
         goto done;
     if (mode != 0 && mode != 1) {
         PyErr_Format(PyExc_ValueError, "rope: mode must be 0 (adjacent pairs) or 1 (neox), got %d", mode);
@@ -364,6 +368,7 @@ static int attend_setup(const char *fn, PyObject *const o[A_N], double scale, at
     const int64_t T = q->n[0], H = q->n[1], hd = q->n[2], Hkv = k->n[0], L = k->n[1];
     const int q8 = k->b.v.itemsize == 1;   /* q8_0: a position's blocks of the head dim, in bytes */
     const int64_t width = q8 ? q8_blocks(hd) * Q8_BYTES : hd;
+    if (H < 1 || hd < 1) return fail(fn, "q", q, "must be [T, H, hd] with H >= 1 heads of hd >= 1 dims");
     if (k->n[2] != width || Hkv < 1 || H % Hkv) {
         char want[128];
         snprintf(want, sizeof want, "must be [Hkv, L, %lld] with Hkv >= 1 dividing H = %lld (q: [T, H, hd]%s)",
@@ -432,6 +437,41 @@ static void attend_store(const attend_job *j, const arr *kn, const arr *vn) {
     }
 }
 
+/* What a call writes (each part's out; its keys and values when it stores its new ones) shares no byte with anything
+ * else of the call, its own part's or another's: the spans of all found once, a pair whose spans meet refused. */
+static int attend_apart(const char *fn, int named, const attend_args *x, int64_t n) {
+    static const char *names[A_N] = {"q", "keys", "values", "spans", "out", "k_new", "v_new"};
+    const int64_t m = n * A_N;
+    uintptr_t (*sp)[2] = (uintptr_t (*)[2])PyMem_Malloc((size_t)m * sizeof *sp);
+    if (!sp) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (int64_t a = 0; a < m; a++) {
+        const Py_buffer *v = &x[a / A_N].a[a % A_N].b.v;
+        if (x[a / A_N].a[a % A_N].b.held) span_of(v, &sp[a][0], &sp[a][1]);
+        else sp[a][0] = sp[a][1] = 0;
+    }
+    int rc = 0;
+    for (int64_t a = 0; a < m && !rc; a++) {
+        const int64_t p = a / A_N, i = a % A_N;
+        const int stores = x[p].a[A_KN].b.held;
+        if (!(i == A_OUT || (stores && (i == A_K || i == A_V))) || sp[a][0] == sp[a][1]) continue;
+        for (int64_t b = 0; b < m && !rc; b++) {
+            if (b == a || sp[b][0] == sp[b][1] || sp[a][1] <= sp[b][0] || sp[b][1] <= sp[a][0]) continue;
+            char an[48], bn[48];
+            if (named) {
+                snprintf(an, sizeof an, "parts[%lld] %s", (long long)p, names[i]);
+                snprintf(bn, sizeof bn, "parts[%lld] %s", (long long)(b / A_N), names[b % A_N]);
+            }
+            rc = check_apart(fn, named ? an : names[i], &x[p].a[i].b.v, named ? bn : names[b % A_N],
+                             &x[b / A_N].a[b % A_N].b.v, 0);
+        }
+    }
+    PyMem_Free(sp);
+    return rc;
+}
+
 /* the parts of one attend_parts call, as one job: task k of part p is task k - first[p] of its own */
 typedef struct { attend_ctx *c; const int64_t *first; int64_t n; } parts_ctx;
 
@@ -464,6 +504,7 @@ static int attend_many(const char *fn, int named, PyObject *const (*o)[A_N], int
         units += c[p].j.T * c[p].j.Hkv;
         work += x[p].keys_seen * c[p].j.H * c[p].j.hd;
     }
+    if (attend_apart(fn, named, x, n)) goto done;
     /* the query heads of a kv head go together (its keys and values read once for all), split in as many groups
      * as it takes to give every thread a task when the rows are few (the bits do not depend on it) */
     const int64_t threads = pool_threads();
@@ -590,7 +631,7 @@ static PyObject *py_q8_0_blocks(PyObject *self, PyObject *args) {
     arr x = {0}, out = {0};
     PyObject *ret = NULL;
     if (get_arr(xo, fn, "x", K_F32, 2, 3, 0, &x) || unit_last(fn, "x", &x) ||
-        get_arr(oo, fn, "out", K_U8, 2, 3, 1, &out))
+        get_arr(oo, fn, "out", K_U8, 2, 3, 1, &out) || check_apart(fn, "out", &out.b.v, "x", &x.b.v, 0))
         goto done;
     as3(&x); as3(&out);
     const int64_t width = q8_blocks(x.n[2]) * Q8_BYTES;
@@ -633,9 +674,9 @@ static PyObject *glu_common(const char *fn, int act, PyObject *args) {
     arr g = {0}, out = {0};
     PyObject *ret = NULL;
     if (get_arr(go, fn, "gate_up", K_F32, 2, 2, 0, &g) || unit_last(fn, "gate_up", &g) ||
-        get_arr(oo, fn, "out", K_F32, 2, 2, 1, &out))
+        get_arr(oo, fn, "out", K_F32, 2, 2, 1, &out) || check_apart(fn, "out", &out.b.v, "gate_up", &g.b.v, 0))
         goto done;
-    if (n_ff < 1 || g.n[1] != 2 * n_ff) {
+    if (n_ff < 1 || n_ff > g.n[1] / 2 || g.n[1] != 2 * n_ff) {
         char want[96];
         snprintf(want, sizeof want, "must be [T, 2 * n_ff] (gate | up) with n_ff = %lld >= 1", n_ff);
         fail(fn, "gate_up", &g, want);
@@ -675,7 +716,7 @@ static PyObject *flat_map(const char *fn, int act, PyObject *args) {
     PyObject *ret = NULL;
     if (get_arr(xo, fn, "x", K_F32, 1, 1, 0, &x) || unit_last(fn, "x", &x) ||
         get_arr(oo, fn, "out", K_F32, 1, 1, 1, &out) || unit_last(fn, "out", &out) ||
-        same_shape(fn, "out", &out, "x", &x))
+        same_shape(fn, "out", &out, "x", &x) || check_apart(fn, "out", &out.b.v, "x", &x.b.v, 1))
         goto done;
     const int64_t n = x.n[0], rows = n / FLAT_ROW;
     map_ctx c = {current_path()->layer, act, (const float *)x.b.v.buf, FLAT_ROW, 0, (float *)out.b.v.buf, FLAT_ROW,

@@ -23,6 +23,11 @@ HIDDEN void release(buf *b);
 HIDDEN const char *fmt_name(const Py_buffer *v);
 HIDDEN int fmt_is(const Py_buffer *v, char c);
 HIDDEN void shape_str(const Py_buffer *v, char *s, size_t n);
+/* 0 when writing `out` cannot change what `in` holds (no byte in common; or, with same_ok, `in` itself: the same
+ * view); else -1 with a ValueError naming both */
+HIDDEN void span_of(const Py_buffer *v, uintptr_t *lo, uintptr_t *hi);   /* the bytes its items lie in, [lo, hi) */
+HIDDEN int check_apart(const char *fn, const char *out_name, const Py_buffer *out, const char *in_name,
+                       const Py_buffer *in, int same_ok);
 
 extern HIDDEN PyMethodDef layer_methods[];   /* layer.c */
 extern HIDDEN PyMethodDef trace_methods[];   /* trace_stats.c */

@@ -4,9 +4,12 @@
 - params.py: OpenAI request bodies -> checked requests, and the OpenAI error shape;
 - queue.py: the engine: one worker thread serving a bounded queue in arrival order;
 - sessions.py: conversations whose KV cache is kept between requests (bounded, least recently used out);
-- guard.py: uvicorn's h11 protocol with a time and a size limit on the request head (408 / 431);
+- guard.py: uvicorn's h11 protocol with a time and a size limit on the request head (408 / 431), a time limit
+  on its body (408);
+- access.py: the API key on every route but /health and the pages, and the Host / Origin checks browsers need;
 - metrics.py: GET /metrics (Prometheus, a registry per server); tokens.py: /tokenize, /detokenize (llama-server's
-  shapes), /v1/embeddings; ollama.py: Ollama's /api routes over the same engine.
+  shapes), /v1/embeddings; ollama.py: Ollama's /api routes over the same engine;
+- pages.py: the chat page and the trace viewer, and their API.
 
 Starlette + uvicorn: a small, well-kept ASGI pair whose streaming response notices a client that hangs
 up; request bodies are checked by hand (params.py) so every mistake gets the OpenAI error shape.
@@ -20,6 +23,8 @@ import os
 import socket
 import sys
 from typing import Any
+
+import attrs
 
 from tracelm.state.errors import TracelmError
 
@@ -42,25 +47,13 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def uvicorn_config(app: Any, opts: Any) -> Any:
-    """uvicorn's settings for the app under `opts` (ServerOptions): its h11 protocol with the request head's time
-    and size limits (server/guard.py)."""
-    import uvicorn
-
-    from tracelm.server.guard import guarded_protocol
-
-    return uvicorn.Config(app, log_level="info", limit_concurrency=4 * (opts.queue_size + 1) + 16,
-                          timeout_keep_alive=5, timeout_graceful_shutdown=5, server_header=False,
-                          http=guarded_protocol(opts.header_timeout, opts.max_header_bytes),
-                          h11_max_incomplete_event_size=opts.max_header_bytes + 1024)
-
-
 def serve(cfg: Any, host: str | None = None, port: int | None = None) -> None:
     """Load the config's model (a Session: its thread limits, its runners) and serve it until interrupted
     (SIGINT / SIGTERM)."""
     import uvicorn
 
     from tracelm.server.app import Server
+    from tracelm.server.guard import uvicorn_config
     from tracelm.session import Session
 
     host = host or cfg.server.host
@@ -68,6 +61,7 @@ def serve(cfg: Any, host: str | None = None, port: int | None = None) -> None:
     if not 0 <= port <= 65535:
         raise TracelmError(f"--port {port}: expected 0..65535")
     api_key = os.environ.get(cfg.server.api_key_env) or None
+    cfg = attrs.evolve(cfg, server=attrs.evolve(cfg.server, host=host))  # its pages answer under this name too
     sock = _listen(host, port)
     try:
         session = Session(config=cfg, progress=True)

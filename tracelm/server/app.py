@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hmac
 import json
 import logging
 import secrets
@@ -33,11 +32,12 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tracelm.audit.policy import Policy, load_policy
+from tracelm.server.access import Access, body_lost, read_body
 from tracelm.server.errors import ApiError, bad
 from tracelm.server.metrics import Metrics, MetricsMiddleware, metrics_routes
 from tracelm.server.ollama import ollama_routes
@@ -69,7 +69,6 @@ from tracelm.version import __version__
 
 log = logging.getLogger("tracelm.server")
 FINGERPRINT = f"tracelm-{__version__}"
-DRAIN_LIMIT = 64 << 20  # an oversized body is read and dropped up to this, so the client still gets its 413
 
 
 def model_id_of(cfg: RunConfig) -> str:
@@ -117,10 +116,13 @@ class Server:
             *token_routes(self),  # /tokenize, /detokenize, /v1/embeddings (tokens.py)
             *ollama_routes(self, Shape),  # Ollama's /api/chat, /api/generate, /api/tags, ... (ollama.py)
         ]
-        handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error}
-        middleware = [Middleware(MetricsMiddleware, metrics=self.metrics, routes=routes)]  # type: ignore[arg-type]
+        handlers = {ApiError: _api_error, HTTPException: _http_error, ClientDisconnect: body_lost,
+                    Exception: _internal_error}
+        opts = self.cfg.server
+        access = Middleware(Access, api_key=self.api_key, allowed_hosts=(*opts.allowed_hosts, opts.host))
+        metrics = Middleware(MetricsMiddleware, metrics=self.metrics, routes=routes)  # type: ignore[arg-type]
         return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan,  # type: ignore[arg-type]
-                         middleware=middleware)
+                         middleware=[metrics, access])  # the metrics count the requests access refuses too
 
     # -- plain endpoints ---------------------------------------------------------------------------------
 
@@ -142,12 +144,10 @@ class Server:
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "tracelm",
                 "context_length": self.cfg.context}
 
-    async def models(self, request: Request) -> Response:
-        self._check_key(request)
+    async def models(self, _request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_card()]})
 
     async def model_info(self, request: Request) -> Response:
-        self._check_key(request)
         if request.path_params["model_id"] not in self.model_names:
             raise self._no_model(request.path_params["model_id"])
         return JSONResponse(self._model_card())
@@ -155,7 +155,6 @@ class Server:
     async def attestation(self, request: Request) -> Response:
         """Fresh evidence binding the server's ephemeral trace key to this TEE, over the caller's nonce
         (`?nonce=HEX`, up to 64 bytes): a client checks it (`tracelm attest verify`) before sending anything."""
-        self._check_key(request)
         if self.cfg.attest.provider == "off":
             raise ApiError(404, "this server attests nothing (start it with --attest tpm|tsm)", code="not_attested")
         try:
@@ -176,31 +175,13 @@ class Server:
         return ApiError(404, f"The model '{name[:200]}' does not exist; this server serves '{self.model_id}'",
                         param="model", code="model_not_found")
 
-    def _check_key(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
-            raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-
     async def _body(self, request: Request) -> bytes:
         limit = self.cfg.server.max_body_bytes
-        too_big = ApiError(413, f"the request body is larger than the limit of {limit} bytes (server.max_body_bytes)",
-                           code="request_too_large")
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > DRAIN_LIMIT:
-            raise too_big
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size <= limit:
-                chunks.append(chunk)
-            elif size > DRAIN_LIMIT:
-                break
-        if size > limit:
-            raise too_big
-        return b"".join(chunks)
+        body = await read_body(request, limit)
+        if body is None:  # answered at once; the connection then closes gracefully (server/guard.py)
+            raise ApiError(413, f"the request body is larger than the limit of {limit} bytes "
+                                "(server.max_body_bytes)", code="request_too_large")
+        return body
 
     # -- generation --------------------------------------------------------------------------------------
 
@@ -279,7 +260,6 @@ class Server:
         return req.max_tokens
 
     async def _generate(self, request: Request, kind: str) -> Response:
-        self._check_key(request)
         return await self.answer(request, parse_request(parse_json(await self._body(request)), kind), Shape)
 
     async def answer(self, request: Request, req: GenerationRequest, shape_of: type[Shape]) -> Response:

@@ -119,7 +119,6 @@ def metrics_routes(server: Any) -> list[Route]:
     """GET /metrics (behind the API key when one is set)."""
 
     async def metrics(request: Request) -> Response:
-        server._check_key(request)
         return Response(server.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     return [Route("/metrics", metrics, methods=["GET"])]

@@ -228,7 +228,6 @@ class OllamaRoutes:
         def answered(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
             async def run(request: Request) -> Response:
                 try:
-                    self.server._check_key(request)
                     return await handler(request)
                 except ApiError as e:
                     return ollama_error(e)

@@ -4,11 +4,15 @@ tracelm/server/web (no build step, nothing fetched from elsewhere: they work off
 Routes (`page_routes`, registered by `Server.app`; `viewer_app` serves the viewer alone for `tracelm trace view`):
 - GET /, GET /trace, GET /static/NAME: the pages and their files;
 - GET /api/info: what the chat page needs (model, context, default sampling, whether the server traces);
-- POST /api/trace/verify: a trace file's bytes -> its verdict under the policy the pages were given
-  (tracelm.audit.trust.judge, the same as `tracelm trace verify`; the default policy trusts no key) and its events,
-  or {"not_a_trace": why};
+- POST /api/trace/verify: a trace file's bytes (at most server.max_upload_mb, refused with a 413 as soon as more
+  has come) -> its verdict under the policy the pages were given (tracelm.audit.trust.judge, the same as `tracelm
+  trace verify`; the default policy trusts no key) and its events, or {"not_a_trace": why}; the trace is parsed
+  and judged in a thread, off the event loop;
 - GET /api/trace/request/ID: the same for the trace the server wrote for request ID (with server.trace_dir);
 - GET /api/trace/preloaded, GET /api/replay/preloaded: the files `tracelm trace view` was given.
+
+With an API key every route but the pages themselves needs it (server/access.py, which also refuses cross-origin
+requests and foreign Host names); the pages send the key the user typed into them.
 """
 
 from __future__ import annotations
@@ -23,19 +27,22 @@ from typing import Any
 
 import attrs
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from tracelm.audit.policy import Policy
 from tracelm.audit.trust import TrustVerdict, judge
 from tracelm.audit.verify import Trace, parse_trace, read_trace
+from tracelm.server.access import Access, body_lost, read_body
 from tracelm.state.errors import TracelmError
+from tracelm.state.run_config import ServerOptions
 
 WEB = Path(__file__).with_name("web")
 CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
                  ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml"}
-MAX_TRACE_BYTES = 512 << 20  # an uploaded trace larger than this is refused (413)
 REQUEST_ID = re.compile(r"(chatcmpl|cmpl)-[0-9a-f]{24}")
 NO_STORE = {"Cache-Control": "no-store"}
 
@@ -63,6 +70,7 @@ class Pages:
     replay: dict[str, Any] | None = None
     key: TraceKey | None = None
     policy: Policy = attrs.Factory(Policy)  # whose keys and attestation requirements the verdicts use
+    max_upload_mb: int = ServerOptions().max_upload_mb  # an uploaded trace larger than this is refused (413)
 
     def routes(self) -> list[Route]:
         routes = [
@@ -99,18 +107,19 @@ class Pages:
         return JSONResponse({**base, **(self.info or {})}, headers=NO_STORE)
 
     async def verify_upload(self, request: Request) -> Response:
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > MAX_TRACE_BYTES:
-            return _problem(413, f"the trace is larger than the viewer's limit of {MAX_TRACE_BYTES >> 20} MiB")
-        data = await _capped_body(request)
+        data = await read_body(request, self.max_upload_mb << 20)
         if data is None:
-            return _problem(413, f"the trace is larger than the viewer's limit of {MAX_TRACE_BYTES >> 20} MiB")
-        name = request.query_params.get("name") or "uploaded trace"
+            return _problem(413, f"the trace is larger than the viewer's limit of {self.max_upload_mb} MiB "
+                                 "(server.max_upload_mb)")
+        name = (request.query_params.get("name") or "uploaded trace")[:200]
+        return JSONResponse(await run_in_threadpool(self._verify, data, name), headers=NO_STORE)
+
+    def _verify(self, data: bytes, name: str) -> dict[str, Any]:
         try:
-            trace = parse_trace(data, Path(name[:200]))
+            trace = parse_trace(data, Path(name))
         except TracelmError as e:  # a verdict as well (`trace verify` exits 2): the file is not a trace
-            return JSONResponse({"name": name[:200], "not_a_trace": str(e)}, headers=NO_STORE)
-        return JSONResponse(self.described(trace), headers=NO_STORE)
+            return {"name": name, "not_a_trace": str(e)}
+        return self.described(trace)
 
     async def request_trace(self, request: Request) -> Response:
         rid = request.path_params["request_id"]
@@ -118,24 +127,24 @@ class Pages:
             return _problem(404, "this server writes no traces (start it with --set server.trace_dir=DIR)")
         if not REQUEST_ID.fullmatch(rid):
             return _problem(400, f"not a request id: {rid[:100]}")
-        return self._read(self.trace_dir / f"{rid}.jsonl")
+        return await self._read(self.trace_dir / f"{rid}.jsonl")
 
     async def preloaded_trace(self, _request: Request) -> Response:
         if self.trace is None:
             return _problem(404, "no trace was given to this viewer")
-        return self._read(self.trace)
+        return await self._read(self.trace)
 
     async def preloaded_replay(self, _request: Request) -> Response:
         if self.replay is None:
             return _problem(404, "no replay report was given to this viewer")
         return JSONResponse(self.replay, headers=NO_STORE)
 
-    def _read(self, path: Path) -> Response:
+    async def _read(self, path: Path) -> Response:
         try:
-            trace = read_trace(path)
+            described = await run_in_threadpool(lambda: self.described(read_trace(path)))
         except TracelmError as e:
             return _problem(404 if not path.exists() else 400, str(e))
-        return JSONResponse(self.described(trace), headers=NO_STORE)
+        return JSONResponse(described, headers=NO_STORE)
 
     def described(self, trace: Trace) -> dict[str, Any]:
         """A trace as the viewer shows it: its verdict under the policy (the chain; with the key, every mac; the
@@ -175,25 +184,17 @@ def page_routes(server: Any) -> list[Route]:
     info = {"model": server.model_id, "context": cfg.context, "max_tokens": cfg.max_tokens, "system": cfg.system,
             "api_key_required": server.api_key is not None,
             "sampling": {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p}}
-    return Pages(info=info, trace_dir=server.engine.trace_dir, policy=server.policy).routes()
+    return Pages(info=info, trace_dir=server.engine.trace_dir, policy=server.policy,
+                 max_upload_mb=cfg.server.max_upload_mb).routes()
 
 
 def viewer_app(trace: Path, replay: dict[str, Any] | None = None, key: TraceKey | None = None,
                policy: Policy | None = None) -> Starlette:
     """The trace viewer alone, with `trace` (and a replay report) preloaded: `tracelm trace view`."""
     read_trace(trace)  # not a trace at all: say so before serving
-    return Starlette(routes=Pages(trace=trace, replay=replay, key=key, policy=policy or Policy()).routes())
-
-
-async def _capped_body(request: Request) -> bytes | None:
-    """The request's body, or None once it passes MAX_TRACE_BYTES."""
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_TRACE_BYTES:
-            return None
-        chunks.append(chunk)
-    return b"".join(chunks)
+    pages = Pages(trace=trace, replay=replay, key=key, policy=policy or Policy())
+    return Starlette(routes=pages.routes(), middleware=[Middleware(Access, api_key=None)],
+                     exception_handlers={ClientDisconnect: body_lost})
 
 
 def _web_names() -> set[str]:
@@ -227,6 +228,8 @@ def serve_viewer(trace: Path, replay: Path | None, key: TraceKey | None, port: i
     """`tracelm trace view`: the viewer on 127.0.0.1 with the files preloaded, until interrupted; prints the URL."""
     import uvicorn
 
+    from tracelm.server.guard import uvicorn_config
+
     app = viewer_app(trace, read_replay_report(replay) if replay is not None else None, key, policy)
     try:
         sock = socket.create_server(("127.0.0.1", port))
@@ -235,7 +238,7 @@ def serve_viewer(trace: Path, replay: Path | None, key: TraceKey | None, port: i
     try:
         print(f"tracelm: trace viewer for {trace} at http://127.0.0.1:{sock.getsockname()[1]}/trace "
               "(Ctrl-C stops it)", file=sys.stderr, flush=True)
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2, server_header=False)
+        config = uvicorn_config(app, ServerOptions(), log_level="warning")  # the server's guards (guard.py)
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         sock.close()

@@ -46,7 +46,7 @@ import attrs
 import numpy as np
 
 from tracelm.server.errors import ApiError
-from tracelm.server.sessions import SessionFiles, SessionStore
+from tracelm.server.sessions import SessionFiles, SessionStore, prune_oldest
 from tracelm.session import (
     Generation,
     GenerationStats,
@@ -150,6 +150,7 @@ class Counters:
     step_seconds: float = 0.0  # wall time of decode steps (sampling every active sequence + their shared pass)
     step_cpu_seconds: float = 0.0  # the worker thread's CPU time in them (BLAS helper threads not included)
     forks: int = 0  # choices beyond the first of n > 1 requests, each from a copy of the first's prefilled Cache
+    traces_deleted: int = 0  # oldest traces deleted to keep server.trace_dir within server.traces_max_mb
 
 
 def choice_seed(seed: int, index: int) -> int:
@@ -203,18 +204,20 @@ class Engine:
                                      held_bytes(self._scratch[0]), files, measure=held_bytes, release=release_memory)
         self.trace_dir = Path(opts.trace_dir) if opts.trace_dir else None
         self.trace_level = cfg.trace.level if cfg.trace.level != "off" else "digest"
+        self.counters = Counters()
+        self.active: list[Active] = []  # the batch: sequences decoding together (worker thread only)
+        self._traces_max = opts.traces_max_mb << 20
         if self.trace_dir is not None:
             try:
                 self.trace_dir.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise TracelmError(f"server.trace_dir {opts.trace_dir}: cannot create: {e.strerror}") from None
-        self.counters = Counters()
+            self._bound_traces()  # sets _trace_bytes
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._outstanding = 0  # admitted and not finished: those decoding plus those waiting
         self._limit = opts.queue_size + 1
         self._mean_seconds = 1.0  # running mean of a job's time, for Retry-After
-        self.active: list[Active] = []  # the batch: sequences decoding together (worker thread only)
         self._outbox: list[tuple[Job, tuple[Any, ...]]] | None = None  # a step's events, posted together
         self._waiting: deque[Job] = deque()  # taken from the queue, not yet in the batch
         self._tasks: deque[Task] = deque()  # taken from the queue, not yet done (run one item per step boundary)
@@ -519,6 +522,8 @@ class Engine:
         if a in self.active:
             self.active.remove(a)
         a.closing.close()
+        if a.tracer is not None:
+            self._bound_traces(self._trace_path(a.job))
         a.gen = None  # its callbacks are a's bound methods: a cycle that would keep the runner (a session's Cache,
         # tens of MB) alive after an eviction until Python's cycle collector happens to run
         if a.runner is not None and a.job.session_id is None:
@@ -548,10 +553,31 @@ class Engine:
         open until `closing` closes."""
         if self.trace_dir is None:
             return None
-        path = self.trace_dir / f"{job.request_id}.jsonl"
+        path = self._trace_path(job)
         cfg = attrs.evolve(self.cfg, prompt=job.prompt_text, max_tokens=job.max_tokens, stop=job.stop,
                            sampling=job.sampling, trace=attrs.evolve(self.cfg.trace, level=self.trace_level,
                                                                      file=str(path)))
         tracer = closing.enter_context(self.session.open_trace(job.prompt_ids, cfg=cfg))
         tracer.event("request", request_id=job.request_id, session_id=job.session_id)
         return tracer
+
+    def _trace_path(self, job: Job) -> Path:
+        assert self.trace_dir is not None
+        return self.trace_dir / f"{job.request_id}.jsonl"
+
+    def _bound_traces(self, written: Path | None = None) -> None:
+        """Keep server.trace_dir within server.traces_max_mb: once a trace just `written` takes the folder past it,
+        its oldest traces are deleted down to 90 % of it (so the folder is scanned once per tenth of the bound
+        written, not per request); the traces still being written stay."""
+        assert self.trace_dir is not None
+        if written is not None:
+            with contextlib.suppress(OSError):
+                self._trace_bytes += written.stat().st_size
+            if self._trace_bytes <= self._traces_max:
+                return
+        busy = {self._trace_path(a.job) for a in self.active if a.tracer is not None}
+        self._trace_bytes, deleted = prune_oldest(self.trace_dir, "*.jsonl", self._traces_max * 9 // 10, busy)
+        self.counters.traces_deleted += len(deleted)
+        for f, size in deleted:
+            if f == written:
+                log.warning("trace %s (%d bytes) alone exceeds server.traces_max_mb: deleted", f, size)

@@ -22,7 +22,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from tracelm.session import SUFFIX, Runner, load_conversation, save_conversation
@@ -81,23 +81,37 @@ class SessionFiles:
 
     def bound(self, newest: Path | None = None) -> None:
         """Delete the least recently used session files until the folder holds at most max_bytes of them."""
-        files = []
-        for f in self.folder.glob(f"*{SUFFIX}"):
-            try:
-                st = f.stat()
-            except OSError:
-                continue
-            files.append((st.st_mtime_ns, f.name, st.st_size, f))
-        files.sort()
-        total = sum(size for _t, _n, size, _f in files)
-        for _t, _n, size, f in files:
-            if total <= self.max_bytes:
-                break
-            f.unlink(missing_ok=True)
-            total -= size
-            self.evicted += 1
+        _total, deleted = prune_oldest(self.folder, f"*{SUFFIX}", self.max_bytes)
+        self.evicted += len(deleted)
+        for f, size in deleted:
             if f == newest:
                 log.warning("session file %s (%d bytes) alone exceeds server.sessions_max_mb: deleted", f, size)
+
+
+def prune_oldest(folder: Path, pattern: str, max_bytes: int,
+                 spare: Collection[Path] = ()) -> tuple[int, list[tuple[Path, int]]]:
+    """Delete the files of `folder` matching `pattern`, least recently modified first, until they hold at most
+    `max_bytes` (those in `spare` count, but stay). Returns the bytes they then hold, and each file deleted with its
+    size."""
+    files = []
+    for f in folder.glob(pattern):
+        try:
+            st = f.stat()
+        except OSError:
+            continue
+        files.append((st.st_mtime_ns, f.name, st.st_size, f))
+    files.sort()
+    total = sum(size for _t, _n, size, _f in files)
+    deleted = []
+    for _t, _n, size, f in files:
+        if total <= max_bytes:
+            break
+        if f in spare:
+            continue
+        f.unlink(missing_ok=True)
+        total -= size
+        deleted.append((f, size))
+    return total, deleted
 
 
 def _touch(path: Path) -> None:

@@ -74,6 +74,8 @@ class ServerOptions:
     session_memory_mb: int = attrs.field(default=1024, validator=v.ge(0))  # and the KV memory they may hold
     api_key_env: str = "TRACELM_API_KEY"  # when this environment variable is set, requests need its value
     trace_dir: str | None = None  # one trace file per request here (at trace.level, digest if "off")
+    # the traces in trace_dir take at most this: past it the oldest are deleted (down to 90 % of it)
+    traces_max_mb: int = attrs.field(default=1024, validator=v.ge(1))
     # session_id conversations also saved here (tracelm/io/session_file.py): they survive a restart
     sessions_dir: str | None = None
     sessions_max_mb: int = attrs.field(default=2048, validator=v.ge(1))  # disk the saved ones may take (LRU out)
@@ -83,8 +85,14 @@ class ServerOptions:
     pooling: str = attrs.field(default="mean", validator=v.in_(("mean", "last")))
     header_timeout: float = attrs.field(default=10.0, validator=v.gt(0))  # seconds to send a request head, else closed
     max_header_bytes: int = attrs.field(default=65536, validator=v.ge(1024))  # a larger request head gets 431
+    # seconds from the end of a request head to the end of its body; a slower body: 408 and the connection closed
+    body_timeout: float = attrs.field(default=20.0, validator=v.gt(0))
     # CPU seconds (the process's, shared among the sequences of a pass) a request may use; then it stops (0 = no limit)
     request_cpu_seconds: float = attrs.field(default=600.0, validator=v.ge(0))
+    max_upload_mb: int = attrs.field(default=64, validator=v.ge(1))  # a trace posted to the viewer: larger gets 413
+    # host names the pages, their API and browsers' requests are answered under, besides IP addresses, localhost
+    # and server.host (a DNS-rebinding page's requests carry its own name: 403)
+    allowed_hosts: tuple[str, ...] = ()
 
 
 @attrs.frozen(slots=True)

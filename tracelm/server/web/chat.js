@@ -89,10 +89,7 @@ function requestBody() {
 }
 
 function headers() {
-  const h = { "Content-Type": "application/json" };
-  const key = $("api-key").value.trim();
-  if (key) h.Authorization = `Bearer ${key}`;
-  return h;
+  return keyHeaders({ "Content-Type": "application/json" });
 }
 
 async function errorText(res) {
@@ -171,6 +168,10 @@ function shownOncePerFrame(div) {
 async function send() {
   const text = $("input").value;
   if (!text.trim() || state.busy) return;
+  if (!state.info) {
+    setStatus(NEEDS_KEY, true);
+    return;
+  }
   $("input").value = "";
   state.messages.push({ role: "user", content: text });
   bubble("user", text);
@@ -255,9 +256,15 @@ async function refreshCounters(tries = 20) {
 }
 
 async function start() {
-  const res = await fetch("/api/info");
+  const res = await fetch("/api/info", { headers: keyHeaders() });
+  if (res.status === 401) {
+    setStatus(NEEDS_KEY, true);
+    return;
+  }
+  if (!res.ok) throw new Error(await errorText(res));
   const info = await res.json();
   state.info = info;
+  setStatus("");
   $("model-meta").textContent = `${info.model} \u00b7 context ${info.context}` +
     (info.tracing ? " \u00b7 traced" : "");
   for (const name of SAMPLING) $(name).placeholder = String(info.sampling[name]);
@@ -283,4 +290,6 @@ $("resume-session").addEventListener("click", () => {
   if (!state.busy && /^[A-Za-z0-9._:-]{1,128}$/.test(id)) openSession(id);
   else if (!state.busy) setStatus("a session_id is 1 to 128 letters, digits, '.', '_', ':' or '-'", true);
 });
-start().catch((e) => setStatus(`cannot reach the server: ${e.message}`, true));
+bindKeyField($("api-key"), () => { if (!state.info) start().catch(cannotStart); });
+const cannotStart = (e) => setStatus(`cannot reach the server: ${e.message}`, true);
+start().catch(cannotStart);

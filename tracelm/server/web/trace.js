@@ -11,8 +11,9 @@ function showError(text) {
   $("error").textContent = text || "";
 }
 
-async function fetchJSON(url, options) {
-  const res = await fetch(url, options);
+async function fetchJSON(url, options = {}) {
+  const res = await fetch(url, { ...options, headers: keyHeaders(options.headers) });
+  if (res.status === 401) throw new Error(NEEDS_KEY);
   const body = await res.json();
   if (!res.ok) throw new Error((body.error && body.error.message) || `${res.status} ${res.statusText}`);
   return body;
@@ -299,6 +300,7 @@ async function openReplayFile(file) {
 }
 
 async function start() {
+  showError("");
   const info = await fetchJSON("/api/info");
   if (!info.chat) $("chat-link").hidden = true;
   if (info.preloaded.replay) setReplay(await fetchJSON("/api/replay/preloaded"));
@@ -310,4 +312,5 @@ async function start() {
 $("trace-file").addEventListener("change", (e) => { if (e.target.files[0]) openTraceFile(e.target.files[0]); });
 $("replay-file").addEventListener("change", (e) => { if (e.target.files[0]) openReplayFile(e.target.files[0]); });
 $("stat").addEventListener("change", () => { if (view.passes.size) renderGrid(); });
+bindKeyField($("api-key"), () => start().catch((e) => showError(e.message)));
 start().catch((e) => showError(e.message));
