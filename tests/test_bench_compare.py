@@ -398,3 +398,12 @@ def test_llama_cpp_engine_passes_flash_attn_and_reports_its_build(tmp_path, monk
     assert made[1]["flash_attn"] is False
     (package / "lib" / "cmake" / "ggml" / "ggml-config.cmake").unlink()
     assert engine.describe()["build_flags"] is None
+
+    class Later(Llama):  # a version whose Llama drops an argument it no longer knows (it takes **kwargs)
+        context_params = types.SimpleNamespace(flash_attn_type=-1)
+
+    fake.Llama = Later
+    with pytest.raises(TracelmError, match="did not apply flash_attn=True"):
+        bc.LlamaCppEngine("m.gguf", threads=2, n_ctx=64, flash_attn=True)
+    Later.context_params = types.SimpleNamespace(flash_attn_type=1)
+    assert bc.LlamaCppEngine("m.gguf", threads=2, n_ctx=64, flash_attn=True).describe()["flash_attn"] is True

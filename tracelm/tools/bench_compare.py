@@ -125,6 +125,10 @@ class LlamaCppEngine:
         self.llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                                    n_batch=512, flash_attn=flash_attn, logits_all=False, verbose=False)
         self.n_vocab = self.llm.n_vocab()
+        in_effect = flash_attn_in_effect(getattr(self.llm, "context_params", None))
+        if in_effect is not None and in_effect != flash_attn:  # Llama takes **kwargs: an argument it lost is dropped
+            raise TracelmError(f"llama-cpp-python {_version('llama.cpp')} did not apply flash_attn={flash_attn} "
+                               f"(its context has flash attention {'on' if in_effect else 'off or auto'})")
 
     def describe(self) -> dict[str, Any]:
         """The build as llama.cpp reports it: `llama_print_system_info()` (the CPU features compiled in and the
@@ -180,6 +184,18 @@ class TransformersEngine:
 
     def step(self, token: int) -> int:
         return self._run([token])
+
+
+def flash_attn_in_effect(params: Any) -> bool | None:
+    """Whether llama.cpp's context parameters have flash attention on: its `flash_attn` flag, or in later
+    versions `flash_attn_type` (1 enabled; 0 disabled, -1 auto count as not on); None when neither is there."""
+    if params is None:
+        return None
+    if hasattr(params, "flash_attn"):
+        return bool(params.flash_attn)
+    if hasattr(params, "flash_attn_type"):
+        return int(params.flash_attn_type) == 1
+    return None
 
 
 ENGINE_CLASSES = {"tracelm": TracelmEngine, "llama.cpp": LlamaCppEngine, "transformers": TransformersEngine}
@@ -640,11 +656,15 @@ def _engine_lines(name: str, r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _rounds_text(n: int) -> str:
+    return f"{n} round{'s' if n != 1 else ''}"
+
+
 def format_table(report: dict[str, Any]) -> str:
     threads = f"{report['threads']} thread{'s' if report['threads'] != 1 else ''}"
     lines = [f"{report['model']}: {threads}, {report['prompt_tokens']}-token prompt, "
-             f"{report['decode_tokens']} greedy decode tokens, {report.get('rounds', 1)} rounds (engines alternated; "
-             "median (min-max) over the rounds)"]
+             f"{report['decode_tokens']} greedy decode tokens, {_rounds_text(report.get('rounds', 1))} (engines "
+             "alternated; median (min-max) over the rounds)"]
     load = report.get("load_average_1m")
     if load:
         lines.append(f"load average (1 min) {load['before']:.2f} before, {load['after']:.2f} after, on {load['cores']} "
