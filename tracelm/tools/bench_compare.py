@@ -450,9 +450,8 @@ def spread(values: Sequence[float], digits: int = 2) -> dict[str, Any]:
             "rounds": list(values)}
 
 
-# a variant's own figures; everything else a child reports is the engine's (the same for all its variants)
-PER_VARIANT = ("status", "error", "options", "note", "load_seconds", "import_seconds", *RATES, "peak_rss_mb",
-               "tokens", "flash_attn", "rounds_ok", "engine")
+# the details a child reports that differ between an engine's variants; the others are the engine's
+VARIANT_DETAILS = ("flash_attn",)
 
 
 def summarize_variant(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -471,7 +470,7 @@ def summarize_variant(results: list[dict[str, Any]]) -> dict[str, Any]:
     if all("peak_rss_mb" in r for r in ok):
         out["peak_rss_mb"] = max(r["peak_rss_mb"] for r in ok)
     details = dict(last.get("details", {}))
-    out |= {k: details.pop(k) for k in list(details) if k in PER_VARIANT}
+    out |= {k: details.pop(k) for k in VARIANT_DETAILS if k in details}
     out["shared"] = {"version": last.get("version"), "threads": last.get("threads"), **details}
     if notes:
         out["note"] = notes[0]
