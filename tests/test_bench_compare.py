@@ -13,45 +13,107 @@ from tracelm.cli import main
 from tracelm.tools import bench_compare as bc
 
 
-def _ok(engine: str, prefill: float, decode: float, tokens: list[int]) -> dict:
+def _ok(engine: str, prefill: float, decode: float, tokens: list[int], **extra) -> dict:
     return {"engine": engine, "status": "ok", "version": "1.0", "threads": 2, "load_seconds": 0.5,
             "import_seconds": 0.1, "prefill_tok_s": prefill, "decode_tok_s": decode, "peak_rss_mb": 100.0,
-            "tokens": tokens}
+            "tokens": tokens, **extra}
 
 
-def test_report_ratios_agreement_and_table():
-    results = {
-        "tracelm": _ok("tracelm", 600.0, 30.0, [1, 2, 3, 4]),
-        "llama.cpp": _ok("llama.cpp", 500.0, 100.0, [1, 2, 9, 4]),
-        "transformers": _ok("transformers", 400.0, 20.0, [1, 2, 3, 4]),
+def _rounds(engine: str, prefills: list[float], decodes: list[float], tokens: list[int], **extra) -> list[dict]:
+    return [_ok(engine, p, d, tokens, **extra) for p, d in zip(prefills, decodes, strict=True)]
+
+
+def test_report_medians_spreads_and_ratio_spreads():
+    """Each rate's median, min and max over the rounds; each ratio's median, min and max over the per-round
+    ratios (round i of tracelm over round i of the other), not the ratio of the medians."""
+    runs = {
+        "tracelm": {"default": _rounds("tracelm", [600, 660, 540], [30, 36, 33], [1, 2, 3, 4])},
+        "transformers": {"default": _rounds("transformers", [400, 300, 600], [20, 30, 10], [1, 2, 3, 4])},
     }
-    rep = bc.build_report("m.gguf", 2, 256, 128, results)
+    rep = bc.build_report("m.gguf", 2, 256, 128, runs)
     json.dumps(rep)  # plain JSON
-    r = rep["ratios"]
-    assert r["prefill_vs_llama_cpp"]["value"] == pytest.approx(1.2) and r["prefill_vs_llama_cpp"]["met"] is False
-    assert r["decode_vs_llama_cpp"]["value"] == pytest.approx(0.3) and r["decode_vs_llama_cpp"]["met"] is False
-    assert r["prefill_vs_transformers"]["value"] == pytest.approx(1.5) and r["prefill_vs_transformers"]["met"] is True
-    assert r["decode_vs_transformers"]["value"] == pytest.approx(1.5) and r["decode_vs_transformers"]["met"] is False
-    assert rep["engines"]["llama.cpp"]["greedy_same_as_tracelm"] == 2
+    ours = rep["engines"]["tracelm"]
+    assert rep["rounds"] == 3 and ours["rounds"] == 3
+    assert ours["prefill_tok_s"] == {"median": 600, "min": 540, "max": 660, "rounds": [600, 660, 540]}
+    assert ours["decode_tok_s"] == {"median": 33, "min": 30, "max": 36, "rounds": [30, 36, 33]}
+    assert ours["load_seconds"]["median"] == 0.5 and ours["peak_rss_mb"] == 100.0 and ours["version"] == "1.0"
+    prefill = rep["ratios"]["prefill_vs_transformers"]  # 1.5, 2.2, 0.9
+    assert prefill["rounds"] == [1.5, 2.2, 0.9]
+    assert (prefill["value"], prefill["min"], prefill["max"]) == (1.5, 0.9, 2.2) and prefill["met"] is True
+    decode = rep["ratios"]["decode_vs_transformers"]  # 1.5, 1.2, 3.3: the median of ratios, not 33/20
+    assert (decode["value"], decode["min"], decode["max"]) == (1.5, 1.2, 3.3) and decode["met"] is False
     assert rep["engines"]["transformers"]["greedy_same_as_tracelm"] == 4
-    assert "tokens" not in rep["engines"]["tracelm"]
+    assert "tokens" not in ours and "llama_bench" not in str(rep["ratios"])  # llama-bench ratios only when run
     table = bc.format_table(rep)
-    assert "1.20x" in table and "1.50x" in table and "not met" in table
-    assert "2/4" in table and "600.0" in table
+    assert "600.0 (540.0-660.0)" in table and "33.00 (30.00-36.00)" in table
+    assert "1.50x (0.90-2.20)" in table and "not met" in table and "4/4" in table and "3 rounds" in table
+
+
+def test_llama_cpp_best_of_flash_attention_named_and_used_per_rate():
+    """llama.cpp is measured with flash attention off and on; per rate the better median is its figure, the
+    report names which, and the ratios pair tracelm's rounds with that variant's."""
+    runs = {
+        "tracelm": {"default": _rounds("tracelm", [600, 600], [150, 150], [5, 6, 7])},
+        "llama.cpp": {
+            "flash_attn off": _rounds("llama.cpp", [300, 200], [100, 120], [5, 6, 7], details={"flash_attn": False,
+                                      "system_info": "CPU : AVX2 = 1 | REPACK = 1", "build_flags": None}),
+            "flash_attn on": _rounds("llama.cpp", [400, 300], [90, 80], [5, 6, 7], details={"flash_attn": True,
+                                     "system_info": "CPU : AVX2 = 1 | REPACK = 1", "build_flags": None}),
+        },
+    }
+    rep = bc.build_report("m.gguf", 2, 256, 128, runs)
+    llama = rep["engines"]["llama.cpp"]
+    assert llama["best"] == {"prefill_tok_s": "flash_attn on", "decode_tok_s": "flash_attn off"}
+    assert llama["prefill_tok_s"]["median"] == 350 and llama["decode_tok_s"]["median"] == 110
+    assert llama["variants"]["flash_attn on"]["flash_attn"] is True
+    assert llama["variants"]["flash_attn off"]["greedy_same_as_tracelm"] == 3
+    assert llama["system_info"] == "CPU : AVX2 = 1 | REPACK = 1"
+    prefill, decode = rep["ratios"]["prefill_vs_llama_cpp"], rep["ratios"]["decode_vs_llama_cpp"]
+    assert prefill["against"] == "flash_attn on" and prefill["rounds"] == [1.5, 2.0] and prefill["value"] == 1.75
+    assert decode["against"] == "flash_attn off" and decode["rounds"] == [1.5, 1.25] and decode["value"] == 1.375
+    table = bc.format_table(rep)
+    assert "llama.cpp (flash_attn off)" in table and "llama.cpp (flash_attn on)" in table
+    assert "llama.cpp's figure: prefill flash_attn on, decode flash_attn off" in table
+    assert "system info: CPU : AVX2 = 1 | REPACK = 1" in table
+    assert "build flags: not recorded" in table
+    assert "tracelm prefill / llama.cpp prefill vs flash_attn on" in table
+
+
+def test_agreement_is_asserted_and_says_where_they_part():
+    tracelm = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6]]
+    ok = bc.agreement({"tracelm": tracelm, "llama.cpp (flash_attn on)": [[1, 2, 3, 4, 9, 9]] * 2}, required=4)
+    assert ok == {"required_tokens": 4, "ok": True, "disagreements": []}  # parting after the first 4 is allowed
+    bad = bc.agreement({"tracelm": tracelm, "transformers": [[1, 2, 3, 4, 5, 6], [1, 2, 7, 4, 5, 6]]}, required=4)
+    assert bad["ok"] is False
+    assert bad["disagreements"] == [{"engine": "transformers", "round": 2, "parts_at": 2, "tracelm_token": 3,
+                                     "engine_token": 7, "against": "tracelm"}]
+    assert "transformers parts from tracelm at token 2 in round 2 (7 where tracelm has 3)" in bc.agreement_line(bad)
+    drift = bc.agreement({"tracelm": [[1, 2, 3], [1, 8, 3]]}, required=32)  # tracelm must repeat itself
+    assert drift["disagreements"][0] == {"engine": "tracelm", "round": 2, "parts_at": 1, "tracelm_token": 2,
+                                              "engine_token": 8, "against": "tracelm round 1"}
 
 
 def test_report_with_absent_and_failed_engines():
-    results = {
-        "tracelm": _ok("tracelm", 600.0, 30.0, [1, 2]),
-        "llama.cpp": {"engine": "llama.cpp", "status": "not installed", "error": "no module llama_cpp"},
-        "transformers": {"engine": "transformers", "status": "failed", "error": "ValueError: cannot read"},
+    runs = {
+        "tracelm": {"default": [_ok("tracelm", 600.0, 30.0, [1, 2])]},
+        "llama.cpp": {"default": [{"engine": "llama.cpp", "status": "not installed", "error": "no module llama_cpp"}]},
+        "transformers": {"default": [{"engine": "transformers", "status": "failed",
+                                      "error": "ValueError: cannot read"}]},
     }
-    rep = bc.build_report("m.gguf", 2, 256, 128, results)
+    rep = bc.build_report("m.gguf", 2, 256, 128, runs)
     assert all(r["value"] is None and r["met"] is None for r in rep["ratios"].values())
+    assert rep["agreement"]["ok"] is True
     table = bc.format_table(rep)
     assert "llama.cpp      not installed: no module llama_cpp" in table
     assert "transformers   failed: ValueError: cannot read" in table
     assert table.count("n/a") == 4
+
+
+def test_failure_in_a_later_round_stops_that_variant_and_is_reported():
+    runs = {"tracelm": {"default": [_ok("tracelm", 600.0, 30.0, [1]),
+                                    {"engine": "tracelm", "status": "failed", "error": "child killed by SIGKILL"}]}}
+    r = bc.build_report("m.gguf", 2, 256, 128, runs)["engines"]["tracelm"]
+    assert r == {"engine": "tracelm", "status": "failed", "error": "child killed by SIGKILL", "rounds_ok": 1}
 
 
 def test_tracelm_child_on_tiny_gguf(tiny_gguf):
@@ -72,13 +134,14 @@ def test_tracelm_child_on_tiny_gguf(tiny_gguf):
 
 def test_absent_engine_is_reported_not_a_crash(tiny_gguf, monkeypatch):
     monkeypatch.setitem(bc.REQUIRES, "llama.cpp", ("tracelm_no_such_module",))
-    rep = bc.run_compare(str(tiny_gguf), threads=1, n_prompt=8, n_decode=4, repeats=1,
+    rep = bc.run_compare(str(tiny_gguf), threads=1, n_prompt=8, n_decode=4, repeats=1, rounds=1,
                          engines=("tracelm", "llama.cpp"))
     assert rep["engines"]["llama.cpp"]["status"] == "not installed"
     assert "tracelm_no_such_module" in rep["engines"]["llama.cpp"]["error"]
     assert rep["engines"]["tracelm"]["status"] == "ok"
     assert rep["ratios"]["prefill_vs_llama_cpp"]["value"] is None
     assert rep["load_average_1m"]["cores"] >= 1 and rep["load_average_1m"]["before"] >= 0
+    assert rep["engines"]["tracelm"]["kernels"]  # the kernels' path in use, named
     table = bc.format_table(rep)
     assert "not installed" in table and "load average (1 min)" in table
 
@@ -94,6 +157,12 @@ def test_compare_user_errors(tiny_gguf, capsys):
         bc.run_compare(str(tiny_gguf), engines=("vllm",))
     with pytest.raises(TracelmError, match="must be >= 1"):
         bc.run_compare(str(tiny_gguf), n_decode=0)
+    with pytest.raises(TracelmError, match=r"rounds \(0\) and repeats \(3\) must be >= 1"):
+        bc.run_compare(str(tiny_gguf), rounds=0)
+    assert main(["bench", "--compare", "--model", str(tiny_gguf), "--llama-bench", str(tiny_gguf)]) == 2
+    assert f"--llama-bench {tiny_gguf}: not an executable file" in capsys.readouterr().err
+    assert main(["bench", "--llama-bench", "x", "--model", str(tiny_gguf)]) == 2
+    assert "apply to --compare only" in capsys.readouterr().err
     assert main(["bench", "tokenizer", "--compare", "--model", str(tiny_gguf)]) == 2
     assert "--compare applies to the model bench only" in capsys.readouterr().err
 
@@ -104,13 +173,13 @@ def test_compare_cli_with_transformers(tiny_gguf, monkeypatch, capsys):
         pytest.skip("transformers + torch not installed")
     monkeypatch.setitem(bc.REQUIRES, "llama.cpp", ("tracelm_no_such_module",))  # keep the run small and fixed
     argv = ["bench", "--compare", "--model", str(tiny_gguf), "--threads", "1", "--prompt-tokens", "16",
-            "--decode-tokens", "8", "--repeats", "1", "--json"]
+            "--decode-tokens", "8", "--repeats", "1", "--rounds", "1", "--json"]
     assert main(argv) == 0
     rep = json.loads(capsys.readouterr().out)
     hf = rep["engines"]["transformers"]
     if hf["status"] == "failed":
         pytest.skip(f"transformers cannot load the tiny random GGUF: {hf['error']}")
-    assert hf["status"] == "ok" and hf["threads"] == 1
+    assert hf["status"] == "ok" and hf["threads"] == 1 and hf["attention"] in ("sdpa", "eager")
     assert hf["greedy_same_as_tracelm"] == hf["greedy_tokens"] == 9  # both in f32 on the same weights
     assert rep["ratios"]["prefill_vs_transformers"]["value"] > 0
     assert rep["ratios"]["decode_vs_transformers"]["value"] > 0
@@ -136,7 +205,8 @@ def test_crashed_child_is_retried_with_the_engines_fallback(monkeypatch):
     assert [q["options"] for q in requests] == [{}, {"extra_buffers": False}]
     assert r["status"] == "ok" and r["options"] == {"extra_buffers": False}
     assert "SIGSEGV" in r["note"] and "AMX" in r["note"]
-    assert "note: extra weight buffer types" in bc.format_table(bc.build_report("m", 2, 2, 2, {"llama.cpp": r}))
+    table = bc.format_table(bc.build_report("m", 2, 2, 2, {"llama.cpp": {"flash_attn off": [r]}}))
+    assert "note: extra weight buffer types" in table
 
     requests.clear()
     r = bc.run_engine("transformers", "m.gguf", [1, 2], n_decode=2, threads=2)  # no fallback: one try
@@ -162,3 +232,178 @@ def test_children_are_started_by_function():
         run_child(os.abort)
     with pytest.raises(TracelmError, match="timed out after 1 s"):
         run_child(time.sleep, 30, timeout=1.0)
+
+
+class FakeChildren:
+    """Stands in for run_child: each engine's figures per call from a table (in turn, over again when it runs
+    out), every call recorded in order."""
+
+    def __init__(self, figures: dict[str, list[tuple[float, float, list[int]]]]):
+        self.figures, self.calls = figures, []
+
+    def __call__(self, fn, engine, request, timeout=None):
+        label = bc._label(engine, {None: "default", False: "flash_attn off", True: "flash_attn on"}[
+            request["options"].get("flash_attn")])
+        n = sum(1 for c in self.calls if c[0] == label)
+        self.calls.append((label, request["options"]))
+        prefill, decode, tokens = self.figures[label][n % len(self.figures[label])]
+        return _ok(engine, prefill, decode, tokens, options=request["options"])
+
+
+def _fake_engines(monkeypatch, figures) -> FakeChildren:
+    children = FakeChildren(figures)
+    monkeypatch.setattr(bc, "missing_modules", lambda engine: [])
+    monkeypatch.setattr(bc, "run_child", children)
+    return children
+
+
+def test_rounds_alternate_every_engine_and_variant(tiny_gguf, monkeypatch):
+    """Each round runs every engine (llama.cpp with flash attention off, then on) once, in turn; the report's
+    spreads are over those rounds."""
+    toks = [1, 2, 3]
+    children = _fake_engines(monkeypatch, {
+        "tracelm": [(600, 60, toks), (500, 50, toks), (700, 70, toks)],
+        "llama.cpp (flash_attn off)": [(300, 40, toks)] * 3,
+        "llama.cpp (flash_attn on)": [(310, 30, toks)] * 3,
+        "transformers": [(100, 10, toks)] * 3,
+    })
+    rep = bc.run_compare(str(tiny_gguf), threads=2, n_prompt=8, n_decode=2, rounds=3)
+    order = ["tracelm", "llama.cpp (flash_attn off)", "llama.cpp (flash_attn on)", "transformers"]
+    assert [c[0] for c in children.calls] == order * 3
+    assert children.calls[0][1] == {"activations": "int16"} and children.calls[2][1] == {"flash_attn": True}
+    assert rep["rounds"] == 3
+    assert rep["engines"]["tracelm"]["decode_tok_s"] == {"median": 60, "min": 50, "max": 70, "rounds": [60, 50, 70]}
+    assert rep["engines"]["llama.cpp"]["best"] == {"prefill_tok_s": "flash_attn on", "decode_tok_s": "flash_attn off"}
+    assert rep["ratios"]["decode_vs_llama_cpp"]["rounds"] == [1.5, 1.25, 1.75]
+    assert rep["agreement"]["ok"] is True
+
+
+def test_greedy_disagreement_exits_nonzero_unless_allowed(tiny_gguf, monkeypatch, capsys):
+    same = (300, 30, [1, 2, 3, 4])
+    _fake_engines(monkeypatch, {"tracelm": [(600, 60, [1, 2, 3, 4])], "llama.cpp (flash_attn off)": [same],
+                                "llama.cpp (flash_attn on)": [same],
+                                "transformers": [(100, 10, [1, 2, 3, 4]), (100, 10, [1, 9, 3, 4])]})
+    argv = ["bench", "--compare", "--model", str(tiny_gguf), "--prompt-tokens", "8", "--decode-tokens", "3",
+            "--rounds", "2"]
+    assert main(argv) == 1
+    out, err = capsys.readouterr()
+    assert "greedy agreement: FAILED" in out
+    assert "transformers parts from tracelm at token 1 in round 2 (9 where tracelm has 2)" in err
+    assert "--allow-disagreement" in err
+    assert main([*argv, "--allow-disagreement", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["agreement"]["ok"] is False and rep["agreement"]["disagreements"][0]["parts_at"] == 1
+    assert rep["engines"]["transformers"]["greedy_same_as_tracelm"] == 1
+    assert main([*argv, "--agree-tokens", "1"]) == 0  # they part after the first token: allowed
+
+
+LLAMA_BENCH_SCRIPT = """#!{python}
+import json, sys
+open({log!r}, "a").write(" ".join(sys.argv[1:]) + "\\n")
+args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+tests = []
+for fa, (pp, tg) in (("0", (200.0, 50.0)), ("1", (250.0, 40.0))):
+    for n_prompt, n_gen, ts in ((int(args["-p"]), 0, pp), (0, int(args["-n"]), tg)):
+        tests.append({{"build_commit": "8cf427ff", "build_number": 5163, "cpu_info": "Fake CPU", "gpu_info": "",
+                      "backends": "CPU", "model_filename": args["-m"], "model_type": "llama ?B Q4_0",
+                      "n_batch": 2048, "n_ubatch": 512, "n_threads": int(args["-t"]), "type_k": "f16",
+                      "type_v": "f16", "flash_attn": fa == "1", "n_prompt": n_prompt, "n_gen": n_gen, "n_depth": 0,
+                      "test_time": "2025-04-24T11:58:50Z", "avg_ns": 1, "stddev_ns": 0, "avg_ts": ts,
+                      "stddev_ts": 0.0, "samples_ns": [1], "samples_ts": [ts]}})
+print(json.dumps(tests, indent=2))
+"""
+
+
+def _script(tmp_path, body: str) -> str:
+    path = tmp_path / "llama-bench"
+    path.write_text(body)
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_llama_bench_figures_and_ratios_in_the_report(tiny_gguf, tmp_path, monkeypatch):
+    """--llama-bench runs the binary in every round with the same model, threads, prompt and decode lengths and
+    both flash attention settings; its JSON becomes one more engine with its best-of and its ratios."""
+    import sys
+
+    _fake_engines(monkeypatch, {"tracelm": [(500, 60, [1, 2]), (600, 80, [1, 2])]})
+    log = tmp_path / "calls.txt"
+    exe = _script(tmp_path, LLAMA_BENCH_SCRIPT.format(python=sys.executable, log=str(log)))
+    rep = bc.run_compare(str(tiny_gguf), threads=3, n_prompt=8, n_decode=4, rounds=2, engines=("tracelm",),
+                         llama_bench=exe)
+    assert log.read_text().splitlines() == [f"-m {tiny_gguf} -p 8 -n 4 -t 3 -fa 0,1 -r 1 -o json"] * 2
+    lb = rep["engines"]["llama-bench"]
+    assert lb["status"] == "ok" and lb["version"] == "8cf427ff (build 5163)" and lb["threads"] == 3
+    assert lb["best"] == {"prefill_tok_s": "flash_attn on", "decode_tok_s": "flash_attn off"}
+    assert lb["prefill_tok_s"]["median"] == 250 and lb["decode_tok_s"]["rounds"] == [50, 50]
+    assert lb["cpu_info"] == "Fake CPU" and lb["decode_depth"] == 0
+    assert rep["ratios"]["decode_vs_llama_bench"]["rounds"] == [1.2, 1.6]
+    assert rep["ratios"]["prefill_vs_llama_bench"]["rounds"] == [2.0, 2.4]
+    assert rep["ratios"]["prefill_vs_llama_bench"]["against"] == "flash_attn on"
+    assert rep["llama_bench_command"].endswith("-fa 0,1 -r 1 -o json")
+    table = bc.format_table(rep)
+    assert "llama-bench (flash_attn on)" in table and "tracelm decode / llama-bench decode vs flash_attn off" in table
+    assert "1.40x (1.20-1.60)" in table
+
+
+def test_llama_bench_failures_are_reported_not_raised(tmp_path):
+    exe = _script(tmp_path, "#!/bin/sh\necho 'error: failed to load model' >&2\nexit 3\n")
+    r = bc.run_llama_bench(exe, "m.gguf", 8, 4, 1)
+    assert r["flash_attn on"] == {"engine": "llama-bench", "status": "failed",
+                                  "error": f"{exe} exited with code 3: error: failed to load model"}
+    exe = _script(tmp_path, "#!/bin/sh\necho '| model | size |'\n")
+    assert "its output is not JSON" in bc.run_llama_bench(exe, "m.gguf", 8, 4, 1)["flash_attn off"]["error"]
+    with pytest.raises(ValueError, match="no decode test with flash_attn off"):
+        bc.parse_llama_bench(json.dumps([{"n_prompt": 8, "n_gen": 0, "flash_attn": 0, "avg_ts": 1.0}]), 8, 4)
+    with pytest.raises(ValueError, match="'avg_ts' is 'fast', not a number"):
+        bc.parse_llama_bench(json.dumps([{"n_prompt": 8, "n_gen": 0, "avg_ts": "fast"}]), 8, 4)
+    with pytest.raises(ValueError, match="no -p 8 or -n 4 test"):
+        bc.parse_llama_bench("[]", 8, 4)
+    rep = bc.build_report("m", 1, 8, 4, {"tracelm": {"default": [_ok("tracelm", 1, 1, [1])]},
+                                         "llama-bench": {k: [v] for k, v in bc._llama_bench_failed("boom").items()}})
+    assert rep["engines"]["llama-bench"]["status"] == "failed"
+    assert rep["ratios"]["decode_vs_llama_bench"]["value"] is None
+
+
+def test_llama_cpp_engine_passes_flash_attn_and_reports_its_build(tmp_path, monkeypatch):
+    """The llama.cpp engine (on a stand-in llama_cpp module) passes flash_attn to Llama and reports
+    llama_print_system_info() and the GGML_* settings of the install's ggml-config.cmake."""
+    import sys
+    import types
+
+    package = tmp_path / "llama_cpp"
+    (package / "lib" / "cmake" / "ggml").mkdir(parents=True)
+    (package / "lib" / "cmake" / "ggml" / "ggml-config.cmake").write_text(
+        'set(GGML_NATIVE "ON")\nset(GGML_AVX2 "ON")\nset(GGML_CUDA "OFF")\nset(GGML_BLAS_VENDOR "")\n'
+        'set_and_check(GGML_INCLUDE_DIR "/x")\n')
+    made = []
+
+    class Llama:
+        def __init__(self, **kwargs):
+            made.append(kwargs)
+
+        def n_vocab(self):
+            return 8
+
+    fake = types.ModuleType("llama_cpp")
+    fake.__file__ = str(package / "__init__.py")
+    fake.Llama = Llama
+    fake.llama_print_system_info = lambda: b"CPU : SSE3 = 1 | AVX2 = 1 | REPACK = 1 | "
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    engine = bc.LlamaCppEngine("m.gguf", threads=2, n_ctx=64, flash_attn=True)
+    assert made[0]["flash_attn"] is True and made[0]["n_threads"] == made[0]["n_threads_batch"] == 2
+    assert engine.describe() == {"flash_attn": True, "system_info": "CPU : SSE3 = 1 | AVX2 = 1 | REPACK = 1 |",
+                                 "build_flags": {"GGML_NATIVE": "ON", "GGML_AVX2": "ON", "GGML_CUDA": "OFF"}}
+    bc.LlamaCppEngine("m.gguf", threads=2, n_ctx=64)
+    assert made[1]["flash_attn"] is False
+    (package / "lib" / "cmake" / "ggml" / "ggml-config.cmake").unlink()
+    assert engine.describe()["build_flags"] is None
+
+    class Later(Llama):  # a version whose Llama drops an argument it no longer knows (it takes **kwargs)
+        context_params = types.SimpleNamespace(flash_attn_type=-1)
+
+    fake.Llama = Later
+    with pytest.raises(TracelmError, match="did not apply flash_attn=True"):
+        bc.LlamaCppEngine("m.gguf", threads=2, n_ctx=64, flash_attn=True)
+    Later.context_params = types.SimpleNamespace(flash_attn_type=1)
+    assert bc.LlamaCppEngine("m.gguf", threads=2, n_ctx=64, flash_attn=True).describe()["flash_attn"] is True

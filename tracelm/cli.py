@@ -260,12 +260,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         report = tokenizer_report(args.model, args.input_file)
     if args.compare:  # each engine in its own child process, which sets its own threads
-        from tracelm.tools.bench_compare import format_table, run_compare
+        from tracelm.tools.bench_compare import agreement_line, format_table, run_compare
 
         report = run_compare(args.model, args.threads, args.prompt_tokens, args.decode_tokens, args.repeats or 3,
-                             activations=args.activations)
+                             activations=args.activations, rounds=args.rounds, agree_tokens=args.agree_tokens,
+                             llama_bench=args.llama_bench, progress=True)
         print(json.dumps(report, indent=2) if args.json else format_table(report))
+        if not report["agreement"]["ok"] and not args.allow_disagreement:
+            print(f"tracelm: {agreement_line(report['agreement'])} (--allow-disagreement to accept)", file=sys.stderr)
+            return 1
         return 0
+    if args.llama_bench or args.allow_disagreement:
+        raise TracelmError("bench: --llama-bench and --allow-disagreement apply to --compare only")
     # the Session each model bench opens
     engine = {"compute": args.compute, "threads": args.threads, "activations": args.activations}
     with _threads(args.threads, args.compute):
@@ -840,10 +846,22 @@ def _add_bench_command(sub: Any) -> None:
                     "sampled, and the grammar stage's ms per token and share of decode time")
     sp.add_argument("--repeats", type=int, help="--trace-overhead: runs of the lock-step decode (default 7; the "
                     "overheads are the runs' median); --grammar: plain and constrained runs; --compare: prefills timed "
-                    "per engine (the best counts); bench paths: rounds (default 5); default 3")
+                    "per engine and round (the best counts); bench paths: rounds (default 5); default 3")
     sp.add_argument("--compare", action="store_true",
-                    help="instead: tracelm, llama-cpp-python and transformers (each when installed) on the same GGUF, "
-                    "prompt ids and threads, each in its own process; prints their rates, peak RSS and ratios")
+                    help="instead: tracelm, llama-cpp-python (flash attention off and on) and transformers (each "
+                    "when installed) on the same GGUF, prompt ids and threads, each in its own process, alternated "
+                    "over --rounds; prints their rates' medians (min-max), peak RSS, ratios and greedy agreement; "
+                    "exits 1 when the greedy tokens disagree")
+    sp.add_argument("--rounds", type=int, default=5,
+                    help="--compare: rounds; each runs every engine once, in turn, prefill and decode (default 5)")
+    sp.add_argument("--agree-tokens", type=int, default=32, metavar="K",
+                    help="--compare: every engine's first K greedy tokens must be tracelm's, in every round "
+                    "(default 32)")
+    sp.add_argument("--allow-disagreement", action="store_true",
+                    help="--compare: report a greedy disagreement but exit 0")
+    sp.add_argument("--llama-bench", metavar="PATH",
+                    help="--compare: also run llama.cpp's own llama-bench at PATH in every round (-p N -n N -t N "
+                    "-fa 0,1 -r 1 -o json), its figures and ratios in the same report")
     sp.set_defaults(fn=cmd_bench)
 
 

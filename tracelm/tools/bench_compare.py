@@ -4,14 +4,26 @@ Every engine runs in its own child process (`child_main`, started by `tools.chil
 interpreter), so its peak RSS (the child's own ru_maxrss) and its thread setting are its own. All get
 the same prompt ids (`bench_ids`, 256 tokens by default) and the same thread count:
 - tracelm: a Session with `threads: N` (the kernels' pool; OpenBLAS at one thread);
-- llama.cpp: `Llama(n_threads=N, n_threads_batch=N, n_batch=512)`;
-- transformers: `torch.set_num_threads(N)`, the GGUF loaded in f32 as `tracelm validate` does.
+- llama.cpp: `Llama(n_threads=N, n_threads_batch=N, n_batch=512, flash_attn=...)`, measured with flash
+  attention off and on (`VARIANTS`); per rate the better median is llama.cpp's figure, and the report names it;
+- transformers: `torch.set_num_threads(N)`, the GGUF loaded in f32 as `tracelm validate` does; the report names
+  its attention implementation (`model.config._attn_implementation`).
 
-Each child measures the same way (`measure`): load seconds (building the model from the file, after the
-library's import), prefill tok/s as the best of `repeats` prefills of the prompt into an empty cache (after
-one untimed), and decode tok/s over one timed run of `n_decode` greedy steps (argmax of the last logits)
-after a warm-up. The greedy tokens come back too, so the report says how far each engine's tokens agree
-with tracelm's (llama.cpp and tracelm compute on the quantized blocks, transformers with f32 weights).
+The engines are alternated over `rounds` rounds (`run_rounds`): each round starts one child per engine (and per
+variant) in turn, so load on the machine that comes and goes falls on all of them alike. Each child measures the
+same way (`measure`): load seconds (building the model from the file, after the library's import), prefill tok/s
+as the best of `repeats` prefills of the prompt into an empty cache (after one untimed), and decode tok/s over one
+timed run of `n_decode` greedy steps (argmax of the last logits) after a warm-up. The report gives each rate's
+median, min and max over the rounds, and for each ratio (tracelm / llama.cpp, tracelm / transformers) the median,
+min and max of the per-round ratios.
+
+The greedy tokens come back too, and agreement is asserted (`agreement`): in every round each engine's first
+`agree_tokens` greedy tokens must be tracelm's (llama.cpp and tracelm compute on the quantized blocks,
+transformers with f32 weights, so near-ties may part them later), and tracelm's must be the same in every round;
+a disagreement names the engine, the round and the token where they part, and the command exits 1.
+
+`--llama-bench PATH` runs llama.cpp's own benchmark in every round too (`run_llama_bench`: `-p N -n N -t N -fa
+0,1 -r 1 -o json`), its figures and ratios in the same report.
 """
 
 from __future__ import annotations
@@ -19,10 +31,15 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
+import json
 import os
+import re
 import resource
+import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,14 +56,27 @@ DISTRIBUTIONS = {"tracelm": ("tracelm",), "llama.cpp": ("llama_cpp_python",), "t
 IMPORTS = {"tracelm": ("tracelm.session",), "llama.cpp": ("llama_cpp",),
            "transformers": ("torch", "transformers", "transformers.modeling_utils", "tracelm.tools.validate")}
 INSTALL = {"llama.cpp": "pip install 'tracelm[compare]'", "transformers": "pip install 'tracelm[reference]'"}
-# (key, what, tracelm's figure / the other engine's, the issue's target)
+DEFAULT = "default"
+# the settings each engine is measured with, every one in every round; per rate the best median counts
+VARIANTS: dict[str, tuple[tuple[str, dict[str, Any]], ...]] = {
+    "tracelm": ((DEFAULT, {}),),
+    "llama.cpp": (("flash_attn off", {"flash_attn": False}), ("flash_attn on", {"flash_attn": True})),
+    "transformers": ((DEFAULT, {}),),
+}
+LLAMA_BENCH = "llama-bench"
+RATES = ("prefill_tok_s", "decode_tok_s")
+# (key, what, tracelm's figure / the other engine's, the target: issue 32's for llama.cpp, issue 6's for transformers)
 RATIOS = (
-    ("decode_vs_llama_cpp", "tracelm decode / llama.cpp decode", "decode_tok_s", "llama.cpp", 1.2),
+    ("decode_vs_llama_cpp", "tracelm decode / llama.cpp decode", "decode_tok_s", "llama.cpp", 1.3),
     ("prefill_vs_llama_cpp", "tracelm prefill / llama.cpp prefill", "prefill_tok_s", "llama.cpp", 1.5),
     ("prefill_vs_transformers", "tracelm prefill / transformers prefill", "prefill_tok_s", "transformers", 1.0),
     ("decode_vs_transformers", "tracelm decode / transformers decode", "decode_tok_s", "transformers", 2.0),
+    ("decode_vs_llama_bench", "tracelm decode / llama-bench decode", "decode_tok_s", LLAMA_BENCH, 1.3),
+    ("prefill_vs_llama_bench", "tracelm prefill / llama-bench prefill", "prefill_tok_s", LLAMA_BENCH, 1.5),
 )
+OPTIONAL_OTHERS = (LLAMA_BENCH,)  # their ratios appear only when they were run
 WARMUP_STEPS = 8
+AGREE_TOKENS = 32
 
 
 # --- engines (each runs inside its own child process) ---------------------------------------------------
@@ -56,7 +86,13 @@ class TracelmEngine:
     def __init__(self, path: str, threads: int, n_ctx: int, **options: Any):
         from tracelm.tools.bench import open_session
 
+        self.options = options
         self.runner = open_session(path, threads=threads, **options).new_runner(n_ctx)  # options: RunConfig fields
+
+    def describe(self) -> dict[str, Any]:
+        import tracelm.kernels as kernels
+
+        return {"kernels": kernels.path()}
 
     def reset(self) -> None:
         self.runner.cache.reset()
@@ -69,12 +105,14 @@ class TracelmEngine:
 
 
 class LlamaCppEngine:
-    def __init__(self, path: str, threads: int, n_ctx: int, extra_buffers: bool = True, **options: Any):
+    def __init__(self, path: str, threads: int, n_ctx: int, extra_buffers: bool = True, flash_attn: bool = False,
+                 **options: Any):
         """`extra_buffers=False` turns off llama.cpp's extra weight buffer types (AMX tiles, repacked
-        layouts; model parameter `use_extra_bufts`, which `Llama` does not take as an argument)."""
+        layouts; model parameter `use_extra_bufts`, which `Llama` does not take as an argument); `flash_attn` is
+        llama-cpp-python's argument of that name."""
         import llama_cpp
 
-        self.lib = llama_cpp
+        self.lib, self.flash_attn = llama_cpp, flash_attn
         if not extra_buffers:  # this child process only: every model it loads gets the parameter
             defaults = llama_cpp.llama_cpp.llama_model_default_params
 
@@ -85,8 +123,20 @@ class LlamaCppEngine:
 
             llama_cpp.llama_cpp.llama_model_default_params = without_extra_buffers
         self.llm = llama_cpp.Llama(model_path=path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                                   n_batch=512, logits_all=False, verbose=False)
+                                   n_batch=512, flash_attn=flash_attn, logits_all=False, verbose=False)
         self.n_vocab = self.llm.n_vocab()
+        in_effect = flash_attn_in_effect(getattr(self.llm, "context_params", None))
+        if in_effect is not None and in_effect != flash_attn:  # Llama takes **kwargs: an argument it lost is dropped
+            raise TracelmError(f"llama-cpp-python {_version('llama.cpp')} did not apply flash_attn={flash_attn} "
+                               f"(its context has flash attention {'on' if in_effect else 'off or auto'})")
+
+    def describe(self) -> dict[str, Any]:
+        """The build as llama.cpp reports it: `llama_print_system_info()` (the CPU features compiled in and the
+        backends) and the GGML_* settings of the installed ggml CMake package, when the install has one."""
+        info = self.lib.llama_print_system_info()
+        return {"flash_attn": self.flash_attn,
+                "system_info": (info.decode() if isinstance(info, bytes) else str(info)).strip(),
+                "build_flags": build_flags(Path(self.lib.__file__).parent)}
 
     def reset(self) -> None:
         self.llm.reset()  # n_tokens = 0: the next eval drops the KV cache from position 0 on
@@ -116,6 +166,9 @@ class TransformersEngine:
         self.model = TransformersReference(path).model
         self.past: Any = None
 
+    def describe(self) -> dict[str, Any]:
+        return {"attention": str(getattr(self.model.config, "_attn_implementation", None))}
+
     def reset(self) -> None:
         self.past = None
 
@@ -133,7 +186,35 @@ class TransformersEngine:
         return self._run([token])
 
 
+def flash_attn_in_effect(params: Any) -> bool | None:
+    """Whether llama.cpp's context parameters have flash attention on: its `flash_attn` flag, or in later
+    versions `flash_attn_type` (1 enabled; 0 disabled, -1 auto count as not on); None when neither is there."""
+    if params is None:
+        return None
+    if hasattr(params, "flash_attn"):
+        return bool(params.flash_attn)
+    if hasattr(params, "flash_attn_type"):
+        return int(params.flash_attn_type) == 1
+    return None
+
+
 ENGINE_CLASSES = {"tracelm": TracelmEngine, "llama.cpp": LlamaCppEngine, "transformers": TransformersEngine}
+_CMAKE_SET = re.compile(r'^\s*set\((GGML_[A-Z0-9_]+)\s+"?([^")]*)"?\s*\)', re.MULTILINE)
+
+
+def cmake_settings(text: str) -> dict[str, str]:
+    """The `set(GGML_NAME "value")` lines of a ggml-config.cmake (its build settings), the empty ones left out."""
+    return {name: value for name, value in _CMAKE_SET.findall(text) if value}
+
+
+def build_flags(package: Path) -> dict[str, str] | None:
+    """The GGML_* build settings in the ggml-config.cmake under an installed package, or None without one."""
+    for config in sorted(package.rglob("ggml-config.cmake")):
+        try:
+            return cmake_settings(config.read_text(errors="replace"))
+        except OSError:
+            continue
+    return None
 
 
 def measure(engine: Any, ids: Sequence[int], n_decode: int, repeats: int) -> dict[str, Any]:
@@ -187,14 +268,19 @@ def child_main(engine: str, request: dict[str, Any]) -> dict[str, Any]:
             "options": request.get("options", {}),
             "load_seconds": round(load_s, 3), "import_seconds": round(t1 - t0, 3),
             **{k: result[k] for k in ("prefill_tok_s", "decode_tok_s")},
-            "peak_rss_mb": round(peak / 2**20, 1), "tokens": result["tokens"]}
+            "peak_rss_mb": round(peak / 2**20, 1), "tokens": result["tokens"], "details": model.describe()}
 
 
-# --- the parent: one child per engine, then the report --------------------------------------------------
+# --- the parent: the rounds, one child per engine and variant in turn, then the report ---------------------
 
 
 def missing_modules(engine: str) -> list[str]:
     return [m for m in REQUIRES[engine] if importlib.util.find_spec(m) is None]
+
+
+def _not_installed(engine: str, missing: list[str]) -> dict[str, Any]:
+    return {"engine": engine, "status": "not installed",
+            "error": f"no module {', '.join(missing)} ({INSTALL.get(engine, 'pip install it')})"}
 
 
 # An engine whose child crashed (killed by a signal) is run once more with these options, and the report says
@@ -211,15 +297,16 @@ def run_engine(engine: str, path: str, ids: Sequence[int], n_decode: int, thread
     """One engine measured in a child process: its result, or {"status": "not installed" | "failed", ...}."""
     missing = missing_modules(engine)
     if missing:
-        return {"engine": engine, "status": "not installed",
-                "error": f"no module {', '.join(missing)} ({INSTALL.get(engine, 'pip install it')})"}
+        return _not_installed(engine, missing)
+    options = dict(options or {})
     request = {"path": str(path), "ids": [int(i) for i in ids], "n_decode": n_decode, "threads": threads,
-               "repeats": repeats, "options": options or {}}
+               "repeats": repeats, "options": options}
     result, crashed = _run_child(engine, request, timeout)
-    if crashed and options is None and engine in RETRY_AFTER_CRASH:
+    if crashed and engine in RETRY_AFTER_CRASH:
         retry_options, note = RETRY_AFTER_CRASH[engine]
-        retried = run_engine(engine, path, ids, n_decode, threads, repeats, timeout, retry_options)
-        return {**retried, "note": f"{note} ({result['error']})"}
+        if {**options, **retry_options} != options:
+            retried = run_engine(engine, path, ids, n_decode, threads, repeats, timeout, {**options, **retry_options})
+            return {**retried, "note": f"{note} ({result['error']})"}
     return result
 
 
@@ -233,80 +320,377 @@ def _run_child(engine: str, request: dict[str, Any], timeout: float) -> tuple[di
         return {"engine": engine, "status": "failed", "error": str(e)}, False
 
 
-def build_report(model: str, threads: int, n_prompt: int, n_decode: int,
-                 results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The JSON report: per engine its figures (and how many greedy tokens agree with tracelm's), then the
-    ratios the issue asks for, each with its target; a ratio is null when an engine has no figure."""
-    ours = results.get("tracelm", {})
-    engines = {}
-    for name, r in results.items():
-        r = dict(r)
-        tokens = r.pop("tokens", None)
-        if tokens is not None and ours.get("tokens") is not None:
-            r["greedy_same_as_tracelm"] = common_prefix(tokens, ours["tokens"])
-            r["greedy_tokens"] = len(tokens)
-        engines[name] = r
+# --- llama.cpp's own llama-bench, run in every round beside the engines -------------------------------------
+
+
+def llama_bench_command(exe: str, model: str, n_prompt: int, n_decode: int, threads: int) -> list[str]:
+    """One prefill test of n_prompt tokens and one decode test of n_decode, flash attention off and on, once each
+    (the rounds repeat it), as JSON."""
+    return [exe, "-m", model, "-p", str(n_prompt), "-n", str(n_decode), "-t", str(threads), "-fa", "0,1",
+            "-r", "1", "-o", "json"]
+
+
+def _flash_label(value: Any) -> str:
+    on = value in (True, 1) or str(value).lower() in ("1", "true", "on", "enabled")
+    return f"flash_attn {'on' if on else 'off'}"
+
+
+def _number(entry: dict[str, Any], key: str) -> float:
+    value = entry.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"a test's {key!r} is {value!r}, not a number")
+    return float(value)
+
+
+def parse_llama_bench(text: str, n_prompt: int, n_decode: int) -> dict[str, dict[str, Any]]:
+    """llama-bench's JSON (a list of tests: n_prompt, n_gen, flash_attn, avg_ts, ...) as one result per flash
+    attention setting: the `-p n_prompt` test's tok/s as prefill, the `-n n_decode` test's as decode."""
+    try:
+        tests = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"its output is not JSON ({e})") from None
+    if not isinstance(tests, list) or not all(isinstance(t, dict) for t in tests):
+        raise ValueError("its output is not a JSON list of tests")
+    out: dict[str, dict[str, Any]] = {}
+    for t in tests:
+        n_p, n_g = _number(t, "n_prompt"), _number(t, "n_gen")
+        rate = ("prefill_tok_s" if (n_p, n_g) == (n_prompt, 0) else "decode_tok_s" if (n_p, n_g) == (0, n_decode)
+                else None)
+        if rate is None:
+            continue
+        label = _flash_label(t.get("flash_attn"))
+        version = f"{t.get('build_commit', '?')} (build {t.get('build_number', '?')})"
+        r = out.setdefault(label, {
+            "engine": LLAMA_BENCH, "status": "ok", "version": version, "threads": t.get("n_threads"),
+            "options": {"flash_attn": label.endswith("on")},
+            "details": {k: t[k] for k in ("cpu_info", "backends", "model_type") if k in t}})
+        r[rate] = round(_number(t, "avg_ts"), 2)
+        r["details"][f"{rate.split('_')[0]}_depth"] = t.get("n_depth", 0)
+    if not out:
+        raise ValueError(f"its output has no -p {n_prompt} or -n {n_decode} test")
+    for label, r in out.items():
+        for rate in RATES:
+            if rate not in r:
+                raise ValueError(f"its output has no {rate.split('_')[0]} test with {label}")
+    return out
+
+
+def run_llama_bench(exe: str, model: str, n_prompt: int, n_decode: int, threads: int,
+                    timeout: float = 1800.0) -> dict[str, dict[str, Any]]:
+    """One llama-bench run: a result per flash attention setting, or one failure (the reason in a line)."""
+    cmd = llama_bench_command(exe, model, n_prompt, n_decode, threads)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return _llama_bench_failed(f"{exe}: timed out after {timeout:.0f} s")
+    except OSError as e:
+        return _llama_bench_failed(f"{exe}: cannot run: {e.strerror or e}")
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or [""])[-1]
+        return _llama_bench_failed(f"{exe} exited with code {proc.returncode}" + (f": {last}" if last else ""))
+    try:
+        return parse_llama_bench(proc.stdout, n_prompt, n_decode)
+    except ValueError as e:
+        return _llama_bench_failed(f"{exe}: {e}")
+
+
+def _llama_bench_failed(error: str) -> dict[str, dict[str, Any]]:
+    return {label: {"engine": LLAMA_BENCH, "status": "failed", "error": error} for label, _ in VARIANTS["llama.cpp"]}
+
+
+# --- the rounds ---------------------------------------------------------------------------------------------
+
+
+Runs = dict[str, dict[str, list[dict[str, Any]]]]  # engine -> variant -> one result per round
+
+
+def run_rounds(path: str, ids: Sequence[int], n_decode: int, threads: int, repeats: int, rounds: int,
+               engines: Sequence[str], timeout: float, options: dict[str, dict[str, Any]],
+               llama_bench: str | None = None, log: Callable[[str], None] = lambda line: None) -> Runs:
+    """Every engine's variants (and llama-bench) measured once per round, in turn. An engine that is not installed
+    is reported once; a variant that failed is not run again; a crash's fallback options are kept for the rounds
+    after it."""
+    runs: Runs = {}
+    settings: dict[tuple[str, str], dict[str, Any]] = {}
+    for engine in engines:
+        missing = missing_modules(engine)
+        if missing:
+            runs[engine] = {DEFAULT: [_not_installed(engine, missing)]}
+            continue
+        runs[engine] = {name: [] for name, _ in VARIANTS[engine]}
+        settings |= {(engine, name): {**options.get(engine, {}), **o} for name, o in VARIANTS[engine]}
+    if llama_bench:
+        runs[LLAMA_BENCH] = {name: [] for name, _ in VARIANTS["llama.cpp"]}
+    for r in range(rounds):
+        for (engine, name), opts in settings.items():
+            done = runs[engine][name]
+            if done and done[-1]["status"] != "ok":
+                continue
+            log(f"round {r + 1}/{rounds}: {_label(engine, name)}")
+            result = run_engine(engine, path, ids, n_decode, threads, repeats, timeout, opts)
+            settings[(engine, name)] = result.get("options", opts)
+            done.append(result)
+        if llama_bench and all(not d or d[-1]["status"] == "ok" for d in runs[LLAMA_BENCH].values()):
+            log(f"round {r + 1}/{rounds}: {LLAMA_BENCH}")
+            for name, result in run_llama_bench(llama_bench, path, len(ids), n_decode, threads, timeout).items():
+                runs[LLAMA_BENCH].setdefault(name, []).append(result)
+    return runs
+
+
+def _label(engine: str, variant: str) -> str:
+    return engine if variant == DEFAULT else f"{engine} ({variant})"
+
+
+# --- the report ---------------------------------------------------------------------------------------------
+
+
+def spread(values: Sequence[float], digits: int = 2) -> dict[str, Any]:
+    """Median, min and max of per-round values, and the values in round order."""
+    return {"median": round(statistics.median(values), digits), "min": min(values), "max": max(values),
+            "rounds": list(values)}
+
+
+# the details a child reports that differ between an engine's variants; the others are the engine's
+VARIANT_DETAILS = ("flash_attn",)
+
+
+def summarize_variant(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One variant over its rounds: each rate's spread, load seconds' spread, the highest peak RSS; or the
+    failure that stopped it (and how many rounds went well before)."""
+    ok = [r for r in results if r["status"] == "ok"]
+    notes = [r["note"] for r in results if r.get("note")]
+    if not ok or results[-1]["status"] != "ok":
+        failed = {k: v for k, v in results[-1].items() if k != "note"}
+        return {**failed, **({"rounds_ok": len(ok)} if ok else {}), **({"note": notes[0]} if notes else {})}
+    last = ok[-1]  # its options are those the later rounds ran with (a crash's fallback kept)
+    out: dict[str, Any] = {"status": "ok", "options": last.get("options", {}), "rounds": len(ok)}
+    for key, digits in (("load_seconds", 3), ("prefill_tok_s", 1), ("decode_tok_s", 2)):
+        if all(key in r for r in ok):
+            out[key] = spread([r[key] for r in ok], digits)
+    if all("peak_rss_mb" in r for r in ok):
+        out["peak_rss_mb"] = max(r["peak_rss_mb"] for r in ok)
+    details = dict(last.get("details", {}))
+    out |= {k: details.pop(k) for k in VARIANT_DETAILS if k in details}
+    out["shared"] = {"version": last.get("version"), "threads": last.get("threads"), **details}
+    if notes:
+        out["note"] = notes[0]
+    return out
+
+
+def summarize_engine(variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """An engine's entry: its one variant's figures, or with several, per rate the variant with the best median
+    (named in `best`) and every variant's own figures under `variants`."""
+    ok = {name: v for name, v in variants.items() if v["status"] == "ok"}
+    if not ok:
+        return next(iter(variants.values()))
+    shared = next(iter(ok.values())).pop("shared")
+    for v in ok.values():
+        v.pop("shared", None)
+    if len(variants) == 1:
+        return {"status": "ok", **shared, **next(iter(ok.values()))}
+    best = {rate: max(ok, key=lambda name, rate=rate: ok[name][rate]["median"]) for rate in RATES}
+    entry = {"status": "ok", **shared, "best": best, **{rate: ok[best[rate]][rate] for rate in RATES}}
+    if all("peak_rss_mb" in v for v in ok.values()):
+        entry["peak_rss_mb"] = max(v["peak_rss_mb"] for v in ok.values())
+    return {**entry, "variants": variants}
+
+
+def _tokens(runs: Runs) -> dict[str, list[list[int]]]:
+    """Each engine variant's greedy tokens, one list per round that gave them."""
+    return {_label(e, name): [r["tokens"] for r in results if r.get("tokens") is not None]
+            for e, vs in runs.items() for name, results in vs.items()}
+
+
+def agreement(tokens: dict[str, list[list[int]]], required: int) -> dict[str, Any]:
+    """Greedy agreement asserted: in each round every engine's first `required` tokens (all of them when fewer)
+    equal tracelm's of that round, and tracelm's equal its own of round 1. Each disagreement says where the two
+    part (`parts_at`: the index of the first token that differs) and the two tokens there."""
+    ours = tokens.get("tracelm") or []
+    found = []
+    for label, rounds in tokens.items():
+        for r, toks in enumerate(rounds):
+            ref = ours[0] if label == "tracelm" else ours[r] if r < len(ours) else None
+            if ref is None or (label == "tracelm" and r == 0):
+                continue
+            same, n = common_prefix(toks, ref), min(len(toks), len(ref))
+            if same < min(required, n):
+                found.append({"engine": label, "round": r + 1, "parts_at": same,
+                              "tracelm_token": ref[same], "engine_token": toks[same],
+                              "against": "tracelm round 1" if label == "tracelm" else "tracelm"})
+    return {"required_tokens": required, "ok": not found, "disagreements": found}
+
+
+def _same_as_tracelm(runs: Runs, engines: dict[str, Any]) -> None:
+    """Each variant's greedy tokens against tracelm's of the same round: the fewest that agree over the rounds."""
+    tokens = _tokens(runs)
+    ours = tokens.get("tracelm") or []
+    for engine, vs in runs.items():
+        for name in vs:
+            entry = engines.get(engine, {})
+            target = entry.get("variants", {}).get(name, {}) if "variants" in entry else entry
+            toks = tokens[_label(engine, name)]
+            if not toks or not ours or target.get("status") != "ok":
+                continue
+            refs = [ours[0]] * len(toks) if engine == "tracelm" else ours
+            target["greedy_same_as_tracelm"] = min(common_prefix(t, ref) for t, ref in zip(toks, refs, strict=False))
+            target["greedy_tokens"] = len(toks[0])
+
+
+def _ratio(ours: dict[str, Any], other: dict[str, Any], field: str) -> tuple[list[float], str | None]:
+    """The per-round ratios tracelm / other of one rate (rounds paired in order), and the variant of `other`."""
+    if ours.get("status") != "ok" or other.get("status") != "ok":
+        return [], None
+    a, b = ours[field]["rounds"], other[field]["rounds"]
+    return [round(x / y, 3) for x, y in zip(a, b, strict=False) if x and y], other.get("best", {}).get(field)
+
+
+def build_report(model: str, threads: int, n_prompt: int, n_decode: int, runs: Runs,
+                 agree_tokens: int = AGREE_TOKENS) -> dict[str, Any]:
+    """The JSON report: per engine its figures over the rounds (and how many greedy tokens agree with tracelm's),
+    the ratios with their per-round spread and target (a ratio is null when an engine has no figure), and the
+    greedy agreement check."""
+    engines = {e: summarize_engine({name: summarize_variant(results) for name, results in vs.items() if results})
+               for e, vs in runs.items() if any(vs.values())}
+    _same_as_tracelm(runs, engines)
+    ours = engines.get("tracelm", {})
     ratios = {}
     for key, what, field, other, target in RATIOS:
-        a, b = ours.get(field), results.get(other, {}).get(field)
-        value = round(a / b, 3) if a and b else None
-        ratios[key] = {"what": what, "value": value, "target": target,
+        if other in OPTIONAL_OTHERS and other not in engines:
+            continue
+        values, variant = _ratio(ours, engines.get(other, {}), field)
+        value = round(statistics.median(values), 3) if values else None
+        ratios[key] = {"what": what, "value": value, "min": min(values, default=None),
+                       "max": max(values, default=None), "rounds": values, "against": variant, "target": target,
                        "met": None if value is None else bool(value >= target)}
+    n_rounds = max((len(r) for vs in runs.values() for r in vs.values()), default=0)
     return {"model": model, "threads": threads, "prompt_tokens": n_prompt, "decode_tokens": n_decode,
-            "engines": engines, "ratios": ratios}
+            "rounds": n_rounds, "engines": engines, "ratios": ratios,
+            "agreement": agreement(_tokens(runs), agree_tokens)}
 
 
 def run_compare(model_name: str, threads: int = 0, n_prompt: int = 256, n_decode: int = 128, repeats: int = 3,
-                engines: Sequence[str] = ENGINES, timeout: float = 1800.0, activations: str = "int16"
-                ) -> dict[str, Any]:
+                engines: Sequence[str] = ENGINES, timeout: float = 1800.0, activations: str = "int16",
+                rounds: int = 5, agree_tokens: int = AGREE_TOKENS, llama_bench: str | None = None,
+                progress: bool = False) -> dict[str, Any]:
     """`tracelm bench --compare`: every engine (each when installed) on the same GGUF, ids and threads
-    (tracelm's activations as given)."""
+    (tracelm's activations as given), alternated over `rounds` rounds; llama-bench too when given its path."""
     from tracelm.io.loader import ModelFile
     from tracelm.tools.bench import bench_ids
 
-    source = ModelFile(model_name)
-    if source.kind != "gguf":
-        raise TracelmError(f"{source.path}: bench --compare needs a GGUF file (the one file all engines read)")
     if n_prompt < 1 or n_decode < 1:
         raise TracelmError(f"bench --compare: prompt tokens ({n_prompt}) and decode tokens ({n_decode}) must be >= 1")
+    if rounds < 1 or repeats < 1 or agree_tokens < 0:
+        raise TracelmError(f"bench --compare: rounds ({rounds}) and repeats ({repeats}) must be >= 1, agree tokens "
+                           f"({agree_tokens}) >= 0")
     unknown = [e for e in engines if e not in ENGINE_CLASSES]
     if unknown:
         raise TracelmError(f"bench --compare: unknown engine {unknown[0]!r} (known: {', '.join(ENGINES)})")
+    if llama_bench is not None and not (os.path.isfile(llama_bench) and os.access(llama_bench, os.X_OK)):
+        raise TracelmError(f"--llama-bench {llama_bench}: not an executable file")
+    source = ModelFile(model_name)
+    if source.kind != "gguf":
+        raise TracelmError(f"{source.path}: bench --compare needs a GGUF file (the one file all engines read)")
     threads = threads if threads > 0 else (os.cpu_count() or 1)
     ids = bench_ids(source.tokenizer, n_prompt)
     load_before = os.getloadavg()[0]
-    options = {"tracelm": {"activations": activations}}
-    results = {e: run_engine(e, str(source.path), ids, n_decode, threads, repeats, timeout, options.get(e))
-               for e in engines}
-    report = build_report(Path(source.path).name, threads, n_prompt, n_decode, results)
-    # other work on the machine slows the engines unequally (they run one after another): say how busy it was
+    log = (lambda line: print(line, file=sys.stderr, flush=True)) if progress else (lambda line: None)
+    runs = run_rounds(str(source.path), ids, n_decode, threads, repeats, rounds, engines, timeout,
+                      {"tracelm": {"activations": activations}}, llama_bench, log)
+    report = build_report(Path(source.path).name, threads, n_prompt, n_decode, runs, agree_tokens)
+    if llama_bench:
+        report["llama_bench_command"] = " ".join(llama_bench_command(llama_bench, str(source.path), n_prompt,
+                                                                     n_decode, threads))
+    # other work on the machine slows the engines unequally: say how busy it was
     report["load_average_1m"] = {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2),
                                  "cores": os.cpu_count()}
     return report
 
 
+# --- the table ----------------------------------------------------------------------------------------------
+
+
+def _range(s: dict[str, Any] | None, fmt: str) -> str:
+    if not s:
+        return "-"
+    return f"{s['median']:{fmt}} ({s['min']:{fmt}}-{s['max']:{fmt}})"
+
+
+def _engine_line(label: str, r: dict[str, Any], version: str) -> str:
+    if r["status"] != "ok":
+        return f"{label:14s} {r['status']}: {r.get('error', '')}"
+    same = f"{r['greedy_same_as_tracelm']}/{r['greedy_tokens']}" if "greedy_same_as_tracelm" in r else "-"
+    load = f"{r['load_seconds']['median']:8.2f}" if "load_seconds" in r else f"{'-':>8s}"
+    rss = f"{r['peak_rss_mb']:12.1f}" if "peak_rss_mb" in r else f"{'-':>12s}"
+    return (f"{label:28s} {version:16s} {load} {_range(r.get('prefill_tok_s'), '.1f'):>26s} "
+            f"{_range(r.get('decode_tok_s'), '.2f'):>26s} {rss}  {same}")
+
+
+def _engine_lines(name: str, r: dict[str, Any]) -> list[str]:
+    if r["status"] != "ok":
+        return [_engine_line(name, r, "")]
+    version = str(r.get("version", ""))
+    variants = r.get("variants")
+    lines = [_engine_line(_label(name, v), vr, version) for v, vr in variants.items()] if variants else \
+        [_engine_line(name, r, version)]
+    for v in (variants or {DEFAULT: r}).values():
+        if v.get("note"):
+            lines.append(f"{'':14s} note: {v['note']}")
+    if variants:
+        lines.append(f"{'':14s} {name}'s figure: prefill {r['best']['prefill_tok_s']}, decode "
+                     f"{r['best']['decode_tok_s']} (the better median)")
+    if r.get("attention"):
+        lines.append(f"{'':14s} attention implementation: {r['attention']}")
+    if r.get("kernels"):
+        lines.append(f"{'':14s} kernels path: {r['kernels']}")
+    if r.get("system_info"):
+        lines.append(f"{'':14s} system info: {r['system_info']}")
+    if name == "llama.cpp":
+        flags = r.get("build_flags")
+        shown = " ".join(f"{k}={v}" for k, v in sorted(flags.items())) if flags else \
+            "not recorded (no ggml-config.cmake in the install)"
+        lines.append(f"{'':14s} build flags: {shown}")
+    for key in ("cpu_info", "backends"):
+        if r.get(key):
+            lines.append(f"{'':14s} {key.replace('_', ' ')}: {r[key]}")
+    return lines
+
+
+def _rounds_text(n: int) -> str:
+    return f"{n} round{'s' if n != 1 else ''}"
+
+
 def format_table(report: dict[str, Any]) -> str:
     threads = f"{report['threads']} thread{'s' if report['threads'] != 1 else ''}"
     lines = [f"{report['model']}: {threads}, {report['prompt_tokens']}-token prompt, "
-             f"{report['decode_tokens']} greedy decode tokens"]
+             f"{report['decode_tokens']} greedy decode tokens, {_rounds_text(report.get('rounds', 1))} (engines "
+             "alternated; median (min-max) over the rounds)"]
     load = report.get("load_average_1m")
     if load:
         lines.append(f"load average (1 min) {load['before']:.2f} before, {load['after']:.2f} after, on {load['cores']} "
                      "cores (other work slows the engines unequally)")
-    lines.append(f"{'engine':14s} {'version':16s} {'load s':>8s} {'prefill tok/s':>14s} {'decode tok/s':>13s} "
+    if report.get("llama_bench_command"):
+        lines.append(f"llama-bench, each round: {report['llama_bench_command']}")
+    lines.append(f"{'engine':28s} {'version':16s} {'load s':>8s} {'prefill tok/s':>26s} {'decode tok/s':>26s} "
                  f"{'peak RSS MB':>12s}  greedy = tracelm")
     for name, r in report["engines"].items():
-        if r["status"] != "ok":
-            lines.append(f"{name:14s} {r['status']}: {r.get('error', '')}")
-            continue
-        same = f"{r['greedy_same_as_tracelm']}/{r['greedy_tokens']}" if "greedy_same_as_tracelm" in r else "-"
-        lines.append(f"{name:14s} {r['version']:16s} {r['load_seconds']:8.2f} {r['prefill_tok_s']:14.1f} "
-                     f"{r['decode_tok_s']:13.2f} {r['peak_rss_mb']:12.1f}  {same}")
-        if r.get("note"):
-            lines.append(f"{'':14s} note: {r['note']}")
+        lines += _engine_lines(name, r)
     lines.append("")
     for ratio in report["ratios"].values():
         value = "n/a" if ratio["value"] is None else f"{ratio['value']:.2f}x"
+        spread_ = "" if ratio["value"] is None else f"({ratio['min']:.2f}-{ratio['max']:.2f})"
         met = {None: "", True: "met", False: "not met"}[ratio["met"]]
-        lines.append(f"{ratio['what']:40s} {value:>7s}   target >= {ratio['target']}x {met}".rstrip())
+        against = f" vs {ratio['against']}" if ratio.get("against") else ""
+        lines.append(f"{ratio['what'] + against:58s} {value:>7s} {spread_:15s} target >= {ratio['target']}x "
+                     f"{met}".rstrip())
+    lines.append("")
+    lines.append(agreement_line(report["agreement"]))
     return "\n".join(lines)
+
+
+def agreement_line(check: dict[str, Any]) -> str:
+    if check["ok"]:
+        return (f"greedy agreement: ok (every engine's first {check['required_tokens']} greedy tokens are tracelm's, "
+                "in every round)")
+    parts = [f"{d['engine']} parts from {d['against']} at token {d['parts_at']} in round {d['round']} "
+             f"({d['engine_token']} where tracelm has {d['tracelm_token']})" for d in check["disagreements"]]
+    return f"greedy agreement: FAILED (the first {check['required_tokens']} tokens must agree): " + "; ".join(parts)
