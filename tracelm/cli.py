@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from tracelm.state.errors import TracelmError
-from tracelm.state.run_config import KV_CACHE_DTYPES
+from tracelm.state.run_config import KV_CACHE_DTYPES, QUANT_NAMES
 
 
 def _threads(n: int, compute: str = "kernels") -> Any:
@@ -29,7 +29,8 @@ def _load_config(args: argparse.Namespace) -> Any:
 
     overrides = list(args.set or [])
     for flag, key in (("prompt", "prompt"), ("max_tokens", "max_tokens"), ("temperature", "sampling.temperature"),
-                      ("seed", "sampling.seed"), ("context", "context"), ("model", "model")):
+                      ("seed", "sampling.seed"), ("context", "context"), ("model", "model"),
+                      ("quantize", "quantize")):
         value = getattr(args, flag, None)
         if value is not None:
             overrides.append(f"{key}={json.dumps(value)}")
@@ -434,6 +435,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from tracelm.tools.model_files import export
+
+    print(export(args.input, args.output, args.tokenizer, args.type), file=sys.stderr)
+    return 0
+
+
 CONFIG_HELP = ("YAML run config: a file, or a packaged config's name (smollm2, gemma3, qwen2.5-coder); default: "
                "the built-in defaults")
 
@@ -452,7 +460,8 @@ def _run_options(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--temperature", type=float)
     sp.add_argument("--seed", type=int)
     sp.add_argument("--context", type=int)
-    sp.add_argument("--model", help="registry name or model path (overrides the config)")
+    sp.add_argument("--model", help=MODEL_HELP)
+    _quantize_option(sp)
     sp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key")
     g = sp.add_mutually_exclusive_group()  # sampling.constraint in a config
     g.add_argument("--json", action="store_true", help="constrain the output to a JSON object")
@@ -462,6 +471,16 @@ def _run_options(sp: argparse.ArgumentParser) -> None:
                    "dialect, rule `start`); a FILE ending in .regex holds a regular expression instead")
     g.add_argument("--regex", metavar="TEXT", help="constrain the output to match this regular expression, whole")
     _sign_key_option(sp)
+
+
+MODEL_HELP = ("the model (overrides the config): a registry name, a path (GGUF, Hugging Face folder, llama2.c .bin), "
+              "hf:ORG/REPO[:FILE or :QUANT] (downloaded into the Hugging Face cache), or a name in the local Hugging "
+              "Face or Ollama cache (`tracelm models list`)")
+
+
+def _quantize_option(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--quantize", type=str.lower, choices=QUANT_NAMES, help="quantize the model's F32/F16/BF16 "
+                    "matrices as they load (a Hugging Face folder, a float GGUF), as llama-quantize picks types")
 
 
 def _sign_key_option(sp: argparse.ArgumentParser) -> None:
@@ -495,7 +514,8 @@ def _add_run_commands(sub: Any) -> None:
     sp.add_argument("--max-tokens", type=int, help="default max_tokens of a request that gives none")
     sp.add_argument("--temperature", type=float, help="default temperature of a request that gives none")
     sp.add_argument("--context", type=int, help="positions of each KV cache (prompt + completion)")
-    sp.add_argument("--model", help="registry name or model path (overrides the config)")
+    sp.add_argument("--model", help=MODEL_HELP)
+    _quantize_option(sp)
     sp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key")
     sp.add_argument("--host", help="address to listen on (default: server.host of the config, 127.0.0.1)")
     sp.add_argument("--port", type=int, help="port (default: server.port of the config, 8080; 0 = any free port)")
@@ -588,6 +608,16 @@ def _add_file_commands(sub: Any) -> None:
     sp.add_argument("--tokenizer", help="tokenizer file (a llama2.c .bin model needs one)")
     sp.add_argument("--out", required=True, help="the GGUF file to write")
     sp.set_defaults(fn=cmd_export)
+
+    sp = sub.add_parser("quantize", help="write a model (Hugging Face folder, GGUF, llama2.c .bin) as a quantized GGUF "
+                        "that tracelm and llama.cpp read, vocabulary and chat template included")
+    sp.add_argument("input", help="registry name or model path (a Hugging Face folder, a GGUF file, a llama2.c .bin)")
+    sp.add_argument("output", help="the GGUF file to write")
+    sp.add_argument("--type", required=True, type=str.lower, choices=QUANT_NAMES, help="the matrices' type "
+                    "(vectors stay f32; the output matrix, or the tied embedding, q6_k as llama-quantize does)")
+    sp.add_argument("--tokenizer", help="tokenizer to carry instead of the model's own (a GGUF, or a tokenizer.json "
+                    "or its folder; a llama2.c .bin model needs one for the GGUF to hold a vocabulary)")
+    sp.set_defaults(fn=cmd_quantize)
 
     sp = sub.add_parser("models", help="the model registry: list | pull NAME | path NAME")
     sp.add_argument("action", choices=("list", "pull", "path"))

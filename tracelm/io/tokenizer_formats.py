@@ -490,3 +490,70 @@ def from_hf_json(path: str | Path) -> Tokenizer:
         kind="tokenizer.json", source=path.name,
         chat_template=template if isinstance(template, str) and template.strip() else None,
     )  # fmt: skip
+
+
+_HF_CONTRACTIONS = "(?i:'s|'t|'re|'ve|'m|'ll|'d)"  # how tokenizer.json spells _CONTRACTIONS
+
+
+def _hf_splits(step: Any, where: str) -> list[str]:
+    """The regexes a tokenizer.json pre_tokenizer splits by, in order, as PreTokenizer.splits spells them."""
+    if not isinstance(step, dict):
+        return []
+    kind = step.get("type")
+    if kind == "Sequence":
+        return [r for s in step.get("pretokenizers") or [] for r in _hf_splits(s, where)]
+    if kind == "Split":
+        pattern = step.get("pattern") or {}
+        regex = pattern.get("Regex", pattern.get("String"))
+        return [str(regex).replace(_HF_CONTRACTIONS, _CONTRACTIONS)]
+    if kind == "Digits":
+        return [r"\p{N}"] if step.get("individual_digits") else [r"\p{N}+"]
+    if kind == "ByteLevel":
+        return [_GPT2] if step.get("use_regex", True) else []
+    raise TracelmError(f"{where}: pre_tokenizer {kind!r} has no GGUF name (byte-level BPE: Split, Digits, ByteLevel)")
+
+
+def _pre_name(spec: dict[str, Any], where: str) -> str:
+    """The `tokenizer.ggml.pre` whose rules (PRE_TOKENIZERS) split text as this tokenizer.json does."""
+    splits = tuple(_hf_splits(spec.get("pre_tokenizer"), where))
+    ignore = bool((spec.get("model") or {}).get("ignore_merges", False))
+    for name, rule in PRE_TOKENIZERS.items():
+        if rule.splits == splits and rule.ignore_merges == ignore:
+            return name
+    raise TracelmError(f"{where}: its pre-tokenizer (splits {list(splits)}) matches none that GGUF names "
+                       f"(known: {', '.join(PRE_TOKENIZERS)}); a GGUF cannot carry this vocabulary")
+
+
+def gguf_vocab_metadata(folder: str | Path, n_vocab: int = 0) -> dict[str, Any]:
+    """The `tokenizer.*` GGUF metadata of a Hugging Face folder's tokenizer.json (and tokenizer_config.json): a
+    byte-level BPE vocabulary as GGUF `gpt2` (tokens, types, merges, the pre-tokenizer's name, special ids, flags,
+    chat template), read back by `from_gguf_metadata` to the same tokenizer; padded with unused `[PADi]` tokens to
+    `n_vocab` (the model's embedding rows, which llama.cpp expects the vocabulary to match)."""
+    path = Path(folder) / "tokenizer.json"
+    try:
+        spec = checks.json_object(path.read_text(encoding="utf-8"), str(path))
+    except OSError as e:
+        raise TracelmError(f"{path}: cannot read: {e.strerror}") from None
+    model = checks.mapping(spec.get("model"), f"{path}: model")
+    if model.get("type") != "BPE" or (spec.get("decoder") or {}).get("type") != "ByteLevel":
+        raise TracelmError(f"{path}: only byte-level BPE vocabularies are written to GGUF (this one: model "
+                           f"{model.get('type')!r}, decoder {(spec.get('decoder') or {}).get('type')!r})")
+    tok = from_hf_json(path)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    types = [tok.token_type(i) for i in range(tok.n_vocab)]
+    tokens = [tok.piece(i) or f"[PAD{i}]" for i in range(tok.n_vocab)]
+    types = [UNUSED if not tok.piece(i) else t for i, t in enumerate(types)]
+    tokens += [f"[PAD{i}]" for i in range(tok.n_vocab, n_vocab)]
+    types += [UNUSED] * (len(tokens) - len(types))
+    meta: dict[str, Any] = {
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": _pre_name(spec, str(path)),
+        "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.add_bos_token": tok.add_bos, "tokenizer.ggml.add_eos_token": tok.add_eos,
+    }
+    for key, value in (("bos_token_id", tok.bos_id), ("eos_token_id", tok.eos_id),
+                       ("unknown_token_id", tok.unk_id)):
+        if value is not None:
+            meta[f"tokenizer.ggml.{key}"] = value
+    if tok.chat_template:
+        meta["tokenizer.chat_template"] = tok.chat_template
+    return meta
