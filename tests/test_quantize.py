@@ -57,8 +57,8 @@ def test_legacy_types_are_gguf_quants_bytes(qtype) -> None:
                                                          ("q6_k", (0.019, 0.03), QType.Q8_0)])
 def test_k_quants_error_against_f32(name, bounds, legacy) -> None:
     """RMS error relative to the signal, on Gaussian rows and on heavy-tailed rows with outliers: within the
-    bounds (Gaussian, heavy-tailed), below the legacy type of as many bits (q6_k: within 4x of q8_0), and the same values whichever
-    dequantizer (gguf-py's, tracelm's, the kernels') reads the blocks."""
+    bounds (Gaussian, heavy-tailed), below the legacy type of as many bits (q6_k: within 4x of q8_0), and the
+    same values whichever dequantizer (gguf-py's, tracelm's, the kernels') reads the blocks."""
     import tracelm.kernels as kernels
     from tracelm.io.dequant import dequantize
     from tracelm.io.quantize import quant_type, quantize_rows
@@ -169,3 +169,85 @@ def test_quantize_bad_input_is_one_line(folder, tmp_path) -> None:
     proc = tracelm("quantize", str(bad), str(tmp_path / "x.gguf"), "--type", "q4_0")
     assert proc.returncode == 2 and "pre_tokenizer 'Whitespace'" in proc.stderr, proc.stderr
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_quantize_on_load_gives_the_file_s_blocks_and_logits(folder, tmp_path) -> None:
+    """`Session(folder, quantize=...)`: every float matrix becomes the blocks `tracelm quantize` writes (q8_0: the
+    bytes of gguf.quants.quantize), and the logits are the quantized file's."""
+    import tracelm.kernels as kernels
+    from tracelm import Session
+    from tracelm.io.loader import load_model
+    from tracelm.io.safetensors_file import HFFolder
+    from tracelm.pipeline.runner import Runner
+
+    s = Session(str(folder), quantize="q8_0", settings=["context=64"])
+    wo = s.model.weights.layers[1].wo
+    assert wo.qtypes == (int(QType.Q8_0),) and wo.packed
+    rows = kernels.unpack_rows(wo.parts[0][0], QType.Q8_0, np.arange(wo.shape[0]))
+    want = gguf.quants.quantize(HFFolder(folder).tensor_f32("blk.1.attn_output.weight"), QType.Q8_0)
+    assert rows.tobytes() == want.tobytes()
+    assert s.model.weights.token_embd.qtypes == (int(QType.Q8_0),)
+    s.close()
+
+    out = tmp_path / "m-q4_k.gguf"
+    assert tracelm("quantize", str(folder), str(out), "--type", "q4_k").returncode == 0
+    s = Session(str(folder), quantize="q4_k", settings=["context=64"])
+    assert s.model.weights.layers[0].w_down.qtypes == (int(QType.Q4_K),)
+    assert s.model.weights.token_embd.qtypes == (int(QType.Q6_K),)
+    ids = s.encode("hello there, the hell")
+    a = Runner(s.model, 32).logits(ids)
+    b = Runner(load_model(str(out), progress=False), 32).logits(ids)  # the file's q/k rows reordered: same math
+    assert np.abs(a - b).max() < 1e-3
+    assert s.generate("hello", max_tokens=4, temperature=0) == Session(str(out), settings=["context=64"]).generate(
+        "hello", max_tokens=4, temperature=0)
+    s.close()
+
+
+def test_quantize_on_load_of_a_float_gguf(tiny_gguf) -> None:
+    """A float GGUF quantizes too; rows of 64 values are no whole Q4_K super-block: Q5_0, as llama.cpp falls back."""
+    from tracelm import Session
+
+    ref = Session(str(tiny_gguf), settings=["context=64"])
+    s = Session(str(tiny_gguf), quantize="q4_k", settings=["context=64"])
+    assert s.model.weights.layers[0].wqkv.qtypes == (int(QType.Q5_0),)
+    assert s.model.weights.token_embd.qtypes == (int(QType.Q8_0),)  # the tied head: Q8_0 when not 256s
+    a, b = s.logits([1, 2, 3, 4]), ref.logits([1, 2, 3, 4])
+    assert 0 < rel_rms(a, b) < 0.2
+    assert "quantize-q4_k" in __import__("tracelm.session", fromlist=["numerics"]).numerics(s.cfg)
+
+
+def test_quantize_on_load_bad_input(folder, tiny_gguf) -> None:
+    from tracelm import Session, TracelmError
+
+    with pytest.raises(TracelmError, match="quantize"):
+        Session(str(folder), quantize="q3_k")
+    s = Session(str(tiny_gguf), quantize="q8_0", settings=["weights=streamed"])
+    with pytest.raises(TracelmError, match="resident weights on the kernels"):
+        s.generate("hi", max_tokens=1)
+    proc = tracelm("run", "--model", str(folder), "--quantize", "q9", "--prompt", "hi")
+    assert proc.returncode == 2 and "invalid choice: 'q9'" in proc.stderr
+
+
+PEAK = """
+import json, resource, sys
+from tracelm import Session
+from tracelm.session import held_bytes
+s = Session(sys.argv[1], quantize="q8_0", settings=["context=64", "threads=1"])
+text = s.generate("hello", max_tokens=4, temperature=0)
+print(json.dumps({"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "quantized": s.source.weights_bytes(quantize="q8_0"), "kv": held_bytes(s.runner),
+                  "f32": 4 * sum(int(__import__("math").prod(t.shape)) for t in s.source.hf.tensors.values())}))
+"""
+
+
+def test_quantize_on_load_peak_memory(tmp_path) -> None:
+    """Quantizing a folder on load holds its blocks, never all its matrices in f32: peak RSS (a fresh process,
+    getrusage) under the quantized size + the KV cache + 200 MB, for a model whose f32 matrices alone exceed that."""
+    folder = hf_model_folder(tmp_path / "big", hidden=1024, ff=2816, layers=6, heads=8, kv_heads=8, dtype="F16")
+    proc = subprocess.run([sys.executable, "-c", PEAK, str(folder)], capture_output=True, text=True, timeout=600,
+                          env=child_env())
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    bound = r["quantized"] + r["kv"] + 200 * 2**20
+    assert r["f32"] > bound, r  # the test's size: f32 matrices all at once could not pass
+    assert r["peak"] < bound, {k: v / 2**20 for k, v in r.items()}
