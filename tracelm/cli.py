@@ -190,9 +190,16 @@ def cmd_models(args: argparse.Namespace) -> int:
     if args.action == "list":
         print("\n".join(model_files.model_lines()))
     elif args.action == "pull":
-        print(model_files.pull(args.name))
+        print(model_files.pull(args.name, progress=not args.quiet))
     else:
         print(model_files.model_path(args.name))
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from tracelm.tools import model_files
+
+    print(model_files.pull(args.name, progress=not args.quiet))
     return 0
 
 
@@ -619,10 +626,20 @@ def _add_file_commands(sub: Any) -> None:
                     "or its folder; a llama2.c .bin model needs one for the GGUF to hold a vocabulary)")
     sp.set_defaults(fn=cmd_quantize)
 
-    sp = sub.add_parser("models", help="the model registry: list | pull NAME | path NAME")
+    sp = sub.add_parser("models", help="the models tracelm can name -- the registry's and those in the local Hugging "
+                        "Face and Ollama caches: list | pull NAME | path NAME")
     sp.add_argument("action", choices=("list", "pull", "path"))
     sp.add_argument("name", nargs="?", default="smollm2-135m-instruct")
+    sp.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     sp.set_defaults(fn=cmd_models)
+
+    sp = sub.add_parser("pull", help="download ORG/REPO[:FILE or :QUANT] from the Hugging Face Hub into its cache "
+                        "(HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE apply; a download resumes) or a registry model; prints "
+                        "its path, which --model hf:ORG/REPO[...] then names")
+    sp.add_argument("name", help="ORG/REPO (a safetensors folder, or its only GGUF), ORG/REPO:FILE.gguf, "
+                    "ORG/REPO:Q4_K_M (the GGUF of that quant), or a registry name")
+    sp.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    sp.set_defaults(fn=cmd_pull)
 
 
 def _add_audit_commands(sub: Any) -> None:

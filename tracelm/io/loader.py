@@ -207,6 +207,8 @@ def load_tokenizer(name_or_path: str) -> Tokenizer:
         raise TracelmError(f"{p}: folder has no tokenizer.json or tokenizer.model")
     if not p.is_file():
         p = Path(registry.resolve(name_or_path))
+        if p.is_dir():  # a Hugging Face folder from the Hub or a cache
+            return load_tokenizer(str(p))
     try:
         with open(p, "rb") as f:
             magic = f.read(4)

@@ -5,26 +5,35 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tracelm.io import registry
+from tracelm.io import hub, registry
 from tracelm.io.export import export_gguf, vocab_metadata
 from tracelm.io.loader import ModelFile
 from tracelm.io.quantize import quant_type
 
 
 def model_lines() -> list[str]:
-    """One line per registry model: its name, whether it is downloaded, and where it lives."""
-    return [f"{name:32s} {'cached' if cached else 'not cached':11s} {path}" for name, cached, path in
-            registry.list_models()]
+    """One line per model tracelm can name: the registry's (downloaded or not), then those of the local Hugging Face
+    cache and of Ollama's, each with the name --model takes and where it lives."""
+    lines = [f"{name:40s} {'cached' if cached else 'not cached':11s} {path}" for name, cached, path in
+             registry.list_models()]
+    lines += [f"{name:40s} {'hf cache':11s} {path}" for name, path in hub.hf_cache_models()]
+    lines += [f"{name:40s} {'ollama':11s} {path}" for name, path in hub.ollama_models()]
+    return lines
 
 
-def pull(name: str) -> Path:
-    """Download a registry model (checked against its sha256); its path."""
-    return registry.pull(name)
+def pull(name: str, progress: bool = True) -> Path:
+    """Download a registry model (checked against its sha256), or `[hf:]ORG/REPO[:FILE or :QUANT]` from the Hugging
+    Face Hub into its cache; its path."""
+    if name in registry.MODELS:
+        return registry.pull(name, progress=progress)
+    return hub.pull(name if name.startswith("hf:") else f"hf:{name}", progress=progress)
 
 
 def model_path(name: str) -> Path:
-    """Where a registry model lives (downloaded or not)."""
-    return registry.model_path(name)
+    """Where a model lives: a registry model's file (downloaded or not), or a model in the local caches."""
+    if name in registry.MODELS:
+        return registry.model_path(name)
+    return registry.resolve(name, download=False)
 
 
 def export(model: str, out: str, tokenizer: str | None = None, qtype: str | None = None,
