@@ -39,6 +39,7 @@ QUANT_TYPES: dict[str, QType] = {
 FALLBACK = {QType.Q4_K: QType.Q5_0, QType.Q5_K: QType.Q5_1, QType.Q6_K: QType.Q8_0}
 FLOAT_TYPES = frozenset((QType.F32, QType.F16, QType.BF16))
 ROWS_PER_CHUNK_VALUES = 1 << 20  # f32 values quantized per call (`quantize_rows` chunks larger arrays)
+K_CHUNK_VALUES = 1 << 15  # ... for the K-quants, whose many passes over a chunk then stay in the CPU's cache
 
 
 def quant_type(name: str) -> QType:
@@ -78,8 +79,8 @@ def quantize_rows(x: np.ndarray, qtype: QType, out: np.ndarray | None = None) ->
     if qtype == QType.F16:
         out[...] = x.astype(np.float16).view(np.uint8)
         return out
-    step = max(1, ROWS_PER_CHUNK_VALUES // cols)
     blocks = _K_QUANTS.get(qtype)
+    step = max(1, (ROWS_PER_CHUNK_VALUES if blocks is None else K_CHUNK_VALUES) // cols)
     for r in range(0, n, step):  # chunks of rows (bounded temporaries), never single blocks
         rows = x[r : r + step]
         if blocks is not None:
@@ -101,23 +102,30 @@ def _safe_inverse(a: np.ndarray) -> np.ndarray:
 
 
 def _min_scale(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
-    """make_qkx2_quants over sub-blocks x [m, k]: (scale >= 0, min >= 0) with x ~ scale * q - min."""
+    """make_qkx2_quants over sub-blocks x [m, k]: (scale >= 0, min >= 0) with x ~ scale * q - min. Each candidate's
+    weighted squared error comes from its sums (sum w (s q + o - x)^2 expanded), not from another pass over x."""
     x = x.astype(np.float32)
     w = np.sqrt(np.mean(x * x, axis=1, keepdims=True)) + np.abs(x)
     lo = np.minimum(x.min(axis=1, keepdims=True), 0)
-    hi = x.max(axis=1, keepdims=True)
-    span = hi - lo
-    best_scale = span / nmax
-    best_min = lo
-    q = np.clip(np.rint((x - lo) * _safe_inverse(best_scale)), 0, nmax)
-    best_err = np.sum(w * (best_scale * q + best_min - x) ** 2, axis=1, keepdims=True)
-    sw = w.sum(axis=1, keepdims=True)
-    sx = (w * x).sum(axis=1, keepdims=True)
+    span = x.max(axis=1, keepdims=True) - lo
+    sw, sx, sxx = w.sum(1, keepdims=True), (w * x).sum(1, keepdims=True), (w * x * x).sum(1, keepdims=True)
     inv_span = _safe_inverse(span)
-    for k in range(21):
-        q = np.clip(np.rint((nmax - 1 + 0.1 * k) * inv_span * (x - lo)), 0, nmax)
+    shifted = x - lo
+
+    def fit(q: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         wq = w * q
         sl, sl2, sxl = wq.sum(1, keepdims=True), (wq * q).sum(1, keepdims=True), (wq * x).sum(1, keepdims=True)
+        return sl, sl2, sxl, sl2 > 0
+
+    def error(scale, offset, sl, sl2, sxl):  # noqa: ANN001, ANN202
+        return (scale * scale * sl2 + 2 * scale * offset * sl - 2 * scale * sxl + offset * offset * sw
+                - 2 * offset * sx + sxx)
+
+    best_scale, best_min = span / nmax, lo
+    sl, sl2, sxl, _ = fit(np.clip(np.rint(shifted * (nmax * inv_span)), 0, nmax))
+    best_err = error(best_scale, best_min, sl, sl2, sxl)
+    for k in range(21):
+        sl, sl2, sxl, _ = fit(np.clip(np.rint(shifted * ((nmax - 1 + 0.1 * k) * inv_span)), 0, nmax))
         det = sw * sl2 - sl * sl
         ok = det > 0
         det = np.where(ok, det, 1)
@@ -126,7 +134,7 @@ def _min_scale(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
         positive = offset > 0  # an offset above zero: fit the scale alone with offset 0
         scale = np.where(positive, sxl / np.where(sl2 > 0, sl2, 1), scale)
         offset = np.where(positive, 0, offset)
-        err = np.sum(w * (scale * q + offset - x) ** 2, axis=1, keepdims=True)
+        err = error(scale, offset, sl, sl2, sxl)
         better = ok & (err < best_err)
         best_scale = np.where(better, scale, best_scale)
         best_min = np.where(better, offset, best_min)
