@@ -15,6 +15,14 @@ from tests.conftest import child_env
 from tests.hf_synth import hf_model_folder
 from tests.hub_server import COMMIT, Hub
 
+PEAK = """
+import resource, sys
+from tracelm.cli import main
+code = main(sys.argv[1:])
+print("peak", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, file=sys.stderr)
+sys.exit(code)
+"""
+
 
 def tracelm(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tracelm.cli", *args], capture_output=True, text=True, timeout=600,
@@ -55,16 +63,21 @@ def env(hub, tmp_path):
 
 def test_run_hf_repo_downloads_quantizes_and_answers(folder, hub, env, tmp_path) -> None:
     """`tracelm run --model hf:ORG/REPO --quantize q4_k`: the folder comes from the Hub into huggingface_hub's cache,
-    its matrices are quantized on load, and the answer is the one the local folder gives."""
+    its matrices are quantized on load, and the answer is the one the local folder gives; the process's peak RSS
+    stays under the quantized weights + KV cache + 200 MB (test_quantize.py sizes a model where that bites)."""
     from tracelm import Session
+    from tracelm.session import held_bytes
 
     args = ["run", "--prompt", "hello there", "--max-tokens", "6", "--temperature", "0", "--quantize", "q4_k",
             "--context", "64"]
-    proc = tracelm(*args, "--model", "hf:org/tiny", env=env)
+    proc = subprocess.run([sys.executable, "-c", PEAK, *args, "--model", "hf:org/tiny"], capture_output=True,
+                          text=True, timeout=600, env=child_env(**env), stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr
-    want = Session(str(folder), quantize="q4_k", settings=["context=64"]).generate("hello there", max_tokens=6,
-                                                                                   temperature=0)
+    s = Session(str(folder), quantize="q4_k", settings=["context=64"])
+    want = s.generate("hello there", max_tokens=6, temperature=0)
     assert proc.stdout == want + "\n" and "6 generated" in proc.stderr
+    peak = int(proc.stderr.strip().splitlines()[-1].removeprefix("peak "))
+    assert peak < s.source.weights_bytes(quantize="q4_k") + held_bytes(s.runner) + 200 * 2**20
     snapshot = tmp_path / "hf" / "hub" / "models--org--tiny" / "snapshots" / COMMIT
     assert sorted(p.name for p in snapshot.iterdir()) == sorted(p.name for p in folder.iterdir())
     got = {path for method, path, _r, _a in hub.requests if method == "GET" and "/resolve/" in path}
