@@ -251,3 +251,28 @@ def test_quantize_on_load_peak_memory(tmp_path) -> None:
     bound = r["quantized"] + r["kv"] + 200 * 2**20
     assert r["f32"] > bound, r  # the test's size: f32 matrices all at once could not pass
     assert r["peak"] < bound, {k: v / 2**20 for k, v in r.items()}
+
+
+def test_sentencepiece_folder_vocabulary_is_carried(tmp_path) -> None:
+    """A folder whose tokenizer is a SentencePiece tokenizer.model (llama 2's): the GGUF holds it as GGUF `llama`
+    (pieces, scores, types, space prefix) and encodes as sentencepiece does; the template comes along."""
+    import shutil
+
+    from tests.conftest import FIXTURES
+    from tracelm.io.gguf_file import GGUFFile
+    from tracelm.io.loader import load_tokenizer
+
+    spm = FIXTURES / "llama2c" / "tokenizer.model"
+    folder = hf_model_folder(tmp_path / "spm", hidden=64, ff=96, layers=1, n_vocab=32000, dtype="F32")
+    (folder / "tokenizer.json").unlink()
+    shutil.copy(spm, folder / "tokenizer.model")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True, "chat_template": TEMPLATE}))
+    out = tmp_path / "spm.gguf"
+    proc = tracelm("quantize", str(folder), str(out), "--type", "q8_0")
+    assert proc.returncode == 0, proc.stderr
+    meta = GGUFFile(out).metadata
+    assert meta["tokenizer.ggml.model"] == "llama" and meta["tokenizer.chat_template"] == TEMPLATE
+    ours, ref = load_tokenizer(str(out)), load_tokenizer(str(spm))
+    for text in ["Hello world", " leading space and  two", "ünïcödé 123\n\tend", "<s> is text here"]:
+        assert ours.encode(text) == ref.encode(text), text
+        assert ours.decode(ours.encode(text), skip_special=True) == text
