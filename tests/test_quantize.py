@@ -276,3 +276,30 @@ def test_sentencepiece_folder_vocabulary_is_carried(tmp_path) -> None:
     for text in ["Hello world", " leading space and  two", "ünïcödé 123\n\tend", "<s> is text here"]:
         assert ours.encode(text) == ref.encode(text), text
         assert ours.decode(ours.encode(text), skip_special=True) == text
+
+
+@pytest.mark.reference
+def test_transformers_reads_the_quantized_file_as_tracelm_does(folder, tmp_path) -> None:
+    """Another reader of GGUF: transformers (its GGUF loader follows llama.cpp's conventions, q/k rows included)
+    loads the q4_k file and its tokenizer, and computes tracelm's logits on it."""
+    from tests.conftest import has_reference
+
+    if not has_reference():
+        pytest.skip("transformers + torch not installed (pip install -e '.[reference]')")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tracelm.io.loader import load_model
+    from tracelm.pipeline.runner import Runner
+
+    out = tmp_path / "m-q4_k.gguf"
+    assert tracelm("quantize", str(folder), str(out), "--type", "q4_k").returncode == 0
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=out.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=out.name)
+    ours = load_model(str(out), progress=False)
+    text = "hello there, the hell"
+    ids = ours.tokenizer.encode(text)
+    assert tok(text)["input_ids"] == ids
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids])).logits[0].numpy()
+    assert np.abs(theirs - Runner(ours, 32, kv_dtype="f32").logits(ids)).max() < 1e-3
