@@ -303,3 +303,14 @@ def test_transformers_reads_the_quantized_file_as_tracelm_does(folder, tmp_path)
     with torch.no_grad():
         theirs = model(torch.tensor([ids])).logits[0].numpy()
     assert np.abs(theirs - Runner(ours, 32, kv_dtype="f32").logits(ids)).max() < 1e-3
+
+
+def test_a_quantized_on_load_run_replays_bit_for_bit(folder, tmp_path) -> None:
+    """The trace header's config names the quantize type: replay quantizes the same way and reproduces every stage."""
+    trace = tmp_path / "q.jsonl"
+    proc = tracelm("run", "--model", str(folder), "--quantize", "q4_k", "--prompt", "hello", "--max-tokens", "4",
+                   "--temperature", "0", "--context", "64", "--trace", str(trace))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(trace.read_text().splitlines()[0])["config"]["quantize"] == "q4_k"
+    proc = tracelm("replay", str(trace))
+    assert "every stage output bit-identical" in proc.stdout, proc.stdout + proc.stderr

@@ -610,7 +610,8 @@ def _add_file_commands(sub: Any) -> None:
     sp.add_argument("--skip-special", action="store_true", help="--decode: leave control tokens out")
     sp.set_defaults(fn=cmd_tokenize)
 
-    sp = sub.add_parser("export", help="write a model (GGUF, Hugging Face folder, llama2.c .bin) as an f32 GGUF")
+    sp = sub.add_parser("export", help="write a model (GGUF, Hugging Face folder, llama2.c .bin) as an f32 GGUF "
+                        "with its vocabulary and chat template (`tracelm quantize` for a quantized one)")
     sp.add_argument("--model", required=True, help="registry name or model path")
     sp.add_argument("--tokenizer", help="tokenizer file (a llama2.c .bin model needs one)")
     sp.add_argument("--out", required=True, help="the GGUF file to write")
