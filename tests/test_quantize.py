@@ -314,3 +314,20 @@ def test_a_quantized_on_load_run_replays_bit_for_bit(folder, tmp_path) -> None:
     assert json.loads(trace.read_text().splitlines()[0])["config"]["quantize"] == "q4_k"
     proc = tracelm("replay", str(trace))
     assert "every stage output bit-identical" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_quantize_a_float_gguf(tiny_gguf, tmp_path) -> None:
+    """A GGUF in, a quantized GGUF out: its tensors quantized as they are (no reordering), its metadata kept."""
+    from tracelm.io.gguf_file import GGUFFile
+
+    out = tmp_path / "tiny-q4_0.gguf"
+    proc = tracelm("quantize", str(tiny_gguf), str(out), "--type", "q4_0")
+    assert proc.returncode == 0, proc.stderr
+    src, gf = GGUFFile(tiny_gguf), GGUFFile(out)
+    assert gf.metadata["tokenizer.ggml.tokens"] == src.metadata["tokenizer.ggml.tokens"]
+    assert gf.metadata["tokenizer.ggml.merges"] == src.metadata["tokenizer.ggml.merges"]
+    for name in ("blk.0.attn_q.weight", "blk.1.ffn_down.weight"):
+        assert gf.tensors[name].qtype == QType.Q4_0
+        assert gf.raw(name).tobytes() == gguf.quants.quantize(src.tensor_f32(name), QType.Q4_0).tobytes()
+    proc = tracelm("run", "--model", str(out), "--prompt", "hello", "--max-tokens", "3", "--context", "64")
+    assert proc.returncode == 0, proc.stderr
