@@ -112,9 +112,9 @@ def test_pull_picks_a_gguf_by_quant(ggufs, hub, env, tmp_path) -> None:
 
 def test_download_resumes_and_sends_the_token(hub, env, tmp_path) -> None:
     """A connection dropped after 12 MB of a 16 MB file: the download resumes from what it kept -- in the same
-    pull (huggingface_hub >= 1: it retries from its last whole chunk) or in the next one (before: the partial blob
-    stays in the cache and the next pull continues it; the first says why it stopped, in one line) -- with a Range
-    request, and the file is whole. HF_TOKEN goes to the Hub as a bearer token."""
+    pull (huggingface_hub 2.4 retries from its last whole chunk) or in the next one (0.25 leaves the partial blob in
+    the cache for the next pull to continue; the first says why it stopped, in one line) -- with a Range request,
+    and the file is whole. HF_TOKEN goes to the Hub as a bearer token."""
     import numpy as np
 
     data = np.random.default_rng(0).integers(0, 256, 16 << 20, dtype=np.uint8).tobytes()
