@@ -11,17 +11,9 @@ import sys
 
 import pytest
 
-from tests.conftest import child_env
+from tests.conftest import child_env, peak_rss_run
 from tests.hf_synth import hf_model_folder
 from tests.hub_server import COMMIT, Hub
-
-PEAK = """
-import resource, sys
-from tracelm.cli import main
-code = main(sys.argv[1:])
-print("peak", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, file=sys.stderr)
-sys.exit(code)
-"""
 
 
 def tracelm(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -70,14 +62,13 @@ def test_run_hf_repo_downloads_quantizes_and_answers(folder, hub, env, tmp_path)
 
     args = ["run", "--prompt", "hello there", "--max-tokens", "6", "--temperature", "0", "--quantize", "q4_k",
             "--context", "64"]
-    proc = subprocess.run([sys.executable, "-c", PEAK, *args, "--model", "hf:org/tiny"], capture_output=True,
-                          text=True, timeout=600, env=child_env(**env), stdin=subprocess.DEVNULL)
+    proc, peak = peak_rss_run([sys.executable, "-m", "tracelm.cli", *args, "--model", "hf:org/tiny"], child_env(**env))
     assert proc.returncode == 0, proc.stderr
     s = Session(str(folder), quantize="q4_k", settings=["context=64"])
     want = s.generate("hello there", max_tokens=6, temperature=0)
     assert proc.stdout == want + "\n" and "6 generated" in proc.stderr
-    peak = int(proc.stderr.strip().splitlines()[-1].removeprefix("peak "))
-    assert peak < s.source.weights_bytes(quantize="q4_k") + held_bytes(s.runner) + 200 * 2**20
+    bound = s.source.weights_bytes(quantize="q4_k") + held_bytes(s.runner) + 200 * 2**20
+    assert peak < bound, (peak / 2**20, bound / 2**20)
     snapshot = tmp_path / "hf" / "hub" / "models--org--tiny" / "snapshots" / COMMIT
     assert sorted(p.name for p in snapshot.iterdir()) == sorted(p.name for p in folder.iterdir())
     got = {path for method, path, _r, _a in hub.requests if method == "GET" and "/resolve/" in path}
