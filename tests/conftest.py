@@ -4,6 +4,7 @@ default model (downloaded once into TRACELM_HOME; tests that need it skip with a
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -35,6 +36,19 @@ def child_env(**extra: str) -> dict[str, str]:
     tree) -- plus `extra`."""
     path = [str(REPO), *(p for p in sys.path if p and Path(p).is_dir())]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(path)), **extra}
+
+
+def peak_rss_run(cmd: list[str], env: dict[str, str], timeout: float = 600) -> tuple[subprocess.CompletedProcess, int]:
+    """Run `cmd` and return it with its peak RSS in bytes (resource.getrusage's ru_maxrss of its process). It runs as
+    the child of a small launcher: Linux carries the high-water RSS of the memory a process replaces at exec into its
+    own ru_maxrss, and a child of this (large) test process would start with the tests' peak."""
+    launcher = ("import resource, subprocess, sys; code = subprocess.run(sys.argv[1:]).returncode; "
+                "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, file=sys.stderr); sys.exit(code)")
+    proc = subprocess.run([sys.executable, "-c", launcher, *cmd], capture_output=True, text=True, timeout=timeout,
+                          env=env, stdin=subprocess.DEVNULL)
+    lines = proc.stderr.rstrip("\n").split("\n")
+    proc.stderr = "\n".join(lines[:-1])
+    return proc, int(lines[-1])
 
 
 TINY = dict(n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=96, n_ctx=4096, rope_base=10000.0)

@@ -183,7 +183,8 @@ def test_resolve_path_name_unknown(fake_model, tl_home, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert registry.resolve("my.gguf") == Path("my.gguf")
 
-    with pytest.raises(TracelmError, match=r"^unknown model 'nope': not a file and not one of: fake$"):
+    unknown = r"^unknown model 'nope': not a file, not in the local Hugging Face or Ollama cache, and not one of: fake$"
+    with pytest.raises(TracelmError, match=unknown):
         registry.resolve("nope")
     with pytest.raises(TracelmError, match="unknown model 'nope'"):
         registry.model_path("nope")

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from tracelm.state.errors import TracelmError
-from tracelm.state.run_config import KV_CACHE_DTYPES
+from tracelm.state.run_config import KV_CACHE_DTYPES, QUANT_NAMES
 
 
 def _threads(n: int, compute: str = "kernels") -> Any:
@@ -57,7 +57,7 @@ def _load_config(args: argparse.Namespace) -> Any:
 OPTION_KEYS = (("prompt", "prompt"), ("max_tokens", "max_tokens"), ("temperature", "sampling.temperature"),
                ("seed", "sampling.seed"), ("context", "context"), ("model", "model"), ("threads", "threads"),
                ("system", "system"), ("top_k", "sampling.top_k"), ("top_p", "sampling.top_p"),
-               ("min_p", "sampling.min_p"), ("repeat_penalty", "sampling.repeat_penalty"))
+               ("min_p", "sampling.min_p"), ("repeat_penalty", "sampling.repeat_penalty"), ("quantize", "quantize"))
 
 
 def _model_as_positional(args: argparse.Namespace) -> None:
@@ -243,9 +243,16 @@ def cmd_models(args: argparse.Namespace) -> int:
     if args.action == "list":
         print("\n".join(model_files.model_lines()))
     elif args.action == "pull":
-        print(model_files.pull(args.name))
+        print(model_files.pull(args.name, progress=not args.quiet))
     else:
         print(model_files.model_path(args.name))
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from tracelm.tools import model_files
+
+    print(model_files.pull(args.name, progress=not args.quiet))
     return 0
 
 
@@ -498,6 +505,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from tracelm.tools.model_files import export
+
+    print(export(args.input, args.output, args.tokenizer, args.type), file=sys.stderr)
+    return 0
+
+
 CONFIG_HELP = ("a YAML run config (a file, or a packaged config's name: smollm2, gemma3, qwen2.5-coder, stories260k), "
                "or a model (a registry name or a model path, as --model takes); default: the built-in defaults")
 
@@ -516,8 +530,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _model_options(sp: argparse.ArgumentParser, defaults: str = "") -> None:
     """The model and its engine, as llama.cpp spells them too (-m, -c/--ctx-size, -n/--n-predict, -t)."""
     sp.add_argument("-m", "--model", help="registry name or model path: a GGUF file, a Hugging Face folder, a "
-                    "llama2.c .bin; or synth:NAME, random weights at a registry family's published size (overrides "
-                    "the config's model)")
+                    "llama2.c .bin; hf:ORG/REPO[:FILE or :QUANT] (downloaded into the Hugging Face cache); a name in "
+                    "the local Hugging Face or Ollama cache (`tracelm models list`); or synth:NAME, random weights at "
+                    "a registry family's published size (overrides the config's model)")
+    _quantize_option(sp)
     sp.add_argument("-c", "--context", "--ctx-size", dest="context", type=int, metavar="N",
                     help="positions of the KV cache: prompt + reply (config key context)")
     sp.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens", type=int, metavar="N",
@@ -557,6 +573,11 @@ def _run_options(sp: argparse.ArgumentParser) -> None:
                    "dialect, rule `start`); a FILE ending in .regex holds a regular expression instead")
     g.add_argument("--regex", metavar="TEXT", help="constrain the output to match this regular expression, whole")
     _sign_key_option(sp)
+
+
+def _quantize_option(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--quantize", type=str.lower, choices=QUANT_NAMES, help="quantize the model's F32/F16/BF16 "
+                    "matrices as they load (a Hugging Face folder, a float GGUF), as llama-quantize picks types")
 
 
 def _sign_key_option(sp: argparse.ArgumentParser) -> None:
@@ -681,16 +702,37 @@ def _add_file_commands(sub: Any) -> None:
     sp.add_argument("--skip-special", action="store_true", help="--decode: leave control tokens out")
     sp.set_defaults(fn=cmd_tokenize)
 
-    sp = sub.add_parser("export", help="write a model (GGUF, Hugging Face folder, llama2.c .bin) as an f32 GGUF")
+    sp = sub.add_parser("export", help="write a model (GGUF, Hugging Face folder, llama2.c .bin) as an f32 GGUF "
+                        "with its vocabulary and chat template (`tracelm quantize` for a quantized one)")
     sp.add_argument("--model", required=True, help="registry name or model path")
     sp.add_argument("--tokenizer", help="tokenizer file (a llama2.c .bin model needs one)")
     sp.add_argument("--out", required=True, help="the GGUF file to write")
     sp.set_defaults(fn=cmd_export)
 
-    sp = sub.add_parser("models", help="the model registry: list | pull NAME | path NAME")
+    sp = sub.add_parser("quantize", help="write a model (Hugging Face folder, GGUF, llama2.c .bin) as a quantized GGUF "
+                        "that tracelm and llama.cpp read, vocabulary and chat template included")
+    sp.add_argument("input", help="registry name or model path (a Hugging Face folder, a GGUF file, a llama2.c .bin)")
+    sp.add_argument("output", help="the GGUF file to write")
+    sp.add_argument("--type", required=True, type=str.lower, choices=QUANT_NAMES, help="the matrices' type "
+                    "(vectors stay f32; the output matrix, or the tied embedding, q6_k as llama-quantize does)")
+    sp.add_argument("--tokenizer", help="tokenizer to carry instead of the model's own (a GGUF, or a tokenizer.json "
+                    "or its folder; a llama2.c .bin model needs one for the GGUF to hold a vocabulary)")
+    sp.set_defaults(fn=cmd_quantize)
+
+    sp = sub.add_parser("models", help="the models tracelm can name -- the registry's and those in the local Hugging "
+                        "Face and Ollama caches: list | pull NAME | path NAME")
     sp.add_argument("action", choices=("list", "pull", "path"))
     sp.add_argument("name", nargs="?", default="smollm2-135m-instruct")
+    sp.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     sp.set_defaults(fn=cmd_models)
+
+    sp = sub.add_parser("pull", help="download ORG/REPO[:FILE or :QUANT] from the Hugging Face Hub into its cache "
+                        "(HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE apply; a download resumes) or a registry model; prints "
+                        "its path, which --model hf:ORG/REPO[...] then names")
+    sp.add_argument("name", help="ORG/REPO (a safetensors folder, or its only GGUF), ORG/REPO:FILE.gguf, "
+                    "ORG/REPO:Q4_K_M (the GGUF of that quant), or a registry name")
+    sp.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    sp.set_defaults(fn=cmd_pull)
 
 
 def _add_audit_commands(sub: Any) -> None:

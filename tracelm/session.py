@@ -136,10 +136,12 @@ def run_config(model: str | None = None, config: str | os.PathLike | RunConfig |
 
 
 def numerics(cfg: RunConfig) -> str:
-    """What decides a run's numbers besides the model: the compute mode, on the kernels the activations, and the
-    KV cache's dtype ("kernels/int16/kv-f16"); a saved Cache is only resumed by a run with the same."""
+    """What decides a run's numbers besides the model: the compute mode, on the kernels the activations, the type
+    its float matrices are quantized to on load, and the KV cache's dtype ("kernels/int16/kv-f16"); a saved Cache
+    is only resumed by a run with the same."""
     mode = f"{cfg.compute}/{cfg.activations}" if cfg.compute == "kernels" else cfg.compute
-    return f"{mode}/kv-{cfg.kv_cache}"
+    quantized = f"/quantize-{cfg.quantize}" if cfg.quantize else ""  # the float matrices' blocks made on load
+    return f"{mode}{quantized}/kv-{cfg.kv_cache}"
 
 
 def with_activations(model: LoadedModel, cfg: RunConfig) -> LoadedModel:
@@ -288,11 +290,12 @@ class Session:
     (`encode`, `check`) before the expensive part."""
 
     def __init__(self, model: str | LoadedModel | None = None, config: str | os.PathLike | RunConfig | None = None,
-                 *, settings: Iterable[str] = (), progress: bool = False):
-        """`model`: a registry name or a path (a GGUF, a Hugging Face folder, a llama2.c .bin), or a model
-        already loaded (shared by sessions; the caller's thread settings then stand); `config`: a YAML file,
-        the name of a packaged config (`smollm2`) or a RunConfig; `settings`: overrides as `--set` takes them
-        ("sampling.top_k=20")."""
+                 *, settings: Iterable[str] = (), progress: bool = False, quantize: str | None = None):
+        """`model`: a registry name or a path (a GGUF, a Hugging Face folder, a llama2.c .bin), `hf:ORG/REPO[:FILE
+        or :QUANT]`, a name in the local Hugging Face or Ollama cache, or a model already loaded (shared by
+        sessions; the caller's thread settings then stand); `config`: a YAML file, the name of a packaged config
+        (`smollm2`) or a RunConfig; `settings`: overrides as `--set` takes them ("sampling.top_k=20"); `quantize`:
+        the float matrices quantized as they load (q8_0, q4_0, q4_k, ...: the config key `quantize`)."""
         self.progress = progress
         self._model: LoadedModel | None = None
         self._runner: Runner | None = None
@@ -302,11 +305,17 @@ class Session:
             self.limits: ThreadLimits | None = None
         else:
             self.cfg = run_config(model, config, settings)
+            if quantize is not None:
+                try:
+                    self.cfg = attrs.evolve(self.cfg, quantize=quantize)
+                except ValueError as e:
+                    raise TracelmError(f"quantize: {e}") from None
             self.limits = ThreadLimits(self.cfg.threads, self.cfg.compute)
             self.source = ModelFile(self.cfg.model, self.cfg.tokenizer)
             self.path, self.tokenizer = self.source.path, self.source.tokenizer
             check_run(self.source.cfg, self.cfg.context, self.cfg.rope_scale,  # before any weight is allocated
-                      self.source.weights_bytes(self.cfg.weights, self.cfg.compute), self.path.name, self.cfg.kv_cache)
+                      self.source.weights_bytes(self.cfg.weights, self.cfg.compute, self.cfg.quantize), self.path.name,
+                      self.cfg.kv_cache)
         self.messages: list[dict[str, str]] = self._new_conversation()
         self.trace_chain: str | None = None  # the last line hash of this conversation's latest trace
         self.last_trace_hash: str | None = None  # ... of the last call's trace (None: it wrote none)
@@ -322,7 +331,7 @@ class Session:
     def model(self) -> LoadedModel:
         if self._model is None:
             self._model = with_activations(self.source.load(self.progress, self.cfg.weights, self.cfg.compute,
-                                                            self.cfg.rope_scale), self.cfg)
+                                                            self.cfg.rope_scale, self.cfg.quantize), self.cfg)
         return self._model
 
     @property

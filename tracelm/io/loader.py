@@ -85,11 +85,20 @@ class ModelFile:
             raise TracelmError(f"{self.tokenizer.source or tokenizer}: tokenizer has {self.tokenizer.n_vocab} "
                                f"tokens, the model only {self.cfg.n_vocab}")
 
-    def weights_bytes(self, weights: str = "resident", compute: str = "kernels") -> int:
+    def weights_bytes(self, weights: str = "resident", compute: str = "kernels", quantize: str | None = None) -> int:
         """About how much memory loading the weights takes: none streamed (the file stays mapped), the file's
-        bytes for the kernels (its own blocks), 4 bytes a value for the f32 reference."""
+        bytes for the kernels (its own blocks; quantized: the blocks they become), 4 bytes a value for the f32
+        reference."""
         if weights == "streamed":
             return 0
+        if quantize is not None and self.kind != "llama2c":
+            from tracelm.io.quantize import FLOAT_TYPES, quant_type, row_bytes, tensor_type
+
+            qt = quant_type(quantize)
+            src = self.gguf if self.kind == "gguf" else self.hf
+            return sum(t.n_bytes if t.qtype not in FLOAT_TYPES or len(t.shape) != 2 else
+                       t.shape[0] * row_bytes(t.shape[1], tensor_type(n, t.shape, qt, self.cfg.tied_head))
+                       for n, t in src.tensors.items())
         if compute == "kernels" or self.kind == "llama2c":
             files = self.path.iterdir() if self.path.is_dir() else [self.path]
             return sum(f.stat().st_size for f in files if f.is_file())
@@ -97,11 +106,14 @@ class ModelFile:
         return 4 * sum(math.prod(t.shape) for t in tensors.values())
 
     def load(self, progress: bool = True, weights: str = "resident", compute: str = "kernels",
-             rope_scale: float = 1.0) -> LoadedModel:
+             rope_scale: float = 1.0, quantize: str | None = None) -> LoadedModel:
         """`compute="kernels"`: the matrices as the file's own blocks (QMatrix) for the compiled kernels -- a
         GGUF's quantized blocks, copied into one arena (resident) or read from the mapped file (streamed);
         f32 ones for the other formats. `compute="reference"`: every weight resident in f32, or streamed (a
-        GGUF only) from the mapped file, dequantized a block at a time as the graph runs (tracelm.io.streamed)."""
+        GGUF only) from the mapped file, dequantized a block at a time as the graph runs (tracelm.io.streamed).
+        `quantize` (q8_0, q4_0, q4_k, ...: resident weights on the kernels): the float matrices quantized as they
+        are read (tracelm.io.quantize)."""
+        qtype = self._quantize_type(quantize, weights, compute)
         if weights not in WEIGHT_MODES:
             raise TracelmError(f"weights {weights!r}: expected one of {', '.join(WEIGHT_MODES)}")
         if compute not in COMPUTE_MODES:
@@ -112,7 +124,8 @@ class ModelFile:
                                "use weights: resident, or `tracelm export` it to a GGUF")
         if self.kind != "llama2c" and compute == "kernels":
             source = self.gguf if self.kind == "gguf" else self.hf
-            weights_ = kernel_weights(source, self.cfg, streamed=weights == "streamed", progress=progress)
+            weights_ = kernel_weights(source, self.cfg, streamed=weights == "streamed", progress=progress,
+                                      quantize=qtype)
         elif weights == "streamed":
             from tracelm.io.streamed import streamed_weights
 
@@ -130,6 +143,20 @@ class ModelFile:
         meta = {k: v for k, v in self.metadata.items() if not isinstance(v, list | np.ndarray) or len(v) < 256}
         return LoadedModel(self.path, scaled_rope(self.cfg, rope_scale), weights_, self.tokenizer, meta,
                            time.perf_counter() - self.t0, self.tokenizer_path, rope_scale)
+
+
+    def _quantize_type(self, quantize: str | None, weights: str, compute: str) -> Any:
+        """The GGML type `quantize` names, None for none; a TracelmError where it cannot apply."""
+        if quantize is None:
+            return None
+        from tracelm.io.quantize import quant_type
+
+        qtype = quant_type(quantize)
+        if compute != "kernels" or weights != "resident" or self.kind == "llama2c":
+            here = "a llama2.c checkpoint" if self.kind == "llama2c" else f"weights {weights}, compute {compute}"
+            raise TracelmError(f"{self.path.name}: quantize {quantize} applies to a GGUF's or a folder's resident "
+                               f"weights on the kernels (here: {here}); `tracelm quantize` writes a quantized GGUF")
+        return qtype
 
 
 def scaled_rope(cfg: ModelConfig, scale: float) -> ModelConfig:
@@ -186,6 +213,8 @@ def load_tokenizer(name_or_path: str) -> Tokenizer:
         raise TracelmError(f"{p}: folder has no tokenizer.json or tokenizer.model")
     if not p.is_file():
         p = Path(registry.resolve(name_or_path))
+        if p.is_dir():  # a Hugging Face folder from the Hub or a cache
+            return load_tokenizer(str(p))
     try:
         with open(p, "rb") as f:
             magic = f.read(4)

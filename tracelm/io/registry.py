@@ -136,7 +136,15 @@ def synth_home() -> Path:
 
 
 def _unknown(name: str) -> TracelmError:
-    return TracelmError(f"unknown model '{name}': not a file and not one of: {', '.join([*MODELS, *DERIVED])}")
+    hint = f" (or hf:{name} from the Hugging Face Hub)" if re.fullmatch(r"[\w.-]+/[\w.-]+(:.+)?", name) else ""
+    return TracelmError(f"unknown model '{name}': not a file, not in the local Hugging Face or Ollama cache{hint}, "
+                        f"and not one of: {', '.join([*MODELS, *DERIVED])}")
+
+
+def _cached(path: Path | None, name: str) -> Path:
+    if path is None:
+        raise TracelmError(f"model '{name}' is not downloaded: run `tracelm pull {name.removeprefix('hf:')}`")
+    return path
 
 
 def _spec(name: str) -> ModelSpec:
@@ -331,7 +339,11 @@ def pull(name: str, progress: bool = True) -> Path:
 
 def resolve(name_or_path: str, download: bool = True) -> Path:
     """An existing file path -> that path; a registry name -> its cached file (pulled if missing); `synth:NAME` ->
-    a synthetic model's file (tracelm.io.synth: written on first use)."""
+    a synthetic model's file (tracelm.io.synth: written on first use); `hf:ORG/REPO...` -> its GGUF file or folder in
+    the Hugging Face cache (downloaded if missing); a name in the local Hugging Face or Ollama cache (`ORG/REPO`,
+    `ollama:NAME:TAG`, `NAME:TAG`) -> its file or folder there (tracelm.io.hub)."""
+    from tracelm.io import hub
+
     p = Path(name_or_path).expanduser()
     if p.is_file():
         return p
@@ -340,6 +352,8 @@ def resolve(name_or_path: str, download: bool = True) -> Path:
 
         return synth.resolve(name_or_path, synth_home(), lambda base: (resolve(base, download), MODELS[base].sha256),
                              download)
+    if name_or_path.startswith("hf:"):
+        return hub.pull(name_or_path) if download else _cached(hub.cached_hf(name_or_path[3:]), name_or_path)
     if name_or_path in DERIVED:
         path = model_path(name_or_path)
         if path.is_file() or not download:
@@ -347,7 +361,10 @@ def resolve(name_or_path: str, download: bool = True) -> Path:
         return derive(name_or_path)
     spec = MODELS.get(name_or_path)
     if spec is None:
-        raise _unknown(name_or_path)
+        local = hub.find_local(name_or_path)
+        if local is None:
+            raise _unknown(name_or_path)
+        return local
     path = model_path(name_or_path)
     if _is_cached(spec, path):
         return path

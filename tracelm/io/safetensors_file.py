@@ -172,11 +172,23 @@ class HFFolder:
 
     def tensor_f32(self, name: str) -> np.ndarray:
         t, raw = self._values(name)
-        if t.dtype == "BF16":
-            a = (raw.astype(np.uint32) << 16).view(np.float32)
-        else:
-            a = raw.astype(np.float32)
-        a = a.reshape(t.shape)
+        return self._f32(name, raw, t.dtype).reshape(t.shape)
+
+    def rows_f32(self, name: str, lo: int, hi: int) -> np.ndarray:
+        """Rows lo..hi-1 of a tensor in f32 ([hi - lo, cols]), read by file reads rather than through the map (the
+        page cache then holds the file, not this process: quantizing on load reads every matrix once)."""
+        from tracelm.io.gguf_file import bytes_into
+
+        t, _ = self._values(name)
+        cols, dt = t.shape[-1], DTYPES[t.dtype]
+        raw = np.empty((hi - lo) * cols, dt)
+        bytes_into(t.file, t.offset + lo * cols * dt.itemsize, raw.nbytes, raw.view(np.uint8),
+                   f"{t.file.name}: tensor {t.name}")
+        return self._f32(name, raw, t.dtype).reshape(hi - lo, cols)
+
+    def _f32(self, name: str, raw: np.ndarray, dtype: str) -> np.ndarray:
+        """Stored values (F32, F16, or BF16 as uint16) in f32, the family's norm offset added to a norm's weight."""
+        a = (raw.astype(np.uint32) << 16).view(np.float32) if dtype == "BF16" else raw.astype(np.float32)
         if self.norm_offset and name.endswith("norm.weight"):
             a = a + np.float32(self.norm_offset)
         return a

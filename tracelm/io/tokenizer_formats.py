@@ -512,3 +512,134 @@ def hf_chat_template(folder: Path, config: Mapping[str, Any]) -> str | None:
             raise TracelmError(f"{folder / 'tokenizer_config.json'}: chat_template must be a string (or a list of "
                                f"named templates), got {type(template).__name__}")
     return template if isinstance(template, str) and template.strip() else None
+
+
+def _tokenizer_config(folder: Path) -> dict[str, Any]:
+    p = folder / "tokenizer_config.json"
+    if not p.is_file():
+        return {}
+    try:
+        return checks.json_object(p.read_text(encoding="utf-8"), str(p))
+    except (OSError, UnicodeDecodeError) as e:
+        raise TracelmError(f"{p}: cannot read: {getattr(e, 'strerror', None) or e}") from None
+
+
+_HF_CONTRACTIONS = "(?i:'s|'t|'re|'ve|'m|'ll|'d)"  # how tokenizer.json spells _CONTRACTIONS
+
+
+def _hf_splits(step: Any, where: str) -> list[str]:
+    """The regexes a tokenizer.json pre_tokenizer splits by, in order, as PreTokenizer.splits spells them."""
+    if not isinstance(step, dict):
+        return []
+    kind = step.get("type")
+    if kind == "Sequence":
+        return [r for s in step.get("pretokenizers") or [] for r in _hf_splits(s, where)]
+    if kind == "Split":
+        pattern = step.get("pattern") or {}
+        regex = pattern.get("Regex", pattern.get("String"))
+        return [str(regex).replace(_HF_CONTRACTIONS, _CONTRACTIONS)]
+    if kind == "Digits":
+        return [r"\p{N}"] if step.get("individual_digits") else [r"\p{N}+"]
+    if kind == "ByteLevel":
+        return [_GPT2] if step.get("use_regex", True) else []
+    raise TracelmError(f"{where}: pre_tokenizer {kind!r} has no GGUF name (byte-level BPE: Split, Digits, ByteLevel)")
+
+
+def _pre_name(spec: dict[str, Any], where: str) -> str:
+    """The `tokenizer.ggml.pre` whose rules (PRE_TOKENIZERS) split text as this tokenizer.json does."""
+    splits = tuple(_hf_splits(spec.get("pre_tokenizer"), where))
+    ignore = bool((spec.get("model") or {}).get("ignore_merges", False))
+    for name, rule in PRE_TOKENIZERS.items():
+        if rule.splits == splits and rule.ignore_merges == ignore:
+            return name
+    raise TracelmError(f"{where}: its pre-tokenizer (splits {list(splits)}) matches none that GGUF names "
+                       f"(known: {', '.join(PRE_TOKENIZERS)}); a GGUF cannot carry this vocabulary")
+
+
+def gguf_vocab_metadata(folder: str | Path, n_vocab: int = 0) -> dict[str, Any]:
+    """The `tokenizer.*` GGUF metadata of a Hugging Face folder's tokenizer, read back by `from_gguf_metadata` to
+    the same tokenizer: a byte-level BPE tokenizer.json as GGUF `gpt2` (tokens, types, merges, the pre-tokenizer's
+    name), a SentencePiece tokenizer.model as GGUF `llama` (pieces, scores, types, space prefix); with the special
+    ids, flags and chat template (tokenizer_config.json, chat_template.jinja), padded with unused `[PADi]` tokens to
+    `n_vocab` (the model's embedding rows, which llama.cpp expects the vocabulary to match)."""
+    folder = Path(folder)
+    path, spm = folder / "tokenizer.json", folder / "tokenizer.model"
+    spec: dict[str, Any] = {}
+    if path.is_file():
+        try:
+            spec = checks.json_object(path.read_text(encoding="utf-8"), str(path))
+        except OSError as e:
+            raise TracelmError(f"{path}: cannot read: {e.strerror}") from None
+    model = spec.get("model") if isinstance(spec.get("model"), dict) else {}
+    if spec and model.get("type") == "BPE" and (spec.get("decoder") or {}).get("type") == "ByteLevel":
+        meta = _byte_level_metadata(path, spec, model)
+    elif spm.is_file():
+        meta = _sentencepiece_metadata(spm, spec)
+    elif spec:
+        raise TracelmError(f"{path}: only byte-level BPE tokenizer.json vocabularies (or a SentencePiece "
+                           f"tokenizer.model) are written to GGUF (this one: model {model.get('type')!r}, decoder "
+                           f"{(spec.get('decoder') or {}).get('type')!r}, no tokenizer.model beside it)")
+    else:
+        raise TracelmError(f"{folder}: no tokenizer.json or tokenizer.model to write into the GGUF")
+    tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), n_vocab)]
+    types += [UNUSED] * (len(tokens) - len(types))
+    if "tokenizer.ggml.scores" in meta:
+        meta["tokenizer.ggml.scores"] += [-1000.0] * (len(tokens) - len(meta["tokenizer.ggml.scores"]))
+    return meta
+
+
+def _special_metadata(tok: Tokenizer) -> dict[str, Any]:
+    """The special ids, BOS/EOS flags and chat template of a tokenizer as GGUF keys."""
+    meta: dict[str, Any] = {"tokenizer.ggml.add_bos_token": tok.add_bos, "tokenizer.ggml.add_eos_token": tok.add_eos}
+    for key, value in (("bos_token_id", tok.bos_id), ("eos_token_id", tok.eos_id), ("unknown_token_id", tok.unk_id)):
+        if value is not None:
+            meta[f"tokenizer.ggml.{key}"] = value
+    if tok.chat_template:
+        meta["tokenizer.chat_template"] = tok.chat_template
+    return meta
+
+
+def _byte_level_metadata(path: Path, spec: dict[str, Any], model: dict[str, Any]) -> dict[str, Any]:
+    tok = from_hf_json(path)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    pieces = [tok.piece(i) for i in range(tok.n_vocab)]
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": _pre_name(spec, str(path)),
+            "tokenizer.ggml.tokens": [p or f"[PAD{i}]" for i, p in enumerate(pieces)],
+            "tokenizer.ggml.token_type": [tok.token_type(i) if p else UNUSED for i, p in enumerate(pieces)],
+            "tokenizer.ggml.merges": merges, **_special_metadata(tok)}
+
+
+def _sentencepiece_metadata(path: Path, spec: dict[str, Any]) -> dict[str, Any]:
+    """GGUF `llama` keys of a SentencePiece model (its scores as they are), the added tokens tokenizer.json lists
+    past its pieces appended (control or user-defined, score -1000, as llama.cpp's converter does)."""
+    import sentencepiece
+
+    tok = from_sentencepiece(path)
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+    tokens = [tok.piece(i) for i in range(tok.n_vocab)]
+    types = [tok.token_type(i) for i in range(tok.n_vocab)]
+    scores = [float(sp.get_score(i)) for i in range(tok.n_vocab)]
+    added = {int(a["id"]): a for a in spec.get("added_tokens") or [] if isinstance(a, dict) and "id" in a}
+    for i in range(tok.n_vocab, max(added, default=-1) + 1):
+        a = added.get(i, {})
+        tokens.append(str(a.get("content", f"[PAD{i}]")))
+        types.append((CONTROL if a.get("special") else USER_DEFINED) if a else UNUSED)
+        scores.append(-1000.0)
+    config = _tokenizer_config(path.parent)
+    ids = {p: i for i, p in enumerate(tokens)}
+    special = {}
+    for key in ("bos_token", "eos_token", "unk_token"):
+        value = config.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str) and value in ids:
+            special[f"tokenizer.ggml.{key.replace('unk', 'unknown')}_id"] = ids[value]
+    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores,
+            "tokenizer.ggml.token_type": types, **_special_metadata(tok), **special,
+            "tokenizer.ggml.add_bos_token": bool(config.get("add_bos_token", True)),
+            "tokenizer.ggml.add_eos_token": bool(config.get("add_eos_token", False)),
+            "tokenizer.ggml.add_space_prefix": tok.strip_first_space}
+    template = hf_chat_template(path.parent, config)
+    if template:
+        meta["tokenizer.chat_template"] = template
+    return meta

@@ -12,7 +12,9 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 
 import tracelm.kernels as kernels
+from tracelm.io.dequant import CHUNK_VALUES
 from tracelm.io.gguf_file import GGUFFile
+from tracelm.io.quantize import FLOAT_TYPES, quantize_rows, row_bytes, tensor_type
 from tracelm.state.errors import ModelFormatError, TracelmError
 from tracelm.state.model_config import ModelConfig
 from tracelm.state.records import LayerWeights, ModelWeights, QMatrix
@@ -189,12 +191,15 @@ def _load_all(gf: GGUFFile, cfg: ModelConfig, bar: Any) -> ModelWeights:
     return ModelWeights(token_embd=embd, layers=tuple(layers), output_norm=output_norm, output=output)
 
 
-def kernel_weights(gf: Any, cfg: ModelConfig, streamed: bool = False, progress: bool = True) -> ModelWeights:
+def kernel_weights(gf: Any, cfg: ModelConfig, streamed: bool = False, progress: bool = True,
+                   quantize: QType | None = None) -> ModelWeights:
     """The matrices of a GGUFFile (or an HFFolder's F32/F16/BF16 tensors) as QMatrix -- their own blocks, for
     the compiled kernels (`compute: kernels`) -- and the vectors in f32. Resident: every matrix copied once
     into one arena in graph order (huge pages, the file's size), the quantized types packed for the kernels
     (`kernels.pack`); streamed: views of the mapped file as they are, paged in as the graph reads them. A type
-    the kernels lack (Q2_K, Q3_K, the IQ types...) is dequantized to f32."""
+    the kernels lack (Q2_K, Q3_K, the IQ types...) is dequantized to f32. `quantize` (resident only): every F32,
+    F16 or BF16 matrix quantized as it is read, a chunk of rows at a time straight into the arena, to the type
+    `tensor_type` gives it (the f32 matrices are never all in memory)."""
     d = cfg.n_embd
     plans = [layer_plan(gf, cfg, i) for i in range(cfg.n_layer)]
     # the vectors first, read through the map, whose pages go before the matrices fill the arena
@@ -204,7 +209,8 @@ def kernel_weights(gf: Any, cfg: ModelConfig, streamed: bool = False, progress: 
     for name in heads:  # the f32 path checks them as it reads them (`_checked`); here before any is read
         _expect_shape(gf, name, (cfg.n_vocab, d))
     groups = [names for plan in plans for names, shape in plan.values() if len(shape) == 2] + [(n,) for n in heads]
-    parts = _kernel_parts(gf, groups, streamed, progress)
+    targets = quantize_targets(gf, [n for g in groups for n in g], quantize, cfg.tied_head)
+    parts = _kernel_parts(gf, groups, streamed, progress, targets)
 
     def matrix(names: tuple[str, ...], shape: tuple[int, ...]) -> QMatrix:
         return QMatrix(shape, parts[names], packed=not streamed)
@@ -216,28 +222,40 @@ def kernel_weights(gf: Any, cfg: ModelConfig, streamed: bool = False, progress: 
     return ModelWeights(token_embd=embd, layers=layers, output_norm=output_norm, output=output)
 
 
-def _kernel_parts(gf: Any, groups: list[tuple[str, ...]], streamed: bool, progress: bool
-                  ) -> dict[tuple[str, ...], tuple[tuple[np.ndarray, int], ...]]:
+def quantize_targets(gf: Any, names: list[str], quantize: QType | None, tied_head: bool) -> dict[str, QType]:
+    """The matrices `quantize` turns into blocks -- those stored as F32, F16 or BF16 -- and the type of each."""
+    if quantize is None:
+        return {}
+    return {n: tensor_type(n, _info(gf, n).shape, quantize, tied_head) for n in names
+            if _info(gf, n).qtype in FLOAT_TYPES}
+
+
+def _kernel_parts(gf: Any, groups: list[tuple[str, ...]], streamed: bool, progress: bool,
+                  targets: dict[str, QType] | None = None) -> dict[tuple[str, ...], tuple[tuple[np.ndarray, int], ...]]:
     """names -> its parts (blocks, qtype) for each matrix, a group of tensors stacked row after row: views of the
     map, one part per tensor (streamed), or copied by file reads into one arena in the order given, each group
     64-byte aligned and its tensors end to end (resident; the map's pages let go before and after). Resident,
     neighbours of one type join into one part (`joinable`): one kernel call for q, k and v instead of three, the
-    same bits, since every output row is its own product."""
+    same bits, since every output row is its own product. `targets`: matrices quantized on the way (name -> type)."""
     from tqdm import tqdm
 
+    targets = targets or {}
+    if streamed and targets:
+        raise TracelmError(f"{gf.name}: quantize needs resident weights (streamed weights stay as the file has them)")
     resident_gguf = not streamed and isinstance(gf, GGUFFile)
     if resident_gguf:
         gf.release_pages()
-    group_bytes = [-(-sum(_kernel_bytes(gf, n) for n in g) // 64) * 64 for g in groups]
+    group_bytes = [-(-sum(_kernel_bytes(gf, n, targets) for n in g) // 64) * 64 for g in groups]
     arena = None if streamed else aligned_bytes(sum(group_bytes))
     pos, out = 0, {}
-    with tqdm(total=sum(map(len, groups)), desc="loading weights", leave=False, disable=None if progress else True
-              ) as bar:
+    with tqdm(total=sum(map(len, groups)), desc="quantizing weights" if targets else "loading weights", leave=False,
+              disable=None if progress else True) as bar:
         for names in groups:
             parts: list[tuple[np.ndarray, int]] = []
             for n in names:
-                size = _kernel_bytes(gf, n)
-                part = _kernel_part(gf, n, None if arena is None else arena[pos : pos + size])
+                size = _kernel_bytes(gf, n, targets)
+                dest = None if arena is None else arena[pos : pos + size]
+                part = _quantized_part(gf, n, targets[n], dest) if n in targets else _kernel_part(gf, n, dest)
                 if arena is not None and parts and joinable(parts[-1], part):
                     a = pos - parts[-1][0].nbytes  # the previous part ends here
                     part = (arena[a : pos + size].reshape(-1, part[0].shape[1]), part[1])
@@ -250,6 +268,23 @@ def _kernel_parts(gf: Any, groups: list[tuple[str, ...]], streamed: bool, progre
     if resident_gguf:
         gf.release_pages()
     return out
+
+
+def _quantized_part(gf: Any, name: str, qtype: QType, out: np.ndarray) -> tuple[np.ndarray, int]:
+    """(blocks, qtype) of a float matrix quantized into `out` a chunk of rows at a time (read by `rows_f32`), packed
+    for the kernels; the source's pages let go after each chunk."""
+    t = _info(gf, name)
+    rows, cols = t.shape
+    blocks = out.reshape(rows, -1)
+    step = max(1, CHUNK_VALUES // cols)
+    for r in range(0, rows, step):
+        end = min(r + step, rows)
+        quantize_rows(gf.rows_f32(name, r, end), qtype, out=blocks[r:end])
+        if isinstance(gf, GGUFFile):
+            gf.release_pages()
+    if kernels.packable(qtype, rows):
+        kernels.pack(blocks, qtype, out=blocks)
+    return blocks, qtype
 
 
 def _kernel_part(gf: Any, name: str, out: np.ndarray | None) -> tuple[np.ndarray, int]:
@@ -276,9 +311,12 @@ def joinable(a: tuple[np.ndarray, int], b: tuple[np.ndarray, int]) -> bool:
     return ta == tb and wa.shape[1] == wb.shape[1] and packed_alike
 
 
-def _kernel_bytes(gf: Any, name: str) -> int:
-    """Bytes a matrix takes for the kernels: its blocks, or f32 rows for a type they lack."""
+def _kernel_bytes(gf: Any, name: str, targets: dict[str, QType] | None = None) -> int:
+    """Bytes a matrix takes for the kernels: its blocks (those it is quantized to), or f32 rows for a type they
+    lack."""
     t = _info(gf, name)
+    if targets and name in targets:
+        return t.shape[0] * row_bytes(t.shape[1], targets[name])
     return t.n_bytes if t.qtype in kernels.SUPPORTED else 4 * int(np.prod(t.shape))
 
 

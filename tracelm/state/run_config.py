@@ -12,6 +12,8 @@ COMPUTE_MODES = ("kernels", "reference")
 CONTEXT_POLICIES = ("stop", "shift")
 ACTIVATION_MODES = {"int8": 1, "int16": 2}  # -> int8 blocks per weight block (QMatrix.halves)
 KV_CACHE_DTYPES = ("f16", "f32", "q8_0")  # what the Cache holds keys and values in
+# the types `quantize` (and `tracelm quantize --type`) turns float matrices into (tracelm/io/quantize.py)
+QUANT_NAMES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 # bounds the server also applies to a request (tracelm/server/params.py), so a config and a request agree
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1024
@@ -124,6 +126,9 @@ class RunConfig:
     # an f16 scale and 32 int8, ~half of f16's bytes; scores as integer dot products with the query rounded alike:
     # docs/architecture.md, stages/attention.py)
     kv_cache: str = attrs.field(default="f16", validator=v.in_(KV_CACHE_DTYPES))
+    # a model's F32/F16/BF16 matrices quantized as they load (a Hugging Face folder's, a float GGUF's; blocks already
+    # quantized stay as they are), llama-quantize's choice of type per tensor; null = as stored
+    quantize: str | None = attrs.field(default=None, validator=v.optional(v.in_(QUANT_NAMES)))
     context: int = attrs.field(default=2048, validator=[v.gt(0), v.le(MAX_CONTEXT)])  # positions the Cache holds
     # chat, when a turn's prompt + max_tokens no longer fits the context: stop (an error; the reply cut to the
     # room left) or shift (keep the system prompt and the latest shift_keep tokens of the conversation, recompute)
