@@ -330,7 +330,12 @@ INL void block32(int t, int pk, const uint8_t *const *rows, const uint8_t *p, in
 /* the 8 rows' pointers to the 32 quant bytes of a packed Q8_0 block at p */
 INL void q8_rows(const uint8_t *p, const uint8_t **pr) { for (int r = 0; r < GROUP; r++) pr[r] = p + 16 + 32 * r; }
 
-INL void unpack32(int t, int pk, const uint8_t *const *rows, const uint8_t *g, int64_t b0, int nkb, ubuf32 *u) {
+/* Chunk blocks b0.. of a group into a buffer: quad c of block kb at v[(8 kb + c) step] (Q8_0: its signs at s), the
+ * 8 rows' d and m at d, m + 8 kb step. step 1: ubuf32; step 2: one half of a pair of groups (avx512vnni's 16-row
+ * tile: the two groups' vectors side by side, one 512-bit load). biased: Q8_0's weights as w + 128 (unsigned bytes;
+ * the 128 sum q is taken off as Q4_0's 8 sum q is) for a path without sign_epi8. */
+INL void unpack32_to(int t, int pk, const uint8_t *const *rows, const uint8_t *g, int64_t b0, int nkb, __m256i *v,
+                     __m256i *s, float *dd, float *mm, int step, int biased) {
     const int tb = type_bytes(t);
     for (int kb = 0; kb < nkb; kb++) {
         const int64_t o = (b0 + kb) * tb;
@@ -346,19 +351,24 @@ INL void unpack32(int t, int pk, const uint8_t *const *rows, const uint8_t *g, i
             __m256i W0, W1, W2, W3, W4, W5, W6, W7;
             transpose8x4(qr, qo, &W0, &W1, &W2, &W3);
             transpose8x4(qr, qo + 16, &W4, &W5, &W6, &W7);
-#define ST(c) u->s[kb][c] = W##c; u->v[kb][c] = _mm256_abs_epi8(W##c);
+#define ST(c) if (biased) v[(8 * kb + c) * step] = _mm256_xor_si256(W##c, _mm256_set1_epi8((char)0x80)); \
+              else { s[(8 * kb + c) * step] = W##c; v[(8 * kb + c) * step] = _mm256_abs_epi8(W##c); }
             ST(0) ST(1) ST(2) ST(3) ST(4) ST(5) ST(6) ST(7)
 #undef ST
             if (pk) d = m = _mm256_cvtph_ps(ld128(p));
             else scales8(rows, o, &d, &m);
         } else {
             WQUADS(t, pk, rows, p, o, d, m)
-            u->v[kb][0] = V0; u->v[kb][1] = V1; u->v[kb][2] = V2; u->v[kb][3] = V3;
-            u->v[kb][4] = V4; u->v[kb][5] = V5; u->v[kb][6] = V6; u->v[kb][7] = V7;
+            __m256i *w = v + 8 * kb * step;
+            w[0] = V0; w[step] = V1; w[2 * step] = V2; w[3 * step] = V3;
+            w[4 * step] = V4; w[5 * step] = V5; w[6 * step] = V6; w[7 * step] = V7;
         }
-        _mm256_storeu_ps(u->d[kb], d);
-        _mm256_storeu_ps(u->m[kb], m);
+        _mm256_storeu_ps(dd + 8 * kb * step, d);
+        _mm256_storeu_ps(mm + 8 * kb * step, m);
     }
+}
+INL void unpack32(int t, int pk, const uint8_t *const *rows, const uint8_t *g, int64_t b0, int nkb, ubuf32 *u) {
+    unpack32_to(t, pk, rows, g, b0, nkb, &u->v[0][0], &u->s[0][0], &u->d[0][0], &u->m[0][0], 1, 0);
 }
 
 /* Accumulators against a chunk, block after block. One group (ng = 1): x half-rows x0..x(nx-1) (nx = 2 or 4)
