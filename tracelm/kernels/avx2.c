@@ -76,7 +76,7 @@ int avx2_compiled(void) { return 1; }
 /* keep a vector in a register, opaque to the compiler: a loaded vector is then not folded into each of its uses
  * as a load again, and a chain of integer adds is not reassociated into a tree that computes every product
  * first and spills them */
-#define REG(v) __asm__("" : "+x"(v))
+#define REG(v) __asm__("" : "+v"(v))
 
 #define v8_add(a, b) _mm256_add_ps(a, b)
 #define v8_sub(a, b) _mm256_sub_ps(a, b)
@@ -330,7 +330,12 @@ INL void block32(int t, int pk, const uint8_t *const *rows, const uint8_t *p, in
 /* the 8 rows' pointers to the 32 quant bytes of a packed Q8_0 block at p */
 INL void q8_rows(const uint8_t *p, const uint8_t **pr) { for (int r = 0; r < GROUP; r++) pr[r] = p + 16 + 32 * r; }
 
-INL void unpack32(int t, int pk, const uint8_t *const *rows, const uint8_t *g, int64_t b0, int nkb, ubuf32 *u) {
+/* Chunk blocks b0.. of a group into a buffer: quad c of block kb at v[(8 kb + c) step] (Q8_0: its signs at s), the
+ * 8 rows' d and m at d, m + 8 kb step. step 1: ubuf32; step 2: one half of a pair of groups (avx512vnni's 16-row
+ * tile: the two groups' vectors side by side, one 512-bit load). biased: Q8_0's weights as w + 128 (unsigned bytes;
+ * the 128 sum q is taken off as Q4_0's 8 sum q is) for a path without sign_epi8. */
+INL void unpack32_to(int t, int pk, const uint8_t *const *rows, const uint8_t *g, int64_t b0, int nkb, __m256i *v,
+                     __m256i *s, float *dd, float *mm, int step, int biased) {
     const int tb = type_bytes(t);
     for (int kb = 0; kb < nkb; kb++) {
         const int64_t o = (b0 + kb) * tb;
@@ -346,19 +351,24 @@ INL void unpack32(int t, int pk, const uint8_t *const *rows, const uint8_t *g, i
             __m256i W0, W1, W2, W3, W4, W5, W6, W7;
             transpose8x4(qr, qo, &W0, &W1, &W2, &W3);
             transpose8x4(qr, qo + 16, &W4, &W5, &W6, &W7);
-#define ST(c) u->s[kb][c] = W##c; u->v[kb][c] = _mm256_abs_epi8(W##c);
+#define ST(c) if (biased) v[(8 * kb + c) * step] = _mm256_xor_si256(W##c, _mm256_set1_epi8((char)0x80)); \
+              else { s[(8 * kb + c) * step] = W##c; v[(8 * kb + c) * step] = _mm256_abs_epi8(W##c); }
             ST(0) ST(1) ST(2) ST(3) ST(4) ST(5) ST(6) ST(7)
 #undef ST
             if (pk) d = m = _mm256_cvtph_ps(ld128(p));
             else scales8(rows, o, &d, &m);
         } else {
             WQUADS(t, pk, rows, p, o, d, m)
-            u->v[kb][0] = V0; u->v[kb][1] = V1; u->v[kb][2] = V2; u->v[kb][3] = V3;
-            u->v[kb][4] = V4; u->v[kb][5] = V5; u->v[kb][6] = V6; u->v[kb][7] = V7;
+            __m256i *w = v + 8 * kb * step;
+            w[0] = V0; w[step] = V1; w[2 * step] = V2; w[3 * step] = V3;
+            w[4 * step] = V4; w[5 * step] = V5; w[6 * step] = V6; w[7 * step] = V7;
         }
-        _mm256_storeu_ps(u->d[kb], d);
-        _mm256_storeu_ps(u->m[kb], m);
+        _mm256_storeu_ps(dd + 8 * kb * step, d);
+        _mm256_storeu_ps(mm + 8 * kb * step, m);
     }
+}
+INL void unpack32(int t, int pk, const uint8_t *const *rows, const uint8_t *g, int64_t b0, int nkb, ubuf32 *u) {
+    unpack32_to(t, pk, rows, g, b0, nkb, &u->v[0][0], &u->s[0][0], &u->d[0][0], &u->m[0][0], 1, 0);
 }
 
 /* Accumulators against a chunk, block after block. One group (ng = 1): x half-rows x0..x(nx-1) (nx = 2 or 4)
@@ -423,6 +433,60 @@ INL void dot32_chunk(int t, const ubuf32 *u0, const ubuf32 *u1, int nkb, int ng,
 #undef XK
 #undef BK
 #undef UK
+
+#if VNNI == 2
+/* ======================================================================================================
+ * avx512vnni, many x rows: the 16-row tile. A pair of groups' chunk side by side (quad c of block kb of group h at
+ * v[kb][c][h]), so that one 512-bit vpdpbusd meets both groups' 8 rows with an x quad broadcast to its 16 lanes; the
+ * float update of kernels.h on 16 lanes (v16_*: the same IEEE operations per lane). A lone last group is paired with
+ * itself (its second half unused).
+ * ==================================================================================================== */
+#define v16_add(a, b) _mm512_add_ps(a, b)
+#define v16_sub(a, b) _mm512_sub_ps(a, b)
+#define v16_mul(a, b) _mm512_mul_ps(a, b)
+#define v16_cvt(i) _mm512_cvtepi32_ps(i)
+INL __m512i ld512(const void *p) { return _mm512_loadu_si512(p); }
+#define BQ16(q, c) _mm512_set1_epi32(ld32s((q) + 4 * (c)))   /* x quad c in all 16 lanes */
+
+typedef struct {
+    __m256i v[KC][8][2];   /* as ubuf32's v, two groups; Q8_0: w + 128 (unsigned) */
+    float d[KC][2][GROUP], m[KC][2][GROUP];
+} ubuf32x2;
+
+/* x half-rows x0..x(nx-1) (nx = 2 or 4) against the pair's chunk, accumulator k = half-row k */
+INL void dot32_chunk16(int t, const ubuf32x2 *u, int nkb, int nx, const xblock32 *x0, const xblock32 *x1,
+                       const xblock32 *x2, const xblock32 *x3, __m512 *a0, __m512 *a1, __m512 *a2, __m512 *a3) {
+    const int off = t == T_Q4_0 ? 8 : t == T_Q5_0 ? 16 : t == T_Q8_0 ? 128 : 0, four = nx > 2;
+    const __m512i z = _mm512_setzero_si512();
+    __m512 f0 = *a0, f1 = *a1, f2 = four ? *a2 : _mm512_setzero_ps(), f3 = four ? *a3 : _mm512_setzero_ps();
+    for (int kb = 0; kb < nkb; kb++, x0++, x1++, x2++, x3++) {
+        __m512i i0 = z, i1 = z, i2 = z, i3 = z;
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; c++) {
+            const __m512i w = ld512(u->v[kb][c]);
+            i0 = _mm512_dpbusd_epi32(i0, w, BQ16(x0->q, c)); REG(i0);
+            i1 = _mm512_dpbusd_epi32(i1, w, BQ16(x1->q, c)); REG(i1);
+            if (four) {
+                i2 = _mm512_dpbusd_epi32(i2, w, BQ16(x2->q, c)); REG(i2);
+                i3 = _mm512_dpbusd_epi32(i3, w, BQ16(x3->q, c)); REG(i3);
+            }
+        }
+        const __m512 d = _mm512_loadu_ps(u->d[kb]);
+#define C(k, X)                                                                                          \
+        {                                                                                                \
+            const __m512 dx = _mm512_set1_ps(X->d);                                                      \
+            if (off) i##k = _mm512_sub_epi32(i##k, _mm512_set1_epi32(off * X->sum));                     \
+            if (t == T_Q4_1 || t == T_Q5_1)                                                              \
+                COMBINE_DM(v16, f##k, d, _mm512_loadu_ps(u->m[kb]), dx, i##k, _mm512_set1_epi32(X->sum)); \
+            else COMBINE_D(v16, f##k, d, dx, i##k);                                                      \
+        }
+        C(0, x0) C(1, x1) if (four) { C(2, x2) C(3, x3) }
+#undef C
+    }
+    *a0 = f0; *a1 = f1;
+    if (four) { *a2 = f2; *a3 = f3; }
+}
+#endif
 
 /* few x rows, 4/5-bit weights: each block of the 8 rows unpacked on the fly, met by the x row's hi (and, if
  * two, lo) half quad by quad as it is made (few live vectors); returns acc_hi (+ acc_lo) */
@@ -620,22 +684,27 @@ INL __m256i q6_quad(int m, __m256i A, __m256i B, __m256i C) {
                            _mm256_and_si256(_mm256_srli_epi16(m == 2 ? A : B, 2), b45));
 }
 
-/* super-blocks b0..b0+nks-1 of a group, the file's rows (rows[r]) or packed (the group at rows[0]) */
-INL void unpackk(int t, int pk, const uint8_t *const *rows, int64_t b0, int nks, ubufk *u) {
+/* super-block kb of a group into a buffer: quad e at V(e step), the scale vectors at sc, corr (vector i at [i step]),
+ * the 8 rows' d and dmin at d, dmin. step 1: ubufk; step 2: one half of a pair of groups (avx512vnni's 16-row tile) */
+INL void unpackk_to(int t, int pk, const uint8_t *const *rows, int64_t kb, __m256i *v, __m256i *sc, __m256i *corr,
+                    float *dd, float *ddmin, int step) {
     const int tb = type_bytes(t);
     const __m256i f = _mm256_set1_epi8(15), b4 = _mm256_set1_epi8(0x10), b45 = _mm256_set1_epi8(0x30);
-    for (int kb = 0; kb < nks; kb++) {
-        const int64_t o = (b0 + kb) * tb;
+#define V(e) v[(e) * step]
+    {
+        const int64_t o = kb * tb;
         const uint8_t *blk = rows[0] + GROUP * o;   /* packed: the super-block of the 8 rows */
         if (pk) for (int c = 0; c < GROUP * tb; c += 64) _mm_prefetch((const char *)blk + GROUP * PREFETCH + c, _MM_HINT_T0);
         else for (int r = 0; r < GROUP; r++)
             for (int c = 0; c < tb; c += 64) _mm_prefetch((const char *)rows[r] + o + PREFETCH + c, _MM_HINT_T0);
-        __m256i *v = u[kb].v;
-        kscale_vecs(t, pk, rows, blk, o, u[kb].sc, u[kb].corr);
+        __m256i scv[16], corrv[4] = {0};   /* (Q6_K has no corr) */
+        kscale_vecs(t, pk, rows, blk, o, scv, corrv);
+        for (int i = 0; i < 16; i++) sc[i * step] = scv[i];
+        for (int i = 0; i < 4; i++) corr[i * step] = corrv[i];
         __m256 d, dmin;
         kscales_d(t, pk, rows, blk, o, &d, &dmin);
-        _mm256_storeu_ps(u[kb].d, d);
-        _mm256_storeu_ps(u[kb].dmin, dmin);
+        _mm256_storeu_ps(dd, d);
+        _mm256_storeu_ps(ddmin, dmin);
         if (t == T_Q6_K) {
             __m256i L[32], H[16];
             kdwords(pk, rows, blk, o, 0, 32, L);
@@ -644,16 +713,16 @@ INL void unpackk(int t, int pk, const uint8_t *const *rows, int64_t b0, int nks,
                 for (int p = 0; p < 8; p++) {
                     __m256i l0 = L[16 * h + p], l1 = L[16 * h + 8 + p], hb = H[8 * h + p];
                     if (pk) {
-                        v[32 * h + p] = q6_quad(0, l0, l1, hb);
-                        v[32 * h + 8 + p] = q6_quad(1, l0, l1, hb);
-                        v[32 * h + 16 + p] = q6_quad(2, l0, l1, hb);
-                        v[32 * h + 24 + p] = q6_quad(3, l0, l1, hb);
+                        V(32 * h + p) = q6_quad(0, l0, l1, hb);
+                        V(32 * h + 8 + p) = q6_quad(1, l0, l1, hb);
+                        V(32 * h + 16 + p) = q6_quad(2, l0, l1, hb);
+                        V(32 * h + 24 + p) = q6_quad(3, l0, l1, hb);
                         continue;
                     }
-                    v[32 * h + p] = _mm256_or_si256(_mm256_and_si256(l0, f), _mm256_and_si256(_mm256_slli_epi16(hb, 4), b45));
-                    v[32 * h + 8 + p] = _mm256_or_si256(_mm256_and_si256(l1, f), _mm256_and_si256(_mm256_slli_epi16(hb, 2), b45));
-                    v[32 * h + 16 + p] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), f), _mm256_and_si256(hb, b45));
-                    v[32 * h + 24 + p] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), f),
+                    V(32 * h + p) = _mm256_or_si256(_mm256_and_si256(l0, f), _mm256_and_si256(_mm256_slli_epi16(hb, 4), b45));
+                    V(32 * h + 8 + p) = _mm256_or_si256(_mm256_and_si256(l1, f), _mm256_and_si256(_mm256_slli_epi16(hb, 2), b45));
+                    V(32 * h + 16 + p) = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), f), _mm256_and_si256(hb, b45));
+                    V(32 * h + 24 + p) = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), f),
                                                          _mm256_and_si256(_mm256_srli_epi16(hb, 2), b45));
                 }
         } else {
@@ -661,8 +730,8 @@ INL void unpackk(int t, int pk, const uint8_t *const *rows, int64_t b0, int nks,
             kdwords(pk, rows, blk, o, t == T_Q4_K ? 16 : 48, 32, Q);
             for (int c = 0; c < 4; c++)
                 for (int p = 0; p < 8; p++) {
-                    v[16 * c + p] = _mm256_and_si256(Q[8 * c + p], f);
-                    v[16 * c + 8 + p] = _mm256_and_si256(_mm256_srli_epi16(Q[8 * c + p], 4), f);
+                    V(16 * c + p) = _mm256_and_si256(Q[8 * c + p], f);
+                    V(16 * c + 8 + p) = _mm256_and_si256(_mm256_srli_epi16(Q[8 * c + p], 4), f);
                 }
             if (t == T_Q5_K) {   /* fifth bit of element 64c + l: bit 2c of qh[l]; of 64c + 32 + l: bit 2c + 1 */
                 __m256i H[8];
@@ -671,12 +740,19 @@ INL void unpackk(int t, int pk, const uint8_t *const *rows, int64_t b0, int nks,
                     for (int p = 0; p < 8; p++) {
                         __m256i lo = 2 * c <= 4 ? _mm256_slli_epi16(H[p], 4 - 2 * c) : _mm256_srli_epi16(H[p], 2 * c - 4);
                         __m256i hi = 2 * c + 1 <= 4 ? _mm256_slli_epi16(H[p], 3 - 2 * c) : _mm256_srli_epi16(H[p], 2 * c - 3);
-                        v[16 * c + p] = _mm256_or_si256(v[16 * c + p], _mm256_and_si256(lo, b4));
-                        v[16 * c + 8 + p] = _mm256_or_si256(v[16 * c + 8 + p], _mm256_and_si256(hi, b4));
+                        V(16 * c + p) = _mm256_or_si256(V(16 * c + p), _mm256_and_si256(lo, b4));
+                        V(16 * c + 8 + p) = _mm256_or_si256(V(16 * c + 8 + p), _mm256_and_si256(hi, b4));
                     }
             }
         }
     }
+#undef V
+}
+
+/* super-blocks b0..b0+nks-1 of a group, the file's rows (rows[r]) or packed (the group at rows[0]) */
+INL void unpackk(int t, int pk, const uint8_t *const *rows, int64_t b0, int nks, ubufk *u) {
+    for (int kb = 0; kb < nks; kb++)
+        unpackk_to(t, pk, rows, b0 + kb, u[kb].v, u[kb].sc, u[kb].corr, u[kb].d, u[kb].dmin, 1);
 }
 
 /* Q6_K: the offset 32 of u - 32 taken off inside a sub-block's int16 sum. The 4 quads of sub-block i summed in
@@ -802,6 +878,82 @@ INL void dotk_chunk(int t, const ubufk *u0, const ubufk *u1, int nks, int ng, in
 }
 #undef XK
 #undef UK
+
+#if VNNI == 2
+/* avx512vnni, K-quants, many x rows: super-blocks of a pair of groups side by side (ubufk's fields, the two groups'
+ * vectors at [.][0] and [.][1]: one 512-bit load), met by x half-rows x0..x(nx-1) (nx = 2 or 4), accumulator k =
+ * half-row k; the integer sums as dotk_chunk's (VNNI: int32 throughout, the scales by mullo) */
+typedef struct {
+    __m256i v[64][2], sc[16][2], corr[4][2];
+    float d[2][GROUP], dmin[2][GROUP];
+} ubufk2;
+
+/* kmins on 16 lanes: B = sum_j mn_j bsum32_j of x block x */
+INL __m512i kmins16(const ubufk2 *u, const xblock256 *x) {
+    const __m256i bs = ld256(x->bsum);
+    const __m128i b32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+    __m512i B = _mm512_madd_epi16(ld512(u->corr[0]), _mm512_set1_epi32(_mm_cvtsi128_si32(b32)));
+    B = _mm512_add_epi32(B, _mm512_madd_epi16(ld512(u->corr[1]), _mm512_set1_epi32(_mm_extract_epi32(b32, 1))));
+    B = _mm512_add_epi32(B, _mm512_madd_epi16(ld512(u->corr[2]), _mm512_set1_epi32(_mm_extract_epi32(b32, 2))));
+    return _mm512_add_epi32(B, _mm512_madd_epi16(ld512(u->corr[3]), _mm512_set1_epi32(_mm_extract_epi32(b32, 3))));
+}
+
+INL void dotk_chunk16(int t, const ubufk2 *u, int nks, int nx, const xblock256 *x0, const xblock256 *x1,
+                      const xblock256 *x2, const xblock256 *x3, const k6off *o0, const k6off *o1, const k6off *o2,
+                      const k6off *o3, __m512 *a0, __m512 *a1, __m512 *a2, __m512 *a3) {
+    const __m512i z = _mm512_setzero_si512();
+    const int four = nx > 2;
+    __m512 f0 = *a0, f1 = *a1, f2 = four ? *a2 : _mm512_setzero_ps(), f3 = four ? *a3 : _mm512_setzero_ps();
+    for (int kb = 0; kb < nks; kb++, x0++, x1++, x2++, x3++) {
+        const ubufk2 *b = u + kb;
+        __m512i A0 = z, A1 = z, A2 = z, A3 = z;
+#define DP(k, X, o, q) s##k = _mm512_dpbusd_epi32(s##k, V, BQ16(X->q + (o), q)); REG(s##k);
+        if (t == T_Q6_K) {
+#pragma GCC unroll 2
+            for (int i = 0; i < 16; i++) {   /* sub-block i: quads 4i..4i+3, less the offsets, times the scales */
+                __m512i s0 = z, s1 = z, s2 = z, s3 = z;
+#pragma GCC unroll 4
+                for (int q = 0; q < 4; q++) {
+                    const __m512i V = ld512(b->v[4 * i + q]);
+                    DP(0, x0, 16 * i, q) DP(1, x1, 16 * i, q)
+                    if (four) { DP(2, x2, 16 * i, q) DP(3, x3, 16 * i, q) }
+                }
+                const __m512i sc = ld512(b->sc[i]);
+#define M(k, O) A##k = _mm512_add_epi32(A##k, _mm512_mullo_epi32(_mm512_sub_epi32(s##k, _mm512_set1_epi32(O->d[kb][i])), sc)); \
+                REG(A##k);
+                M(0, o0) M(1, o1) if (four) { M(2, o2) M(3, o3) }
+#undef M
+            }
+            const __m512 d = _mm512_loadu_ps(b->d);
+#define C(k, X) COMBINE_D(v16, f##k, d, _mm512_set1_ps(X->d), A##k);
+            C(0, x0) C(1, x1) if (four) { C(2, x2) C(3, x3) }
+#undef C
+        } else {
+#pragma GCC unroll 1
+            for (int j = 0; j < 8; j++) {   /* sub-block j: quads 8j..8j+7 */
+                __m512i s0 = z, s1 = z, s2 = z, s3 = z;
+#pragma GCC unroll 8
+                for (int q = 0; q < 8; q++) {
+                    const __m512i V = ld512(b->v[8 * j + q]);
+                    DP(0, x0, 32 * j, q) DP(1, x1, 32 * j, q)
+                    if (four) { DP(2, x2, 32 * j, q) DP(3, x3, 32 * j, q) }
+                }
+                const __m512i sc = ld512(b->sc[j]);
+#define M(k) A##k = _mm512_add_epi32(A##k, _mm512_mullo_epi32(s##k, sc)); REG(A##k);
+                M(0) M(1) if (four) { M(2) M(3) }
+#undef M
+            }
+            const __m512 d = _mm512_loadu_ps(b->d), dmin = _mm512_loadu_ps(b->dmin);
+#define C(k, X) COMBINE_K(v16, f##k, d, dmin, _mm512_set1_ps(X->d), A##k, kmins16(b, X));
+            C(0, x0) C(1, x1) if (four) { C(2, x2) C(3, x3) }
+#undef C
+        }
+#undef DP
+    }
+    *a0 = f0; *a1 = f1;
+    if (four) { *a2 = f2; *a3 = f3; }
+}
+#endif
 
 /* ---- few x rows: unpack on the fly ---- */
 INL __m256i word_bcast(__m256i v, int lo, int hi) {   /* int16 word `lo` to the low half, `hi` to the high half */
@@ -1245,6 +1397,57 @@ INL void tile32(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1) 
     }
 }
 
+#if VNNI == 2
+/* avx512vnni, 32-value types, many x rows: groups `group` and group + 1 (ng = 2; ng = 1: the group with itself) as
+ * one 16-row tile, each chunk of blocks unpacked once side by side, then met by the tile's quantized rows 4 at a
+ * time (a last 2 or 3: 2 at a time, a last odd one twice) */
+INL void tile32x2(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1) {
+    const int t = j->qtype;
+    const uint8_t *rows[2][GROUP];
+    group_rows(j, group, rows[0]);
+    group_rows(j, ng == 2 ? group + 1 : group, rows[1]);
+    const int64_t mt = m1 - m0, xrb = j->xq_row_bytes, hv = j->halves, mq = hv * mt, nb = j->K / 32;
+    const char *xq = (const char *)j->xq + hv * m0 * xrb;
+    __m512 acc[2 * MTILE + 4];   /* + 4: the unused accumulators of a last pass */
+    for (int64_t i = 0; i < mq + 4; i++) acc[i] = _mm512_setzero_ps();
+    ubuf32x2 u;
+    for (int64_t b0 = 0; b0 < nb; b0 += KC) {
+        int nkb = nb - b0 < KC ? (int)(nb - b0) : KC;
+        for (int h = 0; h < 2; h++) {
+            if (j->packed) unpack32_to(t, 1, rows[h], rows[h][0], b0, nkb, &u.v[0][0][h], NULL, u.d[0][h], u.m[0][h], 2, 1);
+            else unpack32_to(t, 0, rows[h], rows[h][0], b0, nkb, &u.v[0][0][h], NULL, u.d[0][h], u.m[0][h], 2, 1);
+        }
+        for (int64_t i = 0, nx; i < mq; i += nx) {
+            nx = mq - i >= 4 ? 4 : 2;
+            const xblock32 *x0 = (const xblock32 *)(xq + i * xrb) + b0;
+            const xblock32 *x1 = (const xblock32 *)(xq + (i + 1 < mq ? i + 1 : i) * xrb) + b0;
+            const xblock32 *x2 = nx > 2 ? (const xblock32 *)(xq + (i + 2) * xrb) + b0 : x0;
+            const xblock32 *x3 = nx > 2 ? (const xblock32 *)(xq + (i + 3) * xrb) + b0 : x1;
+#define CH(T, NX) dot32_chunk16(T, &u, nkb, NX, x0, x1, x2, x3, &acc[i], &acc[i + 1], &acc[i + 2], &acc[i + 3])
+#define CASE(T) if (nx == 4) CH(T, 4); else CH(T, 2); break;
+            switch (t) {   /* constant t per call: the compiler specialises each */
+            case T_Q4_0: CASE(T_Q4_0)
+            case T_Q4_1: CASE(T_Q4_1)
+            case T_Q5_0: CASE(T_Q5_0)
+            case T_Q5_1: CASE(T_Q5_1)
+            default: CASE(T_Q8_0)
+            }
+#undef CASE
+#undef CH
+        }
+    }
+    for (int h = 0; h < ng; h++) {
+        __m256 out[MTILE];
+        for (int64_t i = 0; i < mt; i++) {
+            const __m512 a = hv == 2 ? _mm512_add_ps(acc[2 * i], acc[2 * i + 1]) : acc[i];
+            out[i] = _mm256_castsi256_ps(h ? _mm512_extracti64x4_epi64(_mm512_castps_si512(a), 1)
+                                           : _mm512_castsi512_si256(_mm512_castps_si512(a)));
+        }
+        store_group(j, group + h, m0, mt, out);
+    }
+}
+#endif
+
 /* K-quants, many x rows: ng (up to TGK) groups from `group` on, KS(t) super-blocks of each unpacked at a time, then
  * met by the tile's quantized rows, 2 at a time (a lone group: 4) -- each pass of x rows against every group, two
  * at a time (the 16 x 2 tile of dotk_chunk, a last one alone), so that Q6_K's offsets of the pass are made once */
@@ -1300,12 +1503,76 @@ INL void tilek(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1) {
     }
 }
 
+#if VNNI == 2
+/* avx512vnni, K-quants, many x rows: ng (up to TGK) groups from `group` on as pairs (a lone last group with itself),
+ * KS(t) super-blocks of each unpacked side by side at a time, then met by the tile's quantized rows 4 at a time, each
+ * pass of x rows against every pair */
+INL void tilek16(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1) {
+    const int t = j->qtype, np = (ng + 1) / 2;
+    const uint8_t *rows[KUNITS][GROUP];
+    for (int g = 0; g < ng; g++) group_rows(j, group + g, rows[g]);
+    const int64_t mt = m1 - m0, xrb = j->xq_row_bytes, hv = j->halves, mq = hv * mt, nb = j->K / 256;
+    const char *xq = (const char *)j->xq + hv * m0 * xrb;
+    __m512 acc[KUNITS / 2][2 * MTILE + 4];
+    for (int p = 0; p < np; p++)
+        for (int64_t i = 0; i < mq + 4; i++) acc[p][i] = _mm512_setzero_ps();
+    ubufk2 u[KUNITS / 2];   /* pair p's chunk at u + p ks */
+    k6off off[4];
+    const int ks = KS(t);
+    for (int64_t b0 = 0; b0 < nb; b0 += ks) {
+        int nks = nb - b0 < ks ? (int)(nb - b0) : ks;
+        for (int g = 0; g < 2 * np; g++) {
+            const int src = g < ng ? g : ng - 1, pk = j->packed;
+            for (int kb = 0; kb < nks; kb++) {
+                ubufk2 *b = u + g / 2 * ks + kb;
+                const int h = g % 2;
+                if (pk) unpackk_to(t, 1, rows[src], b0 + kb, &b->v[0][h], &b->sc[0][h], &b->corr[0][h], b->d[h], b->dmin[h], 2);
+                else unpackk_to(t, 0, rows[src], b0 + kb, &b->v[0][h], &b->sc[0][h], &b->corr[0][h], b->d[h], b->dmin[h], 2);
+            }
+        }
+        for (int64_t i = 0, nx; i < mq; i += nx) {
+            nx = mq - i >= 4 ? 4 : 2;
+            const xblock256 *x0 = (const xblock256 *)(xq + i * xrb) + b0;
+            const xblock256 *x1 = (const xblock256 *)(xq + (i + 1 < mq ? i + 1 : i) * xrb) + b0;
+            const xblock256 *x2 = nx > 2 ? (const xblock256 *)(xq + (i + 2) * xrb) + b0 : x0;
+            const xblock256 *x3 = nx > 2 ? (const xblock256 *)(xq + (i + 3) * xrb) + b0 : x1;
+            if (t == T_Q6_K) {
+                k6_offsets(x0, nks, &off[0]);
+                k6_offsets(x1, nks, &off[1]);
+                if (nx > 2) { k6_offsets(x2, nks, &off[2]); k6_offsets(x3, nks, &off[3]); }
+            }
+            for (int p = 0; p < np; p++) {
+#define CH(T, NX) dotk_chunk16(T, u + p * ks, nks, NX, x0, x1, x2, x3, &off[0], &off[1], &off[2], &off[3], &acc[p][i], \
+                               &acc[p][i + 1], &acc[p][i + 2], &acc[p][i + 3])
+#define CASE(T) if (nx == 4) CH(T, 4); else CH(T, 2); break;
+                switch (t) {
+                case T_Q4_K: CASE(T_Q4_K)
+                case T_Q5_K: CASE(T_Q5_K)
+                default: CASE(T_Q6_K)
+                }
+#undef CASE
+#undef CH
+            }
+        }
+    }
+    for (int g = 0; g < ng; g++) {
+        __m256 out[MTILE];
+        for (int64_t i = 0; i < mt; i++) {
+            const __m512 a = hv == 2 ? _mm512_add_ps(acc[g / 2][2 * i], acc[g / 2][2 * i + 1]) : acc[g / 2][i];
+            out[i] = _mm256_castsi256_ps(g % 2 ? _mm512_extracti64x4_epi64(_mm512_castps_si512(a), 1)
+                                               : _mm512_castsi512_si256(_mm512_castps_si512(a)));
+        }
+        store_group(j, group + g, m0, mt, out);
+    }
+}
+#endif
+
 /* weight groups per task for a tile of mt x rows: 2 where the 16-row tile runs -- Q4_0, Q5_0 (measured, 1 thread:
  * +13% at 256 rows, +10% at 8; Q4_1 loses 2-4%, its m term keeping more vectors live; Q8_0's sign step is per
  * group, nothing to share); the K-quants, tiled: TGK (tilek) */
 AVX2 static int task_groups(int t, int64_t mt) {
     if (mt <= direct_rows(t, 0)) return 1;   /* packed K-quants, direct up to 3 rows: TGK groups, one at a time */
-    return type_block(t) == 256 ? TGK(t) : t == T_Q4_0 || t == T_Q5_0 ? 2 : 1;
+    return type_block(t) == 256 ? TGK(t) : t == T_Q4_0 || t == T_Q5_0 || VNNI == 2 ? 2 : 1;   /* avx512vnni: pairs */
 }
 
 /* ======================================================================================================
@@ -1324,8 +1591,13 @@ AVX2 static void mm_task(const mm_job *j, int64_t g0, int64_t m0, int64_t m1) {
             if (m1 - m0 <= direct_rows(t, j->packed)) direct_group(j, g, m0, m1);
             else {
                 const int tg = task_groups(t, m1 - m0), ng = g1 - g < tg ? (int)(g1 - g) : tg;
+#if VNNI == 2
+                if (type_block(t) == 256) tilek16(j, g, ng, m0, m1);
+                else tile32x2(j, g, ng, m0, m1);
+#else
                 if (type_block(t) == 256) tilek(j, g, ng, m0, m1);
                 else tile32(j, g, ng, m0, m1);
+#endif
                 g += ng - 1;
             }
         }
