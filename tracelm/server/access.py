@@ -26,7 +26,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -90,16 +90,20 @@ def same_origin(origin: str, host: str, scheme: str) -> bool:
 class Access:
     """The ASGI middleware: see the module's docstring."""
 
-    def __init__(self, app: Any, api_key: str | None, allowed_hosts: Iterable[str] = ()):
+    def __init__(self, app: Any, api_key: str | None, allowed_hosts: Iterable[str] = (),
+                 error_shapes: Mapping[str, Callable[[ApiError], Response]] | None = None):
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.allowed = frozenset(h.strip().lower().strip("[]").rstrip(".") for h in allowed_hosts if h.strip())
+        self.error_shapes = dict(error_shapes or {})  # path -> its API's error response (Ollama's); else OpenAI's
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             refused = self.refusal(scope)
             if refused is not None:
-                response = JSONResponse(refused.body(), status_code=refused.status, headers=refused.headers)
+                shape = self.error_shapes.get(scope["path"])
+                response = shape(refused) if shape else JSONResponse(refused.body(), status_code=refused.status,
+                                                                     headers=refused.headers)
                 return await response(scope, receive, send)
         await self.app(scope, receive, send)
 

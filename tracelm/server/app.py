@@ -40,7 +40,7 @@ from tracelm.audit.policy import Policy, load_policy
 from tracelm.server.access import Access, body_lost, read_body
 from tracelm.server.errors import ApiError, bad
 from tracelm.server.metrics import Metrics, MetricsMiddleware, metrics_routes
-from tracelm.server.ollama import ollama_routes
+from tracelm.server.ollama import ollama_error, ollama_routes
 from tracelm.server.pages import page_routes
 from tracelm.server.params import GenerationRequest, parse_json, parse_request
 from tracelm.server.queue import Engine, Job, QueueFull
@@ -114,12 +114,14 @@ class Server:
             *page_routes(self),  # the chat page at / and the trace viewer at /trace (pages.py)
             *metrics_routes(self),  # GET /metrics (metrics.py)
             *token_routes(self),  # /tokenize, /detokenize, /v1/embeddings (tokens.py)
-            *ollama_routes(self, Shape),  # Ollama's /api/chat, /api/generate, /api/tags, ... (ollama.py)
         ]
+        ollama = ollama_routes(self, Shape)  # Ollama's /api/chat, /api/generate, /api/tags, ... (ollama.py)
+        routes += ollama
         handlers = {ApiError: _api_error, HTTPException: _http_error, ClientDisconnect: body_lost,
                     Exception: _internal_error}
         opts = self.cfg.server
-        access = Middleware(Access, api_key=self.api_key, allowed_hosts=(*opts.allowed_hosts, opts.host))
+        access = Middleware(Access, api_key=self.api_key, allowed_hosts=(*opts.allowed_hosts, opts.host),
+                            error_shapes={r.path: ollama_error for r in ollama})  # Ollama's clients read theirs
         metrics = Middleware(MetricsMiddleware, metrics=self.metrics, routes=routes)  # type: ignore[arg-type]
         return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan,  # type: ignore[arg-type]
                          middleware=[metrics, access])  # the metrics count the requests access refuses too
