@@ -1,11 +1,14 @@
 """Shared fixtures: a tiny synthetic llama GGUF (random weights, byte-level vocabulary) and the real
-default model (downloaded once into TRACELM_HOME; tests that need it skip with a reason if it cannot be)."""
+registry models (downloaded once into TRACELM_HOME). A test whose model cannot be fetched, or that needs the
+transformers reference where it is not installed, skips with the reason on a developer's machine and fails under
+CI (`CI=true`, which .ci/run sets): see `unavailable`."""
 
 from __future__ import annotations
 
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import gguf
 import numpy as np
@@ -120,13 +123,7 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The real default model, pulled into TRACELM_HOME on first use."""
-    from tracelm import TracelmError
-    from tracelm.io import registry
-
-    try:
-        return registry.pull("smollm2-135m-instruct", progress=False)
-    except TracelmError as e:
-        pytest.skip(f"default model not available: {e}")
+    return _pull("smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="session")
@@ -144,23 +141,42 @@ def smollm2_reference(smollm2_path: Path):
     return load_model(str(smollm2_path), progress=False, compute="reference")
 
 
-def has_reference() -> bool:
+def in_ci() -> bool:
+    """Whether the suite runs under CI: the environment variable CI set to true (.ci/run sets it, as CI services
+    do)."""
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def unavailable(why: str) -> NoReturn:
+    """A test's prerequisite is missing (a registry model that cannot be fetched, the transformers reference not
+    installed): skipped on a developer's machine, say one without network; failed under CI, which installs the
+    test extra and fetches the models, so that a broken fetch fails the run instead of quietly shortening it."""
+    if in_ci():
+        pytest.fail(f"{why} (CI=true: required here, not skipped)", pytrace=False)
+    pytest.skip(why)
+
+
+def require_reference() -> None:
+    """transformers + torch (the `reference` extra, in the test extra): present, or `unavailable`.
+    TRACELM_SKIP_REFERENCE=1 skips the reference tests on purpose, CI or not."""
+    if os.environ.get("TRACELM_SKIP_REFERENCE") == "1":
+        pytest.skip("TRACELM_SKIP_REFERENCE=1: the transformers reference is skipped on request")
     try:
         import torch  # noqa: F401
         import transformers  # noqa: F401
-    except ImportError:
-        return False
-    return os.environ.get("TRACELM_SKIP_REFERENCE") != "1"
+    except ImportError as e:
+        unavailable(f"transformers + torch not installed (pip install -e '.[reference]'): {e}")
 
 
 def _pull(name: str) -> Path:
+    """A registry model, pulled into TRACELM_HOME on first use, or `unavailable`."""
     from tracelm import TracelmError
     from tracelm.io import registry
 
     try:
         return registry.pull(name, progress=False)
     except TracelmError as e:
-        pytest.skip(f"model {name} not available: {e}")
+        unavailable(f"model {name} not available: {e}")
 
 
 @pytest.fixture(scope="session")

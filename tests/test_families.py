@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, has_reference
+from tests.conftest import REPO, require_reference
 
 
 def tracelm(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
@@ -20,8 +20,7 @@ def tracelm(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
 
 
 def _validate(path, *extra_prompts: str) -> dict:
-    if not has_reference():
-        pytest.skip("transformers + torch not installed (pip install -e '.[reference]')")
+    require_reference()
     from tracelm.tools.validate import DEFAULT_PROMPTS
 
     prompts = [a for p in (*DEFAULT_PROMPTS, *extra_prompts) for a in ("--prompt", p)]

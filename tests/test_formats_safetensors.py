@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.conftest import FIXTURES, has_reference
+from tests.conftest import FIXTURES, require_reference
 
 TOK512 = FIXTURES / "llama2c" / "tok512.bin"
 PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time, there was a"]
@@ -107,8 +107,7 @@ def test_broken_folder_is_a_one_line_error(tmp_path, case) -> None:
 @pytest.fixture(scope="module")
 def hf_from_gguf(smollm2_path, tmp_path_factory):
     """SmolLM2's GGUF dequantized by transformers and saved as F32 (one file) and BF16 (sharded)."""
-    if not has_reference():
-        pytest.skip("transformers + torch not installed (pip install -e '.[reference]')")
+    require_reference()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

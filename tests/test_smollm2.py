@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import has_reference
+from tests.conftest import require_reference
 from tracelm.pipeline.runner import Runner
 from tracelm.state.records import SamplingParams
 
@@ -89,8 +89,7 @@ def test_bench_reports_rates_and_ratios(smollm2_path) -> None:
 
 @pytest.fixture(scope="module")
 def hf_model(smollm2_path):
-    if not has_reference():
-        pytest.skip("transformers + torch not installed (pip install -e '.[reference]')")
+    require_reference()
     import torch
     from transformers import AutoModelForCausalLM
 
