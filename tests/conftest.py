@@ -6,6 +6,7 @@ CI (`CI=true`, which .ci/run sets): see `unavailable`."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -177,6 +178,38 @@ def _pull(name: str) -> Path:
         return registry.pull(name, progress=False)
     except TracelmError as e:
         unavailable(f"model {name} not available: {e}")
+
+
+def transformers_model(gguf_path: Path):
+    """transformers' own model of a GGUF file, in f32: its reader and its dequantization of every block (gguf-py),
+    the reference the kernels' logits are compared with, as `tracelm validate` does. Reading a GGUF costs
+    transformers 20-70 s on 2 cores (it parses the vocabulary twice and dequantizes in numpy), so the model it read
+    is kept, once per file and transformers version, as an f32 safetensors folder under
+    TRACELM_HOME/fixtures/hf-models (the same tensors, bit for bit: 0.5 - 2.4 GB a model), read again in a second."""
+    require_reference()
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from tracelm.io import registry
+
+    key = f"{gguf_path.stem}-{gguf_path.stat().st_size}-transformers-{transformers.__version__}"
+    folder = registry.home() / "fixtures" / "hf-models" / key
+    if not (folder / "config.json").is_file():
+        read = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                    dtype=torch.float32)
+        cfg = read.config
+        del cfg.quantization_config  # a plain (dequantized) model, so that save_pretrained writes it
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        model.load_state_dict(read.state_dict())
+        tmp = folder.with_name(f"{folder.name}.part{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(str(tmp))
+        try:
+            tmp.rename(folder)
+        except OSError:  # another process's copy got there first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")
