@@ -53,7 +53,8 @@ def test_kernels_logits_and_greedy_tokens_agree_with_transformers(against_transf
     """The kernels as they run by default against transformers: the prompt and the kernels' 24 greedy tokens in
     one pass of each, the same argmax at every position (so transformers' greedy continuation is the kernels'
     tokens: teacher forcing, one pass of transformers instead of 24 steps of generate) and max |logit
-    difference| within the model's LOGIT_BOUNDS."""
+    difference| within the model's LOGIT_BOUNDS: the distance measured here (printed) with a margin, and well inside
+    llama.cpp's own distance to transformers on these prompts, 0.8 - 1.6 (where each number comes from: above)."""
     import torch
 
     name, model, hf = against_transformers
