@@ -1,12 +1,16 @@
 """Shared fixtures: a tiny synthetic llama GGUF (random weights, byte-level vocabulary) and the real
-default model (downloaded once into TRACELM_HOME; tests that need it skip with a reason if it cannot be)."""
+registry models (downloaded once into TRACELM_HOME). A test whose model cannot be fetched, or that needs the
+transformers reference where it is not installed, skips with the reason on a developer's machine and fails under
+CI (`CI=true`, which .ci/run sets): see `unavailable`."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import gguf
 import numpy as np
@@ -134,13 +138,7 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The real default model, pulled into TRACELM_HOME on first use."""
-    from tracelm import TracelmError
-    from tracelm.io import registry
-
-    try:
-        return registry.pull("smollm2-135m-instruct", progress=False)
-    except TracelmError as e:
-        pytest.skip(f"default model not available: {e}")
+    return _pull("smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="session")
@@ -158,23 +156,74 @@ def smollm2_reference(smollm2_path: Path):
     return load_model(str(smollm2_path), progress=False, compute="reference")
 
 
-def has_reference() -> bool:
+def in_ci() -> bool:
+    """Whether the suite runs under CI: the environment variable CI set to true (.ci/run sets it, as CI services
+    do)."""
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def unavailable(why: str) -> NoReturn:
+    """A test's prerequisite is missing (a registry model that cannot be fetched, the transformers reference not
+    installed): skipped on a developer's machine, say one without network; failed under CI, which installs the
+    test extra and fetches the models, so that a broken fetch fails the run instead of quietly shortening it."""
+    if in_ci():
+        pytest.fail(f"{why} (CI=true: required here, not skipped)", pytrace=False)
+    pytest.skip(why)
+
+
+def require_reference() -> None:
+    """transformers + torch (the `reference` extra, in the test extra): present, or `unavailable`.
+    TRACELM_SKIP_REFERENCE=1 skips the reference tests on purpose, CI or not."""
+    if os.environ.get("TRACELM_SKIP_REFERENCE") == "1":
+        pytest.skip("TRACELM_SKIP_REFERENCE=1: the transformers reference is skipped on request")
     try:
         import torch  # noqa: F401
         import transformers  # noqa: F401
-    except ImportError:
-        return False
-    return os.environ.get("TRACELM_SKIP_REFERENCE") != "1"
+    except ImportError as e:
+        unavailable(f"transformers + torch not installed (pip install -e '.[reference]'): {e}")
 
 
 def _pull(name: str) -> Path:
+    """A registry model, pulled into TRACELM_HOME on first use, or `unavailable`."""
     from tracelm import TracelmError
     from tracelm.io import registry
 
     try:
         return registry.pull(name, progress=False)
     except TracelmError as e:
-        pytest.skip(f"model {name} not available: {e}")
+        unavailable(f"model {name} not available: {e}")
+
+
+def transformers_model(gguf_path: Path):
+    """transformers' own model of a GGUF file, in f32: its reader and its dequantization of every block (gguf-py),
+    the reference the kernels' logits are compared with, as `tracelm validate` does. Reading a GGUF costs
+    transformers 20-70 s on 2 cores (it parses the vocabulary twice and dequantizes in numpy), so the model it read
+    is kept, once per file and transformers version, as an f32 safetensors folder under
+    TRACELM_HOME/fixtures/hf-models (the same tensors, bit for bit: 0.5 - 2.4 GB a model), read again in a second."""
+    require_reference()
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from tracelm.io import registry
+
+    key = f"{gguf_path.stem}-{gguf_path.stat().st_size}-transformers-{transformers.__version__}"
+    folder = registry.home() / "fixtures" / "hf-models" / key
+    if not (folder / "config.json").is_file():
+        read = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                    dtype=torch.float32)
+        cfg = read.config
+        del cfg.quantization_config  # a plain (dequantized) model, so that save_pretrained writes it
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        model.load_state_dict(read.state_dict())
+        tmp = folder.with_name(f"{folder.name}.part{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(str(tmp))
+        try:
+            tmp.rename(folder)
+        except OSError:  # another process's copy got there first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.conftest import has_reference
+from tests.conftest import require_reference
 from tracelm import TracelmError
 from tracelm.cli import main
 from tracelm.tools import bench_compare as bc
@@ -169,8 +169,7 @@ def test_compare_user_errors(tiny_gguf, capsys):
 
 @pytest.mark.reference
 def test_compare_cli_with_transformers(tiny_gguf, monkeypatch, capsys):
-    if not has_reference():
-        pytest.skip("transformers + torch not installed")
+    require_reference()
     monkeypatch.setitem(bc.REQUIRES, "llama.cpp", ("tracelm_no_such_module",))  # keep the run small and fixed
     argv = ["bench", "--compare", "--model", str(tiny_gguf), "--threads", "1", "--prompt-tokens", "16",
             "--decode-tokens", "8", "--repeats", "1", "--rounds", "1", "--json"]

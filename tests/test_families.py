@@ -1,5 +1,6 @@
-"""Model families on the real models: `tracelm validate` against transformers (per layer, logits, greedy
-tokens) on three prompts each, and the options of the graph on the tiny model."""
+"""Model families on the real models: the kernels' logits and greedy tokens against transformers, `tracelm
+validate` against transformers (per layer, logits, greedy tokens) on three prompts each, the options of the graph
+read from the files, and runs of the packaged configs."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ import sys
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, has_reference
+from tests.conftest import REPO, _pull, require_reference, transformers_model
+from tracelm.pipeline.runner import Runner
+from tracelm.state.records import SamplingParams
+from tracelm.tools.validate import DEFAULT_PROMPTS
 
 
 def tracelm(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
@@ -19,11 +23,59 @@ def tracelm(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-def _validate(path, *extra_prompts: str) -> dict:
-    if not has_reference():
-        pytest.skip("transformers + torch not installed (pip install -e '.[reference]')")
-    from tracelm.tools.validate import DEFAULT_PROMPTS
+# Max |kernels' logit - transformers' logit| allowed on `tracelm validate`'s three prompts and 24 greedy tokens after
+# each, every position, with the defaults (compute: kernels, activations: int16, kv_cache: f16). Each bound is the
+# distance measured here (the test prints it) with a margin: SmolLM2-135M Q4_1 0.027, Gemma 3 270M Q4_K_M 0.027,
+# Qwen2.5-Coder-0.5B Q4_K_M 0.060 (most of it the f16 Cache's rounding: on an f32 one 0.007, 0.009, 0.003). The
+# kernels give the same bits on every path and thread count, so only transformers' float order moves these.
+# llama.cpp's own distance to transformers on the same prompts, as recorded for issue 32 (llama-cpp-python on the
+# same files; it is not in CI, so not measured here), is 0.8 - 1.6: each bound is well inside it. The kernels at
+# llama.cpp's precision (int8 activations, measured once by hand on the prompts alone) sit 0.85 - 1.18, 1.37 - 2.01
+# and 0.49 - 0.66 away: a kernel that lost the int16 activations' second block fails these bounds.
+LOGIT_BOUNDS = {"smollm2-135m-instruct": 0.05, "gemma3-270m": 0.05, "qwen2.5-coder-0.5b-instruct": 0.1}
+GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0)
 
+
+@pytest.fixture(scope="module", params=list(LOGIT_BOUNDS))
+def against_transformers(request):
+    """A registry model on the kernels and transformers' own f32 model of the same GGUF (conftest's
+    transformers_model: the blocks dequantized by transformers, which `tracelm validate` compares with too)."""
+    from tracelm.io.loader import load_model
+
+    path = _pull(request.param)
+    return request.param, load_model(str(path), progress=False), transformers_model(path)
+
+
+@pytest.mark.model
+@pytest.mark.reference
+@pytest.mark.parametrize("prompt", DEFAULT_PROMPTS)
+def test_kernels_logits_and_greedy_tokens_agree_with_transformers(against_transformers, prompt: str) -> None:
+    """The kernels as they run by default against transformers: the prompt and the kernels' 24 greedy tokens in
+    one pass of each, the same argmax at every position (so transformers' greedy continuation is the kernels'
+    tokens: teacher forcing, one pass of transformers instead of 24 steps of generate) and max |logit
+    difference| within the model's LOGIT_BOUNDS: the distance measured here (printed) with a margin, and well inside
+    llama.cpp's own distance to transformers on these prompts, 0.8 - 1.6 (where each number comes from: above)."""
+    import torch
+
+    name, model, hf = against_transformers
+    ids = model.tokenizer.encode(prompt)
+    runner = Runner(model, 128)
+    list(runner.generate(ids, 24, GREEDY))
+    tokens = runner.stats.tokens  # an end-of-generation token that stops it is not among them
+    seq = ids + tokens[:24 - 1]
+    ours = Runner(model, 128).logits(seq)
+    with torch.no_grad():
+        ref = hf(torch.tensor([seq])).logits[0].numpy()
+    distance = float(np.abs(ours - ref).max())
+    print(f"{name} {prompt!r}: {len(ids)} + {len(tokens)} tokens, max |kernels - transformers| = {distance:.4f} "
+          f"(bound {LOGIT_BOUNDS[name]})")
+    assert len(tokens) >= 8 and ours[len(ids) - 1:].argmax(-1)[:len(tokens)].tolist() == tokens
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+    assert distance <= LOGIT_BOUNDS[name]
+
+
+def _validate(path, *extra_prompts: str) -> dict:
+    require_reference()
     prompts = [a for p in (*DEFAULT_PROMPTS, *extra_prompts) for a in ("--prompt", p)]
     proc = tracelm("validate", "--model", str(path), "--reference", "transformers", "--json", *prompts)
     assert proc.returncode in (0, 1), proc.stderr

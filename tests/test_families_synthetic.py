@@ -10,10 +10,15 @@ import types
 import numpy as np
 import pytest
 
-from tests.conftest import has_reference
+from tests.conftest import require_reference
 
-pytestmark = [pytest.mark.reference,
-              pytest.mark.skipif(not has_reference(), reason="transformers + torch not installed")]
+pytestmark = pytest.mark.reference
+
+
+@pytest.fixture(autouse=True)
+def _reference() -> None:
+    require_reference()
+
 
 COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=8,
               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.conftest import FIXTURES, has_reference
+from tests.conftest import FIXTURES, transformers_model
 
 TOK512 = FIXTURES / "llama2c" / "tok512.bin"
 PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "Once upon a time, there was a"]
@@ -107,18 +107,11 @@ def test_broken_folder_is_a_one_line_error(tmp_path, case) -> None:
 @pytest.fixture(scope="module")
 def hf_from_gguf(smollm2_path, tmp_path_factory):
     """SmolLM2's GGUF dequantized by transformers and saved as F32 (one file) and BF16 (sharded)."""
-    if not has_reference():
-        pytest.skip("transformers + torch not installed (pip install -e '.[reference]')")
+    model = transformers_model(smollm2_path)  # first: skips (fails under CI) without transformers
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    gguf_model = AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
-                                                      dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
-    cfg = gguf_model.config
-    del cfg.quantization_config  # a plain (dequantized) model, so that save_pretrained writes it
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    model.load_state_dict(gguf_model.state_dict())
     out = {}
     for dtype, shard in (("f32", "2GB"), ("bf16", "100MB")):
         path = tmp_path_factory.mktemp(f"smollm2-{dtype}")

@@ -1,5 +1,5 @@
-"""End to end on the real default model, SmolLM2-135M-Instruct (GGUF, Q4_1/Q8_0), and against
-Hugging Face transformers loading the same GGUF in f32."""
+"""End to end on the real default model, SmolLM2-135M-Instruct (GGUF, Q4_1/Q8_0). Its logits against Hugging Face
+transformers, beside the other registry models': tests/test_families.py."""
 
 from __future__ import annotations
 
@@ -11,17 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import has_reference
 from tracelm.pipeline.runner import Runner
-from tracelm.state.records import SamplingParams
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "smollm2.yaml")
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n",
-    "Once upon a time, in a small village by the sea, there lived 3 sisters who",
-]
-GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0)
 
 pytestmark = pytest.mark.model
 
@@ -85,38 +77,3 @@ def test_bench_reports_rates_and_ratios(smollm2_path) -> None:
     for key in ("load_seconds", "prefill_tok_s", "decode_tok_s", "peak_rss_mb", "bandwidth_gb_s", "sgemm_gflop_s",
                 "decode_vs_roofline", "prefill_vs_sgemm_bound"):
         assert report[key] > 0, key
-
-
-@pytest.fixture(scope="module")
-def hf_model(smollm2_path):
-    if not has_reference():
-        pytest.skip("transformers + torch not installed (pip install -e '.[reference]')")
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
-                                                 dtype=torch.float32)
-    return model.eval()
-
-
-@pytest.mark.reference
-@pytest.mark.parametrize("prompt", PROMPTS)
-def test_logits_and_greedy_tokens_agree_with_transformers(smollm2, hf_model, prompt: str) -> None:
-    import torch
-
-    ids = smollm2.tokenizer.encode(prompt)
-    ours = Runner(smollm2, 128).logits(ids)
-    with torch.no_grad():
-        ref = hf_model(torch.tensor([ids])).logits[0].numpy()
-    assert (ours.argmax(-1) == ref.argmax(-1)).all()
-    assert np.abs(ours - ref).max() <= 0.05
-
-    runner = Runner(smollm2, 128)
-    list(runner.generate(ids, 24, GREEDY))
-    with torch.no_grad():
-        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)
-    theirs = out[0, len(ids):].tolist()
-    ours_ids = runner.stats.tokens
-    if runner.stats.finish_reason == "stop":  # stopped on an end-of-generation token, which HF includes
-        theirs = theirs[: len(ours_ids)]
-    assert ours_ids == theirs

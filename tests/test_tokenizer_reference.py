@@ -20,7 +20,7 @@ from pathlib import Path
 import gguf
 import pytest
 
-from tests.conftest import FIXTURES, finish_gguf, has_reference
+from tests.conftest import FIXTURES, _pull, finish_gguf, require_reference
 from tests.test_tokenizer_corpus import corpus
 from tracelm.io import registry
 from tracelm.io.loader import load_tokenizer
@@ -133,8 +133,7 @@ def test_llama2c_tok512_reads(sp):
 
 def hf_reference(gguf_path: Path) -> Path:
     """The tokenizer.json of the tokenizer transformers builds from `gguf_path` (built once, then cached)."""
-    if not has_reference():
-        pytest.skip("transformers + torch not installed (the reference)")
+    require_reference()
     import transformers
 
     key = f"{gguf_path.stem}-{gguf_path.stat().st_size}-transformers-{transformers.__version__}"
@@ -187,15 +186,6 @@ def smollm_digits(ref) -> None:
     )
 
 
-def _model(name: str) -> Path:
-    from tracelm import TracelmError
-
-    try:
-        return registry.pull(name, progress=False)
-    except TracelmError as e:
-        pytest.skip(f"model {name} not available: {e}")
-
-
 @pytest.mark.model
 @pytest.mark.reference
 @pytest.mark.parametrize(
@@ -203,7 +193,7 @@ def _model(name: str) -> Path:
     [("smollm2-135m-instruct", smollm_digits), ("gemma3-270m", None), ("qwen2.5-coder-0.5b-instruct", None)],
 )
 def test_gguf_vocabulary_corpus_matches_transformers(name, fix):
-    path = _model(name)
+    path = _pull(name)
     ours = cached_tokenizer(path)
     ref = reference(path, fix)
     bad = disagreements(ours, ref.encode, LINES, ref_decode=ref.decode)
@@ -220,7 +210,7 @@ def test_gguf_vocabulary_corpus_matches_transformers(name, fix):
 def test_tokenizer_json_reader_matches_gguf(tmp_path):
     """tracelm's tokenizer.json reader on transformers' own save of the Qwen and Gemma vocabularies."""
     for name in ("qwen2.5-coder-0.5b-instruct", "gemma3-270m"):
-        path = _model(name)
+        path = _pull(name)
         src = hf_reference(path)
         folder = tmp_path / name
         folder.mkdir()
