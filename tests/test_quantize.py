@@ -281,10 +281,9 @@ def test_sentencepiece_folder_vocabulary_is_carried(tmp_path) -> None:
 def test_transformers_reads_the_quantized_file_as_tracelm_does(folder, tmp_path) -> None:
     """Another reader of GGUF: transformers (its GGUF loader follows llama.cpp's conventions, q/k rows included)
     loads the q4_k file and its tokenizer, and computes tracelm's logits on it."""
-    from tests.conftest import has_reference
+    from tests.conftest import require_reference
 
-    if not has_reference():
-        pytest.skip("transformers + torch not installed (pip install -e '.[reference]')")
+    require_reference()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.conftest import transformers_model
 from tests.test_server_helpers import ServerProcess, assert_openai_error
-from tests.test_smollm2 import hf_model  # noqa: F401 -- the transformers reference, a fixture
 
 openai = pytest.importorskip("openai", reason="the openai client is in the test extra")
 ollama = pytest.importorskip("ollama", reason="the ollama client is in the test extra")
@@ -280,13 +280,14 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
 
 @pytest.mark.model
 @pytest.mark.reference
-def test_embeddings_agree_with_transformers(smollm2_server, smollm2, hf_model):  # noqa: F811
+def test_embeddings_agree_with_transformers(smollm2_server, smollm2, smollm2_path):
     """Mean pooling through the server and the openai client, last-token pooling through Session.embed: each
     within 1e-3 of transformers' final hidden state (after the final norm) of the same model, in cosine."""
     import torch
 
     from tracelm import Session
 
+    hf_model = transformers_model(smollm2_path)
     client = openai.OpenAI(base_url=smollm2_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
     served = client.embeddings.create(model="smollm2-135m-instruct", input=TEXTS).data
     session = Session(smollm2)
