@@ -125,6 +125,8 @@ BAD_REQUESTS = [
     (C(messages=[]), 400, "messages", None),
     (C(messages=[{"role": "tool", "content": "x"}]), 400, "messages[0].tool_call_id", None),
     (C(messages=[{"role": "function", "content": "x"}]), 400, "messages[0].role", None),
+    (C(messages=[{"role": [], "content": ""}]), 400, "messages[0].role", None),  # unhashable: found by the fuzz
+    (C(messages=[{"role": {"a": 1}, "content": "x"}]), 400, "messages[0].role", None),
     (C(messages=[{"role": "user", "content": 5}]), 400, "messages[0].content", None),
     (C(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400,
      "messages[0].content", None),

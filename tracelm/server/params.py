@@ -281,7 +281,7 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     if not isinstance(m, dict):
         raise bad(f"messages[{i}] must be an object, got {kind_of(m)}", f"messages[{i}]")
     role = m.get("role")
-    if role not in _ROLES:
+    if not isinstance(role, str) or role not in _ROLES:
         raise bad(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}", f"messages[{i}].role")
     allowed = {"role", "content", "name"} | {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}.get(role, set())
     if m.get("annotations") == []:  # as the openai client echoes an assistant message back
