@@ -55,7 +55,9 @@ def requantize_gguf(src: str | os.PathLike, dst: str | os.PathLike, old: QType, 
     if not any(t.tensor_type == old for t in reader.tensors):
         raise TracelmError(f"{src}: has no {old.name} tensor to requantize")
     arch = str(reader.get_field(gguf.Keys.General.ARCHITECTURE).contents())
-    writer = gguf.GGUFWriter(str(dst), arch=arch, endianess=reader.endianess)
+    if reader.endianess != gguf.GGUFEndian.LITTLE:  # (write_tensor_data's byte order differs across gguf versions)
+        raise TracelmError(f"{src}: a big-endian GGUF; requantize writes little-endian files from little-endian ones")
+    writer = gguf.GGUFWriter(str(dst), arch=arch)
     _copy_metadata(reader, writer, new)
     block, type_size = gguf.GGML_QUANT_SIZES[new]
     for t in reader.tensors:
@@ -71,9 +73,9 @@ def requantize_gguf(src: str | os.PathLike, dst: str | os.PathLike, old: QType, 
     done = 0
     for t in reader.tensors:
         if t.tensor_type == old:
-            writer.write_tensor_data(_requantized(t.data, old, new), tensor_endianess=reader.endianess)
+            writer.write_tensor_data(_requantized(t.data, old, new))
             done += 1
         else:
-            writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+            writer.write_tensor_data(t.data)
     writer.close()
     return done
