@@ -261,6 +261,15 @@ class Server:
                       f"completion). Reduce the prompt or max_tokens.", "max_tokens", "context_length_exceeded")
         return req.max_tokens
 
+    def submit(self, item: Any) -> None:
+        """Queue a Job (or an embeddings Task) on the engine; a full queue is a 429 with its Retry-After."""
+        try:
+            self.engine.submit(item)
+        except QueueFull as e:
+            raise ApiError(429, "The server is busy: its request queue is full; retry after a while",
+                           kind="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(e.retry_after)}) from None
+
     async def _generate(self, request: Request, kind: str) -> Response:
         return await self.answer(request, parse_request(parse_json(await self._body(request)), kind), Shape)
 
@@ -292,12 +301,7 @@ class Server:
                   cpu_limit=self.cfg.server.request_cpu_seconds,
                   watch=None if tools is None else functools.partial(ExcessCalls, {f.name for f in tools.functions},
                                                                      tools.parallel))
-        try:
-            self.engine.submit(job)
-        except QueueFull as e:
-            raise ApiError(429, "The server is busy: its request queue is full; retry after a while",
-                           kind="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(e.retry_after)}) from None
+        self.submit(job)
         watcher = asyncio.create_task(_watch_disconnect(request, job))
         streaming = False
         try:

@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from tracelm.server.errors import ApiError, bad, kind_of
 from tracelm.server.params import parse_json
-from tracelm.server.queue import QueueFull, Task
+from tracelm.server.queue import Task
 from tracelm.session import embedding
 from tracelm.state.errors import TracelmError
 
@@ -163,12 +163,7 @@ class TokenRoutes:
         pooling = server.cfg.server.pooling
         task = Task(inputs, lambda runner, ids: embedding(runner, ids, pooling),
                     deadline=time.monotonic() + server.cfg.server.request_timeout)
-        try:
-            server.engine.submit(task)
-        except QueueFull as e:
-            raise ApiError(429, "The server is busy: its request queue is full; retry after a while",
-                           kind="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(e.retry_after)}) from None
+        server.submit(task)
         try:
             return await asyncio.wrap_future(task.future), inputs
         except TracelmError as e:
