@@ -216,13 +216,14 @@ def test_a_256_token_run_holds_the_file_kv_and_150_mb(name: str) -> None:
     assert r["peak"] <= bound
 
 
-def _staged_and_fused(model, n_ctx: int = 96, kv_dtype: str = "f16") -> None:
+def _staged_and_fused(model, n_ctx: int = 96, kv_dtype: str = "f16", n_prompt: int = 40) -> None:
     """Prompt, decode steps and a pass of two sequences, untraced (graph.fused_layers) and through a hook (the
     stages one by one): the same logits, bit for bit, and the same keys/values in the Cache (of `kv_dtype`)."""
     from tracelm.pipeline import graph
 
     hook = lambda stage, layer, fn, *args: fn(*args)  # noqa: E731 -- any hook makes the pass go stage by stage
-    ids = model.tokenizer.encode("hello, hello world, and a longer prompt than a window")[:40]
+    ids = (model.tokenizer.encode("hello, hello world, and a longer prompt than a window") * 20)[:n_prompt]
+    n_ctx = max(n_ctx, n_prompt + 8)
     runs = []
     for call in (graph.plain_call, hook):
         a, b = (graph.new_cache(model.cfg, n_ctx, kv_dtype=kv_dtype) for _ in "ab")
@@ -244,6 +245,15 @@ def test_untraced_layers_are_the_staged_ones_bit_for_bit(tmp_path: Path, window:
     path = write_tiny_gguf(tmp_path / "tiny.gguf", qtype=Q.Q4_1, window=window, seed=3)
     with Session(str(path), settings=[f"activations={activations}"]) as s:
         _staged_and_fused(s.model)
+
+
+def test_a_long_prompts_ffn_in_row_chunks_is_the_staged_one_bit_for_bit(tmp_path: Path) -> None:
+    """A prompt longer than graph.FFN_ROWS: the fused pass runs its FFN in chunks of rows, the same bits."""
+    from tracelm.pipeline import graph
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", qtype=Q.Q4_1, seed=3)
+    with Session(str(path)) as s:
+        _staged_and_fused(s.model, n_prompt=2 * graph.FFN_ROWS + 11)
 
 
 @pytest.mark.model
