@@ -1310,6 +1310,41 @@ INL void store_group(const mm_job *j, int64_t group, int64_t m0, int64_t mt, con
     }
 }
 
+/* a tile's accumulators of a group (x row i: acc[2i] + acc[2i + 1], hi + lo; one half: acc[i]) -> its outputs */
+INL void store_acc(const mm_job *j, int64_t group, int64_t m0, int64_t mt, const __m256 *acc) {
+    __m256 out[MTILE];
+    for (int64_t i = 0; i < mt; i++) out[i] = j->halves == 2 ? _mm256_add_ps(acc[2 * i], acc[2 * i + 1]) : acc[i];
+    store_group(j, group, m0, mt, out);
+}
+
+#if VNNI == 2
+/* a 16-row tile's accumulators (x row i: acc[2i] + acc[2i + 1], or acc[i]) -> the outputs of its ng (1 or 2) groups
+ * from `group` on: group + h in the 8 lanes of half h */
+INL void store_acc16(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t mt, const __m512 *acc) {
+    for (int h = 0; h < ng; h++) {
+        __m256 out[MTILE];
+        for (int64_t i = 0; i < mt; i++) {
+            const __m512i a = _mm512_castps_si512(j->halves == 2 ? _mm512_add_ps(acc[2 * i], acc[2 * i + 1]) : acc[i]);
+            out[i] = _mm256_castsi256_ps(h ? _mm512_extracti64x4_epi64(a, 1) : _mm512_castsi512_si256(a));
+        }
+        store_group(j, group + h, m0, mt, out);
+    }
+}
+#endif
+
+/* the x half-rows of a tile's pass: nx (2 or 4) from half-row i of mq, each at byte `at` of its row (a last odd
+ * half-row twice) */
+INL void pass_rows(const char *xq, int64_t xrb, int64_t at, int64_t i, int64_t mq, int nx, const char *x[4]) {
+    x[0] = xq + i * xrb + at;
+    x[1] = xq + (i + 1 < mq ? i + 1 : i) * xrb + at;
+    x[2] = nx > 2 ? xq + (i + 2) * xrb + at : x[0];
+    x[3] = nx > 2 ? xq + (i + 3) * xrb + at : x[1];
+}
+#define PASS_ROWS(T, b0)                                                                                          \
+    const char *xr_[4];                                                                                          \
+    pass_rows(xq, xrb, (b0) * (int64_t)sizeof(T), i, mq, (int)nx, xr_);                                          \
+    const T *x0 = (const T *)xr_[0], *x1 = (const T *)xr_[1], *x2 = (const T *)xr_[2], *x3 = (const T *)xr_[3];
+
 /* few x rows: the halves in one pass over the weights, per x row */
 INL void direct_group(const mm_job *j, int64_t group, int64_t m0, int64_t m1) {
     const int t = j->qtype;
@@ -1372,10 +1407,7 @@ INL void tile32(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1) 
         }
         for (int64_t i = 0, nx; i < mq; i += nx) {
             nx = ng == 1 && mq - i >= 4 ? 4 : 2;
-            const xblock32 *x0 = (const xblock32 *)(xq + i * xrb) + b0;
-            const xblock32 *x1 = (const xblock32 *)(xq + (i + 1 < mq ? i + 1 : i) * xrb) + b0;
-            const xblock32 *x2 = nx > 2 ? (const xblock32 *)(xq + (i + 2) * xrb) + b0 : x0;
-            const xblock32 *x3 = nx > 2 ? (const xblock32 *)(xq + (i + 3) * xrb) + b0 : x1;
+            PASS_ROWS(xblock32, b0)
             __m256 *a2 = ng == 2 ? &acc[1][i] : &acc[0][i + 2], *a3 = ng == 2 ? &acc[1][i + 1] : &acc[0][i + 3];
 #define CH(T, NG, NX) dot32_chunk(T, &u[0], &u[1], nkb, NG, NX, x0, x1, x2, x3, &acc[0][i], &acc[0][i + 1], a2, a3)
 #define CASE(T) if (ng == 2) CH(T, 2, 2); else if (nx == 4) CH(T, 1, 4); else CH(T, 1, 2); break;
@@ -1390,11 +1422,7 @@ INL void tile32(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1) 
 #undef CH
         }
     }
-    for (int g = 0; g < ng; g++) {
-        __m256 out[MTILE];
-        for (int64_t i = 0; i < mt; i++) out[i] = hv == 2 ? _mm256_add_ps(acc[g][2 * i], acc[g][2 * i + 1]) : acc[g][i];
-        store_group(j, group + g, m0, mt, out);
-    }
+    for (int g = 0; g < ng; g++) store_acc(j, group + g, m0, mt, acc[g]);
 }
 
 #if VNNI == 2
@@ -1419,10 +1447,7 @@ INL void tile32x2(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1
         }
         for (int64_t i = 0, nx; i < mq; i += nx) {
             nx = mq - i >= 4 ? 4 : 2;
-            const xblock32 *x0 = (const xblock32 *)(xq + i * xrb) + b0;
-            const xblock32 *x1 = (const xblock32 *)(xq + (i + 1 < mq ? i + 1 : i) * xrb) + b0;
-            const xblock32 *x2 = nx > 2 ? (const xblock32 *)(xq + (i + 2) * xrb) + b0 : x0;
-            const xblock32 *x3 = nx > 2 ? (const xblock32 *)(xq + (i + 3) * xrb) + b0 : x1;
+            PASS_ROWS(xblock32, b0)
 #define CH(T, NX) dot32_chunk16(T, &u, nkb, NX, x0, x1, x2, x3, &acc[i], &acc[i + 1], &acc[i + 2], &acc[i + 3])
 #define CASE(T) if (nx == 4) CH(T, 4); else CH(T, 2); break;
             switch (t) {   /* constant t per call: the compiler specialises each */
@@ -1436,15 +1461,7 @@ INL void tile32x2(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1
 #undef CH
         }
     }
-    for (int h = 0; h < ng; h++) {
-        __m256 out[MTILE];
-        for (int64_t i = 0; i < mt; i++) {
-            const __m512 a = hv == 2 ? _mm512_add_ps(acc[2 * i], acc[2 * i + 1]) : acc[i];
-            out[i] = _mm256_castsi256_ps(h ? _mm512_extracti64x4_epi64(_mm512_castps_si512(a), 1)
-                                           : _mm512_castsi512_si256(_mm512_castps_si512(a)));
-        }
-        store_group(j, group + h, m0, mt, out);
-    }
+    store_acc16(j, group, ng, m0, mt, acc);
 }
 #endif
 
@@ -1471,10 +1488,7 @@ INL void tilek(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1) {
         }
         for (int64_t i = 0, nx; i < mq; i += nx) {
             nx = ng == 1 && mq - i >= 4 ? 4 : 2;
-            const xblock256 *x0 = (const xblock256 *)(xq + i * xrb) + b0;
-            const xblock256 *x1 = (const xblock256 *)(xq + (i + 1 < mq ? i + 1 : i) * xrb) + b0;
-            const xblock256 *x2 = nx > 2 ? (const xblock256 *)(xq + (i + 2) * xrb) + b0 : x0;
-            const xblock256 *x3 = nx > 2 ? (const xblock256 *)(xq + (i + 3) * xrb) + b0 : x1;
+            PASS_ROWS(xblock256, b0)
             if (t == T_Q6_K) {
                 k6_offsets(x0, nks, &off[0]);
                 k6_offsets(x1, nks, &off[1]);
@@ -1496,11 +1510,7 @@ INL void tilek(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1) {
             }
         }
     }
-    for (int g = 0; g < ng; g++) {
-        __m256 out[MTILE];
-        for (int64_t i = 0; i < mt; i++) out[i] = hv == 2 ? _mm256_add_ps(acc[g][2 * i], acc[g][2 * i + 1]) : acc[g][i];
-        store_group(j, group + g, m0, mt, out);
-    }
+    for (int g = 0; g < ng; g++) store_acc(j, group + g, m0, mt, acc[g]);
 }
 
 #if VNNI == 2
@@ -1532,10 +1542,7 @@ INL void tilek16(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1)
         }
         for (int64_t i = 0, nx; i < mq; i += nx) {
             nx = mq - i >= 4 ? 4 : 2;
-            const xblock256 *x0 = (const xblock256 *)(xq + i * xrb) + b0;
-            const xblock256 *x1 = (const xblock256 *)(xq + (i + 1 < mq ? i + 1 : i) * xrb) + b0;
-            const xblock256 *x2 = nx > 2 ? (const xblock256 *)(xq + (i + 2) * xrb) + b0 : x0;
-            const xblock256 *x3 = nx > 2 ? (const xblock256 *)(xq + (i + 3) * xrb) + b0 : x1;
+            PASS_ROWS(xblock256, b0)
             if (t == T_Q6_K) {
                 k6_offsets(x0, nks, &off[0]);
                 k6_offsets(x1, nks, &off[1]);
@@ -1555,15 +1562,7 @@ INL void tilek16(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1)
             }
         }
     }
-    for (int g = 0; g < ng; g++) {
-        __m256 out[MTILE];
-        for (int64_t i = 0; i < mt; i++) {
-            const __m512 a = hv == 2 ? _mm512_add_ps(acc[g / 2][2 * i], acc[g / 2][2 * i + 1]) : acc[g / 2][i];
-            out[i] = _mm256_castsi256_ps(g % 2 ? _mm512_extracti64x4_epi64(_mm512_castps_si512(a), 1)
-                                               : _mm512_castsi512_si256(_mm512_castps_si512(a)));
-        }
-        store_group(j, group + g, m0, mt, out);
-    }
+    for (int p = 0; p < np; p++) store_acc16(j, group + 2 * p, ng - 2 * p < 2 ? 1 : 2, m0, mt, acc[p]);
 }
 #endif
 
