@@ -409,6 +409,23 @@ def test_two_group_tiles_packed_or_not(qt):
                                 f"N={N} halves={halves} {path} threads={threads} packed={packed} rows {lo}..{hi}"))
 
 
+@pytest.mark.parametrize("qt", QUANT32 + KQUANT, ids=lambda q: q.name)
+def test_portable_packed_rows_are_unpacked_a_chunk_at_a_time(qt):
+    """The portable path reads a packed group back a chunk of 16 blocks at a time into a buffer on its stack (no
+    allocation in a kernel), 16 x rows at a time: rows past one chunk (17 blocks) and past 16 x rows (20) give
+    the bits of the file's rows."""
+    bs = gguf.GGML_QUANT_SIZES[qt][0]
+    K, N = 17 * bs, 16
+    x = np.random.default_rng(8).standard_normal((20, K)).astype(np.float32)
+    w = weights(qt, N, K, seed=4)
+    kernels.use_path("portable")
+    for halves in (1, 2):
+        for lo, hi in ((0, 20), (3, 4), (1, 18)):
+            want = kernels.matmul(x[lo:hi], w, qt, halves=halves)
+            got = kernels.matmul(x[lo:hi], kernels.pack(w, qt), qt, halves=halves, packed=True)
+            np.testing.assert_array_equal(bits(got), bits(want), err_msg=f"halves={halves} rows {lo}..{hi}")
+
+
 @pytest.mark.parametrize("qt", ALL, ids=lambda q: q.name)
 def test_out_with_a_row_stride(qt):
     """out may be a column slice of a wider array (the engine writes fused parts of different types side by side):

@@ -77,10 +77,9 @@ static void quantize_row(int qtype, const float *x, int64_t K, void *xq, int hal
 static inline int q4(const uint8_t *qs, int e) { return e < 16 ? qs[e] & 15 : qs[e - 16] >> 4; }
 static inline int q5(const uint8_t *qs, uint32_t qh, int e) { return q4(qs, e) | (int)(((qh >> e) & 1) << 4); }
 
-/* one weight row (nb blocks) . one quantized x row. Element j of a block is in the low nibble of qs[j], element
+/* one weight row (nb blocks) . one quantized x row, added block by block to acc (0, or the sum of the blocks before). Element j of a block is in the low nibble of qs[j], element
  * j + 16 in the high one; the loops pair them so they stay simple for the compiler. */
-static float dot_q32(int t, const uint8_t *w, const xblock32 *x, int64_t nb) {
-    float acc = 0.0f;
+static float dot_q32(int t, const uint8_t *w, const xblock32 *x, int64_t nb, float acc) {
     const int tb = type_bytes(t);
     for (int64_t b = 0; b < nb; b++, x++) {
         const uint8_t *blk = w + tb * b;
@@ -140,8 +139,7 @@ static inline int q6k(const uint8_t *ql, const uint8_t *qh, int e) {
  * and 64c + 32 + l (high, 2c + 1), bit 2c / 2c + 1 of qh[l] their fifth bit; Q6_K, per half h of 128, ql[64h + l]
  * and ql[64h + 32 + l] hold the low 4 bits of elements l, l + 32 (low nibbles), l + 64, l + 96 (high), qh[32h + l]
  * their top 2 bits (bits 0-1, 2-3, 4-5, 6-7). */
-static float dot_qk(int t, const uint8_t *w, const xblock256 *x, int64_t nb) {
-    float acc = 0.0f;
+static float dot_qk(int t, const uint8_t *w, const xblock256 *x, int64_t nb, float acc) {
     const int tb = type_bytes(t);
     for (int64_t b = 0; b < nb; b++, x++) {
         const uint8_t *blk = w + tb * b;
@@ -207,40 +205,75 @@ static float dot_f(int t, const uint8_t *w, const float *x, int64_t K) {
     return reduce32(acc);
 }
 
+#define MAX_TB 210   /* the largest block: Q6_K's */
+
+/* x row m's quantized half (0: hi, 1: lo) */
+static const char *xhalf(const mm_job *j, int64_t m, int half) {
+    return (const char *)j->xq + (j->halves * m + half) * j->xq_row_bytes;
+}
+
+/* Blocks b0..b0+nb of weight row w (its block 0 at w) . x row m's half, added to acc */
+static float dot_blocks(const mm_job *j, const uint8_t *w, int64_t m, int half, int64_t b0, int64_t nb, float acc) {
+    int t = j->qtype;
+    return type_block(t) == 32 ? dot_q32(t, w, (const xblock32 *)xhalf(j, m, half) + b0, nb, acc)
+                               : dot_qk(t, w, (const xblock256 *)xhalf(j, m, half) + b0, nb, acc);
+}
+
 /* out = acc_hi + acc_lo: the two halves' sums, each from 0 (kernels.h) */
-static void mm_group(const mm_job *j, int64_t group, int64_t m0, int64_t m1) {
+static void mm_group_rows(const mm_job *j, int64_t group, int64_t m0, int64_t m1) {
     int t = j->qtype;
     int64_t n0 = group * GROUP, n1 = (group + 1) * GROUP < j->N ? (group + 1) * GROUP : j->N;
-    const uint8_t *base = j->w + n0 * j->row_bytes;   /* the group's rows, as the file has them */
-    uint8_t *own = NULL;
-    if (j->packed) {   /* back to the file's layout first: the same bytes, so the same numbers */
-        own = malloc((size_t)(GROUP * j->row_bytes));
-        if (!own) abort();
-        uint8_t *rows[GROUP];
-        for (int r = 0; r < GROUP; r++) rows[r] = own + r * j->row_bytes;
-        unpack_group(t, base, j->K / type_block(t), rows);
-        base = own;
-    }
     for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *w = base + (n - n0) * j->row_bytes;
+        const uint8_t *w = j->w + n * j->row_bytes;
         for (int64_t m = m0; m < m1; m++) {
             float r;
             if (is_float_type(t)) {
                 r = dot_f(t, w, j->x + m * j->K, j->K);
-            } else {   /* x row m: quantized rows 2m (hi) and 2m + 1 (lo), or row m (hi) alone */
-                const char *xh = (const char *)j->xq + j->halves * m * j->xq_row_bytes, *xl = xh + j->xq_row_bytes;
-                int b32 = type_block(t) == 32;
-                r = b32 ? dot_q32(t, w, (const xblock32 *)xh, j->K / 32) : dot_qk(t, w, (const xblock256 *)xh, j->K / 256);
+            } else {
+                int64_t nb = j->K / type_block(t);
+                r = dot_blocks(j, w, m, 0, 0, nb, 0.0f);
                 if (j->halves == 2) {
-                    float acc_lo = b32 ? dot_q32(t, w, (const xblock32 *)xl, j->K / 32)
-                                       : dot_qk(t, w, (const xblock256 *)xl, j->K / 256);
+                    float acc_lo = dot_blocks(j, w, m, 1, 0, nb, 0.0f);
                     r = r + acc_lo;
                 }
             }
             j->out[m * j->ldo + n] = r;
         }
     }
-    free(own);
+}
+
+/* A packed group (quantized types only: `packable`): back to the file's layout CHUNK blocks at a time, into a
+ * buffer on the stack (no allocation in a kernel), each (row, x row, half) sum carried from chunk to chunk --
+ * the blocks in the same order, so the same numbers as mm_group_rows. */
+#define CHUNK 16
+#define SUB 16
+static void mm_group_packed(const mm_job *j, int64_t group, int64_t m0, int64_t m1) {
+    int t = j->qtype;
+    const int64_t tb = type_bytes(t), nb = j->K / type_block(t);
+    const uint8_t *base = j->w + group * GROUP * j->row_bytes;
+    uint8_t buf[GROUP * CHUNK * MAX_TB], *rows[GROUP];
+    float acc[2][SUB][GROUP];
+    for (int r = 0; r < GROUP; r++) rows[r] = buf + r * CHUNK * tb;
+    for (int64_t s0 = m0; s0 < m1; s0 += SUB) {   /* x rows SUB at a time: their sums fit on the stack */
+        int64_t s1 = s0 + SUB < m1 ? s0 + SUB : m1;
+        memset(acc, 0, sizeof acc);
+        for (int64_t b0 = 0; b0 < nb; b0 += CHUNK) {
+            int64_t c = nb - b0 < CHUNK ? nb - b0 : CHUNK;
+            unpack_group(t, base + b0 * GROUP * tb, c, rows);
+            for (int r = 0; r < GROUP && group * GROUP + r < j->N; r++)
+                for (int64_t m = s0; m < s1; m++)
+                    for (int h = 0; h < j->halves; h++)
+                        acc[h][m - s0][r] = dot_blocks(j, rows[r], m, h, b0, c, acc[h][m - s0][r]);
+        }
+        for (int r = 0; r < GROUP && group * GROUP + r < j->N; r++)
+            for (int64_t m = s0; m < s1; m++)
+                j->out[m * j->ldo + group * GROUP + r] = j->halves == 2 ? acc[0][m - s0][r] + acc[1][m - s0][r]
+                                                                         : acc[0][m - s0][r];
+    }
+}
+
+static void mm_group(const mm_job *j, int64_t group, int64_t m0, int64_t m1) {
+    (j->packed ? mm_group_packed : mm_group_rows)(j, group, m0, m1);
 }
 
 static void mm_task(const mm_job *j, int64_t g0, int64_t m0, int64_t m1) {   /* groups g0.. (gstep of them) */
@@ -377,7 +410,6 @@ static void q6_triples(uint8_t *blk, const int *pos, void (*f)(uint8_t *, uint8_
 
 /* packed_pos of every byte of a block of the 8 rows (a table: the loops below run over millions of blocks); qh_at:
  * where a row's qh starts in the file's block (Q5_0, Q5_1; -1: the type has none) */
-#define MAX_TB 210
 static int qh_at(int t) { return t == T_Q5_0 ? 2 : t == T_Q5_1 ? 4 : -1; }
 static void packed_table(int t, int pos[8][MAX_TB]) {
     for (int r = 0; r < 8; r++)
