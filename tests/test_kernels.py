@@ -467,7 +467,7 @@ def test_env_var_forces_portable_path():
 
 def test_threads_and_paths_api():
     assert kernels.SUPPORTED == {0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30}
-    assert kernels.path() in ("avx512vnni", "avxvnni", "avx2", "portable") and "portable" in PATHS
+    assert kernels.path() in ("amx", "avx512vnni", "avxvnni", "avx2", "portable") and "portable" in PATHS
     # the best path that passed its self-test, unless TRACELM_KERNELS picked one (CI's portable-path run)
     assert kernels.path() == os.environ.get("TRACELM_KERNELS", PATHS[0])
     kernels.set_threads(2)

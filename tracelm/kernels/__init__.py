@@ -29,7 +29,7 @@ least one head; out of memory inside a call is a MemoryError.
 
 Threads: at import, all CPUs this process may run on (os.sched_getaffinity); set_threads(n) changes it.
 
-Environment: TRACELM_KERNELS=NAME (portable, avx2, avxvnni, avx512vnni) picks that path at import where it may run;
+Environment: TRACELM_KERNELS=NAME (portable, avx2, avxvnni, avx512vnni, amx) picks that path at import where it may run;
 TRACELM_SPIN_US (default 200) is how long idle workers spin before they sleep; TRACELM_SELFTEST_FAULT=NAME makes
 that path's self-test fail (for tests of the refusal).
 """
@@ -55,7 +55,7 @@ PACKABLE = frozenset((Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K))  # types 
 
 set_threads = _core.set_threads  # set_threads(n): n threads in all, the calling thread included
 threads = _core.threads
-path = _core.path  # "avx512vnni" | "avxvnni" | "avx2" | "portable"
+path = _core.path  # "amx" | "avx512vnni" | "avxvnni" | "avx2" | "portable"
 
 # the trace's kernels (trace_stats.c): stage events held as they come (each output's statistics then, its bytes for the
 # digests), the statistics and digests of a batch of them, the batch's JSON lines and hash chain

@@ -27,10 +27,17 @@
 #ifndef VNNI
 #define VNNI 0
 #endif
+#ifndef AMX
+#define AMX 0
+#endif
 #if VNNI == 1
 #define TARGET "avx2,f16c,avxvnni"
 #define PATH_SYM avxvnni_path
 #define PATH_NAME "avxvnni"
+#elif VNNI == 2 && AMX
+#define TARGET "avx2,f16c,avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8"
+#define PATH_SYM amx_path
+#define PATH_NAME "amx"
 #elif VNNI == 2
 #define TARGET "avx2,f16c,avx512f,avx512bw,avx512vl,avx512vnni"
 #define PATH_SYM avx512vnni_path
@@ -486,6 +493,62 @@ INL void dot32_chunk16(int t, const ubuf32x2 *u, int nkb, int nx, const xblock32
     *a0 = f0; *a1 = f1;
     if (four) { *a2 = f2; *a3 = f3; }
 }
+
+#if AMX
+/* The tile registers as amx_chunk16 uses them, two sets for blocks in turn (even: tmm0, 2, 4; odd: 1, 3, 5): C
+ * [16 half-rows][16 weight rows] int32; A, the 16 half-rows' 32 int8 q of one block; B, the pair's unpacked block as
+ * dot32_chunk16 reads it (8 quads x 16 rows, 4 unsigned bytes each: u->v[kb] as it lies). Loaded once per thread
+ * (the config is the thread's state). */
+static __thread int amx_configured;
+INL void amx_configure(void) {
+    if (amx_configured) return;
+    struct { uint8_t palette, start_row, zero[14]; uint16_t colsb[16]; uint8_t rows[16]; } cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int s = 0; s < 2; s++) {
+        cfg.colsb[s] = 64; cfg.rows[s] = 16;           /* C */
+        cfg.colsb[2 + s] = 32; cfg.rows[2 + s] = 16;   /* A */
+        cfg.colsb[4 + s] = 64; cfg.rows[4 + s] = 8;    /* B */
+    }
+    _tile_loadconfig(&cfg);
+    amx_configured = 1;
+}
+
+/* amx: 16 quantized half-rows (x: the first one's blocks from the chunk's first, the others xrb bytes apart)
+ * against the pair's chunk, accumulator i = half-row i. Per block the integers of dot32_chunk16 -- sum over the
+ * block's 32 values of x.q (signed) times u (unsigned), one tdpbsud for all 16 x 16 -- then its float steps, the
+ * same operations in the same order, so the same bits. The next block's tdpbsud runs while this one's floats are
+ * made. */
+#define AMX_BLOCK(C, A, B, kb) \
+    { _tile_zero(C); _tile_loadd(A, x[kb].q, xrb); _tile_loadd(B, u->v[kb], 64); _tile_dpbsud(C, A, B); }
+INL void amx_chunk16(int t, const ubuf32x2 *u, int nkb, const xblock32 *x, int64_t xrb, __m512 *acc) {
+    const int off = t == T_Q4_0 ? 8 : t == T_Q5_0 ? 16 : t == T_Q8_0 ? 128 : 0;
+    int32_t c[16][16] __attribute__((aligned(64)));
+    __asm__ volatile("" ::: "memory");   /* the tile loads read u and x: what was stored there is stored */
+    AMX_BLOCK(0, 2, 4, 0)
+    for (int kb = 0; kb < nkb; kb++) {
+        if (kb % 2 == 0) {
+            if (kb + 1 < nkb) AMX_BLOCK(1, 3, 5, kb + 1)
+            _tile_stored(0, c, 64);
+        } else {
+            if (kb + 1 < nkb) AMX_BLOCK(0, 2, 4, kb + 1)
+            _tile_stored(1, c, 64);
+        }
+        const __m512 d = _mm512_loadu_ps(u->d[kb]);
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++) {
+            const xblock32 *X = (const xblock32 *)((const char *)x + i * xrb) + kb;
+            const __m512 dx = _mm512_set1_ps(X->d);
+            __m512i s = _mm512_load_si512(c[i]);
+            if (off) s = _mm512_sub_epi32(s, _mm512_set1_epi32(off * X->sum));
+            if (t == T_Q4_1 || t == T_Q5_1)
+                COMBINE_DM(v16, acc[i], d, _mm512_loadu_ps(u->m[kb]), dx, s, _mm512_set1_epi32(X->sum));
+            else COMBINE_D(v16, acc[i], d, dx, s);
+        }
+    }
+}
+#undef AMX_BLOCK
+#endif
 #endif
 
 /* few x rows, 4/5-bit weights: each block of the 8 rows unpacked on the fly, met by the x row's hi (and, if
@@ -1446,6 +1509,23 @@ INL void tile32x2(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1
             else unpack32_to(t, 0, rows[h], rows[h][0], b0, nkb, &u.v[0][0][h], NULL, u.d[0][h], u.m[0][h], 2, 1);
         }
         for (int64_t i = 0, nx; i < mq; i += nx) {
+#if AMX
+            if (mq - i >= 16) {   /* 16 half-rows: one tile */
+                nx = 16;
+                amx_configure();
+                const xblock32 *xa = (const xblock32 *)(xq + i * xrb) + b0;
+#define CASE(T) amx_chunk16(T, &u, nkb, xa, xrb, &acc[i]); break;
+                switch (t) {
+                case T_Q4_0: CASE(T_Q4_0)
+                case T_Q4_1: CASE(T_Q4_1)
+                case T_Q5_0: CASE(T_Q5_0)
+                case T_Q5_1: CASE(T_Q5_1)
+                default: CASE(T_Q8_0)
+                }
+#undef CASE
+                continue;
+            }
+#endif
             nx = mq - i >= 4 ? 4 : 2;
             PASS_ROWS(xblock32, b0)
 #define CH(T, NX) dot32_chunk16(T, &u, nkb, NX, x0, x1, x2, x3, &acc[i], &acc[i + 1], &acc[i + 2], &acc[i + 3])

@@ -14,6 +14,11 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <time.h>
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 /* ======================================================================================================
  * thread pool
@@ -234,9 +239,24 @@ const kernel_path *current_path(void) { return path; }
 
 /* The paths, best first. A path runs only where it was compiled (mm_task set), the CPU has its instructions, and
  * it passed its self-test (selftest.c) against the portable path; the test runs once, at its first use. */
-enum { N_PATHS = 4 };
-static const kernel_path *const all_paths[N_PATHS] = {&avx512vnni_path, &avxvnni_path, &avx2_path, &portable_path};
+enum { N_PATHS = 5 };
+static const kernel_path *const all_paths[N_PATHS] = {&amx_path, &avx512vnni_path, &avxvnni_path, &avx2_path,
+                                                      &portable_path};
 static struct { int tested, passed, cases; double ms; char msg[200]; } checks[N_PATHS];
+
+#if defined(__x86_64__)
+/* AMX: the CPU has AMX-TILE and AMX-INT8 (CPUID leaf 7: EDX bits 24, 25), and Linux lets this process use the tile
+ * registers (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: asked once, for the whole process) */
+static int amx_usable(void) {
+    static int usable = -1;
+    if (usable < 0) {
+        unsigned a, b, c, d;
+        usable = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 25 & 1) &&
+                 syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+    }
+    return usable;
+}
+#endif
 
 static int cpu_has(int i) {
     if (all_paths[i] == &portable_path) return 1;
@@ -246,8 +266,12 @@ static int cpu_has(int i) {
     const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
     if (all_paths[i] == &avx2_path) return avx2;
     if (all_paths[i] == &avxvnni_path) return avx2 && __builtin_cpu_supports("avxvnni");
-    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    const int avx512vnni = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#if defined(__x86_64__)
+    if (all_paths[i] == &amx_path) return avx512vnni && amx_usable();
+#endif
+    return avx512vnni;
 #else
     return 0;
 #endif
@@ -864,7 +888,7 @@ static PyMethodDef methods[] = {
      "scratch_bytes(M, K, qtype, halves=2): bytes of quantized x"},
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n): n threads in all (the caller included)"},
     {"threads", py_threads, METH_NOARGS, "threads(): threads in all"},
-    {"path", py_path, METH_NOARGS, "path(): the path in use ('avx512vnni', 'avxvnni', 'avx2' or 'portable')"},
+    {"path", py_path, METH_NOARGS, "path(): the path in use ('amx', 'avx512vnni', 'avxvnni', 'avx2' or 'portable')"},
     {"use_path", py_use_path, METH_VARARGS, "use_path(name): switch path (self-tested at its first use)"},
     {"paths", py_paths, METH_NOARGS, "paths(): the paths this CPU can run that passed their self-test, best first"},
     {"selftest", py_selftest, METH_NOARGS, "selftest(): {path: (status, detail)} of every compiled path"},

@@ -413,8 +413,9 @@ typedef struct {
 } kernel_path;
 
 extern const kernel_path portable_path;
-/* only if compiled for x86-64 (else mm_task is NULL): avx2.c, and avx2.c again with VNNI (avxvnni.c, avx512vnni.c) */
-extern const kernel_path avx2_path, avxvnni_path, avx512vnni_path;
+/* only if compiled for x86-64 (else mm_task is NULL): avx2.c, and avx2.c again with VNNI (avxvnni.c, avx512vnni.c)
+ * and with VNNI and AMX tiles (amx.c) */
+extern const kernel_path avx2_path, avxvnni_path, avx512vnni_path, amx_path;
 int avx2_compiled(void);
 
 /* a matmul job's tiling on path p, from its qtype, M and N */

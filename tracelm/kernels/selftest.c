@@ -1,8 +1,8 @@
 /* A path is trusted only where it was checked. Before a path other than the portable one is used (core.c: at
  * import, and at use_path), it meets the portable path on a fixed battery, bit for bit: every type's product
- * (the file's rows and, for the quantized types, packed; 1 to 9 x rows, so both the direct and the tiled kernels
- * and the two-group tiles run; one and two activation halves; rows that end mid-group), the activations'
- * quantizer (its bytes), and the layer kernels' row functions (sum of squares, RMSNorm's row, the activations and
+ * (the file's rows and, for the quantized types, packed; 1 to 17 x rows, so the direct and the tiled kernels, the
+ * two-group tiles and AMX's tiles of 16 half-rows run; one and two activation halves; rows that end mid-group), the
+ * activations' quantizer (its bytes), and the layer kernels' row functions (sum of squares, RMSNorm's row, the activations and
  * exp, the max's lanes). The data is made here by a fixed generator (the same on every machine): random blocks
  * with finite scales, x rows of several magnitudes, a row of tiny values (all-zero blocks) and a row with a large one.
  * Single-threaded, no pool; about 10 ms for a path. */
@@ -62,7 +62,7 @@ static void run_mm(const kernel_path *p, mm_job *j) {
             p->mm_task(j, g * j->gstep, m0, m0 + j->mtile < j->M ? m0 + j->mtile : j->M);
 }
 
-#define MAX_M 9
+#define MAX_M 17
 #define SK 512              /* values per row: 16 blocks of 32, 2 super-blocks */
 #define FK 100              /* float weights: a row that ends mid-lane-block */
 #define SN 24               /* weight rows: 3 groups (packed), or 21 (the file's rows: a last group of 5) */
@@ -83,7 +83,7 @@ static int fail(char *msg, size_t n, const char *what, int t, int pk, int halves
 
 static int check_products(const kernel_path *p, int flip, char *msg, size_t n, int *cases) {
     static const int types[] = {T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1, T_Q8_0, T_Q4_K, T_Q5_K, T_Q6_K, T_F32, T_F16, T_BF16};
-    static const int64_t rows[] = {1, 2, 3, 4, 5, 9};
+    static const int64_t rows[] = {1, 2, 3, 4, 5, 9, 17};   /* 17: the amx path's tiles of 16 half-rows, one half too */
     const size_t wbytes = (size_t)SN * SK * 4;   /* enough for any type */
     uint8_t *w = malloc(wbytes), *wp = malloc(wbytes);
     float *x = malloc(sizeof(float) * MAX_M * SK), *o0 = malloc(sizeof(float) * MAX_M * SN),

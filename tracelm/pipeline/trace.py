@@ -180,7 +180,7 @@ def blas_facts() -> list[dict[str, Any]]:
 
 
 def kernel_facts() -> dict[str, Any]:
-    """tracelm's compiled kernels: the path this CPU runs (avx512vnni, avxvnni, avx2 or portable), its self-test
+    """tracelm's compiled kernels: the path this CPU runs (amx, avx512vnni, avxvnni, avx2 or portable), its self-test
     against the portable path, and the pool's threads. None changes a bit of the products; recorded so a reader
     sees what ran."""
     import tracelm.kernels as kernels

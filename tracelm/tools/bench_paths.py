@@ -1,4 +1,4 @@
-"""`tracelm bench paths`: the kernel paths this CPU runs (avx512vnni, avxvnni, avx2, portable), side by side on one
+"""`tracelm bench paths`: the kernel paths this CPU runs (amx, avx512vnni, avxvnni, avx2, portable), side by side on one
 model in one process, alternated round by round so that the machine's drift falls on every path alike.
 
 After a round that warms every path up, each round, for each path: prefill of a prompt, then decode of a few
