@@ -45,3 +45,11 @@ def test_cli(tiny_q8, capsys, kernels_restored):
     report = json.loads(capsys.readouterr().out)
     assert report["same_bits"] is True
     assert [p for p in kernels.paths() if p != "portable"] == [k for k in report if k in kernels.paths()]
+
+
+def test_cli_paths_picks_the_paths(tiny_q8, capsys, kernels_restored):
+    """`--paths A,B` alternates those paths alone."""
+    assert cli.main(["bench", "paths", "--model", str(tiny_q8), "--prompt-tokens", "8", "--decode-tokens", "2",
+                     "--repeats", "1", "--threads", "1", "--paths", "portable", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [k for k in report if k in kernels.paths()] == ["portable"]

@@ -293,7 +293,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         elif args.what == "paths":
             from tracelm.tools.bench_paths import bench_paths
 
-            report = bench_paths(args.model, args.prompt_tokens, args.decode_tokens, args.repeats or 5, **engine)
+            paths = tuple(p.strip() for p in args.paths.split(",") if p.strip()) if args.paths else None
+            report = bench_paths(args.model, args.prompt_tokens, args.decode_tokens, args.repeats or 5, paths, **engine)
         elif args.what == "batch":
             from tracelm.tools.bench_batch import bench_batch
 
@@ -852,6 +853,8 @@ def _add_bench_command(sub: Any) -> None:
     sp.add_argument("--streams", default="1,2,4,8", metavar="N1,N2,...",
                     help="bench server: concurrent streams decoded together through the server's engine (1..8 each); "
                     "aggregate decode tok/s and the ratio to the first")
+    sp.add_argument("--paths", default=None, metavar="NAME,NAME,...",
+                    help="bench paths: the kernel paths to alternate (default: every self-tested one but portable)")
     sp.add_argument("--items", type=int, default=64,
                     help="bench batch: prompts run as one `tracelm batch` and as separate `tracelm run` calls")
     sp.add_argument("--actors", type=int, default=2, help="bench batch: the Ray engine's actors")
