@@ -514,38 +514,46 @@ INL void amx_configure(void) {
     amx_configured = 1;
 }
 
+/* block kb's float steps for 16 half-rows (x as amx_chunk16's), from its integers c [half-row][weight row] */
+INL void amx_combine(int t, const ubuf32x2 *u, int kb, const xblock32 *x, int64_t xrb, const int32_t (*c)[16],
+                     __m512 *acc) {
+    const int off = t == T_Q4_0 ? 8 : t == T_Q5_0 ? 16 : t == T_Q8_0 ? 128 : 0;
+    const __m512 d = _mm512_loadu_ps(u->d[kb]);
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; i++) {
+        const xblock32 *X = (const xblock32 *)((const char *)x + i * xrb) + kb;
+        const __m512 dx = _mm512_set1_ps(X->d);
+        __m512i s = _mm512_load_si512(c[i]);
+        if (off) s = _mm512_sub_epi32(s, _mm512_set1_epi32(off * X->sum));
+        if (t == T_Q4_1 || t == T_Q5_1)
+            COMBINE_DM(v16, acc[i], d, _mm512_loadu_ps(u->m[kb]), dx, s, _mm512_set1_epi32(X->sum));
+        else COMBINE_D(v16, acc[i], d, dx, s);
+    }
+}
+
 /* amx: 16 quantized half-rows (x: the first one's blocks from the chunk's first, the others xrb bytes apart)
  * against the pair's chunk, accumulator i = half-row i. Per block the integers of dot32_chunk16 -- sum over the
  * block's 32 values of x.q (signed) times u (unsigned), one tdpbsud for all 16 x 16 -- then its float steps, the
- * same operations in the same order, so the same bits. The next block's tdpbsud runs while this one's floats are
- * made. */
+ * same operations in the same order, so the same bits. A pipeline over the blocks: block kb's tile is stored, block
+ * kb + 1's product starts, then block kb - 1's floats are made from what was stored a step before (the tile unit
+ * keeps its order, and a tile's store is read back only once it has landed). */
 #define AMX_BLOCK(C, A, B, kb) \
     { _tile_zero(C); _tile_loadd(A, x[kb].q, xrb); _tile_loadd(B, u->v[kb], 64); _tile_dpbsud(C, A, B); }
 INL void amx_chunk16(int t, const ubuf32x2 *u, int nkb, const xblock32 *x, int64_t xrb, __m512 *acc) {
-    const int off = t == T_Q4_0 ? 8 : t == T_Q5_0 ? 16 : t == T_Q8_0 ? 128 : 0;
-    int32_t c[16][16] __attribute__((aligned(64)));
+    int32_t c[2][16][16] __attribute__((aligned(64)));
     __asm__ volatile("" ::: "memory");   /* the tile loads read u and x: what was stored there is stored */
     AMX_BLOCK(0, 2, 4, 0)
     for (int kb = 0; kb < nkb; kb++) {
         if (kb % 2 == 0) {
+            _tile_stored(0, c[0], 64);
             if (kb + 1 < nkb) AMX_BLOCK(1, 3, 5, kb + 1)
-            _tile_stored(0, c, 64);
         } else {
+            _tile_stored(1, c[1], 64);
             if (kb + 1 < nkb) AMX_BLOCK(0, 2, 4, kb + 1)
-            _tile_stored(1, c, 64);
         }
-        const __m512 d = _mm512_loadu_ps(u->d[kb]);
-#pragma GCC unroll 16
-        for (int i = 0; i < 16; i++) {
-            const xblock32 *X = (const xblock32 *)((const char *)x + i * xrb) + kb;
-            const __m512 dx = _mm512_set1_ps(X->d);
-            __m512i s = _mm512_load_si512(c[i]);
-            if (off) s = _mm512_sub_epi32(s, _mm512_set1_epi32(off * X->sum));
-            if (t == T_Q4_1 || t == T_Q5_1)
-                COMBINE_DM(v16, acc[i], d, _mm512_loadu_ps(u->m[kb]), dx, s, _mm512_set1_epi32(X->sum));
-            else COMBINE_D(v16, acc[i], d, dx, s);
-        }
+        if (kb > 0) amx_combine(t, u, kb - 1, x, xrb, c[(kb - 1) % 2], acc);
     }
+    amx_combine(t, u, nkb - 1, x, xrb, c[(nkb - 1) % 2], acc);
 }
 #undef AMX_BLOCK
 #endif
