@@ -1457,6 +1457,16 @@ INL void direct_group(const mm_job *j, int64_t group, int64_t m0, int64_t m1) {
     store_group(j, group, m0, mt, out);
 }
 
+/* CASE(T) for the 32-value type t, T a constant in each case, so that the compiler specialises each */
+#define SWITCH32(t)                                                                                               \
+    switch (t) {                                                                                                  \
+    case T_Q4_0: CASE(T_Q4_0)                                                                                     \
+    case T_Q4_1: CASE(T_Q4_1)                                                                                     \
+    case T_Q5_0: CASE(T_Q5_0)                                                                                     \
+    case T_Q5_1: CASE(T_Q5_1)                                                                                     \
+    default: CASE(T_Q8_0)                                                                                         \
+    }
+
 /* 32-value types, many x rows: ng (1 or 2) groups from `group` on, each chunk of blocks unpacked once, then met by
  * the hv mt quantized rows of the tile (acc[g][hv i] = acc_hi (, acc[g][2i + 1] = acc_lo) of x row i): one group 4
  * half-rows at a time, two groups 2 at a time (the 16 x 2 tile of dot32_chunk), then 2 (a last one: twice) */
@@ -1482,13 +1492,7 @@ INL void tile32(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1) 
             __m256 *a2 = ng == 2 ? &acc[1][i] : &acc[0][i + 2], *a3 = ng == 2 ? &acc[1][i + 1] : &acc[0][i + 3];
 #define CH(T, NG, NX) dot32_chunk(T, &u[0], &u[1], nkb, NG, NX, x0, x1, x2, x3, &acc[0][i], &acc[0][i + 1], a2, a3)
 #define CASE(T) if (ng == 2) CH(T, 2, 2); else if (nx == 4) CH(T, 1, 4); else CH(T, 1, 2); break;
-            switch (t) {   /* constant t per call: the compiler specialises each */
-            case T_Q4_0: CASE(T_Q4_0)
-            case T_Q4_1: CASE(T_Q4_1)
-            case T_Q5_0: CASE(T_Q5_0)
-            case T_Q5_1: CASE(T_Q5_1)
-            default: CASE(T_Q8_0)
-            }
+            SWITCH32(t)
 #undef CASE
 #undef CH
         }
@@ -1523,13 +1527,7 @@ INL void tile32x2(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1
                 amx_configure();
                 const xblock32 *xa = (const xblock32 *)(xq + i * xrb) + b0;
 #define CASE(T) amx_chunk16(T, &u, nkb, xa, xrb, &acc[i]); break;
-                switch (t) {
-                case T_Q4_0: CASE(T_Q4_0)
-                case T_Q4_1: CASE(T_Q4_1)
-                case T_Q5_0: CASE(T_Q5_0)
-                case T_Q5_1: CASE(T_Q5_1)
-                default: CASE(T_Q8_0)
-                }
+                SWITCH32(t)
 #undef CASE
                 continue;
             }
@@ -1538,13 +1536,7 @@ INL void tile32x2(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1
             PASS_ROWS(xblock32, b0)
 #define CH(T, NX) dot32_chunk16(T, &u, nkb, NX, x0, x1, x2, x3, &acc[i], &acc[i + 1], &acc[i + 2], &acc[i + 3])
 #define CASE(T) if (nx == 4) CH(T, 4); else CH(T, 2); break;
-            switch (t) {   /* constant t per call: the compiler specialises each */
-            case T_Q4_0: CASE(T_Q4_0)
-            case T_Q4_1: CASE(T_Q4_1)
-            case T_Q5_0: CASE(T_Q5_0)
-            case T_Q5_1: CASE(T_Q5_1)
-            default: CASE(T_Q8_0)
-            }
+            SWITCH32(t)
 #undef CASE
 #undef CH
         }
