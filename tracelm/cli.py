@@ -295,6 +295,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
             paths = tuple(p.strip() for p in args.paths.split(",") if p.strip()) if args.paths else None
             report = bench_paths(args.model, args.prompt_tokens, args.decode_tokens, args.repeats or 5, paths, **engine)
+        elif args.what == "profile":
+            from tracelm.tools.bench_profile import bench_profile
+
+            report = bench_profile(args.model, _streams(args.streams), args.prompt_tokens, args.decode_tokens, **engine)
         elif args.what == "batch":
             from tracelm.tools.bench_batch import bench_batch
 
@@ -842,17 +846,19 @@ def _exit_table(replay: bool = False) -> str:
 def _add_bench_command(sub: Any) -> None:
     sp = sub.add_parser("bench", help="load time, prefill and decode rates, peak RSS, against the machine's limits "
                         "(`bench tokenizer`: encode/decode throughput; `bench server`: N streams decoded together; "
+                        "`bench profile`: a decode step's time by kind of work (products, attention, norms, sampling, "
+                        "the rest) for each --streams count; "
                         "`bench batch`: --items prompts as one `tracelm batch` vs separate runs, and on Ray; "
                         "`bench speculative`: prompt-lookup decoding "
                         "vs plain; `bench kernels`: dequantization and "
                         "weight-product rates at the model's shapes; `bench paths`: the kernel paths this CPU runs, "
                         "alternated over --repeats rounds, their rates and ratios to avx2, and their bits compared)")
     sp.add_argument("what", nargs="?",
-                    choices=("model", "tokenizer", "kernels", "paths", "speculative", "server", "batch"),
+                    choices=("model", "tokenizer", "kernels", "paths", "profile", "speculative", "server", "batch"),
                     default="model")
     sp.add_argument("--streams", default="1,2,4,8", metavar="N1,N2,...",
                     help="bench server: concurrent streams decoded together through the server's engine (1..8 each); "
-                    "aggregate decode tok/s and the ratio to the first")
+                    "aggregate decode tok/s and the ratio to the first; bench profile: the stream counts profiled")
     sp.add_argument("--paths", default=None, metavar="NAME,NAME,...",
                     help="bench paths: the kernel paths to alternate (default: every self-tested one but portable)")
     sp.add_argument("--items", type=int, default=64,

@@ -1,0 +1,116 @@
+"""`tracelm bench profile`: where a decode step's time goes, kind of work by kind of work.
+
+For each stream count N, N prompts are prefilled, then decoded together as the server decodes them (each stream
+samples its token, then one shared pass computes all of them: `feed_together`). The kernel calls of the pass are
+timed by kind: the weight products (`linear_into`: q/k/v, out, gate/up, down), the head, attention
+(`kernels.attend_parts`), the norms (`kernels.rms_norm`, `rms_norm_add`), RoPE, the FFN's activation; `sampling` is
+the streams' `Generation.step`; `rest` is the step's wall time outside all of those -- the Python between the calls,
+the embedding lookup, the residual adds, the Cache's bookkeeping. What does not shrink as threads are added is what
+stops decode from scaling (issue 32): run it at 1, 8 and 16 threads.
+
+The timers wrap the module functions the pass calls, for the timed steps only, and are removed after; each call
+then costs about a microsecond more, so `ms_per_step` is given beside `ms_per_step_untimed`, the same steps without
+timers (run first). End-of-generation tokens are biased by -100 so that every stream decodes every step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+
+import tracelm.kernels as kernels
+import tracelm.pipeline.graph as graph
+from tracelm.pipeline.runner import Generation, feed_together
+from tracelm.session import Session
+from tracelm.state.records import SamplingParams
+from tracelm.tools.bench import bench_ids, open_session
+
+GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0)
+# kind -> the (module-like object, attribute) pairs the fused pass calls for it
+KINDS: dict[str, tuple[tuple[Any, str], ...]] = {
+    "products": ((graph, "linear_into"),),
+    "head": ((graph, "head"),),
+    "attention": ((kernels, "attend_parts"),),
+    "norms": ((kernels, "rms_norm"), (kernels, "rms_norm_add")),
+    "rope": ((kernels, "rope"),),
+    "activation": ((graph.compiled.ACTIVATIONS, "silu"), (graph.compiled.ACTIVATIONS, "gelu_tanh")),
+    "sampling": ((Generation, "step"),),
+}
+
+
+def _timed(fn: Callable[..., Any], spent: dict[str, float], kind: str) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[kind] += time.perf_counter() - t0
+
+    return call
+
+
+@contextlib.contextmanager
+def timers(spent: dict[str, float]) -> Iterator[None]:
+    """Every function of KINDS wrapped to add its calls' seconds to spent[kind]; put back on exit."""
+    saved = []
+    try:
+        for kind, places in KINDS.items():
+            spent.setdefault(kind, 0.0)
+            for owner, name in places:
+                is_map = isinstance(owner, dict)
+                fn = owner[name] if is_map else getattr(owner, name)
+                saved.append((owner, name, fn))
+                if is_map:
+                    owner[name] = _timed(fn, spent, kind)
+                else:
+                    setattr(owner, name, _timed(fn, spent, kind))
+        yield
+    finally:
+        for owner, name, fn in reversed(saved):
+            if isinstance(owner, dict):
+                owner[name] = fn
+            else:
+                setattr(owner, name, fn)
+
+
+def _decode(gens: list[Generation], n: int) -> float:
+    """n steps of every stream as the server runs them; their wall seconds."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        for g in gens:
+            g.step()
+        feed_together(gens)
+    return time.perf_counter() - t0
+
+
+def _streams(session: Session, n: int, n_prompt: int, n_decode: int) -> list[Generation]:
+    """n streams prefilled on prompts shifted by a token each, ready to decode n_decode steps and more."""
+    tok = session.model.tokenizer
+    ids = bench_ids(tok, n_prompt + n)
+    sampling = attrs.evolve(GREEDY, logit_bias={int(t): -100.0 for t in tok.eog_ids})
+    runners = [session.new_runner(n_prompt + n_decode + 8) for _ in range(n)]
+    return [r.start(ids[k : k + n_prompt], n_decode + 4, sampling) for k, r in enumerate(runners)]
+
+
+def bench_profile(model_name: str, streams: tuple[int, ...] = (1,), n_prompt: int = 64, n_decode: int = 32,
+                  **engine: Any) -> dict[str, Any]:
+    with open_session(model_name, **engine) as session:
+        report: dict[str, Any] = {"model": session.model.path.name, "threads": kernels.threads(),
+                                  "kernels": kernels.path(), "prompt_tokens": n_prompt, "steps": n_decode}
+        for n in streams:
+            untimed = _decode(_streams(session, n, n_prompt, n_decode + 1), n_decode + 1) / (n_decode + 1)
+            gens = _streams(session, n, n_prompt, n_decode + 1)
+            _decode(gens, 1)  # a warm step
+            spent: dict[str, float] = {}
+            with timers(spent):
+                wall = _decode(gens, n_decode)
+            rest = wall - sum(spent.values())
+            kinds = {k: {"ms_per_step": round(1e3 * s / n_decode, 3), "share": round(s / wall, 3)}
+                     for k, s in (*spent.items(), ("rest", rest))}
+            report[f"streams_{n}"] = {"ms_per_step_untimed": round(1e3 * untimed, 3),
+                                      "ms_per_step": round(1e3 * wall / n_decode, 3), "kinds": kinds}
+        return report
