@@ -460,10 +460,24 @@ typedef struct {
     float d[KC][2][GROUP], m[KC][2][GROUP];
 } ubuf32x2;
 
+/* a block's float step on 16 lanes for x block X: f + the update of kernels.h from the weights' d (and m: Q4_1,
+ * Q5_1) and s, the sum of u q over the block (u the unsigned weight: the offset, Q8_0's bias of 128 too, taken off
+ * here as off * sum q) */
+INL void step16(int t, __m512 *f, __m512 d, __m512 m, const xblock32 *X, __m512i s) {
+    const int off = t == T_Q4_0 ? 8 : t == T_Q5_0 ? 16 : t == T_Q8_0 ? 128 : 0;
+    const __m512 dx = _mm512_set1_ps(X->d);
+    if (off) s = _mm512_sub_epi32(s, _mm512_set1_epi32(off * X->sum));
+    if (t == T_Q4_1 || t == T_Q5_1) COMBINE_DM(v16, *f, d, m, dx, s, _mm512_set1_epi32(X->sum));
+    else COMBINE_D(v16, *f, d, dx, s);
+}
+#define BLOCK_DM(t, u, kb)                                                                                        \
+    const __m512 d = _mm512_loadu_ps((u)->d[kb]),                                                                 \
+                 m = (t) == T_Q4_1 || (t) == T_Q5_1 ? _mm512_loadu_ps((u)->m[kb]) : d;
+
 /* x half-rows x0..x(nx-1) (nx = 2 or 4) against the pair's chunk, accumulator k = half-row k */
 INL void dot32_chunk16(int t, const ubuf32x2 *u, int nkb, int nx, const xblock32 *x0, const xblock32 *x1,
                        const xblock32 *x2, const xblock32 *x3, __m512 *a0, __m512 *a1, __m512 *a2, __m512 *a3) {
-    const int off = t == T_Q4_0 ? 8 : t == T_Q5_0 ? 16 : t == T_Q8_0 ? 128 : 0, four = nx > 2;
+    const int four = nx > 2;
     const __m512i z = _mm512_setzero_si512();
     __m512 f0 = *a0, f1 = *a1, f2 = four ? *a2 : _mm512_setzero_ps(), f3 = four ? *a3 : _mm512_setzero_ps();
     for (int kb = 0; kb < nkb; kb++, x0++, x1++, x2++, x3++) {
@@ -478,17 +492,10 @@ INL void dot32_chunk16(int t, const ubuf32x2 *u, int nkb, int nx, const xblock32
                 i3 = _mm512_dpbusd_epi32(i3, w, BQ16(x3->q, c)); REG(i3);
             }
         }
-        const __m512 d = _mm512_loadu_ps(u->d[kb]);
-#define C(k, X)                                                                                          \
-        {                                                                                                \
-            const __m512 dx = _mm512_set1_ps(X->d);                                                      \
-            if (off) i##k = _mm512_sub_epi32(i##k, _mm512_set1_epi32(off * X->sum));                     \
-            if (t == T_Q4_1 || t == T_Q5_1)                                                              \
-                COMBINE_DM(v16, f##k, d, _mm512_loadu_ps(u->m[kb]), dx, i##k, _mm512_set1_epi32(X->sum)); \
-            else COMBINE_D(v16, f##k, d, dx, i##k);                                                      \
-        }
-        C(0, x0) C(1, x1) if (four) { C(2, x2) C(3, x3) }
-#undef C
+        BLOCK_DM(t, u, kb)
+        step16(t, &f0, d, m, x0, i0);
+        step16(t, &f1, d, m, x1, i1);
+        if (four) { step16(t, &f2, d, m, x2, i2); step16(t, &f3, d, m, x3, i3); }
     }
     *a0 = f0; *a1 = f1;
     if (four) { *a2 = f2; *a3 = f3; }
@@ -517,18 +524,10 @@ INL void amx_configure(void) {
 /* block kb's float steps for 16 half-rows (x as amx_chunk16's), from its integers c [half-row][weight row] */
 INL void amx_combine(int t, const ubuf32x2 *u, int kb, const xblock32 *x, int64_t xrb, const int32_t (*c)[16],
                      __m512 *acc) {
-    const int off = t == T_Q4_0 ? 8 : t == T_Q5_0 ? 16 : t == T_Q8_0 ? 128 : 0;
-    const __m512 d = _mm512_loadu_ps(u->d[kb]);
+    BLOCK_DM(t, u, kb)
 #pragma GCC unroll 16
-    for (int i = 0; i < 16; i++) {
-        const xblock32 *X = (const xblock32 *)((const char *)x + i * xrb) + kb;
-        const __m512 dx = _mm512_set1_ps(X->d);
-        __m512i s = _mm512_load_si512(c[i]);
-        if (off) s = _mm512_sub_epi32(s, _mm512_set1_epi32(off * X->sum));
-        if (t == T_Q4_1 || t == T_Q5_1)
-            COMBINE_DM(v16, acc[i], d, _mm512_loadu_ps(u->m[kb]), dx, s, _mm512_set1_epi32(X->sum));
-        else COMBINE_D(v16, acc[i], d, dx, s);
-    }
+    for (int i = 0; i < 16; i++)
+        step16(t, &acc[i], d, m, (const xblock32 *)((const char *)x + i * xrb) + kb, _mm512_load_si512(c[i]));
 }
 
 /* amx: 16 quantized half-rows (x: the first one's blocks from the chunk's first, the others xrb bytes apart)
