@@ -26,10 +26,9 @@ import tracelm.kernels as kernels
 import tracelm.pipeline.graph as graph
 from tracelm.pipeline.runner import Generation, feed_together
 from tracelm.session import Session
-from tracelm.state.records import SamplingParams
 from tracelm.tools.bench import bench_ids, open_session
+from tracelm.tools.bench_server import GREEDY
 
-GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0)
 # kind -> the (module-like object, attribute) pairs the fused pass calls for it
 KINDS: dict[str, tuple[tuple[Any, str], ...]] = {
     "products": ((graph, "linear_into"),),
