@@ -33,8 +33,10 @@ def test_every_kind_timed_and_the_shares_add_up(tiny_q8):
         # the tiny model's pass runs products, attention, norms, RoPE, its activation and the head every step
         for kind in ("products", "head", "attention", "norms", "rope", "activation", "sampling"):
             assert kinds[kind]["ms_per_step"] > 0, kind
-        assert sum(k["share"] for k in kinds.values()) == pytest.approx(1.0, abs=0.01)
-        assert sum(k["ms_per_step"] for k in kinds.values()) == pytest.approx(entry["ms_per_step"], rel=0.01)
+        assert sum(k["share"] for k in kinds.values()) == pytest.approx(1.0, abs=0.01)  # shares: 3 decimals
+        # each figure is rounded to a microsecond, so the sum may be off by half a microsecond per kind
+        assert sum(k["ms_per_step"] for k in kinds.values()) == pytest.approx(
+            entry["ms_per_step"], rel=0.01, abs=0.0005 * (len(kinds) + 1))
         assert entry["ms_per_step_untimed"] > 0
 
 
