@@ -521,38 +521,57 @@ INL void amx_configure(void) {
     amx_configured = 1;
 }
 
+/* Signed weights (amx_signed: Q4_0, Q5_0, Q8_0): a copy of the pair's chunk with the offset taken off each byte
+ * (u - 8 | 16; Q8_0's w + 128 back to w), met by tdpbssd, gives isum itself: no off * sum q per step */
+INL int amx_signed(int t) { return t == T_Q4_0 || t == T_Q5_0 || t == T_Q8_0; }
+INL void amx_sign_chunk(int t, const ubuf32x2 *u, int nkb, __m512i (*sv)[8]) {
+    const __m512i off = _mm512_set1_epi8((char)(t == T_Q4_0 ? 8 : t == T_Q5_0 ? 16 : 128));
+    for (int kb = 0; kb < nkb; kb++)
+        for (int c = 0; c < 8; c++) sv[kb][c] = _mm512_sub_epi8(ld512(u->v[kb][c]), off);
+}
+
 /* block kb's float steps for 16 half-rows (x as amx_chunk16's), from its integers c [half-row][weight row] */
 INL void amx_combine(int t, const ubuf32x2 *u, int kb, const xblock32 *x, int64_t xrb, const int32_t (*c)[16],
                      __m512 *acc) {
     BLOCK_DM(t, u, kb)
 #pragma GCC unroll 16
-    for (int i = 0; i < 16; i++)
-        step16(t, &acc[i], d, m, (const xblock32 *)((const char *)x + i * xrb) + kb, _mm512_load_si512(c[i]));
+    for (int i = 0; i < 16; i++) {
+        const xblock32 *X = (const xblock32 *)((const char *)x + i * xrb) + kb;
+        if (amx_signed(t)) COMBINE_D(v16, acc[i], d, _mm512_set1_ps(X->d), _mm512_load_si512(c[i]));
+        else step16(t, &acc[i], d, m, X, _mm512_load_si512(c[i]));
+    }
 }
 
 /* amx: 16 quantized half-rows (x: the first one's blocks from the chunk's first, the others xrb bytes apart)
  * against the pair's chunk, accumulator i = half-row i. Per block the integers of dot32_chunk16 -- sum over the
  * block's 32 values of x.q (signed) times u (unsigned), one tdpbsud for all 16 x 16 -- then its float steps, the
- * same operations in the same order, so the same bits. A pipeline over the blocks: block kb's tile is stored, block
- * kb + 1's product starts, then block kb - 1's floats are made from what was stored a step before (the tile unit
- * keeps its order, and a tile's store is read back only once it has landed). */
-#define AMX_BLOCK(C, A, B, kb) \
-    { _tile_zero(C); _tile_loadd(A, x[kb].q, xrb); _tile_loadd(B, u->v[kb], 64); _tile_dpbsud(C, A, B); }
-INL void amx_chunk16(int t, const ubuf32x2 *u, int nkb, const xblock32 *x, int64_t xrb, __m512 *acc) {
-    int32_t c[2][16][16] __attribute__((aligned(64)));
+ * same operations in the same order, so the same bits. A pipeline over the blocks, two products in flight: block
+ * kb's tile is stored, block kb + 2's product starts in its registers, then block kb - 1's floats are made from what
+ * was stored a step before (the tile unit keeps its order, and a tile's store is read back only once it has landed;
+ * four in flight measured no faster). */
+#define AMX_BLOCK(C, A, B, kb)                                                                                   \
+    {                                                                                                            \
+        _tile_zero(C); _tile_loadd(A, x[kb].q, xrb);                                                             \
+        if (amx_signed(t)) { _tile_loadd(B, sv[kb], 64); _tile_dpbssd(C, A, B); }                               \
+        else { _tile_loadd(B, u->v[kb], 64); _tile_dpbsud(C, A, B); }                                            \
+    }
+INL void amx_chunk16(int t, const ubuf32x2 *u, const __m512i (*sv)[8], int nkb, const xblock32 *x, int64_t xrb,
+                     __m512 *acc) {
+    int32_t c[3][16][16] __attribute__((aligned(64)));
     __asm__ volatile("" ::: "memory");   /* the tile loads read u and x: what was stored there is stored */
     AMX_BLOCK(0, 2, 4, 0)
+    if (nkb > 1) AMX_BLOCK(1, 3, 5, 1)
     for (int kb = 0; kb < nkb; kb++) {
         if (kb % 2 == 0) {
-            _tile_stored(0, c[0], 64);
-            if (kb + 1 < nkb) AMX_BLOCK(1, 3, 5, kb + 1)
+            _tile_stored(0, c[kb % 3], 64);
+            if (kb + 2 < nkb) AMX_BLOCK(0, 2, 4, kb + 2)
         } else {
-            _tile_stored(1, c[1], 64);
-            if (kb + 1 < nkb) AMX_BLOCK(0, 2, 4, kb + 1)
+            _tile_stored(1, c[kb % 3], 64);
+            if (kb + 2 < nkb) AMX_BLOCK(1, 3, 5, kb + 2)
         }
-        if (kb > 0) amx_combine(t, u, kb - 1, x, xrb, c[(kb - 1) % 2], acc);
+        if (kb > 0) amx_combine(t, u, kb - 1, x, xrb, c[(kb - 1) % 3], acc);
     }
-    amx_combine(t, u, nkb - 1, x, xrb, c[(nkb - 1) % 2], acc);
+    amx_combine(t, u, nkb - 1, x, xrb, c[(nkb - 1) % 3], acc);
 }
 #undef AMX_BLOCK
 #endif
@@ -1513,6 +1532,9 @@ INL void tile32x2(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1
     __m512 acc[2 * MTILE + 4];   /* + 4: the unused accumulators of a last pass */
     for (int64_t i = 0; i < mq + 4; i++) acc[i] = _mm512_setzero_ps();
     ubuf32x2 u;
+#if AMX
+    __m512i sv[KC][8];   /* amx_signed types: the chunk as signed bytes */
+#endif
     for (int64_t b0 = 0; b0 < nb; b0 += KC) {
         int nkb = nb - b0 < KC ? (int)(nb - b0) : KC;
         for (int h = 0; h < 2; h++) {
@@ -1524,8 +1546,9 @@ INL void tile32x2(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1
             if (mq - i >= 16) {   /* 16 half-rows: one tile */
                 nx = 16;
                 amx_configure();
+                if (i == 0 && amx_signed(t)) amx_sign_chunk(t, &u, nkb, sv);
                 const xblock32 *xa = (const xblock32 *)(xq + i * xrb) + b0;
-#define CASE(T) amx_chunk16(T, &u, nkb, xa, xrb, &acc[i]); break;
+#define CASE(T) amx_chunk16(T, &u, sv, nkb, xa, xrb, &acc[i]); break;
                 SWITCH32(t)
 #undef CASE
                 continue;
