@@ -364,6 +364,20 @@ def test_bench_server_reports_each_stream_count(tiny_gguf) -> None:
     assert three["ceiling_vs_1_stream"] == pytest.approx(ceiling, rel=0.15) and one["ceiling_vs_1_stream"] > 1
 
 
+def test_bench_server_streams_decode_every_token_asked(tiny_gguf) -> None:
+    """An end-of-generation token must not end a bench stream early (the batch would shrink part-way): with every
+    token but one counted as an end, each stream still decodes all its tokens."""
+    from tracelm.tools.bench import open_session
+    from tracelm.tools.bench_server import _bench_server
+
+    with open_session(str(tiny_gguf), threads=1) as session:
+        tok = session.model.tokenizer
+        tok.eog_ids = frozenset(range(tok.n_vocab - 1))
+        report = _bench_server(session, (1, 3), n_prompt=8, n_decode=5, repeats=1)
+    assert report["streams_3"]["generated"] == 15 and report["streams_3"]["shortest_stream"] == 5
+    assert report["streams_1"]["generated"] == 5
+
+
 def test_bench_server_cli_checks_streams(tiny_gguf) -> None:
     import subprocess
     import sys

@@ -20,14 +20,12 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import attrs
-
 import tracelm.kernels as kernels
 import tracelm.pipeline.graph as graph
 from tracelm.pipeline.runner import Generation, feed_together
 from tracelm.session import Session
 from tracelm.tools.bench import bench_ids, open_session
-from tracelm.tools.bench_server import GREEDY
+from tracelm.tools.bench_server import greedy_to_the_end
 
 # kind -> the (module-like object, attribute) pairs the fused pass calls for it
 KINDS: dict[str, tuple[tuple[Any, str], ...]] = {
@@ -90,7 +88,7 @@ def _streams(session: Session, n: int, n_prompt: int, n_decode: int) -> list[Gen
     """n streams prefilled on prompts shifted by a token each, ready to decode n_decode steps and more."""
     tok = session.model.tokenizer
     ids = bench_ids(tok, n_prompt + n)
-    sampling = attrs.evolve(GREEDY, logit_bias={int(t): -100.0 for t in tok.eog_ids})
+    sampling = greedy_to_the_end(tok.eog_ids)
     runners = [session.new_runner(n_prompt + n_decode + 8) for _ in range(n)]
     return [r.start(ids[k : k + n_prompt], n_decode + 4, sampling) for k, r in enumerate(runners)]
 

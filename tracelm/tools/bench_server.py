@@ -31,12 +31,18 @@ from tracelm.tools.bench import bench_ids, open_session, product_pass_seconds
 GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0)
 
 
-def run_streams(engine: Engine, prompts: list[list[int]], n_decode: int) -> dict[str, float]:
+def greedy_to_the_end(eog_ids: frozenset[int]) -> SamplingParams:
+    """GREEDY with the end-of-generation tokens biased away, so that a bench's streams decode every token asked."""
+    return attrs.evolve(GREEDY, logit_bias={int(t): -100.0 for t in sorted(eog_ids)})
+
+
+def run_streams(engine: Engine, prompts: list[list[int]], n_decode: int, sampling: SamplingParams = GREEDY
+                ) -> dict[str, float]:
     """Run one request per prompt through a not yet started engine; their summed counts and the wall time."""
 
     async def main() -> tuple[list[dict[str, Any]], float]:
         loop = asyncio.get_running_loop()
-        jobs = [Job(request_id=f"bench-{i}", prompt_ids=ids, prompt_text="", max_tokens=n_decode, sampling=GREEDY,
+        jobs = [Job(request_id=f"bench-{i}", prompt_ids=ids, prompt_text="", max_tokens=n_decode, sampling=sampling,
                     stop=(), deadline=time.monotonic() + 3600, loop=loop) for i, ids in enumerate(prompts)]
         for job in jobs:
             engine.submit(job)
@@ -76,7 +82,9 @@ def _bench_server(session: Session, streams: tuple[int, ...], n_prompt: int, n_d
     model = session.model
     most = max(streams)
     text = bench_ids(model.tokenizer, n_prompt + most)
-    cfg = attrs.evolve(session.cfg, context=n_prompt + n_decode + 1, sampling=GREEDY,
+    # every stream decodes all n_decode tokens: an end-of-generation token would shrink the batch part-way
+    sampling = greedy_to_the_end(model.tokenizer.eog_ids)
+    cfg = attrs.evolve(session.cfg, context=n_prompt + n_decode + 1, sampling=sampling,
                        server=ServerOptions(queue_size=most, max_batch=min(most, 8)))
     best: dict[int, dict[str, float]] = {}
     best_cpu: dict[int, float] = {}
@@ -84,7 +92,7 @@ def _bench_server(session: Session, streams: tuple[int, ...], n_prompt: int, n_d
     for r in range(repeats):
         for n in streams if r % 2 == 0 else streams[::-1]:
             engine = Engine(Session(model, cfg))
-            got = run_streams(engine, [text[k : k + n_prompt] for k in range(n)], n_decode)
+            got = run_streams(engine, [text[k : k + n_prompt] for k in range(n)], n_decode, sampling)
             got |= {"tok_s": got["generated"] / got["step_seconds"], "cpu_tok_s": got["generated"] /
                     got["step_cpu_seconds"], "ms_per_pass": 1e3 * got["step_seconds"] / max(got["passes"], 1)}
             if n not in best or got["tok_s"] > best[n]["tok_s"]:
