@@ -89,6 +89,33 @@ def test_exp_within_2_ulp_on_every_path():
     assert np.isinf(out[5:8]).all() and (out[8:11] == 0).all() and np.isnan(out[11])
 
 
+@pytest.mark.parametrize("n", [1, 7, 4096, 4096 * 3 + 13, 151936])
+def test_exp_sum_is_its_stated_order_on_every_path(n):
+    """exp_sum = the kernels' exp of each float32 difference, summed in float64 per 4096 values in 8 running sums
+    (value k into sum k mod 8) and a fixed tree, the chunks in order: the same bits on every path and thread count."""
+    x = (np.random.default_rng(n).standard_normal(n) * 4).astype(np.float32)
+    shift = x.max()
+    got = every_setting(lambda: np.array([kernels.exp_sum(x, shift)]))[0]
+    e = _core.exp(x - shift, np.empty_like(x)).astype(np.float64)
+    want = 0.0
+    for c in range(0, n, 4096):
+        chunk = np.zeros(-(-min(4096, n - c) // 8) * 8)
+        chunk[: min(4096, n - c)] = e[c : c + 4096]
+        s = np.zeros(8)
+        for row in chunk.reshape(-1, 8):  # running sums, in order
+            s = s + row
+        want += ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]))
+    assert got == want
+    assert got == pytest.approx(np.exp(x.astype(np.float64) - shift).sum(), rel=1e-6)
+
+
+def test_exp_sum_checks_its_input():
+    with pytest.raises(ValueError, match="exp_sum: x"):
+        kernels.exp_sum(np.zeros(8, np.float64), 0.0)
+    with pytest.raises(ValueError, match="exp_sum: x"):
+        kernels.exp_sum(np.zeros((2, 8), np.float32), 0.0)
+
+
 def test_tanh_absolute_error():
     x = np.random.default_rng(0).standard_normal(1 << 18).astype(np.float32) * np.float32(4)
     x = np.concatenate([x, np.float32(2.0) ** -np.arange(1, 150, dtype=np.float32)])

@@ -287,6 +287,13 @@ def exp(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     return _core.exp(x, out)
 
 
+def exp_sum(x: np.ndarray, shift: float) -> float:
+    """sum over x of e^(x - shift): each float32 difference through the kernels' exp (as `exp`), summed in float64
+    in one fixed order (per 4096 values 8 running sums, value k into sum k mod 8, then a fixed tree; the chunks in
+    order), so the same bits on every path and thread count; nothing is written. x: float32 1-D, unit stride."""
+    return _core.exp_sum(x, float(shift))
+
+
 def silu_mul(gate_up: np.ndarray, n_ff: int, out: np.ndarray | None = None) -> np.ndarray:
     """silu(gate) * up of gate_up = [gate | up] (float32 [T, 2 n_ff], rows at any stride): per value
     (g / (1 + exp(min(-g, 88)))) * u, the ops of stages/ffn.py silu with the kernels' exp. out: [T, n_ff]."""

@@ -19,6 +19,9 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
 
 #define SERIAL_WORK (1 << 15)   /* fewer values (x dims) than this: run on the calling thread */
 #define PHASE_KEYS 512          /* attend in phases from spans this long (measured: they pay from ~500 keys) */
@@ -733,10 +736,73 @@ done:
 }
 
 static PyObject *py_exp(PyObject *self, PyObject *args) { (void)self; return flat_map("exp", FN_EXP, args); }
+
+/* exp_sum: sum over k of e^(x[k] - shift), the kernels' exp of the float32 difference, summed in float64 in one
+ * fixed order: per FLAT_ROW chunk, 8 running sums (value k into sum k mod 8, in order), then ((s0 + s4) + (s2 + s6))
+ * + ((s1 + s5) + (s3 + s7)); the chunks' sums added in chunk order. The same bits on every path and thread count. */
+typedef struct { const layer_ops *ops; const float *x; int64_t n; float shift; double *part; } exp_sum_ctx;
+
+static double exp_sum_chunk(const layer_ops *ops, const float *x, int64_t n, float shift) {
+    float e[FLAT_ROW + 8];
+    memcpy(e, x, n * sizeof *e);
+    ops->exps(e, n, shift);   /* e^(x - shift), the softmax's own step */
+    const int64_t n8 = (n + 7) / 8 * 8;
+    for (int64_t k = n; k < n8; k++) e[k] = 0.0f;   /* + 0.0 leaves a sum as it is */
+#ifdef __SSE2__
+    __m128d s01 = _mm_setzero_pd(), s23 = s01, s45 = s01, s67 = s01;   /* sum l (0..7) in lane l % 2 of s(l/2*2) */
+    for (int64_t k = 0; k < n8; k += 8) {
+        const __m128 a = _mm_loadu_ps(e + k), b = _mm_loadu_ps(e + k + 4);
+        s01 = _mm_add_pd(s01, _mm_cvtps_pd(a));
+        s23 = _mm_add_pd(s23, _mm_cvtps_pd(_mm_movehl_ps(a, a)));
+        s45 = _mm_add_pd(s45, _mm_cvtps_pd(b));
+        s67 = _mm_add_pd(s67, _mm_cvtps_pd(_mm_movehl_ps(b, b)));
+    }
+    double s[8];
+    _mm_storeu_pd(s, s01); _mm_storeu_pd(s + 2, s23); _mm_storeu_pd(s + 4, s45); _mm_storeu_pd(s + 6, s67);
+#else
+    double s[8] = {0};
+    for (int64_t k = 0; k < n8; k += 8)
+        for (int l = 0; l < 8; l++) s[l] += e[k + l];
+#endif
+    return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+}
+
+static void exp_sum_tasks(void *ctx, int64_t r0, int64_t r1) {
+    const exp_sum_ctx *c = (const exp_sum_ctx *)ctx;
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t k0 = r * FLAT_ROW, n = c->n - k0 < FLAT_ROW ? c->n - k0 : FLAT_ROW;
+        c->part[r] = exp_sum_chunk(c->ops, c->x + k0, n, c->shift);
+    }
+}
+
+static PyObject *py_exp_sum(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *xo;
+    float shift;
+    if (!PyArg_ParseTuple(args, "Of:exp_sum", &xo, &shift)) return NULL;
+    arr x = {0};
+    if (get_arr(xo, "exp_sum", "x", K_F32, 1, 1, 0, &x) || unit_last("exp_sum", "x", &x)) {
+        release(&x.b);
+        return NULL;
+    }
+    const int64_t n = x.n[0], chunks = (n + FLAT_ROW - 1) / FLAT_ROW;
+    double stack_part[64], *part = chunks <= 64 ? stack_part : malloc(chunks * sizeof *part);
+    if (!part) { release(&x.b); return PyErr_NoMemory(); }
+    exp_sum_ctx c = {current_path()->layer, (const float *)x.b.v.buf, n, shift, part};
+    double sum = 0;
+    Py_BEGIN_ALLOW_THREADS
+    run(exp_sum_tasks, &c, chunks, n * 8);
+    for (int64_t r = 0; r < chunks; r++) sum += part[r];
+    Py_END_ALLOW_THREADS
+    if (part != stack_part) free(part);
+    release(&x.b);
+    return PyFloat_FromDouble(sum);
+}
 static PyObject *py_tanh(PyObject *self, PyObject *args) { (void)self; return flat_map("tanh", FN_TANH, args); }
 
 PyMethodDef layer_methods[] = {
     {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, w, eps, out): out = (x * inv) * w per row"},
+    {"exp_sum", py_exp_sum, METH_VARARGS, "exp_sum(x, shift): sum of e^(x - shift) in float64, one fixed order"},
     {"rms_norm_add", py_rms_norm_add, METH_VARARGS,
      "rms_norm_add(x, w, eps, residual, out): out = (x * inv) * w + residual per row"},
     {"rope", py_rope, METH_VARARGS, "rope(x, cos, sin, mode, out): rotary embedding, mode 0 adjacent, 1 neox"},

@@ -30,8 +30,9 @@ How it is computed (same result as the literal order above, less work):
 - the temperature is applied after top-k (dividing by T > 0 keeps the order), so a top-k call
   touches the whole vocabulary only in the penalty, one np.partition and two comparisons;
 - exponentials are float32 (numpy's float64 exp is ~10x slower); sums, normalisation and the
-  cumulative sums are float64; greedy's softmax over the whole vocabulary takes the kernels' exp
-  (tracelm.kernels.exp: the same bits on every CPU, several times faster than numpy's);
+  cumulative sums are float64; greedy's softmax over the whole vocabulary is one pass of the kernels'
+  exp and a float64 sum in a fixed order (tracelm.kernels.exp_sum: the same bits on every CPU and thread
+  count, nothing written);
 - min-p runs before top-p: its kept set is a top prefix of the probability order and its test is
   unchanged by top-p's renormalisation (p_i / p_max is), so top-p then only sorts the survivors,
   and over more than 1024 candidates it first tries the 1024 most probable ones.
@@ -58,8 +59,7 @@ def sample(
     logits = _frequency_presence(_penalise(np.asarray(logits), params, recent), params, recent)
     if params.temperature == 0.0:
         token = int(np.argmax(logits))
-        e = np.subtract(np.asarray(logits, np.float32), np.float32(logits[token]))  # one temporary, exp in place
-        z = kernels.exp(e, out=e).sum(dtype=np.float64)
+        z = kernels.exp_sum(np.ascontiguousarray(logits, np.float32), logits[token])  # sum e^(l - l_max), one pass
         return Choice(token=token, prob=float(1.0 / z))
     ids, probs = _filtered(logits, params)
     cdf = np.cumsum(probs)
