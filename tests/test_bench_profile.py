@@ -45,3 +45,31 @@ def test_cli(tiny_q8, capsys):
                      "--decode-tokens", "2", "--threads", "1", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert list(k for k in report if k.startswith("streams_")) == ["streams_2"] and report["steps"] == 2
+
+
+def test_thread_counts_profile_each_and_say_what_scales(tiny_q8):
+    before = kernels.threads()
+    report = bench_profile(str(tiny_q8), streams=(1, 2), n_prompt=8, n_decode=3, thread_counts=(1, 2))
+    assert kernels.threads() == before  # put back
+    assert report["threads"] == [1, 2]
+    for t in (1, 2):
+        for n in (1, 2):
+            assert set(report[f"threads_{t}"][f"streams_{n}"]["kinds"]) == {*KINDS, "rest"}
+    for n in (1, 2):
+        two = report["scaling"][f"streams_{n}"]["threads_2"]
+        base, here = report["threads_1"][f"streams_{n}"], report["threads_2"][f"streams_{n}"]
+        assert two["step"] == round(base["ms_per_step_untimed"] / here["ms_per_step_untimed"], 2)
+        assert two["products"] == round(base["kinds"]["products"]["ms_per_step"] /
+                                        here["kinds"]["products"]["ms_per_step"], 2)
+        assert set(two) == {"step", *KINDS, "rest"}
+
+
+def test_cli_thread_counts(tiny_q8, capsys):
+    assert cli.main(["bench", "profile", "--model", str(tiny_q8), "--streams", "1", "--prompt-tokens", "8",
+                     "--decode-tokens", "2", "--thread-counts", "2,1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["threads"] == [2, 1] and "threads_1" in report["scaling"]["streams_1"]
+    assert cli.main(["bench", "profile", "--model", str(tiny_q8), "--thread-counts", "1,1"]) == 2
+    assert "--thread-counts '1,1'" in capsys.readouterr().err
+    assert cli.main(["bench", "server", "--model", str(tiny_q8), "--thread-counts", "1,2"]) == 2
+    assert "--thread-counts applies to bench profile only" in capsys.readouterr().err

@@ -279,6 +279,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 0
     if args.llama_bench or args.allow_disagreement:
         raise TracelmError("bench: --llama-bench and --allow-disagreement apply to --compare only")
+    if args.thread_counts is not None and args.what != "profile":
+        raise TracelmError("bench: --thread-counts applies to bench profile only")
     # the Session each model bench opens
     engine = {"compute": args.compute, "threads": args.threads, "activations": args.activations}
     with _threads(args.threads, args.compute):
@@ -298,7 +300,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         elif args.what == "profile":
             from tracelm.tools.bench_profile import bench_profile
 
-            report = bench_profile(args.model, _streams(args.streams), args.prompt_tokens, args.decode_tokens, **engine)
+            report = bench_profile(args.model, _streams(args.streams), args.prompt_tokens, args.decode_tokens,
+                                   _thread_counts(args.thread_counts), **engine)
         elif args.what == "batch":
             from tracelm.tools.bench_batch import bench_batch
 
@@ -347,6 +350,19 @@ def _streams(text: str) -> tuple[int, ...]:
     if not streams or min(streams) < 1 or max(streams) > 8 or len(set(streams)) != len(streams):
         raise TracelmError(f"--streams {text!r}: expected distinct counts of 1 to 8 separated by commas")
     return streams
+
+
+def _thread_counts(text: str | None) -> tuple[int, ...]:
+    """`--thread-counts 1,8,16`: distinct counts of 1 to 256 kernel threads, the first the baseline; none when unset."""
+    if text is None:
+        return ()
+    try:
+        counts = tuple(int(n) for n in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1 or max(counts) > 256 or len(set(counts)) != len(counts):
+        raise TracelmError(f"--thread-counts {text!r}: expected distinct counts of 1 to 256 separated by commas")
+    return counts
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -859,6 +875,9 @@ def _add_bench_command(sub: Any) -> None:
     sp.add_argument("--streams", default="1,2,4,8", metavar="N1,N2,...",
                     help="bench server: concurrent streams decoded together through the server's engine (1..8 each); "
                     "aggregate decode tok/s and the ratio to the first; bench profile: the stream counts profiled")
+    sp.add_argument("--thread-counts", default=None, metavar="T1,T2,...",
+                    help="bench profile: profile at each thread count in turn (one process), with each kind's "
+                    "speed-up over the first count: what does not shrink with threads")
     sp.add_argument("--paths", default=None, metavar="NAME,NAME,...",
                     help="bench paths: the kernel paths to alternate (default: every self-tested one but portable)")
     sp.add_argument("--items", type=int, default=64,

@@ -6,7 +6,8 @@ timed by kind: the weight products (`linear_into`: q/k/v, out, gate/up, down), t
 (`kernels.attend_parts`), the norms (`kernels.rms_norm`, `rms_norm_add`), RoPE, the FFN's activation; `sampling` is
 the streams' `Generation.step`; `rest` is the step's wall time outside all of those -- the Python between the calls,
 the embedding lookup, the residual adds, the Cache's bookkeeping. What does not shrink as threads are added is what
-stops decode from scaling (issue 32): run it at 1, 8 and 16 threads.
+stops decode from scaling (issue 32): `--thread-counts 1,8,16` profiles each thread count in turn in one process
+and reports each kind's speed-up over the first count (`scaling`).
 
 The timers wrap the module functions the pass calls, for the timed steps only, and are removed after; each call
 then costs about a microsecond more, so `ms_per_step` is given beside `ms_per_step_untimed`, the same steps without
@@ -94,20 +95,60 @@ def _streams(session: Session, n: int, n_prompt: int, n_decode: int) -> list[Gen
 
 
 def bench_profile(model_name: str, streams: tuple[int, ...] = (1,), n_prompt: int = 64, n_decode: int = 32,
-                  **engine: Any) -> dict[str, Any]:
+                  thread_counts: tuple[int, ...] = (), **engine: Any) -> dict[str, Any]:
+    """The profile of each stream count; with `thread_counts`, the profile at each thread count in turn
+    (`threads_T`) and `scaling`: per stream count, each kind's ms at the first count over its ms at each."""
     with open_session(model_name, **engine) as session:
         report: dict[str, Any] = {"model": session.model.path.name, "threads": kernels.threads(),
                                   "kernels": kernels.path(), "prompt_tokens": n_prompt, "steps": n_decode}
-        for n in streams:
-            untimed = _decode(_streams(session, n, n_prompt, n_decode + 1), n_decode + 1) / (n_decode + 1)
-            gens = _streams(session, n, n_prompt, n_decode + 1)
-            _decode(gens, 1)  # a warm step
-            spent: dict[str, float] = {}
-            with timers(spent):
-                wall = _decode(gens, n_decode)
-            rest = wall - sum(spent.values())
-            kinds = {k: {"ms_per_step": round(1e3 * s / n_decode, 3), "share": round(s / wall, 3)}
-                     for k, s in (*spent.items(), ("rest", rest))}
-            report[f"streams_{n}"] = {"ms_per_step_untimed": round(1e3 * untimed, 3),
-                                      "ms_per_step": round(1e3 * wall / n_decode, 3), "kinds": kinds}
+        if not thread_counts:
+            return report | _profile(session, streams, n_prompt, n_decode)
+        before = kernels.threads()
+        try:
+            for t in thread_counts:
+                kernels.set_threads(t)
+                report[f"threads_{t}"] = _profile(session, streams, n_prompt, n_decode)
+        finally:
+            kernels.set_threads(before)
+        report["threads"] = list(thread_counts)
+        report["scaling"] = scaling(report, thread_counts, streams)
         return report
+
+
+def _profile(session: Session, streams: tuple[int, ...], n_prompt: int, n_decode: int) -> dict[str, Any]:
+    """`streams_N` for each stream count N: the untimed and timed ms per step, and each kind's ms and share."""
+    report: dict[str, Any] = {}
+    for n in streams:
+        untimed = _decode(_streams(session, n, n_prompt, n_decode + 1), n_decode + 1) / (n_decode + 1)
+        gens = _streams(session, n, n_prompt, n_decode + 1)
+        _decode(gens, 1)  # a warm step
+        spent: dict[str, float] = {}
+        with timers(spent):
+            wall = _decode(gens, n_decode)
+        rest = wall - sum(spent.values())
+        kinds = {k: {"ms_per_step": round(1e3 * s / n_decode, 3), "share": round(s / wall, 3)}
+                 for k, s in (*spent.items(), ("rest", rest))}
+        report[f"streams_{n}"] = {"ms_per_step_untimed": round(1e3 * untimed, 3),
+                                  "ms_per_step": round(1e3 * wall / n_decode, 3), "kinds": kinds}
+    return report
+
+
+def scaling(report: dict[str, Any], thread_counts: tuple[int, ...], streams: tuple[int, ...]) -> dict[str, Any]:
+    """Per stream count and thread count: the untimed step's speed-up over the first thread count, and each kind's
+    (its ms there over its ms here): a kind near 1.0 is one that does not shrink as threads are added."""
+    first = report[f"threads_{thread_counts[0]}"]
+    out: dict[str, Any] = {}
+    for n in streams:
+        base = first[f"streams_{n}"]
+        per: dict[str, Any] = {}
+        for t in thread_counts[1:]:
+            here = report[f"threads_{t}"][f"streams_{n}"]
+            per[f"threads_{t}"] = {"step": _ratio(base["ms_per_step_untimed"], here["ms_per_step_untimed"]),
+                                   **{k: _ratio(base["kinds"][k]["ms_per_step"], v["ms_per_step"])
+                                      for k, v in here["kinds"].items()}}
+        out[f"streams_{n}"] = per
+    return out
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 2) if a > 0 and b > 0 else None
