@@ -141,7 +141,8 @@ def test_absent_engine_is_reported_not_a_crash(tiny_gguf, monkeypatch):
     assert rep["engines"]["tracelm"]["status"] == "ok"
     assert rep["ratios"]["prefill_vs_llama_cpp"]["value"] is None
     assert rep["load_average_1m"]["cores"] >= 1 and rep["load_average_1m"]["before"] >= 0
-    assert rep["engines"]["tracelm"]["kernels"]  # the kernels' path in use, named
+    assert rep["engines"]["tracelm"]["kernels"]  # the kernels' path in use, named, with its self-test's result
+    assert rep["engines"]["tracelm"]["selftest"].startswith("passed")
     table = bc.format_table(rep)
     assert "not installed" in table and "load average (1 min)" in table
 

@@ -77,3 +77,6 @@ def test_bench_reports_rates_and_ratios(smollm2_path) -> None:
     for key in ("load_seconds", "prefill_tok_s", "decode_tok_s", "peak_rss_mb", "bandwidth_gb_s", "sgemm_gflop_s",
                 "decode_vs_roofline", "prefill_vs_sgemm_bound"):
         assert report[key] > 0, key
+    # the path measured, and why it was trusted: its self-test against the portable path passed
+    assert report["kernels_path"] in report["selftest"]
+    assert report["selftest"][report["kernels_path"]].startswith("passed")

@@ -150,7 +150,16 @@ def _model_bench(session: Session, probe: dict[str, float], n_prompt: int, n_dec
         "prefill_sgemm_bound_tok_s": round(sgemm_bound_tok_s, 1),
         "prefill_vs_sgemm_bound": round(n_prompt / prefill_s / sgemm_bound_tok_s, 3),
         **ceilings,
+        **(kernels_in_use() if compute == "kernels" else {}),
     }
+
+
+def kernels_in_use() -> dict[str, Any]:
+    """The kernel path a bench runs on and each path's self-test against the portable path ("passed: N cases in
+    T ms", "refused: ...", "untested", "unsupported"): a report names the path it measured and why it was trusted."""
+    import tracelm.kernels as kernels
+
+    return {"kernels_path": kernels.path(), "selftest": {k: f"{s}: {d}" for k, (s, d) in kernels.selftest().items()}}
 
 
 def product_pass_seconds(w: Any, cfg: Any, rows: int, repeat: int, head_rows: int = 1) -> float:

@@ -90,9 +90,10 @@ class TracelmEngine:
         self.runner = open_session(path, threads=threads, **options).new_runner(n_ctx)  # options: RunConfig fields
 
     def describe(self) -> dict[str, Any]:
-        import tracelm.kernels as kernels
+        from tracelm.tools.bench import kernels_in_use
 
-        return {"kernels": kernels.path()}
+        note = kernels_in_use()
+        return {"kernels": note["kernels_path"], "selftest": note["selftest"][note["kernels_path"]]}
 
     def reset(self) -> None:
         self.runner.cache.reset()
@@ -641,7 +642,7 @@ def _engine_lines(name: str, r: dict[str, Any]) -> list[str]:
     if r.get("attention"):
         lines.append(f"{'':14s} attention implementation: {r['attention']}")
     if r.get("kernels"):
-        lines.append(f"{'':14s} kernels path: {r['kernels']}")
+        lines.append(f"{'':14s} kernels path: {r['kernels']} (self-test: {r.get('selftest', 'not recorded')})")
     if r.get("system_info"):
         lines.append(f"{'':14s} system info: {r['system_info']}")
     if name == "llama.cpp":

@@ -24,7 +24,7 @@ def _spread(values: list[float]) -> dict[str, float]:
 def bench_paths(model_name: str, n_prompt: int = 128, n_decode: int = 32, rounds: int = 5,
                 paths: tuple[str, ...] | None = None, **engine: Any) -> dict[str, Any]:
     import tracelm.kernels as kernels
-    from tracelm.tools.bench import bench_ids, open_session, product_pass_seconds
+    from tracelm.tools.bench import bench_ids, kernels_in_use, open_session, product_pass_seconds
 
     names = tuple(paths) if paths else tuple(p for p in kernels.paths() if p != "portable") or ("portable",)
     unknown = [p for p in names if p not in kernels.paths()]
@@ -63,7 +63,7 @@ def bench_paths(model_name: str, n_prompt: int = 128, n_decode: int = 32, rounds
         kernels.use_path(before)
     report: dict[str, Any] = {"model": model_name, "threads": kernels.threads(), "rounds": rounds,
                               "prompt_tokens": n_prompt, "decode_tokens": n_decode,
-                              "selftest": {k: f"{s}: {d}" for k, (s, d) in kernels.selftest().items()},
+                              "selftest": kernels_in_use()["selftest"],
                               "same_bits": True}
     base = "avx2" if "avx2" in names else names[0]
     for p in names:

@@ -25,7 +25,7 @@ import tracelm.kernels as kernels
 import tracelm.pipeline.graph as graph
 from tracelm.pipeline.runner import Generation, feed_together
 from tracelm.session import Session
-from tracelm.tools.bench import bench_ids, open_session
+from tracelm.tools.bench import bench_ids, kernels_in_use, open_session
 from tracelm.tools.bench_server import greedy_to_the_end
 
 # kind -> the (module-like object, attribute) pairs the fused pass calls for it
@@ -100,7 +100,8 @@ def bench_profile(model_name: str, streams: tuple[int, ...] = (1,), n_prompt: in
     (`threads_T`) and `scaling`: per stream count, each kind's ms at the first count over its ms at each."""
     with open_session(model_name, **engine) as session:
         report: dict[str, Any] = {"model": session.model.path.name, "threads": kernels.threads(),
-                                  "kernels": kernels.path(), "prompt_tokens": n_prompt, "steps": n_decode}
+                                  "kernels": kernels.path(), "selftest": kernels_in_use()["selftest"],
+                                  "prompt_tokens": n_prompt, "steps": n_decode}
         if not thread_counts:
             return report | _profile(session, streams, n_prompt, n_decode)
         before = kernels.threads()
