@@ -300,8 +300,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         elif args.what == "profile":
             from tracelm.tools.bench_profile import bench_profile
 
-            report = bench_profile(args.model, _streams(args.streams), args.prompt_tokens, args.decode_tokens,
-                                   _thread_counts(args.thread_counts), **engine)
+            threads = _distinct_ints(args.thread_counts, "thread-counts", 256) if args.thread_counts else ()
+            report = bench_profile(args.model, _distinct_ints(args.streams, "streams", 8), args.prompt_tokens,
+                                   args.decode_tokens, threads, **engine)
         elif args.what == "batch":
             from tracelm.tools.bench_batch import bench_batch
 
@@ -309,7 +310,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         elif args.what == "server":
             from tracelm.tools.bench_server import bench_server
 
-            report = bench_server(args.model, _streams(args.streams), n_decode=args.decode_tokens,
+            report = bench_server(args.model, _distinct_ints(args.streams, "streams", 8), n_decode=args.decode_tokens,
                                   repeats=args.repeats or 3, **engine)
         elif args.trace_overhead:
             report = trace_overhead(args.model, args.decode_tokens, args.repeats or 7, **engine)
@@ -318,7 +319,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
             report = grammar_overhead(args.model, args.grammar, args.decode_tokens, args.repeats or 3, **engine)
         elif args.positions:
-            report = context_scaling(args.model, _positions(args.positions), kv_cache=args.kv_cache, **engine)
+            report = context_scaling(args.model, _distinct_ints(args.positions, "positions"), kv_cache=args.kv_cache,
+                                     **engine)
         else:
             report = run_bench(args.model, args.prompt_tokens, args.decode_tokens, args.context, args.weights,
                                kv_cache=args.kv_cache, **engine)
@@ -330,39 +332,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positions(text: str) -> tuple[int, ...]:
-    """`--positions 100,500,1000,2000`: distinct positive positions, the first the baseline of the ratios."""
+def _distinct_ints(text: str, flag: str, most: int | None = None) -> tuple[int, ...]:
+    """`--FLAG a,b,c` (--positions, --streams, --thread-counts): distinct integers of 1 to `most` (any positive one
+    when None), in the order given, the first the baseline of the ratios."""
     try:
-        positions = tuple(int(p) for p in text.split(","))
+        values = tuple(int(n) for n in text.split(","))
     except ValueError:
-        positions = ()
-    if not positions or min(positions) < 1 or len(set(positions)) != len(positions):
-        raise TracelmError(f"--positions {text!r}: expected distinct positive integers separated by commas")
-    return positions
-
-
-def _streams(text: str) -> tuple[int, ...]:
-    """`--streams 1,2,4,8`: stream counts of 1..8, the first the baseline of the ratios."""
-    try:
-        streams = tuple(int(n) for n in text.split(","))
-    except ValueError:
-        streams = ()
-    if not streams or min(streams) < 1 or max(streams) > 8 or len(set(streams)) != len(streams):
-        raise TracelmError(f"--streams {text!r}: expected distinct counts of 1 to 8 separated by commas")
-    return streams
-
-
-def _thread_counts(text: str | None) -> tuple[int, ...]:
-    """`--thread-counts 1,8,16`: distinct counts of 1 to 256 kernel threads, the first the baseline; none when unset."""
-    if text is None:
-        return ()
-    try:
-        counts = tuple(int(n) for n in text.split(","))
-    except ValueError:
-        counts = ()
-    if not counts or min(counts) < 1 or max(counts) > 256 or len(set(counts)) != len(counts):
-        raise TracelmError(f"--thread-counts {text!r}: expected distinct counts of 1 to 256 separated by commas")
-    return counts
+        values = ()
+    if not values or min(values) < 1 or (most is not None and max(values) > most) or len(set(values)) != len(values):
+        want = f"distinct counts of 1 to {most}" if most is not None else "distinct positive integers"
+        raise TracelmError(f"--{flag} {text!r}: expected {want} separated by commas")
+    return values
 
 
 def cmd_trace(args: argparse.Namespace) -> int:

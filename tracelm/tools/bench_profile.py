@@ -99,7 +99,8 @@ def bench_profile(model_name: str, streams: tuple[int, ...] = (1,), n_prompt: in
     """The profile of each stream count; with `thread_counts`, the profile at each thread count in turn
     (`threads_T`) and `scaling`: per stream count, each kind's ms at the first count over its ms at each."""
     with open_session(model_name, **engine) as session:
-        report: dict[str, Any] = {"model": session.model.path.name, "threads": kernels.threads(),
+        report: dict[str, Any] = {"model": session.model.path.name,
+                                  "threads": list(thread_counts) if thread_counts else kernels.threads(),
                                   "kernels": kernels.path(), "selftest": kernels_in_use()["selftest"],
                                   "prompt_tokens": n_prompt, "steps": n_decode}
         if not thread_counts:
@@ -111,7 +112,6 @@ def bench_profile(model_name: str, streams: tuple[int, ...] = (1,), n_prompt: in
                 report[f"threads_{t}"] = _profile(session, streams, n_prompt, n_decode)
         finally:
             kernels.set_threads(before)
-        report["threads"] = list(thread_counts)
         report["scaling"] = scaling(report, thread_counts, streams)
         return report
 

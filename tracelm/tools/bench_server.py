@@ -36,7 +36,7 @@ def greedy_to_the_end(eog_ids: frozenset[int]) -> SamplingParams:
     return attrs.evolve(GREEDY, logit_bias={int(t): -100.0 for t in sorted(eog_ids)})
 
 
-def run_streams(engine: Engine, prompts: list[list[int]], n_decode: int, sampling: SamplingParams = GREEDY
+def run_streams(engine: Engine, prompts: list[list[int]], n_decode: int, sampling: SamplingParams
                 ) -> dict[str, float]:
     """Run one request per prompt through a not yet started engine; their summed counts and the wall time."""
 
