@@ -73,3 +73,25 @@ def test_cli_thread_counts(tiny_q8, capsys):
     assert "--thread-counts '1,1'" in capsys.readouterr().err
     assert cli.main(["bench", "server", "--model", str(tiny_q8), "--thread-counts", "1,2"]) == 2
     assert "--thread-counts applies to bench profile only" in capsys.readouterr().err
+
+
+def test_temperature_samples_with_the_defaults(tiny_q8, capsys, monkeypatch):
+    """--temperature T: the streams sample at T with the sampler's defaults (top-k 40 ...), every token still asked
+    for decoded (the end tokens biased away); the report says T."""
+    seen = []
+    step = Generation.step
+
+    def spy(self, *args):
+        seen.append((self.sampling.temperature, self.sampling.top_k, self.sampling.logit_bias))
+        return step(self, *args)
+
+    monkeypatch.setattr(Generation, "step", spy)
+    assert cli.main(["bench", "profile", "--model", str(tiny_q8), "--streams", "2", "--prompt-tokens", "8",
+                     "--decode-tokens", "3", "--threads", "1", "--temperature", "0.8", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["temperature"] == 0.8 and report["streams_2"]["kinds"]["sampling"]["ms_per_step"] > 0
+    assert seen and all(t == 0.8 and k == 40 and bias for t, k, bias in seen)
+    assert cli.main(["bench", "profile", "--model", str(tiny_q8), "--temperature", "-1"]) == 2
+    assert "--temperature must be >= 0" in capsys.readouterr().err
+    assert cli.main(["bench", "paths", "--model", str(tiny_q8), "--temperature", "0.5"]) == 2
+    assert "--temperature applies to bench profile and bench server only" in capsys.readouterr().err

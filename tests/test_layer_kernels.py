@@ -116,6 +116,67 @@ def test_exp_sum_checks_its_input():
         kernels.exp_sum(np.zeros((2, 8), np.float32), 0.0)
 
 
+# ---------------------------------------------------------------------------------------------------- top_k
+
+
+def top_k_by_definition(x: np.ndarray, k: int) -> np.ndarray:
+    """The k largest values' ids, lowest ids first at ties, ascending: the sort that defines it."""
+    return np.sort(np.lexsort((np.arange(x.size), -x))[:k])
+
+
+def top_k_cases(n: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    spread = rng.standard_normal(n) * 3
+    spread[rng.integers(0, n, n // 4)] = -np.inf  # a grammar's mask
+    return [rng.integers(-20, 20, n).astype(np.float64),  # every value tied many times
+            spread, np.sort(spread), np.sort(spread)[::-1].copy(),  # ascending: every value enters; descending
+            np.full(n, 0.5), np.linspace(-1, 1, n)]
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (9, 3), (151936, 40), (151936, 1024), (40000, 39999), (70000, 16385),
+                                 (49152, 1), (20000, 20000)])
+def test_top_k_is_its_definition_on_every_path(n, k):
+    """The selection: the same ids as the definition, ties to the lowest ids, for float32 and float64, on every
+    path at 1 and 2 threads (the ranges one per thread, cut and merged in id order)."""
+    for x in top_k_cases(n, n + k):
+        for dtype in (np.float32, np.float64):
+            y = x.astype(dtype)
+            want = top_k_by_definition(y, k)
+            got = every_setting(lambda y=y: kernels.top_k(y, k).view(np.uint32))  # int64 ids, compared as bits
+            np.testing.assert_array_equal(got.view(np.int64), want)
+
+
+def test_top_k_ranges_merge_as_one():
+    """Past a million values each thread scans a range of its own; the ranges' survivors merge to the same ids, ties
+    across a range's border included (the ids of a tie group straddle it)."""
+    n = 2_200_001
+    rng = np.random.default_rng(3)
+    tied = rng.integers(0, 500, n).astype(np.float32)  # ~4,400 ids per value: the k-th value's group straddles
+    spread = rng.standard_normal(n).astype(np.float32)
+    for x, k in ((tied, 9000), (spread, 40), (spread, 3000)):
+        want = top_k_by_definition(x, k)
+        for threads in (1, 2, 3):
+            kernels.set_threads(threads)
+            np.testing.assert_array_equal(kernels.top_k(x, k), want, err_msg=f"threads={threads} k={k}")
+
+
+def test_top_k_checks_its_input():
+    x = np.arange(100000, dtype=np.float32)
+    x[77777] = np.nan
+    with pytest.raises(ValueError, match="top_k: x holds NaN"):
+        kernels.top_k(x, 5)
+    x[:5] = np.nan  # among the first k, kept before any comparison
+    with pytest.raises(ValueError, match="top_k: x holds NaN"):
+        kernels.top_k(x, 50)
+    for bad_k in (0, 100001):
+        with pytest.raises(ValueError, match=r"top_k: k must be 1\.\.100000"):
+            kernels.top_k(np.zeros(100000, np.float32), bad_k)
+    with pytest.raises(ValueError, match="top_k: x must be float32 or float64"):
+        kernels.top_k(np.zeros(8, np.float16), 2)
+    with pytest.raises(ValueError, match="top_k: x must be 1-D"):
+        kernels.top_k(np.zeros((2, 8), np.float32), 2)
+
+
 def test_tanh_absolute_error():
     x = np.random.default_rng(0).standard_normal(1 << 18).astype(np.float32) * np.float32(4)
     x = np.concatenate([x, np.float32(2.0) ** -np.arange(1, 150, dtype=np.float32)])

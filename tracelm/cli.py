@@ -281,6 +281,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise TracelmError("bench: --llama-bench and --allow-disagreement apply to --compare only")
     if args.thread_counts is not None and args.what != "profile":
         raise TracelmError("bench: --thread-counts applies to bench profile only")
+    if args.temperature and args.what not in ("profile", "server"):
+        raise TracelmError("bench: --temperature applies to bench profile and bench server only")
+    if not args.temperature >= 0:
+        raise TracelmError(f"bench: --temperature must be >= 0 (0: greedy), got {args.temperature}")
     # the Session each model bench opens
     engine = {"compute": args.compute, "threads": args.threads, "activations": args.activations}
     with _threads(args.threads, args.compute):
@@ -302,7 +306,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
             threads = _distinct_ints(args.thread_counts, "thread-counts", 256) if args.thread_counts else ()
             report = bench_profile(args.model, _distinct_ints(args.streams, "streams", 8), args.prompt_tokens,
-                                   args.decode_tokens, threads, **engine)
+                                   args.decode_tokens, threads, args.temperature, **engine)
         elif args.what == "batch":
             from tracelm.tools.bench_batch import bench_batch
 
@@ -311,7 +315,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             from tracelm.tools.bench_server import bench_server
 
             report = bench_server(args.model, _distinct_ints(args.streams, "streams", 8), n_decode=args.decode_tokens,
-                                  repeats=args.repeats or 3, **engine)
+                                  repeats=args.repeats or 3, temperature=args.temperature, **engine)
         elif args.trace_overhead:
             report = trace_overhead(args.model, args.decode_tokens, args.repeats or 7, **engine)
         elif args.grammar:
@@ -858,6 +862,9 @@ def _add_bench_command(sub: Any) -> None:
     sp.add_argument("--thread-counts", default=None, metavar="T1,T2,...",
                     help="bench profile: profile at each thread count in turn (one process), with each kind's "
                     "speed-up over the first count: what does not shrink with threads")
+    sp.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                    help="bench profile, bench server: the streams sample at T with the sampler's defaults (top-k 40, "
+                    "top-p 0.95, min-p 0.05); 0 (default): greedy")
     sp.add_argument("--paths", default=None, metavar="NAME,NAME,...",
                     help="bench paths: the kernel paths to alternate (default: every self-tested one but portable)")
     sp.add_argument("--items", type=int, default=64,

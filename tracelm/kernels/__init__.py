@@ -294,6 +294,13 @@ def exp_sum(x: np.ndarray, shift: float) -> float:
     return _core.exp_sum(x, float(shift))
 
 
+def top_k(x: np.ndarray, k: int) -> np.ndarray:
+    """The ids (int64, ascending) of the k largest values of x (1-D float32 or float64, unit stride; 1 <= k <=
+    x.size), the lowest ids winning ties at the k-th value: top-k sampling's selection in one pass (16 values at a
+    time against the k-th largest so far), comparisons only, so the same ids everywhere. NaN is refused (ValueError)."""
+    return _core.top_k(x, int(k), np.empty(int(k), np.int64))
+
+
 def silu_mul(gate_up: np.ndarray, n_ff: int, out: np.ndarray | None = None) -> np.ndarray:
     """silu(gate) * up of gate_up = [gate | up] (float32 [T, 2 n_ff], rows at any stride): per value
     (g / (1 + exp(min(-g, 88)))) * u, the ops of stages/ffn.py silu with the kernels' exp. out: [T, n_ff]."""

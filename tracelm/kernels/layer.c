@@ -31,7 +31,7 @@
  * ==================================================================================================== */
 typedef struct { buf b; int ndim; int64_t n[3], s[3]; } arr;   /* shape and strides (in items) */
 
-enum { K_F32, K_F32_OR_F16, K_KV, K_I64, K_U8 };   /* K_KV: float32, float16, or uint8 (q8_0 blocks) */
+enum { K_F32, K_F32_OR_F16, K_KV, K_I64, K_U8, K_F32_OR_F64 };   /* K_KV: float32, float16, or uint8 (q8_0 blocks) */
 
 static int fail(const char *fn, const char *name, const arr *a, const char *what) {
     char shp[96];
@@ -55,11 +55,12 @@ static int get_arr(PyObject *o, const char *fn, const char *name, int kind, int 
     const int u8 = fmt_is(v, 'B') && v->itemsize == 1;
     int ok = kind == K_I64 ? v->itemsize == 8 && (fmt_is(v, 'l') || fmt_is(v, 'q'))
            : kind == K_U8 ? u8
+           : kind == K_F32_OR_F64 ? (fmt_is(v, 'f') && v->itemsize == 4) || (fmt_is(v, 'd') && v->itemsize == 8)
            : (fmt_is(v, 'f') && v->itemsize == 4) || (kind != K_F32 && fmt_is(v, 'e') && v->itemsize == 2) ||
              (kind == K_KV && u8);
     if (!ok)
         return fail(fn, name, a, kind == K_I64 ? "must be int64" : kind == K_F32 ? "must be float32" :
-                                 kind == K_U8 ? "must be uint8" :
+                                 kind == K_U8 ? "must be uint8" : kind == K_F32_OR_F64 ? "must be float32 or float64" :
                                  kind == K_KV ? "must be float32, float16 or uint8 (q8_0 blocks)" : "must be float32 or float16");
     if (v->ndim < nd_lo || v->ndim > nd_hi) {
         char want[32];
@@ -800,9 +801,194 @@ static PyObject *py_exp_sum(PyObject *self, PyObject *args) {
 }
 static PyObject *py_tanh(PyObject *self, PyObject *args) { (void)self; return flat_map("tanh", FN_TANH, args); }
 
+/* ======================================================================================================
+ * top_k: the ids (ascending) of the k largest values, the lowest ids winning ties at the k-th value -- top-k
+ * sampling's selection. Each range (one per thread, of a million values or more: a vocabulary is one range) is
+ * scanned in id order, 16 values at a time, into a buffer that stays in id order: its first k values, then only a
+ * value above t, the k-th largest kept (an equal value comes later, so has a higher id, so loses the tie); a full
+ * buffer is cut back to k: those above its k-th largest value v_k, then the first (lowest-id) of those equal to v_k. The ranges' survivors, side by side in range order, are cut to k the same
+ * way. Comparisons only: the same ids on every path and thread count. NaN is refused (sampling refuses it before;
+ * a NaN compares with nothing, so it has no rank).
+ * ==================================================================================================== */
+#define TOPK_RANGE (1 << 20)   /* the fewest values a range of its own is worth: a scan is ~0.1 ns a value, and
+                                  * a pool asleep after a sampling step's Python takes ~50 us to wake */
+typedef struct { double v; int64_t i; } ranked;
+
+/* the k-th largest of v[0..m) (1 <= k <= m; v is reordered): a quickselect whose partitions have no branch on
+ * the values (a swap every step, the boundary moved by the comparison), so no branch mispredicted per value:
+ * [lo, g) > p, then [g, e) == p, then [e, hi) < p */
+static double kth_largest(double *v, int64_t m, int64_t k) {
+    int64_t lo = 0, hi = m;
+    const int64_t want = k - 1;   /* its index in descending order */
+    for (;;) {
+        const double a = v[lo], b = v[lo + (hi - lo) / 2], c = v[hi - 1];
+        const double p = a < b ? (b < c ? b : a < c ? c : a) : (a < c ? a : b < c ? c : b);   /* median of 3 */
+        int64_t g = lo, e;
+        for (int64_t j = lo; j < hi; j++) {
+            const double x = v[j];
+            v[j] = v[g]; v[g] = x; g += x > p;
+        }
+        e = g;
+        for (int64_t j = g; j < hi; j++) {
+            const double x = v[j];
+            v[j] = v[e]; v[e] = x; e += x == p;
+        }
+        if (want < g) hi = g;
+        else if (want < e) return p;
+        else lo = e;   /* [g, e) holds p itself: each round takes at least one value off */
+    }
+}
+
+/* b[0..m) (in id order) cut to its k strongest, still in id order; their k-th largest value is returned */
+static double cut_to_k(ranked *b, int64_t m, int64_t k, double *scratch) {
+    for (int64_t j = 0; j < m; j++) scratch[j] = b[j].v;
+    const double vk = kth_largest(scratch, m, k);
+    int64_t ties = k;
+    for (int64_t j = 0; j < m; j++) ties -= b[j].v > vk;
+    int64_t n = 0;
+    for (int64_t j = 0; j < m; j++)
+        if (b[j].v > vk || (b[j].v == vk && ties-- > 0)) b[n++] = b[j];
+    return vk;
+}
+
+typedef struct {
+    const void *x; int f64; int64_t n, k, cap, ranges; ranked *bufs; double *scratch; int64_t *count; atomic_int nan;
+} topk_ctx;
+
+/* whether any of x[0..16) is not <= t (greater, or NaN): most blocks of a scan are passed over whole */
+static inline int any_above_f32(const float *x, float t) {
+#ifdef __SSE2__
+    const __m128 tv = _mm_set1_ps(t);
+    const __m128 a = _mm_or_ps(_mm_cmpnle_ps(_mm_loadu_ps(x), tv), _mm_cmpnle_ps(_mm_loadu_ps(x + 4), tv));
+    const __m128 b = _mm_or_ps(_mm_cmpnle_ps(_mm_loadu_ps(x + 8), tv), _mm_cmpnle_ps(_mm_loadu_ps(x + 12), tv));
+    return _mm_movemask_ps(_mm_or_ps(a, b));
+#else
+    int any = 0;
+    for (int j = 0; j < 16; j++) any |= !(x[j] <= t);
+    return any;
+#endif
+}
+
+static inline int any_above_f64(const double *x, double t) {
+#ifdef __SSE2__
+    const __m128d tv = _mm_set1_pd(t);
+    __m128d a = _mm_setzero_pd();
+    for (int j = 0; j < 16; j += 2) a = _mm_or_pd(a, _mm_cmpnle_pd(_mm_loadu_pd(x + j), tv));
+    return _mm_movemask_pd(a);
+#else
+    int any = 0;
+    for (int j = 0; j < 16; j++) any |= !(x[j] <= t);
+    return any;
+#endif
+}
+
+#define TOPK_SCAN(T, ANY_ABOVE)                                                                                    \
+    do {                                                                                                           \
+        const T *x = (const T *)c->x;                                                                              \
+        for (; i < i1 && m < c->k; i++) {   /* the first k values */                                               \
+            if (x[i] != x[i]) goto nan;                                                                            \
+            b[m++] = (ranked){x[i], i};                                                                            \
+        }                                                                                                          \
+        T t = m ? x[i0] : 0;   /* the smallest of them */                                                          \
+        for (int64_t j = 1; j < m; j++) t = b[j].v < t ? (T)b[j].v : t;                                            \
+        while (i < i1) {                                                                                           \
+            if (i + 16 <= i1 && !ANY_ABOVE(x + i, t)) {                                                            \
+                i += 16;                                                                                           \
+                continue;                                                                                          \
+            }                                                                                                      \
+            for (const int64_t e = i + 16 < i1 ? i + 16 : i1; i < e; i++) {                                        \
+                if (x[i] <= t) continue;                                                                           \
+                if (x[i] != x[i]) goto nan;                                                                        \
+                b[m++] = (ranked){x[i], i};                                                                        \
+                if (m == c->cap) {                                                                                 \
+                    t = (T)cut_to_k(b, m, c->k, sc);   /* exact: the values kept are T's */                        \
+                    m = c->k;                                                                                      \
+                }                                                                                                  \
+            }                                                                                                      \
+        }                                                                                                          \
+    } while (0)
+
+static void topk_tasks(void *ctx, int64_t r0, int64_t r1) {
+    topk_ctx *c = (topk_ctx *)ctx;
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t i0 = c->n * r / c->ranges, i1 = c->n * (r + 1) / c->ranges;
+        ranked *b = c->bufs + r * c->cap;
+        double *sc = c->scratch + r * c->cap;
+        int64_t m = 0, i = i0;
+        if (c->f64) TOPK_SCAN(double, any_above_f64);
+        else TOPK_SCAN(float, any_above_f32);
+        if (m > c->k) {
+            cut_to_k(b, m, c->k, sc);
+            m = c->k;
+        }
+        c->count[r] = m;
+        continue;
+    nan:
+        atomic_store(&c->nan, 1);
+        return;
+    }
+}
+
+static PyObject *py_top_k(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *xo, *oo;
+    long long k;
+    if (!PyArg_ParseTuple(args, "OLO:top_k", &xo, &k, &oo)) return NULL;
+    const char *fn = "top_k";
+    arr x = {0}, out = {0};
+    PyObject *ret = NULL;
+    ranked *bufs = NULL;
+    double *scratch = NULL;
+    int64_t *count = NULL;
+    if (get_arr(xo, fn, "x", K_F32_OR_F64, 1, 1, 0, &x) || unit_last(fn, "x", &x) ||
+        get_arr(oo, fn, "out", K_I64, 1, 1, 1, &out) || unit_last(fn, "out", &out) ||
+        check_apart(fn, "out", &out.b.v, "x", &x.b.v, 0))
+        goto done;
+    const int64_t n = x.n[0];
+    if (k < 1 || k > n || out.n[0] != k) {
+        PyErr_Format(PyExc_ValueError, "top_k: k must be 1..%lld (x's size) and out must hold k ids, got k = %lld, "
+                     "out of %lld", (long long)n, k, (long long)out.n[0]);
+        goto done;
+    }
+    int64_t ranges = n / TOPK_RANGE < pool_threads() ? n / TOPK_RANGE : pool_threads();
+    ranges = ranges < 1 ? 1 : ranges;
+    /* a range's buffer: its k kept and the newcomers since the last cut (a cut costs ~cap: 4 k + 64 makes them rare),
+     * no more than the range's values */
+    const int64_t most = (n + ranges - 1) / ranges + 1, cap = 4 * k + 64 < most ? 4 * k + 64 : most;
+    bufs = malloc((size_t)(ranges * cap) * sizeof *bufs);
+    scratch = malloc((size_t)(ranges * cap) * sizeof *scratch);
+    count = malloc((size_t)ranges * sizeof *count);
+    if (!bufs || !scratch || !count) { PyErr_NoMemory(); goto done; }
+    topk_ctx c = {x.b.v.buf, x.b.v.itemsize == 8, n, k, cap, ranges, bufs, scratch, count, 0};
+    int64_t *ids = (int64_t *)out.b.v.buf;
+    Py_BEGIN_ALLOW_THREADS
+    if (ranges == 1) topk_tasks(&c, 0, 1);
+    else pool_run(topk_tasks, &c, ranges, 1);
+    if (!atomic_load(&c.nan)) {
+        int64_t m = 0;   /* the ranges' survivors side by side (so in id order), then cut to k */
+        for (int64_t r = 0; r < ranges; r++)
+            for (int64_t j = 0; j < count[r]; j++) bufs[m++] = bufs[r * cap + j];
+        if (m > k) cut_to_k(bufs, m, k, scratch);
+        for (int64_t j = 0; j < k; j++) ids[j] = bufs[j].i;
+    }
+    Py_END_ALLOW_THREADS
+    if (atomic_load(&c.nan)) {
+        PyErr_SetString(PyExc_ValueError, "top_k: x holds NaN (a NaN has no rank)");
+        goto done;
+    }
+    Py_INCREF(oo);
+    ret = oo;
+done:
+    free(bufs); free(scratch); free(count);
+    release(&x.b); release(&out.b);
+    return ret;
+}
+
 PyMethodDef layer_methods[] = {
     {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, w, eps, out): out = (x * inv) * w per row"},
     {"exp_sum", py_exp_sum, METH_VARARGS, "exp_sum(x, shift): sum of e^(x - shift) in float64, one fixed order"},
+    {"top_k", py_top_k, METH_VARARGS, "top_k(x, k, out): ids (ascending) of the k largest values, lowest ids first at "
+     "ties"},
     {"rms_norm_add", py_rms_norm_add, METH_VARARGS,
      "rms_norm_add(x, w, eps, residual, out): out = (x * inv) * w + residual per row"},
     {"rope", py_rope, METH_VARARGS, "rope(x, cos, sin, mode, out): rotary embedding, mode 0 adjacent, 1 neox"},

@@ -28,7 +28,8 @@ temperature 1 with no filters: the model's own confidence in its top token.
 
 How it is computed (same result as the literal order above, less work):
 - the temperature is applied after top-k (dividing by T > 0 keeps the order), so a top-k call
-  touches the whole vocabulary only in the penalty, one np.partition and two comparisons;
+  touches the whole vocabulary only in the penalty and one selection (tracelm.kernels.top_k: a pass
+  over the pool that compares and never computes, so the same ids on every CPU);
 - exponentials are float32 (numpy's float64 exp is ~10x slower); sums, normalisation and the
   cumulative sums are float64; greedy's softmax over the whole vocabulary is one pass of the kernels'
   exp and a float64 sum in a fixed order (tracelm.kernels.exp_sum: the same bits on every CPU and thread
@@ -190,10 +191,7 @@ def top_logprobs(logits: np.ndarray, token: int, k: int) -> tuple[float, np.ndar
 
 def _top_k(logits: np.ndarray, k: int) -> np.ndarray | None:
     """Ids (ascending) of the k largest logits, lowest ids winning ties at the k-th value; None = all."""
-    vocab = logits.size
-    if k == 0 or k >= vocab:
+    if k == 0 or k >= logits.size:
         return None
-    kth = np.partition(logits, vocab - k)[vocab - k]  # the k-th largest value, no full sort
-    above = np.flatnonzero(logits > kth)
-    ties = np.flatnonzero(logits == kth)[: k - above.size]
-    return np.sort(np.concatenate([above, ties]))
+    exact = logits.dtype in (np.float32, np.float64)  # (float16 and the like: float64 holds them exactly)
+    return kernels.top_k(np.ascontiguousarray(logits, None if exact else np.float64), k)

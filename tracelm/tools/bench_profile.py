@@ -26,7 +26,7 @@ import tracelm.pipeline.graph as graph
 from tracelm.pipeline.runner import Generation, feed_together
 from tracelm.session import Session
 from tracelm.tools.bench import bench_ids, kernels_in_use, open_session
-from tracelm.tools.bench_server import greedy_to_the_end
+from tracelm.tools.bench_server import to_the_end
 
 # kind -> the (module-like object, attribute) pairs the fused pass calls for it
 KINDS: dict[str, tuple[tuple[Any, str], ...]] = {
@@ -85,43 +85,46 @@ def _decode(gens: list[Generation], n: int) -> float:
     return time.perf_counter() - t0
 
 
-def _streams(session: Session, n: int, n_prompt: int, n_decode: int) -> list[Generation]:
-    """n streams prefilled on prompts shifted by a token each, ready to decode n_decode steps and more."""
+def _streams(session: Session, n: int, n_prompt: int, n_decode: int, temperature: float = 0.0) -> list[Generation]:
+    """n streams prefilled on prompts shifted by a token each, ready to decode n_decode steps and more (greedy, or
+    sampled at `temperature` with the sampler's defaults)."""
     tok = session.model.tokenizer
     ids = bench_ids(tok, n_prompt + n)
-    sampling = greedy_to_the_end(tok.eog_ids)
+    sampling = to_the_end(tok.eog_ids, temperature)
     runners = [session.new_runner(n_prompt + n_decode + 8) for _ in range(n)]
     return [r.start(ids[k : k + n_prompt], n_decode + 4, sampling) for k, r in enumerate(runners)]
 
 
 def bench_profile(model_name: str, streams: tuple[int, ...] = (1,), n_prompt: int = 64, n_decode: int = 32,
-                  thread_counts: tuple[int, ...] = (), **engine: Any) -> dict[str, Any]:
+                  thread_counts: tuple[int, ...] = (), temperature: float = 0.0, **engine: Any) -> dict[str, Any]:
     """The profile of each stream count; with `thread_counts`, the profile at each thread count in turn
-    (`threads_T`) and `scaling`: per stream count, each kind's ms at the first count over its ms at each."""
+    (`threads_T`) and `scaling`: per stream count, each kind's ms at the first count over its ms at each. The
+    streams decode greedily, or sample at `temperature` with the sampler's defaults."""
     with open_session(model_name, **engine) as session:
         report: dict[str, Any] = {"model": session.model.path.name,
                                   "threads": list(thread_counts) if thread_counts else kernels.threads(),
                                   "kernels": kernels.path(), "selftest": kernels_in_use()["selftest"],
-                                  "prompt_tokens": n_prompt, "steps": n_decode}
+                                  "prompt_tokens": n_prompt, "steps": n_decode, "temperature": float(temperature)}
         if not thread_counts:
-            return report | _profile(session, streams, n_prompt, n_decode)
+            return report | _profile(session, streams, n_prompt, n_decode, temperature)
         before = kernels.threads()
         try:
             for t in thread_counts:
                 kernels.set_threads(t)
-                report[f"threads_{t}"] = _profile(session, streams, n_prompt, n_decode)
+                report[f"threads_{t}"] = _profile(session, streams, n_prompt, n_decode, temperature)
         finally:
             kernels.set_threads(before)
         report["scaling"] = scaling(report, thread_counts, streams)
         return report
 
 
-def _profile(session: Session, streams: tuple[int, ...], n_prompt: int, n_decode: int) -> dict[str, Any]:
+def _profile(session: Session, streams: tuple[int, ...], n_prompt: int, n_decode: int, temperature: float
+             ) -> dict[str, Any]:
     """`streams_N` for each stream count N: the untimed and timed ms per step, and each kind's ms and share."""
     report: dict[str, Any] = {}
     for n in streams:
-        untimed = _decode(_streams(session, n, n_prompt, n_decode + 1), n_decode + 1) / (n_decode + 1)
-        gens = _streams(session, n, n_prompt, n_decode + 1)
+        untimed = _decode(_streams(session, n, n_prompt, n_decode + 1, temperature), n_decode + 1) / (n_decode + 1)
+        gens = _streams(session, n, n_prompt, n_decode + 1, temperature)
         _decode(gens, 1)  # a warm step
         spent: dict[str, float] = {}
         with timers(spent):

@@ -31,9 +31,11 @@ from tracelm.tools.bench import bench_ids, open_session, product_pass_seconds
 GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0)
 
 
-def greedy_to_the_end(eog_ids: frozenset[int]) -> SamplingParams:
-    """GREEDY with the end-of-generation tokens biased away, so that a bench's streams decode every token asked."""
-    return attrs.evolve(GREEDY, logit_bias={int(t): -100.0 for t in sorted(eog_ids)})
+def to_the_end(eog_ids: frozenset[int], temperature: float = 0.0) -> SamplingParams:
+    """GREEDY, or at `temperature` > 0 the sampler's defaults (top-k 40, top-p 0.95, min-p 0.05, seed 0), with the
+    end-of-generation tokens biased away, so that a bench's streams decode every token asked."""
+    return attrs.evolve(GREEDY, temperature=float(temperature),
+                        logit_bias={int(t): -100.0 for t in sorted(eog_ids)})
 
 
 def run_streams(engine: Engine, prompts: list[list[int]], n_decode: int, sampling: SamplingParams
@@ -72,18 +74,18 @@ def run_streams(engine: Engine, prompts: list[list[int]], n_decode: int, samplin
 
 
 def bench_server(model_name: str, streams: tuple[int, ...] = (1, 2, 4, 8), n_prompt: int = 64, n_decode: int = 128,
-                 repeats: int = 2, **engine: Any) -> dict[str, Any]:
+                 repeats: int = 2, temperature: float = 0.0, **engine: Any) -> dict[str, Any]:
     with open_session(model_name, **engine) as session:
-        return _bench_server(session, streams, n_prompt, n_decode, repeats)
+        return _bench_server(session, streams, n_prompt, n_decode, repeats, temperature)
 
 
-def _bench_server(session: Session, streams: tuple[int, ...], n_prompt: int, n_decode: int, repeats: int
-                  ) -> dict[str, Any]:
+def _bench_server(session: Session, streams: tuple[int, ...], n_prompt: int, n_decode: int, repeats: int,
+                  temperature: float = 0.0) -> dict[str, Any]:
     model = session.model
     most = max(streams)
     text = bench_ids(model.tokenizer, n_prompt + most)
     # every stream decodes all n_decode tokens: an end-of-generation token would shrink the batch part-way
-    sampling = greedy_to_the_end(model.tokenizer.eog_ids)
+    sampling = to_the_end(model.tokenizer.eog_ids, temperature)
     cfg = attrs.evolve(session.cfg, context=n_prompt + n_decode + 1, sampling=sampling,
                        server=ServerOptions(queue_size=most, max_batch=min(most, 8)))
     best: dict[int, dict[str, float]] = {}
@@ -99,7 +101,8 @@ def _bench_server(session: Session, streams: tuple[int, ...], n_prompt: int, n_d
                 best[n] = got
             best_cpu[n] = max(best_cpu.get(n, 0.0), got["cpu_tok_s"])
     report: dict[str, Any] = {"model": str(model.path.name), "prompt_tokens": n_prompt, "decode_tokens": n_decode,
-                              "repeats": repeats, "loadavg_before": [round(x, 2) for x in load_before],
+                              "temperature": sampling.temperature, "repeats": repeats,
+                              "loadavg_before": [round(x, 2) for x in load_before],
                               "loadavg_after": [round(x, 2) for x in os.getloadavg()]}
     first = streams[0]
     one, cpu_one, one_ms = best[first]["tok_s"], best_cpu[first], best[first]["ms_per_pass"]
