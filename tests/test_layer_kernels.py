@@ -116,6 +116,36 @@ def test_exp_sum_checks_its_input():
         kernels.exp_sum(np.zeros((2, 8), np.float32), 0.0)
 
 
+# ---------------------------------------------------------------------------------------------------- all_finite
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_all_finite_is_isfinite_all(dtype):
+    """all_finite = np.isfinite(x).all(), wherever the one bad value sits (a 16-value block's first or last, the
+    tail past the blocks, any chunk of a row, any row of a strided 2-D array), at 1 and 2 threads."""
+    n = 16384 * 2 + 21
+    base = np.random.default_rng(7).standard_normal((3, n + 5)).astype(dtype) * 1e30  # finite, large
+    for threads in (1, 2):
+        kernels.set_threads(threads)
+        assert kernels.all_finite(base) and kernels.all_finite(base[:, :n]) and kernels.all_finite(base[1])
+        assert kernels.all_finite(np.zeros((0, 4), dtype)) and kernels.all_finite(np.zeros(0, dtype))
+        for bad in (np.nan, np.inf, -np.inf):
+            for r in (0, 2):
+                for i in (0, 15, 16, 16383, 16384, n - 21, n - 1):
+                    x = base.copy()
+                    x[r, i] = bad
+                    assert not kernels.all_finite(x[:, :n]), (bad, r, i)
+                    assert kernels.all_finite(x[1, :n])  # the other rows are still finite
+                    assert not kernels.all_finite(x[r, :n])
+                x = base.copy()
+                x[r, n + 2] = bad  # past the columns looked at
+                assert kernels.all_finite(x[:, :n])
+    with pytest.raises(ValueError, match="all_finite: x must be float32 or float64"):
+        kernels.all_finite(np.zeros(8, np.float16))
+    with pytest.raises(ValueError, match="all_finite: x must have unit stride"):
+        kernels.all_finite(base[:, ::2])
+
+
 # ---------------------------------------------------------------------------------------------------- top_k
 
 

@@ -294,6 +294,12 @@ def exp_sum(x: np.ndarray, shift: float) -> float:
     return _core.exp_sum(x, float(shift))
 
 
+def all_finite(x: np.ndarray) -> bool:
+    """Whether every value of x (1-D, or 2-D with rows at any stride; float32 or float64, unit last stride) is finite:
+    np.isfinite(x).all() in one pass that writes nothing (a pass's logits, checked every step)."""
+    return _core.all_finite(x)
+
+
 def top_k(x: np.ndarray, k: int) -> np.ndarray:
     """The ids (int64, ascending) of the k largest values of x (1-D float32 or float64, unit stride; 1 <= k <=
     x.size), the lowest ids winning ties at the k-th value: top-k sampling's selection in one pass (16 values at a

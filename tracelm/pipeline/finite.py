@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+import tracelm.kernels as kernels
 from tracelm.pipeline.graph import forward, new_cache
 from tracelm.pipeline.trace import output_arrays
 from tracelm.state.errors import NonFiniteError, TracelmError
@@ -43,12 +44,19 @@ def checked_call(stage: str, layer: int | None, fn: Callable[..., Any], *args: A
     return out
 
 
+def all_finite(a: np.ndarray) -> bool:
+    """np.isfinite(a).all(); float32/float64 logits rows (unit last stride): one pass over the pool, no temporary."""
+    if a.dtype in (np.float32, np.float64) and a.ndim in (1, 2) and (a.shape[-1] <= 1 or a.strides[-1] == a.itemsize):
+        return kernels.all_finite(a)
+    return bool(np.isfinite(a).all())
+
+
 def check_logits(values: np.ndarray, cfg: ModelConfig, weights: ModelWeights, tokens: Sequence[int],
                  first: int) -> None:
     """Raise a NonFiniteError naming where a non-finite value first appeared unless every logit is finite.
     `values`: the logits rows of a pass whose last row is position len(tokens) - 1; `tokens`: every id the
     sequence holds (its Cache's tokens after the pass); `first`: the position of values' first row."""
-    if np.isfinite(values).all():
+    if all_finite(np.asarray(values)):
         return
     row = first_bad_row(np.asarray(values))
     raise locate(cfg, weights, tokens, first + (row or 0), what_is(values))
