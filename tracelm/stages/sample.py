@@ -55,11 +55,12 @@ def sample(
     logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, recent: np.ndarray
 ) -> Choice:
     """Choose the next token from `logits` [vocab] (see the module docstring for the exact rules)."""
-    _check(logits)
+    first = _check(logits)
     u = rng.random()  # exactly one draw per call, used or not
-    logits = _frequency_presence(_penalise(np.asarray(logits), params, recent), params, recent)
+    raw = np.asarray(logits)
+    logits = _frequency_presence(_penalise(raw, params, recent), params, recent)
     if params.temperature == 0.0:
-        token = int(np.argmax(logits))
+        token = first if logits is raw else int(np.argmax(logits))  # no penalty: _check's argmax is greedy's
         z = kernels.exp_sum(np.ascontiguousarray(logits, np.float32), logits[token])  # sum e^(l - l_max), one pass
         return Choice(token=token, prob=float(1.0 / z))
     ids, probs = _filtered(logits, params)
@@ -84,19 +85,22 @@ def distribution(
     return ids, probs / probs.sum()
 
 
-def _check(logits: np.ndarray) -> None:
+def _check(logits: np.ndarray) -> int:
+    """Refuse logits sampling cannot use; return np.argmax(logits) (the lowest id of the largest value)."""
     logits = np.asarray(logits)
     if logits.ndim != 1 or logits.size == 0:
         raise ValueError(f"logits must be a non-empty 1-D array [vocab], got shape {list(logits.shape)}")
     if not np.issubdtype(logits.dtype, np.floating):
         raise ValueError(f"logits must be floating point, got {logits.dtype}")
-    top = logits.max()  # NaN propagates through max: one pass checks all three cases
+    first = int(np.argmax(logits))  # argmax stops at the first NaN, so logits[first] is max(): one pass, three checks
+    top = logits[first]
     if np.isnan(top):
         raise ValueError("logits contain NaN")
     if top == np.inf:
         raise ValueError("logits contain +inf")
     if top == -np.inf:
         raise ValueError("logits are all -inf: no token can be chosen")
+    return first
 
 
 def _filtered(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
