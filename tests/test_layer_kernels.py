@@ -432,8 +432,8 @@ def test_attend_edge_cases():
     assert np.isnan(run(q=pos_q, k=inf_k).reshape(3, H, hd)[2, :2]).all()
 
 
-def kv_cache_for(kv: str, Hkv: int, hd: int, n_ctx: int) -> Cache:
-    cfg = ModelConfig(arch="llama", n_vocab=10, n_embd=Hkv * hd, n_layer=1, n_head=Hkv, n_head_kv=Hkv, head_dim=hd,
+def kv_cache_for(kv: str, Hkv: int, hd: int, n_ctx: int, layers: int = 1) -> Cache:
+    cfg = ModelConfig(arch="llama", n_vocab=10, n_embd=Hkv * hd, n_layer=layers, n_head=Hkv, n_head_kv=Hkv, head_dim=hd,
                       n_ff=8, rope_base=1e4, rope_dim=hd, rope_mode="neox", rms_eps=1e-5, n_ctx_train=n_ctx,
                       tied_head=True)
     cos, sin = rope_tables(n_ctx, hd, 1e4, "neox")
@@ -479,6 +479,68 @@ def test_attend_parts_stores_and_attends_each_part_as_alone():
 
     every_setting(run)
     kernels.attend_parts([], 0.125)
+
+
+def test_attend_layer_is_attend_parts_on_the_layers_views():
+    """attend_layer (a pass's parts once, every layer's arrays, this layer's windows) stores and attends as
+    attend_parts does on the views Cache.in_place_views gives: the same bytes stored, the same bits out -- f32, f16
+    and q8_0 caches, a window's first position lo > 0, decode and prompt rows, on every path at 1 and 2 threads."""
+    H, Hkv, hd, layer = 9, 3, 64, 1
+    parts = [("f16", 70, 1, 0), ("f32", 40, 1, 17), ("q8_0", 33, 1, 5), ("f16", 0, 12, 0), ("q8_0", 8, 5, 3)]
+
+    def run():
+        rng_ = np.random.default_rng(8)
+        whole, windows, views, outs, caches = [], [], [], [], []
+        for kv, start, T, lo in parts:
+            old = rng_.standard_normal((2, start, Hkv, hd)).astype(np.float32)
+            new = (rng_.standard_normal((2, T, Hkv, hd)) * 3).astype(np.float32)
+            q = rng_.standard_normal((T, H, hd)).astype(np.float32)
+            end = start + T
+            spans = np.stack([np.zeros(T, np.int64), np.arange(start, end) + 1 - lo], axis=1)
+            a, b = kv_cache_for(kv, Hkv, hd, 512, layers=2), kv_cache_for(kv, Hkv, hd, 512, layers=2)
+            for c in (a, b):
+                if start:
+                    c.write(layer, 0, old[0], old[1])
+            out_a, out_b = (np.full((T, H * hd), np.nan, np.float32) for _ in range(2))
+            whole.append((q, *a.in_place_layers(), end, out_a, new[0], new[1]))
+            windows.append((lo, spans))
+            views.append((q, *b.in_place_views(layer, lo, end), spans, out_b, new[0], new[1]))
+            outs.append((out_a, out_b))
+            caches.append((a, b, end))
+        with np.errstate(over="ignore"):
+            kernels.attend_layer(whole, layer, windows, 0.125)
+            kernels.attend_parts(views, 0.125)
+        for (a, b, end), (out_a, out_b), case in zip(caches, outs, parts, strict=True):
+            for x, y in zip(a.keys_values(layer, end), b.keys_values(layer, end), strict=True):
+                assert np.asarray(x).tobytes() == np.asarray(y).tobytes(), case
+            assert not np.asarray(a.keys_values(0, end)[0]).any(), case  # the other layer untouched
+            assert_same_bits(out_a, out_b, str(case))
+        return np.concatenate([o.ravel() for o, _ in outs])
+
+    every_setting(run)
+    kernels.attend_layer([], 0, [], 0.125)
+
+
+def test_attend_layer_names_what_is_wrong():
+    H, Hkv, hd = 4, 2, 16
+    c = kv_cache_for("f32", Hkv, hd, 16, layers=2)
+    q, new = np.zeros((1, H, hd), np.float32), np.zeros((1, Hkv, hd), np.float32)
+    out, spans = np.zeros((1, H * hd), np.float32), np.array([[0, 4]], np.int64)
+    part = (q, *c.in_place_layers(), 4, out, new, new)
+    with pytest.raises(ValueError, match=r"attend_layer: 2 windows for 1 parts"):
+        kernels.attend_layer([part], 0, [(0, spans), (0, spans)], 0.5)
+    with pytest.raises(ValueError, match=r"attend_layer: parts\[0\] has no keys and values of layer 2"):
+        kernels.attend_layer([part], 2, [(0, spans)], 0.5)
+    with pytest.raises(ValueError, match=r"attend_layer: parts\[0\] must be a tuple \(q, keys, values, end"):
+        kernels.attend_layer([part[:5]], 0, [(0, spans)], 0.5)
+    with pytest.raises(ValueError, match=r"attend_layer: windows\[0\] must be a tuple \(lo, spans\)"):
+        kernels.attend_layer([part], 0, [spans], 0.5)
+    with pytest.raises(ValueError, match=r"attend_layer: parts\[0\]: positions 0..16 are not within keys' 16"):
+        kernels.attend_layer([(q, *c.in_place_layers(), 17, out, new, new)], 0, [(0, spans)], 0.5)
+    with pytest.raises(ValueError, match=r"attend_layer: parts\[0\]: positions 5..3 are not within keys' 16"):
+        kernels.attend_layer([part], 0, [(5, spans)], 0.5)
+    with pytest.raises(ValueError, match=r"attend_layer: parts\[0\]: spans\[0\] = \(0, 4\) must satisfy"):
+        kernels.attend_layer([part], 0, [(1, spans)], 0.5)  # 3 positions from lo = 1
 
 
 def test_attend_parts_names_the_bad_part():

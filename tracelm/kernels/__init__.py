@@ -269,6 +269,14 @@ def attend_parts(parts: Sequence[tuple], scale: float) -> None:
     _core.attend_parts(parts, float(scale))
 
 
+def attend_layer(parts: Sequence[tuple], layer: int, windows: Sequence[tuple[int, np.ndarray]], scale: float) -> None:
+    """attend_parts for one layer of a pass, with no tuple per part and layer: part p is (q, keys, values, end, out,
+    k_new, v_new) for the whole pass, keys and values every layer's arrays of its Cache ([n_head_kv, position, ...]
+    each: `Cache.in_place_layers`), and windows[p] = (lo, spans) this layer's. It is attend_parts' part (q,
+    keys[layer][:, lo:end], values[layer][:, lo:end], spans, out, k_new, v_new): the same stores and bits."""
+    _core.attend_layer(parts, int(layer), windows, float(scale))
+
+
 def q8_0_blocks(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """x float32 [..., n] (2-D or 3-D, unit last stride) as kv_cache q8_0's blocks: uint8 [..., ceil(n / 32) * 34],
     the bytes of state/cache.py q8_0_blocks (its rule, in C: a decode step stores its keys and values without a

@@ -358,7 +358,11 @@ typedef struct { arr a[A_N]; int64_t longest, keys_seen; } attend_args;
 
 static void attend_release(attend_args *x) { for (int i = 0; i < A_N; i++) release(&x->a[i].b); }
 
-static int attend_setup(const char *fn, PyObject *const o[A_N], double scale, attend_args *x, attend_job *j) {
+/* attend_setup's keys and values: positions lo..end-1 of them (attend_layer: the Cache's whole arrays), or all */
+typedef struct { int64_t lo, end; } positions;
+
+static int attend_setup(const char *fn, PyObject *const o[A_N], double scale, const positions *at, attend_args *x,
+                        attend_job *j) {
     arr *q = &x->a[A_Q], *k = &x->a[A_K], *v = &x->a[A_V], *sp = &x->a[A_SP], *out = &x->a[A_OUT];
     const int store = o[A_KN] != NULL;
     if (get_arr(o[A_Q], fn, "q", K_F32, 3, 3, 0, q) || unit_last(fn, "q", q) ||
@@ -369,6 +373,17 @@ static int attend_setup(const char *fn, PyObject *const o[A_N], double scale, at
         get_arr(o[A_OUT], fn, "out", K_F32, 2, 2, 1, out))
         return -1;
     if (v->b.v.itemsize != k->b.v.itemsize) return fail(fn, "values", v, "must have the dtype of keys");
+    int64_t k_off = 0, v_off = 0;   /* items to positions lo */
+    if (at) {
+        if (at->lo < 0 || at->end < at->lo || at->end > k->n[1]) {
+            PyErr_Format(PyExc_ValueError, "%s: positions %lld..%lld are not within keys' %lld", fn, (long long)at->lo,
+                         (long long)at->end - 1, (long long)k->n[1]);
+            return -1;
+        }
+        k_off = at->lo * k->s[1];
+        v_off = at->lo * v->s[1];
+        k->n[1] = v->n[1] = at->end - at->lo;
+    }
     const int64_t T = q->n[0], H = q->n[1], hd = q->n[2], Hkv = k->n[0], L = k->n[1];
     const int q8 = k->b.v.itemsize == 1;   /* q8_0: a position's blocks of the head dim, in bytes */
     const int64_t width = q8 ? q8_blocks(hd) * Q8_BYTES : hd;
@@ -414,7 +429,8 @@ static int attend_setup(const char *fn, PyObject *const o[A_N], double scale, at
         x->longest = k1 - k0 > x->longest ? k1 - k0 : x->longest;
         x->keys_seen += k1 - k0;
     }
-    *j = (attend_job){T, H, Hkv, hd, L, rows_of(q), k->b.v.buf, v->b.v.buf, k->b.v.itemsize == 2, q8, q8_blocks(hd),
+    *j = (attend_job){T, H, Hkv, hd, L, rows_of(q), (const char *)k->b.v.buf + k_off * k->b.v.itemsize,
+                      (const char *)v->b.v.buf + v_off * v->b.v.itemsize, k->b.v.itemsize == 2, q8, q8_blocks(hd),
                       k->s[0], k->s[1], q8 ? 1 : k->s[2], v->s[0], v->s[1], spans, (float)scale,
                       (float *)out->b.v.buf, out->s[0]};
     return 0;
@@ -491,7 +507,8 @@ static void parts_tasks(void *ctx, int64_t t0, int64_t t1) {
  * stored, attended. One part runs as
  * attend always has (in phases when they pay); several as one job over the pool, their query heads split by the
  * units of all (the bits depend on neither). */
-static int attend_many(const char *fn, int named, PyObject *const (*o)[A_N], int64_t n, double scale) {
+static int attend_many(const char *fn, int named, PyObject *const (*o)[A_N], const positions *at, int64_t n,
+                       double scale) {
     attend_args *x = (attend_args *)PyMem_Calloc((size_t)n, sizeof(attend_args));
     attend_ctx *c = (attend_ctx *)PyMem_Calloc((size_t)n, sizeof(attend_ctx));
     int64_t *first = (int64_t *)PyMem_Calloc((size_t)n + 1, sizeof(int64_t));
@@ -504,7 +521,7 @@ static int attend_many(const char *fn, int named, PyObject *const (*o)[A_N], int
     for (int64_t p = 0; p < n; p++) {
         char name[48];
         if (named) snprintf(name, sizeof name, "%s: parts[%lld]", fn, (long long)p);
-        if (attend_setup(named ? name : fn, o[p], scale, &x[p], &c[p].j)) goto done;
+        if (attend_setup(named ? name : fn, o[p], scale, at ? &at[p] : NULL, &x[p], &c[p].j)) goto done;
         units += c[p].j.T * c[p].j.Hkv;
         work += x[p].keys_seen * c[p].j.H * c[p].j.hd;
     }
@@ -579,7 +596,7 @@ static PyObject *py_attend(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOOOdO:attend", &o[0][A_Q], &o[0][A_K], &o[0][A_V], &o[0][A_SP], &scale,
                           &o[0][A_OUT]))
         return NULL;
-    if (attend_many("attend", 0, (PyObject *const (*)[A_N])o, 1, scale)) return NULL;
+    if (attend_many("attend", 0, (PyObject *const (*)[A_N])o, NULL, 1, scale)) return NULL;
     Py_INCREF(o[0][A_OUT]);
     return o[0][A_OUT];
 }
@@ -606,10 +623,75 @@ static PyObject *py_attend_parts(PyObject *self, PyObject *args) {
         }
         for (Py_ssize_t i = 0; i < len; i++) o[p][i] = PyTuple_GET_ITEM(t, i);
     }
-    if (o) rc = attend_many("attend_parts", 1, (PyObject *const (*)[A_N])o, n, scale);
+    if (o) rc = attend_many("attend_parts", 1, (PyObject *const (*)[A_N])o, NULL, n, scale);
 done:
     PyMem_Free(o);
     Py_DECREF(fast);
+    if (rc) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* attend_layer(parts, layer, windows, scale): attend_parts for one layer of a pass without a tuple per part and
+ * layer: part p is (q, keys, values, end, out, k_new, v_new) once per pass, keys and values the Cache's arrays of
+ * every layer; windows[p] = (lo, spans) of this layer. Part p attends over positions lo..end-1 of keys[layer] and
+ * values[layer], its k_new and v_new stored at end - T..end - 1 first: attend_parts' part (q, keys[layer][:, lo:end],
+ * values[layer][:, lo:end], spans, out, k_new, v_new). */
+static PyObject *py_attend_layer(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *seq, *wseq;
+    long long layer;
+    double scale;
+    if (!PyArg_ParseTuple(args, "OLOd:attend_layer", &seq, &layer, &wseq, &scale)) return NULL;
+    PyObject *fast = PySequence_Fast(seq, "attend_layer: parts must be a sequence of tuples");
+    if (!fast) return NULL;
+    PyObject *wfast = PySequence_Fast(wseq, "attend_layer: windows must be a sequence of (lo, spans)");
+    if (!wfast) { Py_DECREF(fast); return NULL; }
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject *(*o)[A_N] = n ? (PyObject *(*)[A_N])PyMem_Calloc((size_t)n, sizeof *o) : NULL;
+    positions *at = n ? (positions *)PyMem_Calloc((size_t)n, sizeof *at) : NULL;
+    int rc = n ? -1 : 0;
+    if (n && (!o || !at)) PyErr_NoMemory();
+    else if (PySequence_Fast_GET_SIZE(wfast) != n)
+        PyErr_Format(PyExc_ValueError, "attend_layer: %zd windows for %zd parts", PySequence_Fast_GET_SIZE(wfast), n);
+    else {
+        Py_ssize_t p = 0;
+        for (; p < n; p++) {
+            PyObject *t = PySequence_Fast_GET_ITEM(fast, p), *w = PySequence_Fast_GET_ITEM(wfast, p);
+            if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 7) {
+                PyErr_Format(PyExc_ValueError, "attend_layer: parts[%zd] must be a tuple (q, keys, values, end, out, "
+                             "k_new, v_new)", p);
+                break;
+            }
+            if (!PyTuple_Check(w) || PyTuple_GET_SIZE(w) != 2) {
+                PyErr_Format(PyExc_ValueError, "attend_layer: windows[%zd] must be a tuple (lo, spans)", p);
+                break;
+            }
+            at[p].lo = PyLong_AsLongLong(PyTuple_GET_ITEM(w, 0));
+            at[p].end = PyLong_AsLongLong(PyTuple_GET_ITEM(t, 3));
+            if (PyErr_Occurred()) break;
+            o[p][A_Q] = PyTuple_GET_ITEM(t, 0);
+            o[p][A_K] = PySequence_GetItem(PyTuple_GET_ITEM(t, 1), (Py_ssize_t)layer);   /* new references */
+            o[p][A_V] = o[p][A_K] ? PySequence_GetItem(PyTuple_GET_ITEM(t, 2), (Py_ssize_t)layer) : NULL;
+            if (!o[p][A_V]) {
+                PyErr_Format(PyExc_ValueError, "attend_layer: parts[%zd] has no keys and values of layer %lld", p,
+                             layer);
+                break;
+            }
+            o[p][A_SP] = PyTuple_GET_ITEM(w, 1);
+            o[p][A_OUT] = PyTuple_GET_ITEM(t, 4);
+            o[p][A_KN] = PyTuple_GET_ITEM(t, 5);
+            o[p][A_VN] = PyTuple_GET_ITEM(t, 6);
+        }
+        if (p == n && n) rc = attend_many("attend_layer", 1, (PyObject *const (*)[A_N])o, at, n, scale);
+        else if (PyErr_ExceptionMatches(PyExc_IndexError) || PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "attend_layer: parts[%zd] has no keys and values of layer %lld, or a "
+                         "non-integer end / lo", p, layer);
+        }
+    }
+    for (Py_ssize_t p = 0; o && p < n; p++) { Py_XDECREF(o[p][A_K]); Py_XDECREF(o[p][A_V]); }
+    PyMem_Free(o); PyMem_Free(at);
+    Py_DECREF(fast); Py_DECREF(wfast);
     if (rc) return NULL;
     Py_RETURN_NONE;
 }
@@ -1057,6 +1139,9 @@ PyMethodDef layer_methods[] = {
     {"attend_parts", py_attend_parts, METH_VARARGS,
      "attend_parts(parts, scale): attend for several sequences in one job, each part (q, keys, values, spans, out"
      "[, k_new, v_new]); k_new, v_new stored at the last T positions of keys, values first"},
+    {"attend_layer", py_attend_layer, METH_VARARGS,
+     "attend_layer(parts, layer, windows, scale): attend_parts over one layer of the Cache's arrays, a part (q, keys, "
+     "values, end, out, k_new, v_new) per sequence for the whole pass, windows[p] = (lo, spans)"},
     {"attend_phases", py_attend_phases, METH_VARARGS,
      "attend_phases(mode) -> the previous mode: attend in phases -1 when they pay, 0 never, 1 always (same bits)"},
     {"q8_0_blocks", py_q8_0_blocks, METH_VARARGS, "q8_0_blocks(x, out): rows of x as q8_0 blocks (kv_cache q8_0)"},

@@ -231,6 +231,9 @@ def fused_layers(cfg: ModelConfig, w: ModelWeights, batch: Batch, per_layer: lis
                                           "post_attn_norm": (h,), "ffn_norm": (x,), "ffn": (o,) if post else (h,),
                                           "post_ffn_norm": (h,)})
     rows = part_rows(batch, q, k, v, a)
+    # a layer every part keeps in place attends in one call per pass's parts (kernels.attend_layer); else per part
+    whole = [(q_p, *c.in_place_layers(), end, a_p, k_p, v_p) for c, _first, end, q_p, k_p, v_p, a_p in rows]
+    in_place = [not any(r) for r in zip(*(p.cache.rings for p in batch.parts), strict=True)]
     for i, lw in enumerate(w.layers):
         cos, sin, windows = per_layer[i]
         kernels.rms_norm(h, lw.attn_norm, eps, out=x)
@@ -246,8 +249,11 @@ def fused_layers(cfg: ModelConfig, w: ModelWeights, batch: Batch, per_layer: lis
         kernels.rope(q, cos, sin, cfg.rope_mode, out=q)
         kernels.rope(k, cos, sin, cfg.rope_mode, out=k)
         note and note("rope", i)
-        kernels.attend_parts([attend_part(i, row, lo, spans) for row, (lo, spans) in zip(rows, windows, strict=True)],
-                             scale)
+        if in_place[i]:
+            kernels.attend_layer(whole, i, windows, scale)
+        else:
+            kernels.attend_parts([attend_part(i, row, lo, spans) for row, (lo, spans) in zip(rows, windows,
+                                                                                             strict=True)], scale)
         note and note("attend", i)
         linear_into(a, lw.wo, o, scratch)
         note and cfg.post_norms and note("out_proj", i)

@@ -259,6 +259,11 @@ class Cache:
             return None
         return self.k[layer][:, lo:end], self.v[layer][:, lo:end]
 
+    def in_place_layers(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Every layer's keys and values arrays ([n_head_kv, position, ...], as `in_place_views` slices them), for
+        kernels.attend_layer on the layers that keep their positions in place (`rings[layer]` 0)."""
+        return self.k, self.v
+
     def keys_values(self, layer: int, end: int, lo: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Read-only views of positions lo..end-1 of one layer: [n_head_kv, end - lo, head_dim] each (q8_0: uint8
         [n_head_kv, end - lo, row bytes], each position's blocks of the head dim side by side)."""

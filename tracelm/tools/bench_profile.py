@@ -3,7 +3,7 @@
 For each stream count N, N prompts are prefilled, then decoded together as the server decodes them (each stream
 samples its token, then one shared pass computes all of them: `feed_together`). The kernel calls of the pass are
 timed by kind: the weight products (`linear_into`: q/k/v, out, gate/up, down), the head, attention
-(`kernels.attend_parts`), the norms (`kernels.rms_norm`, `rms_norm_add`), RoPE, the FFN's activation; `sampling` is
+(`kernels.attend_parts`, `attend_layer`), the norms (`kernels.rms_norm`, `rms_norm_add`), RoPE, the FFN's activation; `sampling` is
 the streams' `Generation.step`; `rest` is the step's wall time outside all of those -- the Python between the calls,
 the embedding lookup, the residual adds, the Cache's bookkeeping. What does not shrink as threads are added is what
 stops decode from scaling (issue 32): `--thread-counts 1,8,16` profiles each thread count in turn in one process
@@ -32,7 +32,7 @@ from tracelm.tools.bench_server import to_the_end
 KINDS: dict[str, tuple[tuple[Any, str], ...]] = {
     "products": ((graph, "linear_into"),),
     "head": ((graph, "head"),),
-    "attention": ((kernels, "attend_parts"),),
+    "attention": ((kernels, "attend_parts"), (kernels, "attend_layer")),
     "norms": ((kernels, "rms_norm"), (kernels, "rms_norm_add")),
     "rope": ((kernels, "rope"),),
     "activation": ((graph.compiled.ACTIVATIONS, "silu"), (graph.compiled.ACTIVATIONS, "gelu_tanh")),
