@@ -3,11 +3,11 @@
 For each stream count N, N prompts are prefilled, then decoded together as the server decodes them (each stream
 samples its token, then one shared pass computes all of them: `feed_together`). The kernel calls of the pass are
 timed by kind: the weight products (`linear_into`: q/k/v, out, gate/up, down), the head, attention
-(`kernels.attend_parts`, `attend_layer`), the norms (`kernels.rms_norm`, `rms_norm_add`), RoPE, the FFN's activation; `sampling` is
-the streams' `Generation.step`; `rest` is the step's wall time outside all of those -- the Python between the calls,
-the embedding lookup, the residual adds, the Cache's bookkeeping. What does not shrink as threads are added is what
-stops decode from scaling (issue 32): `--thread-counts 1,8,16` profiles each thread count in turn in one process
-and reports each kind's speed-up over the first count (`scaling`).
+(`kernels.attend_parts`, `attend_layer`), the norms (`kernels.rms_norm`, `rms_norm_add`), RoPE, the FFN's
+activation; `sampling` is the streams' `Generation.step`; `rest` is the step's wall time outside all of those -- the
+Python between the calls, the embedding lookup, the residual adds, the Cache's bookkeeping. What does not shrink as
+threads are added is what stops decode from scaling (issue 32): `--thread-counts 1,8,16` profiles each thread count
+in turn in one process and reports each kind's speed-up over the first count (`scaling`).
 
 The timers wrap the module functions the pass calls, for the timed steps only, and are removed after; each call
 then costs about a microsecond more, so `ms_per_step` is given beside `ms_per_step_untimed`, the same steps without
