@@ -28,10 +28,16 @@ static pthread_mutex_t run_mx = PTHREAD_MUTEX_INITIALIZER;    /* one job at a ti
 static pthread_mutex_t sleep_mx = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t sleep_cv = PTHREAD_COND_INITIALIZER;   /* idle workers sleep here */
 static pthread_cond_t done_cv = PTHREAD_COND_INITIALIZER;    /* the caller waits here for a slow worker */
-static atomic_uint gen;                 /* odd while a job is open */
-static atomic_int busy, sleepers, caller_sleeps, stop_flag;
-static atomic_llong next_task, done_tasks;
-static struct { task_fn fn; void *ctx; int64_t ntasks, chunk; } job;
+/* Each hot word on a cache line of its own (the statics would otherwise share one or two lines): idle workers spin
+ * reading gen while every thread's fetch_add takes next_task's line and then done_tasks', so on one line each task
+ * taken would also evict every spinner's copy of gen and every reader's of job -- false sharing that grows with the
+ * threads (issue 32). */
+#define LINE 64
+static _Alignas(LINE) atomic_uint gen;                /* odd while a job is open */
+static _Alignas(LINE) atomic_llong next_task;         /* the next task to take */
+static _Alignas(LINE) atomic_llong done_tasks;        /* tasks finished */
+static _Alignas(LINE) atomic_int busy, sleepers, caller_sleeps, stop_flag;
+static _Alignas(LINE) struct { task_fn fn; void *ctx; int64_t ntasks, chunk; } job;   /* read-only while open */
 static pthread_t workers[MAX_THREADS];
 static int n_workers;
 static double spin_seconds = 200e-6;   /* TRACELM_SPIN_US */
@@ -336,8 +342,12 @@ static void dq_tasks(void *ctx, int64_t t0, int64_t t1) {
 
 int pool_threads(void) { return n_workers + 1; }
 
+static int64_t tasks_per_thread = 8;   /* TRACELM_TASKS_PER_THREAD: chunks a thread takes of a job, about */
+
+/* tasks taken at a time: about tasks_per_thread chunks a thread (each take is an atomic add on a line every thread
+ * wants; more chunks balance late threads better) */
 int64_t chunk_for(int64_t ntasks) {
-    int64_t c = ntasks / (8 * (int64_t)(n_workers + 1));
+    int64_t c = ntasks / (tasks_per_thread * (int64_t)(n_workers + 1));
     return c < 1 ? 1 : c;
 }
 
@@ -912,8 +922,9 @@ PyMODINIT_FUNC PyInit__core(void) {
     else
         for (int i = 0; i < N_PATHS; i++)
             if (path_ok(i)) { path = all_paths[i]; break; }
-    const char *spin = getenv("TRACELM_SPIN_US");
+    const char *spin = getenv("TRACELM_SPIN_US"), *per = getenv("TRACELM_TASKS_PER_THREAD");
     if (spin && *spin) spin_seconds = atof(spin) * 1e-6;
+    if (per && atoi(per) >= 1) tasks_per_thread = atoi(per);
     static int forked_hook = 0;
     if (!forked_hook) { pthread_atfork(NULL, NULL, atfork_child); forked_hook = 1; }
     PyObject *sup = Py_BuildValue("(iiiiiiiiiii)", T_F32, T_F16, T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1, T_Q8_0, T_Q4_K,
