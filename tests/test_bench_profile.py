@@ -92,6 +92,8 @@ def test_temperature_samples_with_the_defaults(tiny_q8, capsys, monkeypatch):
     assert report["temperature"] == 0.8 and report["streams_2"]["kinds"]["sampling"]["ms_per_step"] > 0
     assert seen and all(t == 0.8 and k == 40 and bias for t, k, bias in seen)
     assert cli.main(["bench", "profile", "--model", str(tiny_q8), "--temperature", "-1"]) == 2
-    assert "--temperature must be >= 0" in capsys.readouterr().err
+    assert "--temperature must be finite and >= 0" in capsys.readouterr().err
+    assert cli.main(["bench", "server", "--model", str(tiny_q8), "--temperature", "inf"]) == 2
+    assert "--temperature must be finite" in capsys.readouterr().err
     assert cli.main(["bench", "paths", "--model", str(tiny_q8), "--temperature", "0.5"]) == 2
     assert "--temperature applies to bench profile and bench server only" in capsys.readouterr().err

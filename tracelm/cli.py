@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import sys
@@ -283,8 +284,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise TracelmError("bench: --thread-counts applies to bench profile only")
     if args.temperature and args.what not in ("profile", "server"):
         raise TracelmError("bench: --temperature applies to bench profile and bench server only")
-    if not args.temperature >= 0:
-        raise TracelmError(f"bench: --temperature must be >= 0 (0: greedy), got {args.temperature}")
+    if not 0 <= args.temperature < math.inf:
+        raise TracelmError(f"bench: --temperature must be finite and >= 0 (0: greedy), got {args.temperature}")
     # the Session each model bench opens
     engine = {"compute": args.compute, "threads": args.threads, "activations": args.activations}
     with _threads(args.threads, args.compute):

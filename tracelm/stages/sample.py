@@ -28,8 +28,8 @@ temperature 1 with no filters: the model's own confidence in its top token.
 
 How it is computed (same result as the literal order above, less work):
 - the temperature is applied after top-k (dividing by T > 0 keeps the order), so a top-k call
-  touches the whole vocabulary only in the penalty and one selection (tracelm.kernels.top_k: a pass
-  over the pool that compares and never computes, so the same ids on every CPU);
+  touches the whole vocabulary only in the penalty and one selection (tracelm.kernels.top_k: one pass
+  that compares and never computes, so the same ids on every CPU);
 - exponentials are float32 (numpy's float64 exp is ~10x slower); sums, normalisation and the
   cumulative sums are float64; greedy's softmax over the whole vocabulary is one pass of the kernels'
   exp and a float64 sum in a fixed order (tracelm.kernels.exp_sum: the same bits on every CPU and thread
