@@ -315,3 +315,39 @@ def test_bad_logits_raise(logits, words):
 def test_recent_ids_outside_vocab_raise():
     with pytest.raises(ValueError, match="recent"):
         sample(np.zeros(5, np.float32), params(repeat_penalty=1.1), np.random.default_rng(0), np.array([5]))
+
+
+_DRAWS = """
+import json, sys
+import numpy as np
+from tracelm.stages.sample import sample
+from tracelm.state.records import SamplingParams
+out = []
+logits = (np.random.default_rng(3).standard_normal(151936) * 3).astype(np.float32)
+for kw in ({"temperature": 0.8}, {"temperature": 1.3, "top_k": 0, "top_p": 0.9, "min_p": 0.0},
+           {"temperature": 0.7, "top_k": 0, "top_p": 1.0, "min_p": 0.0}, {"temperature": 0.0}):
+    rng = np.random.default_rng(11)
+    for _ in range(40):
+        c = sample(logits, SamplingParams(**kw), rng, np.zeros(0, np.int64))
+        out.append([c.token, np.float64(c.prob).view(np.uint64).item()])
+json.dump(out, sys.stdout)
+"""
+
+
+def test_draws_do_not_depend_on_numpys_simd_level():
+    """The same tokens and probability bits whatever SIMD code numpy dispatches to: a child process with every
+    dispatched target disabled (numpy's baseline only; its float32 exp is another function there) draws as this one
+    does. The exponentials are the kernels' own, as the model's are."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
+
+    on = [f for f in __cpu_dispatch__ if __cpu_features__.get(f)]  # what this CPU runs past the baseline
+    env = dict(os.environ, NPY_DISABLE_CPU_FEATURES=" ".join(on))
+    runs = [subprocess.run([sys.executable, "-c", _DRAWS], capture_output=True, text=True, check=True, env=e).stdout
+            for e in (os.environ, env)]
+    here, baseline = (json.loads(r) for r in runs)
+    assert len(here) == 160 and here == baseline

@@ -30,10 +30,11 @@ How it is computed (same result as the literal order above, less work):
 - the temperature is applied after top-k (dividing by T > 0 keeps the order), so a top-k call
   touches the whole vocabulary only in the penalty and one selection (tracelm.kernels.top_k: one pass
   that compares and never computes, so the same ids on every CPU);
-- exponentials are float32 (numpy's float64 exp is ~10x slower); sums, normalisation and the
-  cumulative sums are float64; greedy's softmax over the whole vocabulary is one pass of the kernels'
-  exp and a float64 sum in a fixed order (tracelm.kernels.exp_sum: the same bits on every CPU and thread
-  count, nothing written);
+- exponentials are float32, the kernels' exp (tracelm.kernels.exp: the same bits on every CPU; numpy's
+  float32 exp is another function on a CPU without AVX2, and numpy's float64 exp is ~10x slower); sums,
+  normalisation and the cumulative sums are float64; greedy's softmax over the whole vocabulary is one
+  pass of the kernels' exp and a float64 sum in a fixed order (tracelm.kernels.exp_sum: the same bits on
+  every CPU and thread count, nothing written);
 - min-p runs before top-p: its kept set is a top prefix of the probability order and its test is
   unchanged by top-p's renormalisation (p_i / p_max is), so top-p then only sorts the survivors,
   and over more than 1024 candidates it first tries the 1024 most probable ones.
@@ -107,7 +108,9 @@ def _filtered(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, n
     """Temperature, top-k, softmax, top-p, min-p: kept ids (ascending), probabilities not renormalised."""
     ids = _top_k(logits, params.top_k)  # ascending ids, or None for the whole vocabulary
     x = (logits if ids is None else logits[ids]).astype(np.float32) / np.float32(params.temperature)
-    e = np.exp(x - x.max())  # unnormalised probabilities; the largest is exactly 1
+    # unnormalised probabilities, the largest exactly 1: the kernels' exp, the same bits on every CPU (numpy's
+    # float32 exp is another function below AVX2, so a draw would depend on the machine)
+    e = kernels.exp(np.ascontiguousarray(x - x.max()))
     total = e.sum(dtype=np.float64)
 
     # min-p keeps a top prefix of the probability order (p >= threshold, ties included), and its test
