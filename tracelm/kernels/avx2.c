@@ -1705,11 +1705,7 @@ AVX2 static void mm_task(const mm_job *j, int64_t g0, int64_t m0, int64_t m1) {
     }
 }
 
-#if VNNI == 2
-const kernel_path PATH_SYM = {PATH_NAME, quantize_row, mm_task, task_groups, &avx512_layer};
-#else
 const kernel_path PATH_SYM = {PATH_NAME, quantize_row, mm_task, task_groups, &avx2_layer};
-#endif
 
 #else
 #if !VNNI

@@ -395,7 +395,7 @@ typedef struct {
     void (*map_row)(int act, const float *a, const float *b, int64_t n, float *out);
 } layer_ops;
 
-extern const layer_ops portable_layer, avx2_layer, avx512_layer;   /* avx512_layer: the AVX-512 paths' */
+extern const layer_ops portable_layer, avx2_layer;
 
 /* inv = 1 / sqrt(ss / d + eps), the one order of both paths */
 static inline float rms_inv(float ss, int64_t d, float eps) {

@@ -649,68 +649,6 @@ AVX2 static void map_row(int act, const float *a, const float *b, int64_t n, flo
 
 const layer_ops avx2_layer = {sumsq, rms_row, rope_row, attend_scores, lane_max, exps, weighted, map_row};
 
-/* ======================================================================================================
- * The AVX-512 paths' layer kernels: avx2_layer with its elementwise loops (exps, act(a) * b) on 16 lanes. The same
- * operations per value (layer_math.h, v16), so the same bits; every chain that runs across lanes (the sums and
- * maxima, RMSNorm's ss, attention's scores and weighted sums) stays avx2_layer's, whose order is its 8 lanes.
- * ==================================================================================================== */
-#define AVX512 __attribute__((target("avx512f,avx2,f16c")))
-#define INL16 static inline __attribute__((always_inline, target("avx512f,avx2,f16c")))
-#define v16_t __m512
-#define v16_i __m512i
-#define v16_c(k) _mm512_set1_ps(k)
-#define v16_ic(k) _mm512_set1_epi32(k)
-#define v16_add(a, b) _mm512_add_ps(a, b)
-#define v16_sub(a, b) _mm512_sub_ps(a, b)
-#define v16_mul(a, b) _mm512_mul_ps(a, b)
-#define v16_div(a, b) _mm512_div_ps(a, b)
-#define v16_min(a, b) _mm512_min_ps(a, b)   /* as MINPS / MAXPS: b when unordered */
-#define v16_max(a, b) _mm512_max_ps(a, b)
-#define v16_ibits(a) _mm512_castps_si512(a)
-#define v16_fbits(i) _mm512_castsi512_ps(i)
-#define v16_iadd(a, b) _mm512_add_epi32(a, b)
-#define v16_isub(a, b) _mm512_sub_epi32(a, b)
-#define v16_sra1(a) _mm512_srai_epi32(a, 1)
-#define v16_shl23(a) _mm512_slli_epi32(a, 23)
-#define SIGN16 _mm512_set1_epi32((int)0x80000000u)
-#define v16_neg(a) _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), SIGN16))
-#define v16_abs(a) _mm512_castsi512_ps(_mm512_andnot_si512(SIGN16, _mm512_castps_si512(a)))
-#define v16_orsign(a, b) \
-    _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(a), _mm512_and_si512(_mm512_castps_si512(b), SIGN16)))
-
-#define P v16
-#define LM INL16
-#include "layer_math.h"
-#undef LM
-#undef P
-
-AVX512 static void exps16(float *s, int64_t n, float m) {
-    const int64_t nv = n / 16 * 16;
-    const __m512 vm = _mm512_set1_ps(m);
-    for (int64_t i = 0; i < nv; i += 16) _mm512_storeu_ps(s + i, v16_exp(_mm512_sub_ps(_mm512_loadu_ps(s + i), vm)));
-    exps(s + nv, n - nv, m);   /* the last n % 16: 8 lanes, then one at a time */
-}
-
-#define MAP_LOOP16(ACT)                                                                                       \
-    for (; k + 16 <= n; k += 16) {                                                                            \
-        const __m512 v = v16_act(ACT, _mm512_loadu_ps(a + k));                                                \
-        _mm512_storeu_ps(out + k, b ? _mm512_mul_ps(v, _mm512_loadu_ps(b + k)) : v);                          \
-    }
-
-AVX512 static void map_row16(int act, const float *a, const float *b, int64_t n, float *out) {
-    int64_t k = 0;
-    switch (act) {   /* a constant act per loop */
-    case ACT_SILU: MAP_LOOP16(ACT_SILU) break;
-    case ACT_GELU_TANH: MAP_LOOP16(ACT_GELU_TANH) break;
-    case FN_EXP: MAP_LOOP16(FN_EXP) break;
-    default: MAP_LOOP16(FN_TANH) break;
-    }
-    map_row(act, a + k, b ? b + k : NULL, n - k, out + k);   /* the last n % 16 */
-}
-#undef MAP_LOOP16
-
-const layer_ops avx512_layer = {sumsq, rms_row, rope_row, attend_scores, lane_max, exps16, weighted, map_row16};
-
 #else
-const layer_ops avx2_layer = {0}, avx512_layer = {0};
+const layer_ops avx2_layer = {0};
 #endif

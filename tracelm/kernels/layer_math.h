@@ -1,7 +1,7 @@
 /* The elementwise math of the layer kernels, written once. A path includes this file with P defined as its
- * arithmetic -- f1 (scalar, kernels.h), v8 (8 lanes, layer_avx2.c) or v16 (16 lanes, layer_avx2.c's avx512_layer)
- * -- and LM as the functions' attributes, and gets P_exp, P_tanh, P_silu, P_gelu_tanh, P_rms_out, P_rms_add_out,
- * P_rot: the same IEEE operations, in the same order, on every lane of every path.
+ * arithmetic -- f1 (scalar, kernels.h) or v8 (8 lanes, layer_avx2.c) -- and LM as the functions' attributes, and
+ * gets P_exp, P_tanh, P_silu, P_gelu_tanh, P_rms_out, P_rms_add_out, P_rot: the same IEEE operations, in the same
+ * order, on every lane of every path.
  *
  * The ops: P_t the float type, P_i the int32 type, P_c(k) a float constant, P_ic(k) an int one; add sub mul div;
  * min(a, b) = a < b ? a : b and max(a, b) = a > b ? a : b (as MINPS / MAXPS: b when unordered); ibits / fbits
