@@ -101,9 +101,10 @@ def bench_profile(model_name: str, streams: tuple[int, ...] = (1,), n_prompt: in
     (`threads_T`) and `scaling`: per stream count, each kind's ms at the first count over its ms at each. The
     streams decode greedily, or sample at `temperature` with the sampler's defaults."""
     with open_session(model_name, **engine) as session:
+        in_use = kernels_in_use()
         report: dict[str, Any] = {"model": session.model.path.name,
                                   "threads": list(thread_counts) if thread_counts else kernels.threads(),
-                                  "kernels": kernels.path(), "selftest": kernels_in_use()["selftest"],
+                                  "kernels": in_use["kernels_path"], "selftest": in_use["selftest"],
                                   "prompt_tokens": n_prompt, "steps": n_decode, "temperature": float(temperature)}
         if not thread_counts:
             return report | _profile(session, streams, n_prompt, n_decode, temperature)

@@ -28,14 +28,12 @@ from tracelm.state.records import SamplingParams
 from tracelm.state.run_config import ServerOptions
 from tracelm.tools.bench import bench_ids, open_session, product_pass_seconds
 
-GREEDY = SamplingParams(temperature=0.0, repeat_penalty=1.0)
-
 
 def to_the_end(eog_ids: frozenset[int], temperature: float = 0.0) -> SamplingParams:
-    """GREEDY, or at `temperature` > 0 the sampler's defaults (top-k 40, top-p 0.95, min-p 0.05, seed 0), with the
-    end-of-generation tokens biased away, so that a bench's streams decode every token asked."""
-    return attrs.evolve(GREEDY, temperature=float(temperature),
-                        logit_bias={int(t): -100.0 for t in sorted(eog_ids)})
+    """Greedy, or at `temperature` > 0 the sampler's defaults (top-k 40, top-p 0.95, min-p 0.05, seed 0), no
+    repetition penalty, the end-of-generation tokens biased away, so that a bench's streams decode every token asked."""
+    return SamplingParams(temperature=float(temperature), repeat_penalty=1.0,
+                          logit_bias={int(t): -100.0 for t in sorted(eog_ids)})
 
 
 def run_streams(engine: Engine, prompts: list[list[int]], n_decode: int, sampling: SamplingParams
