@@ -97,3 +97,27 @@ def test_temperature_samples_with_the_defaults(tiny_q8, capsys, monkeypatch):
     assert "--temperature must be finite" in capsys.readouterr().err
     assert cli.main(["bench", "paths", "--model", str(tiny_q8), "--temperature", "0.5"]) == 2
     assert "--temperature applies to bench profile and bench server only" in capsys.readouterr().err
+
+
+def test_filters_replace_the_defaults(tiny_q8, capsys, monkeypatch):
+    """--top-k, --top-p, --min-p: the sampled streams' filters in the defaults' place, in the report; refused, naming
+    the flag, when out of range or without --temperature."""
+    seen = []
+    step = Generation.step
+
+    def spy(self, *args):
+        seen.append((self.sampling.top_k, self.sampling.top_p, self.sampling.min_p))
+        return step(self, *args)
+
+    monkeypatch.setattr(Generation, "step", spy)
+    assert cli.main(["bench", "profile", "--model", str(tiny_q8), "--streams", "1", "--prompt-tokens", "8",
+                     "--decode-tokens", "3", "--threads", "1", "--temperature", "0.8", "--top-k", "0", "--min-p", "0",
+                     "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["filters"] == {"top_k": 0, "min_p": 0.0}
+    assert seen and set(seen) == {(0, 0.95, 0.0)}
+    assert cli.main(["bench", "server", "--model", str(tiny_q8), "--temperature", "1", "--top-p", "1.5"]) == 2
+    assert "bench: --top-p 1.5: 'top_p' must be <= 1.0" in capsys.readouterr().err
+    assert cli.main(["bench", "profile", "--model", str(tiny_q8), "--top-k", "5"]) == 2
+    assert "--top-k, --top-p and --min-p apply to bench profile and bench server with --temperature > 0" in \
+        capsys.readouterr().err

@@ -286,6 +286,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise TracelmError("bench: --temperature applies to bench profile and bench server only")
     if not 0 <= args.temperature < math.inf:
         raise TracelmError(f"bench: --temperature must be finite and >= 0 (0: greedy), got {args.temperature}")
+    filters = _bench_filters(args)
     # the Session each model bench opens
     engine = {"compute": args.compute, "threads": args.threads, "activations": args.activations}
     with _threads(args.threads, args.compute):
@@ -307,7 +308,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
             threads = _distinct_ints(args.thread_counts, "thread-counts", 256) if args.thread_counts else ()
             report = bench_profile(args.model, _distinct_ints(args.streams, "streams", 8), args.prompt_tokens,
-                                   args.decode_tokens, threads, args.temperature, **engine)
+                                   args.decode_tokens, threads, args.temperature, filters, **engine)
         elif args.what == "batch":
             from tracelm.tools.bench_batch import bench_batch
 
@@ -316,7 +317,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             from tracelm.tools.bench_server import bench_server
 
             report = bench_server(args.model, _distinct_ints(args.streams, "streams", 8), n_decode=args.decode_tokens,
-                                  repeats=args.repeats or 3, temperature=args.temperature, **engine)
+                                  repeats=args.repeats or 3, temperature=args.temperature, filters=filters, **engine)
         elif args.trace_overhead:
             report = trace_overhead(args.model, args.decode_tokens, args.repeats or 7, **engine)
         elif args.grammar:
@@ -335,6 +336,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
         for k, v in report.items():
             print(f"{k:34s} {v}")
     return 0
+
+
+def _bench_filters(args: argparse.Namespace) -> dict[str, float]:
+    """bench profile / server's --top-k, --top-p, --min-p: the sampled streams' filters in the defaults' place."""
+    filters = {k: v for k, v in (("top_k", args.top_k), ("top_p", args.top_p), ("min_p", args.min_p)) if v is not None}
+    if filters and (args.what not in ("profile", "server") or not args.temperature):
+        raise TracelmError("bench: --top-k, --top-p and --min-p apply to bench profile and bench server with "
+                           "--temperature > 0")
+    from tracelm.state.records import SamplingParams
+
+    for key, value in filters.items():
+        try:
+            SamplingParams(**{key: value})
+        except (TypeError, ValueError) as e:
+            raise TracelmError(f"bench: --{key.replace('_', '-')} {value}: {e}") from None
+    return filters
 
 
 def _distinct_ints(text: str, flag: str, most: int | None = None) -> tuple[int, ...]:
@@ -866,6 +883,10 @@ def _add_bench_command(sub: Any) -> None:
     sp.add_argument("--temperature", type=float, default=0.0, metavar="T",
                     help="bench profile, bench server: the streams sample at T with the sampler's defaults (top-k 40, "
                     "top-p 0.95, min-p 0.05); 0 (default): greedy")
+    sp.add_argument("--top-k", type=int, metavar="K", help="bench profile, bench server: the sampled streams' top-k "
+                    "(0 = off) in the default's place")
+    sp.add_argument("--top-p", type=float, metavar="P", help="bench profile, bench server: their top-p (1.0 = off)")
+    sp.add_argument("--min-p", type=float, metavar="P", help="bench profile, bench server: their min-p (0 = off)")
     sp.add_argument("--paths", default=None, metavar="NAME,NAME,...",
                     help="bench paths: the kernel paths to alternate (default: every self-tested one but portable)")
     sp.add_argument("--items", type=int, default=64,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import tracelm.kernels as kernels
@@ -85,47 +85,51 @@ def _decode(gens: list[Generation], n: int) -> float:
     return time.perf_counter() - t0
 
 
-def _streams(session: Session, n: int, n_prompt: int, n_decode: int, temperature: float = 0.0) -> list[Generation]:
+def _streams(session: Session, n: int, n_prompt: int, n_decode: int, temperature: float = 0.0,
+             filters: Mapping[str, float] | None = None) -> list[Generation]:
     """n streams prefilled on prompts shifted by a token each, ready to decode n_decode steps and more (greedy, or
-    sampled at `temperature` with the sampler's defaults)."""
+    sampled at `temperature` with the sampler's defaults, `filters` in their place)."""
     tok = session.model.tokenizer
     ids = bench_ids(tok, n_prompt + n)
-    sampling = to_the_end(tok.eog_ids, temperature)
+    sampling = to_the_end(tok.eog_ids, temperature, filters)
     runners = [session.new_runner(n_prompt + n_decode + 8) for _ in range(n)]
     return [r.start(ids[k : k + n_prompt], n_decode + 4, sampling) for k, r in enumerate(runners)]
 
 
 def bench_profile(model_name: str, streams: tuple[int, ...] = (1,), n_prompt: int = 64, n_decode: int = 32,
-                  thread_counts: tuple[int, ...] = (), temperature: float = 0.0, **engine: Any) -> dict[str, Any]:
+                  thread_counts: tuple[int, ...] = (), temperature: float = 0.0,
+                  filters: Mapping[str, float] | None = None, **engine: Any) -> dict[str, Any]:
     """The profile of each stream count; with `thread_counts`, the profile at each thread count in turn
     (`threads_T`) and `scaling`: per stream count, each kind's ms at the first count over its ms at each. The
-    streams decode greedily, or sample at `temperature` with the sampler's defaults."""
+    streams decode greedily, or sample at `temperature` with the sampler's defaults, `filters` ({"top_k": 0, ...})
+    in their place."""
     with open_session(model_name, **engine) as session:
         in_use = kernels_in_use()
         report: dict[str, Any] = {"model": session.model.path.name,
                                   "threads": list(thread_counts) if thread_counts else kernels.threads(),
                                   "kernels": in_use["kernels_path"], "selftest": in_use["selftest"],
-                                  "prompt_tokens": n_prompt, "steps": n_decode, "temperature": float(temperature)}
+                                  "prompt_tokens": n_prompt, "steps": n_decode, "temperature": float(temperature),
+                                  **({"filters": dict(filters)} if filters else {})}
         if not thread_counts:
-            return report | _profile(session, streams, n_prompt, n_decode, temperature)
+            return report | _profile(session, streams, n_prompt, n_decode, temperature, filters)
         before = kernels.threads()
         try:
             for t in thread_counts:
                 kernels.set_threads(t)
-                report[f"threads_{t}"] = _profile(session, streams, n_prompt, n_decode, temperature)
+                report[f"threads_{t}"] = _profile(session, streams, n_prompt, n_decode, temperature, filters)
         finally:
             kernels.set_threads(before)
         report["scaling"] = scaling(report, thread_counts, streams)
         return report
 
 
-def _profile(session: Session, streams: tuple[int, ...], n_prompt: int, n_decode: int, temperature: float
-             ) -> dict[str, Any]:
+def _profile(session: Session, streams: tuple[int, ...], n_prompt: int, n_decode: int, temperature: float,
+             filters: Mapping[str, float] | None) -> dict[str, Any]:
     """`streams_N` for each stream count N: the untimed and timed ms per step, and each kind's ms and share."""
     report: dict[str, Any] = {}
     for n in streams:
-        untimed = _decode(_streams(session, n, n_prompt, n_decode + 1, temperature), n_decode + 1) / (n_decode + 1)
-        gens = _streams(session, n, n_prompt, n_decode + 1, temperature)
+        untimed = _decode(_streams(session, n, n_prompt, n_decode + 1, temperature, filters), n_decode + 1)
+        gens = _streams(session, n, n_prompt, n_decode + 1, temperature, filters)
         _decode(gens, 1)  # a warm step
         spent: dict[str, float] = {}
         with timers(spent):
@@ -133,7 +137,7 @@ def _profile(session: Session, streams: tuple[int, ...], n_prompt: int, n_decode
         rest = wall - sum(spent.values())
         kinds = {k: {"ms_per_step": round(1e3 * s / n_decode, 3), "share": round(s / wall, 3)}
                  for k, s in (*spent.items(), ("rest", rest))}
-        report[f"streams_{n}"] = {"ms_per_step_untimed": round(1e3 * untimed, 3),
+        report[f"streams_{n}"] = {"ms_per_step_untimed": round(1e3 * untimed / (n_decode + 1), 3),
                                   "ms_per_step": round(1e3 * wall / n_decode, 3), "kinds": kinds}
     return report
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -29,10 +30,12 @@ from tracelm.state.run_config import ServerOptions
 from tracelm.tools.bench import bench_ids, open_session, product_pass_seconds
 
 
-def to_the_end(eog_ids: frozenset[int], temperature: float = 0.0) -> SamplingParams:
-    """Greedy, or at `temperature` > 0 the sampler's defaults (top-k 40, top-p 0.95, min-p 0.05, seed 0), no
-    repetition penalty, the end-of-generation tokens biased away, so that a bench's streams decode every token asked."""
-    return SamplingParams(temperature=float(temperature), repeat_penalty=1.0,
+def to_the_end(eog_ids: frozenset[int], temperature: float = 0.0, filters: Mapping[str, float] | None = None
+               ) -> SamplingParams:
+    """Greedy, or at `temperature` > 0 the sampler's defaults (top-k 40, top-p 0.95, min-p 0.05, seed 0) with
+    `filters` ({"top_k": 0, ...}) in their place, no repetition penalty, the end-of-generation tokens biased away, so
+    that a bench's streams decode every token asked."""
+    return SamplingParams(temperature=float(temperature), repeat_penalty=1.0, **(filters or {}),
                           logit_bias={int(t): -100.0 for t in sorted(eog_ids)})
 
 
@@ -72,18 +75,19 @@ def run_streams(engine: Engine, prompts: list[list[int]], n_decode: int, samplin
 
 
 def bench_server(model_name: str, streams: tuple[int, ...] = (1, 2, 4, 8), n_prompt: int = 64, n_decode: int = 128,
-                 repeats: int = 2, temperature: float = 0.0, **engine: Any) -> dict[str, Any]:
+                 repeats: int = 2, temperature: float = 0.0, filters: Mapping[str, float] | None = None,
+                 **engine: Any) -> dict[str, Any]:
     with open_session(model_name, **engine) as session:
-        return _bench_server(session, streams, n_prompt, n_decode, repeats, temperature)
+        return _bench_server(session, streams, n_prompt, n_decode, repeats, temperature, filters)
 
 
 def _bench_server(session: Session, streams: tuple[int, ...], n_prompt: int, n_decode: int, repeats: int,
-                  temperature: float = 0.0) -> dict[str, Any]:
+                  temperature: float = 0.0, filters: Mapping[str, float] | None = None) -> dict[str, Any]:
     model = session.model
     most = max(streams)
     text = bench_ids(model.tokenizer, n_prompt + most)
     # every stream decodes all n_decode tokens: an end-of-generation token would shrink the batch part-way
-    sampling = to_the_end(model.tokenizer.eog_ids, temperature)
+    sampling = to_the_end(model.tokenizer.eog_ids, temperature, filters)
     cfg = attrs.evolve(session.cfg, context=n_prompt + n_decode + 1, sampling=sampling,
                        server=ServerOptions(queue_size=most, max_batch=min(most, 8)))
     best: dict[int, dict[str, float]] = {}
@@ -99,7 +103,8 @@ def _bench_server(session: Session, streams: tuple[int, ...], n_prompt: int, n_d
                 best[n] = got
             best_cpu[n] = max(best_cpu.get(n, 0.0), got["cpu_tok_s"])
     report: dict[str, Any] = {"model": str(model.path.name), "prompt_tokens": n_prompt, "decode_tokens": n_decode,
-                              "temperature": sampling.temperature, "repeats": repeats,
+                              "temperature": sampling.temperature, **({"filters": dict(filters)} if filters else {}),
+                              "repeats": repeats,
                               "loadavg_before": [round(x, 2) for x in load_before],
                               "loadavg_after": [round(x, 2) for x in os.getloadavg()]}
     first = streams[0]
