@@ -207,6 +207,63 @@ def test_top_k_checks_its_input():
         kernels.top_k(np.zeros((2, 8), np.float32), 2)
 
 
+# ---------------------------------------------------------------------------------------------------- top_p
+
+
+def top_p_by_definition(e: np.ndarray, total: float, top_p: float) -> np.ndarray:
+    """The shortest prefix of the full sort by descending e / total (ties: lower index first) whose np.cumsum reaches
+    top_p, ascending; every index when it never does."""
+    p = e.astype(np.float64) / total
+    order = np.lexsort((np.arange(p.size), -p))
+    n = int(np.searchsorted(np.cumsum(p[order]), top_p, side="left")) + 1
+    return np.arange(p.size) if n > p.size else np.sort(order[:n])
+
+
+def top_p_cases(n: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(n)
+    cases = [np.exp(x * s - (x * s).max()).astype(np.float32) for s in (0.3, 3.0, 12.0)]  # flat .. peaky
+    cases += [np.exp(rng.integers(-8, 1, n)).astype(np.float32),  # every value tied many times
+              np.full(n, 1.0, np.float32),
+              np.where(rng.random(n) < 0.3, 0, np.exp(x - x.max())).astype(np.float32)]  # zeros among them
+    return cases[:5] if n == 1 else cases  # (one value: not one that may be 0)
+
+
+@pytest.mark.parametrize("n", [1, 7, 5000, 151936])
+def test_top_p_is_its_definition(n):
+    """The set of the full sort, for top_p across (0, 1] and at the cumulative sums' own values and their neighbours
+    (where the histogram's sums, in another order, may disagree with the exact ones); the same on every path."""
+    for e in top_p_cases(n, n):
+        for total in (e.sum(dtype=np.float64), float(np.float32(e.sum(dtype=np.float64)))):
+            p = e.astype(np.float64) / total
+            cum = np.cumsum(p[np.lexsort((np.arange(n), -p))])
+            at = cum[np.unique(np.linspace(0, n - 1, 6).astype(int))]
+            for top_p in (1e-9, 0.1, 0.5, 0.9, 0.95, 0.999, 1.0, *at, *np.nextafter(at, 0), *np.nextafter(at, 2)):
+                if not 0 < top_p <= 1:
+                    continue
+                want = top_p_by_definition(e, total, top_p)
+                got = kernels.top_p(e, total, top_p)
+                np.testing.assert_array_equal(got, want, err_msg=f"n={n} top_p={top_p!r} total={total!r}")
+    e = top_p_cases(n, 1)[1]
+    got = every_setting(lambda: kernels.top_p(e, e.sum(dtype=np.float64), 0.9).view(np.uint32))
+    np.testing.assert_array_equal(got.view(np.int64), top_p_by_definition(e, e.sum(dtype=np.float64), 0.9))
+
+
+def test_top_p_checks_its_input():
+    e = np.ones(10, np.float32)
+    assert kernels.top_p(np.zeros(0, np.float32), 1.0, 0.5).size == 0
+    for bad, what in ((np.nan, "nan"), (-1.0, "-1"), (np.inf, "inf")):
+        x = e.copy()
+        x[7] = bad
+        with pytest.raises(ValueError, match=f"top_p: e must be finite and >= 0, got {what} at index 7"):
+            kernels.top_p(x, 10.0, 0.5)
+    for top_p, total in ((0.0, 10.0), (1.5, 10.0), (np.nan, 10.0), (0.5, 0.0), (0.5, np.inf), (0.5, -1.0)):
+        with pytest.raises(ValueError, match=r"top_p: top_p must be in \(0, 1\] and total finite and > 0"):
+            kernels.top_p(e, total, top_p)
+    with pytest.raises(ValueError, match="top_p: e must be float32"):
+        kernels.top_p(e.astype(np.float64), 10.0, 0.5)
+
+
 def test_tanh_absolute_error():
     x = np.random.default_rng(0).standard_normal(1 << 18).astype(np.float32) * np.float32(4)
     x = np.concatenate([x, np.float32(2.0) ** -np.arange(1, 150, dtype=np.float32)])

@@ -315,6 +315,16 @@ def top_k(x: np.ndarray, k: int) -> np.ndarray:
     return _core.top_k(x, int(k), np.empty(int(k), np.int64))
 
 
+def top_p(e: np.ndarray, total: float, top_p: float) -> np.ndarray:
+    """Top-p sampling's set: the indices (int64, ascending) of the shortest prefix of the order by descending
+    p = e / total (float64; ties: lower index first) whose cumulative sum, added one by one in that order as np.cumsum
+    does, reaches top_p; every index when it never does (rounding). Only that prefix is sorted (a histogram of e's bits
+    finds where it ends): the set of the full sort, in a pass or two over e. e: float32 1-D, unit stride, finite and
+    >= 0 (a softmax's numerators); total > 0; 0 < top_p <= 1."""
+    out = np.empty(e.shape[0] if e.ndim == 1 else 0, np.int64)
+    return out[: _core.top_p(e, float(total), float(top_p), out)]
+
+
 def silu_mul(gate_up: np.ndarray, n_ff: int, out: np.ndarray | None = None) -> np.ndarray:
     """silu(gate) * up of gate_up = [gate | up] (float32 [T, 2 n_ff], rows at any stride): per value
     (g / (1 + exp(min(-g, 88)))) * u, the ops of stages/ffn.py silu with the kernels' exp. out: [T, n_ff]."""

@@ -16,6 +16,7 @@
  */
 #include "pyglue.h"
 
+#include <float.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -1126,12 +1127,135 @@ done:
     return ret;
 }
 
+/* ======================================================================================================
+ * top_p: top-p sampling's set. p_i = e_i / total in float64 (e: a softmax's float32 numerators); the set is the
+ * shortest prefix of the order by descending p (ties: lower index first) whose cumulative sum -- float64, one add
+ * after another in that order, np.cumsum's -- reaches top_p; every index when it never does (rounding). Only that
+ * prefix needs sorting, and {e >= t} is a prefix of the order for any t: a histogram of e's top bits with each
+ * bucket's mass names the bucket where the mass reaches top_p; the values from that bucket up are sorted (a stable
+ * radix sort of e's bits, descending, so ties keep index order) and summed in order. Should that exact sum fall short
+ * of top_p (the histogram sums in another order), every value is sorted. e's bits are its order (e >= 0; -0 is
+ * taken as 0), so the set is the full sort's on every path.
+ * ==================================================================================================== */
+#define TOPP_BITS 11
+#define TOPP_DIGITS (1 << TOPP_BITS)
+
+static inline uint32_t topp_key(const float *e, int64_t i) {
+    uint32_t b;
+    memcpy(&b, e + i, sizeof b);
+    return b & 0x7fffffffu;   /* e >= 0: its bits ascend with it */
+}
+
+/* ids[0..m) stably sorted by descending key: three passes of 11 bits, lowest first, a pass skipped where every id
+ * has the same digit; tmp holds m ids. The sorted ids end in ids. */
+static void topp_sort(const float *e, int64_t *ids, int64_t *tmp, int64_t m) {
+    int64_t count[TOPP_DIGITS];
+    for (int shift = 0; shift < 32 && m > 1; shift += TOPP_BITS) {
+        memset(count, 0, sizeof count);
+        for (int64_t j = 0; j < m; j++) count[(~topp_key(e, ids[j]) >> shift) & (TOPP_DIGITS - 1)]++;
+        if (count[(~topp_key(e, ids[0]) >> shift) & (TOPP_DIGITS - 1)] == m) continue;
+        for (int64_t d = 0, at = 0; d < TOPP_DIGITS; d++) {
+            const int64_t c = count[d];
+            count[d] = at;
+            at += c;
+        }
+        for (int64_t j = 0; j < m; j++) tmp[count[(~topp_key(e, ids[j]) >> shift) & (TOPP_DIGITS - 1)]++] = ids[j];
+        memcpy(ids, tmp, (size_t)m * sizeof *ids);
+    }
+}
+
+/* the set's size and its indices, ascending, in out[0..size); ids, tmp: n int64 each, mark: n bytes */
+static int64_t topp_set(const float *e, int64_t n, double total, double top_p, int64_t *ids, int64_t *tmp,
+                        unsigned char *mark, int64_t *out) {
+    double mass[TOPP_DIGITS] = {0};   /* bucket key >> 20: e's exponent and top 3 mantissa bits */
+    for (int64_t i = 0; i < n; i++) mass[topp_key(e, i) >> 20] += e[i];
+    int64_t from = 0;   /* the lowest bucket sorted */
+    double acc = 0;
+    for (int64_t b = TOPP_DIGITS - 1; b >= 0; b--) {
+        acc += mass[b];
+        if (acc / total >= top_p) { from = b; break; }
+    }
+    int64_t size = n;   /* every index, unless a prefix reaches top_p */
+    for (;;) {
+        int64_t m = 0;
+        for (int64_t i = 0; i < n; i++)
+            if ((topp_key(e, i) >> 20) >= (uint32_t)from) ids[m++] = i;
+        topp_sort(e, ids, tmp, m);
+        double sum = 0;
+        int64_t j = 0;
+        while (j < m && (sum += (double)e[ids[j]] / total) < top_p) j++;
+        if (j < m) { size = j + 1; break; }
+        if (from == 0) break;
+        from = 0;   /* the histogram's sum reached top_p, the exact one did not: sort them all */
+    }
+    if (size == n) {
+        for (int64_t i = 0; i < n; i++) out[i] = i;
+        return n;
+    }
+    memset(mark, 0, (size_t)n);
+    for (int64_t j = 0; j < size; j++) mark[ids[j]] = 1;
+    int64_t k = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (mark[i]) out[k++] = i;
+    return size;
+}
+
+static PyObject *py_top_p(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *eo, *oo;
+    double total, top_p;
+    if (!PyArg_ParseTuple(args, "OddO:top_p", &eo, &total, &top_p, &oo)) return NULL;
+    const char *fn = "top_p";
+    arr e = {0}, out = {0};
+    PyObject *ret = NULL;
+    int64_t *ids = NULL, *tmp = NULL;
+    unsigned char *mark = NULL;
+    if (get_arr(eo, fn, "e", K_F32, 1, 1, 0, &e) || unit_last(fn, "e", &e) ||
+        get_arr(oo, fn, "out", K_I64, 1, 1, 1, &out) || unit_last(fn, "out", &out) ||
+        check_apart(fn, "out", &out.b.v, "e", &e.b.v, 0))
+        goto done;
+    const int64_t n = e.n[0];
+    if (out.n[0] != n) {
+        PyErr_Format(PyExc_ValueError, "top_p: out must hold %lld ids (e's size), got %lld", (long long)n,
+                     (long long)out.n[0]);
+        goto done;
+    }
+    if (!(top_p > 0 && top_p <= 1) || !(total > 0 && total <= DBL_MAX)) {
+        PyErr_Format(PyExc_ValueError, "top_p: top_p must be in (0, 1] and total finite and > 0, got top_p = %R, "
+                     "total = %R", PyTuple_GET_ITEM(args, 2), PyTuple_GET_ITEM(args, 1));
+        goto done;
+    }
+    const float *ev = (const float *)e.b.v.buf;
+    for (int64_t i = 0; i < n; i++)
+        if (!(ev[i] >= 0 && ev[i] <= FLT_MAX)) {
+            char v[32];
+            snprintf(v, sizeof v, "%g", (double)ev[i]);
+            PyErr_Format(PyExc_ValueError, "top_p: e must be finite and >= 0, got %s at index %lld", v, (long long)i);
+            goto done;
+        }
+    ids = malloc((size_t)(n ? n : 1) * sizeof *ids);
+    tmp = malloc((size_t)(n ? n : 1) * sizeof *tmp);
+    mark = malloc((size_t)(n ? n : 1));
+    if (!ids || !tmp || !mark) { PyErr_NoMemory(); goto done; }
+    int64_t size;
+    Py_BEGIN_ALLOW_THREADS
+    size = topp_set(ev, n, total, top_p, ids, tmp, mark, (int64_t *)out.b.v.buf);
+    Py_END_ALLOW_THREADS
+    ret = PyLong_FromLongLong(size);
+done:
+    free(ids); free(tmp); free(mark);
+    release(&e.b); release(&out.b);
+    return ret;
+}
+
 PyMethodDef layer_methods[] = {
     {"rms_norm", py_rms_norm, METH_VARARGS, "rms_norm(x, w, eps, out): out = (x * inv) * w per row"},
     {"exp_sum", py_exp_sum, METH_VARARGS, "exp_sum(x, shift): sum of e^(x - shift) in float64, one fixed order"},
     {"all_finite", py_all_finite, METH_VARARGS, "all_finite(x): no value NaN or infinite (1-D or 2-D float32/64)"},
     {"top_k", py_top_k, METH_VARARGS, "top_k(x, k, out): ids (ascending) of the k largest values, lowest ids first at "
      "ties"},
+    {"top_p", py_top_p, METH_VARARGS, "top_p(e, total, top_p, out) -> size: top-p's set of p = e / total, ascending "
+     "indices in out[:size]"},
     {"rms_norm_add", py_rms_norm_add, METH_VARARGS,
      "rms_norm_add(x, w, eps, residual, out): out = (x * inv) * w + residual per row"},
     {"rope", py_rope, METH_VARARGS, "rope(x, cos, sin, mode, out): rotary embedding, mode 0 adjacent, 1 neox"},

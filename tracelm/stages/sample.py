@@ -36,8 +36,9 @@ How it is computed (same result as the literal order above, less work):
   pass of the kernels' exp and a float64 sum in a fixed order (tracelm.kernels.exp_sum: the same bits on
   every CPU and thread count, nothing written);
 - min-p runs before top-p: its kept set is a top prefix of the probability order and its test is
-  unchanged by top-p's renormalisation (p_i / p_max is), so top-p then only sorts the survivors,
-  and over more than 1024 candidates it first tries the 1024 most probable ones.
+  unchanged by top-p's renormalisation (p_i / p_max is), so top-p then only looks at the survivors,
+  and sorts only its own prefix of them (tracelm.kernels.top_p: a histogram of the values finds where
+  the prefix ends; the same set as a full sort).
 
 `recent` is only read (and checked: 1-D integer ids inside the vocabulary) when the penalty is on.
 """
@@ -48,9 +49,6 @@ import numpy as np
 
 import tracelm.kernels as kernels
 from tracelm.state.records import Choice, SamplingParams
-
-_TOP_P_HEAD = 1024  # top-p over a larger candidate set first tries its 1024 most probable entries
-
 
 def sample(
     logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, recent: np.ndarray
@@ -117,28 +115,9 @@ def _filtered(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, n
     # p >= min_p * p_max is unchanged by the renormalisation after top-p, so it can run first and
     # shrink what top-p has to sort. The cumulative sums of that prefix are those of the full order.
     keep = np.flatnonzero((e >= params.min_p) & (e > 0.0))  # indices into e, ascending
-    p = e[keep].astype(np.float64) / total
-    if params.top_p < 1.0:
-        sel = _top_p(p, params.top_p)
-        keep, p = keep[sel], p[sel]
-    return (keep if ids is None else ids[keep]), p
-
-
-def _top_p(p: np.ndarray, top_p: float) -> np.ndarray:
-    """Ascending indices of the smallest set, in descending p (ties: lower index first), reaching top_p."""
-    if p.size > _TOP_P_HEAD:  # if the head holds top_p of the mass, the set lies inside it: sort only that
-        sel = _prefix(p, _top_k(p, _TOP_P_HEAD), top_p)
-        if sel is not None:
-            return sel
-    sel = _prefix(p, np.arange(p.size), top_p)
-    return np.arange(p.size) if sel is None else sel  # None: rounding left the total just short of top_p
-
-
-def _prefix(p: np.ndarray, cand: np.ndarray, top_p: float) -> np.ndarray | None:
-    """The top_p prefix of the ascending indices `cand` in descending p, or None if they never reach it."""
-    order = cand[np.argsort(-p[cand], kind="stable")]  # cand is ascending, so ties keep lower indices first
-    n = int(np.searchsorted(np.cumsum(p[order]), top_p, side="left")) + 1
-    return None if n > order.size else np.sort(order[:n])
+    if params.top_p < 1.0:  # the shortest prefix by descending p = e / total (ties: lower id) reaching top_p
+        keep = keep[kernels.top_p(e[keep], total, params.top_p)]
+    return (keep if ids is None else ids[keep]), e[keep].astype(np.float64) / total
 
 
 def _window(recent: np.ndarray, params: SamplingParams, vocab: int) -> np.ndarray | None:
