@@ -50,6 +50,7 @@ import numpy as np
 import tracelm.kernels as kernels
 from tracelm.state.records import Choice, SamplingParams
 
+
 def sample(
     logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, recent: np.ndarray
 ) -> Choice:
