@@ -1146,44 +1146,57 @@ static inline uint32_t topp_key(const float *e, int64_t i) {
     return b & 0x7fffffffu;   /* e >= 0: its bits ascend with it */
 }
 
-/* ids[0..m) stably sorted by descending key: three passes of 11 bits, lowest first, a pass skipped where every id
- * has the same digit; tmp holds m ids. The sorted ids end in ids. */
-static void topp_sort(const float *e, int64_t *ids, int64_t *tmp, int64_t m) {
+/* a candidate as one word: its rank (0x7fffffff - key: the largest e first) above its index, so ascending words are
+ * the order itself, ties by index */
+static inline uint64_t topp_word(uint32_t key, int64_t i) { return (uint64_t)(0x7fffffffu - key) << 32 | (uint64_t)i; }
+
+static inline double topp_p(uint64_t w, double total) {
+    const uint32_t key = 0x7fffffffu - (uint32_t)(w >> 32);
+    float e;
+    memcpy(&e, &key, sizeof e);
+    return (double)e / total;
+}
+
+/* w[0..m) sorted ascending by rank: three passes of 11 bits (the words come in index order and each pass is stable,
+ * so ties keep it), a pass skipped where every word has the same digit; tmp holds m words. The result ends in w. */
+static void topp_sort(uint64_t *w, uint64_t *tmp, int64_t m) {
     int64_t count[TOPP_DIGITS];
-    for (int shift = 0; shift < 32 && m > 1; shift += TOPP_BITS) {
+    for (int shift = 32; shift < 63 && m > 1; shift += TOPP_BITS) {
         memset(count, 0, sizeof count);
-        for (int64_t j = 0; j < m; j++) count[(~topp_key(e, ids[j]) >> shift) & (TOPP_DIGITS - 1)]++;
-        if (count[(~topp_key(e, ids[0]) >> shift) & (TOPP_DIGITS - 1)] == m) continue;
+        for (int64_t j = 0; j < m; j++) count[(w[j] >> shift) & (TOPP_DIGITS - 1)]++;
+        if (count[(w[0] >> shift) & (TOPP_DIGITS - 1)] == m) continue;
         for (int64_t d = 0, at = 0; d < TOPP_DIGITS; d++) {
             const int64_t c = count[d];
             count[d] = at;
             at += c;
         }
-        for (int64_t j = 0; j < m; j++) tmp[count[(~topp_key(e, ids[j]) >> shift) & (TOPP_DIGITS - 1)]++] = ids[j];
-        memcpy(ids, tmp, (size_t)m * sizeof *ids);
+        for (int64_t j = 0; j < m; j++) tmp[count[(w[j] >> shift) & (TOPP_DIGITS - 1)]++] = w[j];
+        memcpy(w, tmp, (size_t)m * sizeof *w);
     }
 }
 
-/* the set's size and its indices, ascending, in out[0..size); ids, tmp: n int64 each, mark: n bytes */
-static int64_t topp_set(const float *e, int64_t n, double total, double top_p, int64_t *ids, int64_t *tmp,
+/* the set's size and its indices, ascending, in out[0..size); w, tmp: n words each, mark: n bytes */
+static int64_t topp_set(const float *e, int64_t n, double total, double top_p, uint64_t *w, uint64_t *tmp,
                         unsigned char *mark, int64_t *out) {
     double mass[TOPP_DIGITS] = {0};   /* bucket key >> 20: e's exponent and top 3 mantissa bits */
     for (int64_t i = 0; i < n; i++) mass[topp_key(e, i) >> 20] += e[i];
-    int64_t from = 0;   /* the lowest bucket sorted */
+    uint32_t from = 0;   /* the lowest bucket sorted */
     double acc = 0;
-    for (int64_t b = TOPP_DIGITS - 1; b >= 0; b--) {
+    for (int b = TOPP_DIGITS - 1; b >= 0; b--) {
         acc += mass[b];
-        if (acc / total >= top_p) { from = b; break; }
+        if (acc / total >= top_p) { from = (uint32_t)b; break; }
     }
     int64_t size = n;   /* every index, unless a prefix reaches top_p */
     for (;;) {
         int64_t m = 0;
-        for (int64_t i = 0; i < n; i++)
-            if ((topp_key(e, i) >> 20) >= (uint32_t)from) ids[m++] = i;
-        topp_sort(e, ids, tmp, m);
+        for (int64_t i = 0; i < n; i++) {
+            const uint32_t key = topp_key(e, i);
+            if (key >> 20 >= from) w[m++] = topp_word(key, i);
+        }
+        topp_sort(w, tmp, m);
         double sum = 0;
         int64_t j = 0;
-        while (j < m && (sum += (double)e[ids[j]] / total) < top_p) j++;
+        while (j < m && (sum += topp_p(w[j], total)) < top_p) j++;
         if (j < m) { size = j + 1; break; }
         if (from == 0) break;
         from = 0;   /* the histogram's sum reached top_p, the exact one did not: sort them all */
@@ -1193,7 +1206,7 @@ static int64_t topp_set(const float *e, int64_t n, double total, double top_p, i
         return n;
     }
     memset(mark, 0, (size_t)n);
-    for (int64_t j = 0; j < size; j++) mark[ids[j]] = 1;
+    for (int64_t j = 0; j < size; j++) mark[(uint32_t)w[j]] = 1;
     int64_t k = 0;
     for (int64_t i = 0; i < n; i++)
         if (mark[i]) out[k++] = i;
@@ -1208,16 +1221,16 @@ static PyObject *py_top_p(PyObject *self, PyObject *args) {
     const char *fn = "top_p";
     arr e = {0}, out = {0};
     PyObject *ret = NULL;
-    int64_t *ids = NULL, *tmp = NULL;
+    uint64_t *w = NULL, *tmp = NULL;
     unsigned char *mark = NULL;
     if (get_arr(eo, fn, "e", K_F32, 1, 1, 0, &e) || unit_last(fn, "e", &e) ||
         get_arr(oo, fn, "out", K_I64, 1, 1, 1, &out) || unit_last(fn, "out", &out) ||
         check_apart(fn, "out", &out.b.v, "e", &e.b.v, 0))
         goto done;
     const int64_t n = e.n[0];
-    if (out.n[0] != n) {
-        PyErr_Format(PyExc_ValueError, "top_p: out must hold %lld ids (e's size), got %lld", (long long)n,
-                     (long long)out.n[0]);
+    if (out.n[0] != n || n > UINT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "top_p: out must hold %lld ids (e's size, at most 2^32), got %lld",
+                     (long long)n, (long long)out.n[0]);
         goto done;
     }
     if (!(top_p > 0 && top_p <= 1) || !(total > 0 && total <= DBL_MAX)) {
@@ -1233,17 +1246,17 @@ static PyObject *py_top_p(PyObject *self, PyObject *args) {
             PyErr_Format(PyExc_ValueError, "top_p: e must be finite and >= 0, got %s at index %lld", v, (long long)i);
             goto done;
         }
-    ids = malloc((size_t)(n ? n : 1) * sizeof *ids);
+    w = malloc((size_t)(n ? n : 1) * sizeof *w);
     tmp = malloc((size_t)(n ? n : 1) * sizeof *tmp);
     mark = malloc((size_t)(n ? n : 1));
-    if (!ids || !tmp || !mark) { PyErr_NoMemory(); goto done; }
+    if (!w || !tmp || !mark) { PyErr_NoMemory(); goto done; }
     int64_t size;
     Py_BEGIN_ALLOW_THREADS
-    size = topp_set(ev, n, total, top_p, ids, tmp, mark, (int64_t *)out.b.v.buf);
+    size = topp_set(ev, n, total, top_p, w, tmp, mark, (int64_t *)out.b.v.buf);
     Py_END_ALLOW_THREADS
     ret = PyLong_FromLongLong(size);
 done:
-    free(ids); free(tmp); free(mark);
+    free(w); free(tmp); free(mark);
     release(&e.b); release(&out.b);
     return ret;
 }
