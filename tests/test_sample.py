@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -147,6 +148,23 @@ def test_temperature_matches_softmax_empirically():
     # 7 degrees of freedom: P(chi2 > 24.3) = 0.001 under the right distribution
     assert chi2(counts, want) < 24.3
     assert chi2(counts, wrong) > 100  # the test can tell the two apart
+
+
+@pytest.mark.parametrize("t", [1e-39, 1e-45, 1e-300])
+@pytest.mark.parametrize("kw", [dict(), dict(top_k=40), dict(top_p=0.95), dict(min_p=0.05)])
+def test_a_vanishing_temperature_is_its_limit(t, kw):
+    """A temperature so small that logits / T overflow (T -> 0 in float32, or 0 itself) is its limit: the largest
+    logits alike, the rest nothing -- not NaN, an error or a warning."""
+    logits = logits_of(3000, 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ids, probs = distribution(logits, params(temperature=t, **kw), NONE)
+        assert ids.tolist() == [int(np.argmax(logits))] and probs.tolist() == [1.0]
+        tied = logits.copy()
+        tied[17] = tied.max()
+        ids, probs = distribution(tied, params(temperature=t, **kw), NONE)
+        assert ids.tolist() == sorted([17, int(np.argmax(logits))]) and probs.tolist() == [0.5, 0.5]
+        assert sample(tied, params(temperature=t, **kw), CountingRng(0.6), NONE).token == ids[1]
 
 
 # --- filters: exact kept sets against the reference ----------------------------------------------
