@@ -116,9 +116,9 @@ def test_top_logprobs_match_log_softmax():
         ref = softmax_reference([float(v) for v in logits])
         order = sorted(ref, key=lambda i: (-ref[i], i))
         lp, ids, lps = top_logprobs(logits, 7, 5)
-        assert lp == pytest.approx(math.log(ref[7]), abs=1e-9)
+        assert lp == pytest.approx(math.log(ref[7]), abs=1e-6)  # float32 exps (kernels.exp_sum)
         assert ids.tolist() == order[:5]
-        np.testing.assert_allclose(lps, [math.log(ref[i]) for i in order[:5]], atol=1e-9)
+        np.testing.assert_allclose(lps, [math.log(ref[i]) for i in order[:5]], atol=1e-6)
     assert top_logprobs(logits_of(8, 0), 0, 0)[1].size == 0
     ties = np.array([1.0, 3.0, 3.0, 3.0, 0.0], np.float32)
     assert top_logprobs(ties, 0, 2)[1].tolist() == [1, 2]

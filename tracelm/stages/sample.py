@@ -45,6 +45,8 @@ How it is computed (same result as the literal order above, less work):
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 import tracelm.kernels as kernels
@@ -170,14 +172,16 @@ def _frequency_presence(logits: np.ndarray, params: SamplingParams, recent: np.n
 def top_logprobs(logits: np.ndarray, token: int, k: int) -> tuple[float, np.ndarray, np.ndarray]:
     """Log-probabilities under the model's own distribution (softmax of `logits` [vocab], temperature 1,
     no penalties or filters): that of `token`, and the k most probable ids (descending; ties: lower id
-    first) with theirs. For reporting (OpenAI `logprobs`); sampling does not use it."""
-    _check(logits)
-    x = np.asarray(logits, np.float64)
-    m = x.max()
-    lse = m + np.log(np.exp(x - m).sum())
+    first) with theirs. For reporting (OpenAI `logprobs`); sampling does not use it. The log-sum-exp is
+    greedy's: the kernels' exp of the float32 differences from the largest logit, summed in float64 in one
+    fixed order (kernels.exp_sum), so the same bits on every CPU (within ~1e-7 of float64 throughout)."""
+    first = _check(logits)
+    x = np.ascontiguousarray(logits, np.float32)
+    m = float(x[first])
+    lse = m + math.log(kernels.exp_sum(x, m))
     ids = _top_k(x, k) if 0 < k < x.size else np.arange(x.size if k else 0)
     ids = ids[np.argsort(-x[ids], kind="stable")]
-    return float(x[token] - lse), ids, x[ids] - lse
+    return float(x[token]) - lse, ids, x[ids].astype(np.float64) - lse
 
 
 def _top_k(logits: np.ndarray, k: int) -> np.ndarray | None:
