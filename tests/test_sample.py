@@ -150,7 +150,7 @@ def test_temperature_matches_softmax_empirically():
     assert chi2(counts, wrong) > 100  # the test can tell the two apart
 
 
-@pytest.mark.parametrize("t", [1e-39, 1e-45, 1e-300])
+@pytest.mark.parametrize("t", [1e-39, 1e-45, 1e-50, 1e-300])
 @pytest.mark.parametrize("kw", [dict(), dict(top_k=40), dict(top_p=0.95), dict(min_p=0.05)])
 def test_a_vanishing_temperature_is_its_limit(t, kw):
     """A temperature so small that logits / T overflow (T -> 0 in float32, or 0 itself) is its limit: the largest
@@ -165,6 +165,8 @@ def test_a_vanishing_temperature_is_its_limit(t, kw):
         ids, probs = distribution(tied, params(temperature=t, **kw), NONE)
         assert ids.tolist() == sorted([17, int(np.argmax(logits))]) and probs.tolist() == [0.5, 0.5]
         assert sample(tied, params(temperature=t, **kw), CountingRng(0.6), NONE).token == ids[1]
+        zero = logits - logits.max()  # the largest logit 0: 0 / T is NaN where T is 0 in float32
+        assert distribution(zero, params(temperature=t, **kw), NONE)[0].tolist() == [int(np.argmax(logits))]
 
 
 # --- filters: exact kept sets against the reference ----------------------------------------------

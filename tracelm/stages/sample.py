@@ -111,11 +111,13 @@ def _filtered(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, n
     kept = logits if ids is None else logits[ids]
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
         x = kept.astype(np.float32) / np.float32(params.temperature)
-    if x.max() == np.inf:  # T so small that the largest x / T overflow: the T -> 0 limit, the largest logits alike
+    m = x.max()
+    if not np.isfinite(m):  # T so small that x / T overflows (or T is 0 in float32, and 0 / 0 NaN): the
+        # T -> 0 limit, the largest logits alike
         e = (kept == kept.max()).astype(np.float32)
     else:  # unnormalised probabilities, the largest exactly 1: the kernels' exp, the same bits on every CPU (numpy's
         # float32 exp is another function below AVX2, so a draw would depend on the machine)
-        e = kernels.exp(np.ascontiguousarray(x - x.max()))
+        e = kernels.exp(np.ascontiguousarray(x - m))
     total = e.sum(dtype=np.float64)
 
     # min-p keeps a top prefix of the probability order (p >= threshold, ties included), and its test
