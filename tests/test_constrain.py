@@ -287,3 +287,14 @@ def test_speculation_under_a_constraint_gives_the_same_text(smollm2) -> None:
             drafted.append(s.stats.n_drafted)
     assert texts[0] == texts[1] and drafted[0] == 0 and drafted[1] > 0
     jsonschema.validate(json.loads(texts[0]), SCHEMA)
+
+
+def test_bench_grammar_reports_both_rates(tiny_gguf: Path, capsys) -> None:
+    """`tracelm bench --grammar`: plain and constrained decode on the engine the other benches open (threads,
+    activations), the grammar stage's cost per token."""
+    assert main(["bench", "--grammar", "json", "--model", str(tiny_gguf), "--decode-tokens", "4", "--repeats", "2",
+                 "--threads", "1", "--activations", "int8", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["grammar"] == "json" and report["repeats"] == 2
+    assert report["decode_tok_s_plain"] > 0 and report["decode_tok_s_constrained"] > 0
+    assert report["grammar_ms_per_token"] > 0

@@ -41,9 +41,10 @@ def bench_constraint(kind: str) -> Constraint:
 
 
 def grammar_overhead(model_name: str, kind: str = "json", n_decode: int = 128, repeats: int = 3,
-                     compute: str = "kernels", threads: int = 0) -> dict[str, Any]:
-    """Decode tok/s plain and constrained by `kind` (see the module docstring)."""
-    with open_session(model_name, compute=compute, threads=threads) as session:
+                     **engine: Any) -> dict[str, Any]:
+    """Decode tok/s plain and constrained by `kind` (see the module docstring); `engine`: the Session's run config
+    fields (compute, threads, activations), as every bench takes them."""
+    with open_session(model_name, **engine) as session:
         return _grammar_overhead(session, bench_constraint(kind), kind, n_decode, repeats)
 
 
