@@ -13,6 +13,7 @@ import pytest
 
 from tests.conftest import FIXTURES
 from tests.test_trace import rechain
+from tracelm import kernels
 from tracelm.audit.replay import DIVERGED, REPRODUCED, replay
 from tracelm.cli import main
 from tracelm.io.grammar import Matcher, check_constraint, closed, constraint_digest, mask_digest, vocabulary
@@ -69,6 +70,31 @@ def test_constrain_masks_and_biases_and_leaves_its_input() -> None:
         constrain(logits, None, [(70, 1.0)])
     with pytest.raises(ValueError, match="allows no token"):
         constrain(logits, packed(np.zeros(70, bool)))
+
+
+def test_the_masks_kernel_is_the_numpy_statement() -> None:
+    """constrain's mask through the kernels (float32 / float64 rows) gives numpy's -inf wherever the bit is clear and
+    nothing else changed, at every length around the kernel's 64-token runs, sparse and dense masks, whole words of
+    ones and of zeros; other dtypes go through numpy."""
+    rng = np.random.default_rng(5)
+    for vocab in (1, 7, 63, 64, 65, 128, 200, 151936):
+        for density in (0.0005, 0.5, 0.999, 1.0):
+            allowed = rng.random(vocab) < density
+            allowed[rng.integers(vocab)] = True
+            allowed[: min(vocab, 130)] = allowed[: min(vocab, 130)] & (np.arange(min(vocab, 130)) >= 64)  # 64 off
+            if not allowed.any():
+                allowed[-1] = True
+            for dtype in (np.float32, np.float64, np.float16):
+                logits = rng.standard_normal(vocab).astype(dtype)
+                out = constrain(logits, packed(allowed))
+                want = np.where(allowed, logits, -np.inf).astype(dtype)
+                assert out.dtype == dtype and np.array_equal(out, want), (vocab, density, dtype)
+    x = np.zeros(100, np.float32)
+    assert kernels.mask_logits(x, packed(np.arange(100) % 3 == 0).view(np.uint8)) == 34
+    with pytest.raises(ValueError, match="mask_logits: a mask for 100 tokens needs 13 bytes, got 12"):
+        kernels.mask_logits(x, np.zeros(12, np.uint8))
+    with pytest.raises(ValueError, match="mask_logits: logits must be float32 or float64"):
+        kernels.mask_logits(x.astype(np.float16), np.zeros(13, np.uint8))
 
 
 def test_sampling_never_draws_a_masked_token() -> None:

@@ -308,6 +308,14 @@ def all_finite(x: np.ndarray) -> bool:
     return _core.all_finite(x)
 
 
+def mask_logits(logits: np.ndarray, mask: np.ndarray) -> int:
+    """A grammar's allowed-token mask applied in place: logits[t] = -inf for every token t whose bit is clear (bit
+    t mod 8 of byte t // 8 of the mask's bytes: the grammar engine's packed int32 words, little-endian). logits:
+    float32 or float64 1-D, unit stride, written; mask: uint8 1-D of at least ceil(len / 8) bytes. Returns how many
+    tokens are allowed."""
+    return _core.mask_logits(logits, mask)
+
+
 def top_k(x: np.ndarray, k: int) -> np.ndarray:
     """The ids (int64, ascending) of the k largest values of x (1-D float32 or float64, unit stride; 1 <= k <=
     x.size), the lowest ids winning ties at the k-th value: top-k sampling's selection in one pass (16 values at a

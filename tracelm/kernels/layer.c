@@ -944,6 +944,69 @@ static PyObject *py_all_finite(PyObject *self, PyObject *args) {
 }
 
 /* ======================================================================================================
+ * mask_logits: a grammar's allowed-token mask applied to a row of logits. Token t is allowed when bit t & 7 of byte
+ * t >> 3 is set (the grammar engine's packed int32 words, 32 tokens each, little-endian); every other token of the
+ * row gets -inf. Eight bytes at a time: a run of allowed tokens is passed over, the rest bit by bit. Returns how many
+ * of the row's tokens are allowed (0: the grammar has no way on).
+ * ==================================================================================================== */
+#define MASK_ROW(U, NINF)   /* U: the logits' bits as an unsigned integer; NINF: -inf's */                          \
+    do {                                                                                                           \
+        U *x = (U *)out;                                                                                           \
+        for (int64_t t = 0; t < n; t += 64) {                                                                      \
+            const int64_t len = n - t < 64 ? n - t : 64;                                                           \
+            uint64_t word = 0;                                                                                     \
+            memcpy(&word, bits + t / 8, (size_t)(len + 7) / 8);                                                    \
+            word = from_le64(word) & (len == 64 ? ~(uint64_t)0 : ((uint64_t)1 << len) - 1);                        \
+            allowed += __builtin_popcountll(word);                                                                 \
+            if (len == 64 && word == ~(uint64_t)0) continue;   /* a run of allowed tokens */                      \
+            if (word == 0) {   /* a run of forbidden ones */                                                        \
+                for (int64_t i = 0; i < len; i++) x[t + i] = (U)(NINF);                                            \
+                continue;                                                                                          \
+            }                                                                                                      \
+            for (int64_t i = 0; i < len; i++) {   /* no branch on the bit: keep = all ones where allowed */        \
+                const U keep = (U)0 - (U)(word >> i & 1);                                                          \
+                x[t + i] = (x[t + i] & keep) | ((U)(NINF) & ~keep);                                                \
+            }                                                                                                      \
+        }                                                                                                          \
+    } while (0)
+
+static inline uint64_t from_le64(uint64_t w) {   /* the bytes' order as the mask's: byte 0 the lowest */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    return __builtin_bswap64(w);
+#else
+    return w;
+#endif
+}
+
+static PyObject *py_mask_logits(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *oo, *mo;
+    if (!PyArg_ParseTuple(args, "OO:mask_logits", &oo, &mo)) return NULL;
+    const char *fn = "mask_logits";
+    arr o = {0}, m = {0};
+    PyObject *ret = NULL;
+    if (get_arr(oo, fn, "logits", K_F32_OR_F64, 1, 1, 1, &o) || unit_last(fn, "logits", &o) ||
+        get_arr(mo, fn, "mask", K_U8, 1, 1, 0, &m) || unit_last(fn, "mask", &m) ||
+        check_apart(fn, "logits", &o.b.v, "mask", &m.b.v, 0))
+        goto done;
+    const int64_t n = o.n[0];
+    if (m.n[0] * 8 < n) {
+        PyErr_Format(PyExc_ValueError, "mask_logits: a mask for %lld tokens needs %lld bytes, got %lld", (long long)n,
+                     (long long)((n + 7) / 8), (long long)m.n[0]);
+        goto done;
+    }
+    const uint8_t *bits = (const uint8_t *)m.b.v.buf;
+    void *out = o.b.v.buf;
+    int64_t allowed = 0;
+    if (o.b.v.itemsize == 8) MASK_ROW(uint64_t, 0xfff0000000000000u);
+    else MASK_ROW(uint32_t, 0xff800000u);
+    ret = PyLong_FromLongLong(allowed);
+done:
+    release(&o.b); release(&m.b);
+    return ret;
+}
+
+/* ======================================================================================================
  * top_k: the ids (ascending) of the k largest values, the lowest ids winning ties at the k-th value -- top-k
  * sampling's selection. Each range (one per thread, of a million values or more: a vocabulary is one range) is
  * scanned in id order, 16 values at a time, into a buffer that stays in id order: its first k values, then only a
@@ -1267,6 +1330,8 @@ PyMethodDef layer_methods[] = {
     {"all_finite", py_all_finite, METH_VARARGS, "all_finite(x): no value NaN or infinite (1-D or 2-D float32/64)"},
     {"top_k", py_top_k, METH_VARARGS, "top_k(x, k, out): ids (ascending) of the k largest values, lowest ids first at "
      "ties"},
+    {"mask_logits", py_mask_logits, METH_VARARGS, "mask_logits(logits, mask) -> allowed: -inf where the packed mask's "
+     "bit is clear"},
     {"top_p", py_top_p, METH_VARARGS, "top_p(e, total, top_p, out) -> size: top-p's set of p = e / total, ascending "
      "indices in out[:size]"},
     {"rms_norm_add", py_rms_norm_add, METH_VARARGS,

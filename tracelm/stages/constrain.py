@@ -18,14 +18,21 @@ from collections.abc import Sequence
 
 import numpy as np
 
+import tracelm.kernels as kernels
+
 
 def allowed_tokens(mask: np.ndarray, vocab: int) -> np.ndarray:
     """The packed bitmask [words] as booleans [vocab]: True where the token is allowed."""
+    return np.unpackbits(_words(mask, vocab).view(np.uint8), bitorder="little")[:vocab].view(bool)
+
+
+def _words(mask: np.ndarray, vocab: int) -> np.ndarray:
+    """The mask as contiguous int32 words, checked to cover `vocab` tokens."""
     words = np.ascontiguousarray(mask, dtype=np.int32)
     if words.ndim != 1 or words.size * 32 < vocab:
         raise ValueError(f"a token mask for {vocab} tokens needs {(vocab + 31) // 32} int32 words, got shape "
                          f"{list(words.shape)}")
-    return np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab].view(bool)
+    return words
 
 
 def constrain(logits: np.ndarray, mask: np.ndarray | None = None,
@@ -41,9 +48,15 @@ def constrain(logits: np.ndarray, mask: np.ndarray | None = None,
             raise ValueError(f"logit_bias names token id {int(ids[(ids < 0) | (ids >= vocab)][0])}, outside the "
                              f"vocabulary [0, {vocab})")
         out[ids] += np.fromiter((b for _i, b in bias), out.dtype, len(bias))
-    if mask is not None:
-        allowed = allowed_tokens(mask, vocab)
-        if not allowed.any():
-            raise ValueError("the token mask allows no token: the grammar cannot go on")
-        np.copyto(out, -np.inf, where=~allowed)
+    if mask is not None and not _masked(out, mask):
+        raise ValueError("the token mask allows no token: the grammar cannot go on")
     return out
+
+
+def _masked(out: np.ndarray, mask: np.ndarray) -> int:
+    """-inf in `out` wherever the packed `mask` forbids (in place); how many tokens it allows."""
+    if out.ndim == 1 and out.dtype in (np.float32, np.float64):  # the kernels: one pass over the bits
+        return kernels.mask_logits(out, _words(mask, out.size).view(np.uint8))
+    allowed = allowed_tokens(mask, out.shape[-1])
+    np.copyto(out, -np.inf, where=~allowed)
+    return int(allowed.sum())
