@@ -130,3 +130,14 @@ def test_issue_acceptance_check_on_qwen(qwen_coder_path: Path) -> None:
     assert all(r["finish_reason"] == "stop" for r in report["runs"])
     assert report["tools"]["valid"] and report["tools"]["finish_reason"] == "tool_calls", report["tools"]
     assert report["n"]["valid"] and len(report["n"]["choices"]) == 3, report["n"]
+
+
+def test_the_check_reports_a_template_without_tools(smollm2_path: Path, capsys) -> None:
+    """`tracelm check structured-output` on a model whose template has no tools section (SmolLM2): the server's 400
+    is the tools line's reason and the check fails (exit 1), not a traceback from the openai client."""
+    from tracelm.cli import main
+
+    assert main(["check", "structured-output", "--model", str(smollm2_path), "--seeds", "1", "--threads", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "tools: INVALID: HTTP 400: 'tools': this model's chat template has no tools section" in out, out
+    assert re.search(r"^n=3: valid", out, re.M), out

@@ -500,10 +500,10 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(f"seed {r['seed']:3d}: {'valid' if r['valid'] else 'INVALID: ' + str(r['why'])}"
                   + (f" ({r['tokens']} tokens, {r['finish_reason']})" if "tokens" in r else ""))
         t, n = report["tools"], report["n"]
-        print(f"tools: {'valid' if t['valid'] else 'INVALID: ' + str(t['why'])} ({t['calls']} call(s), "
-              f"{t['name']}({t['arguments']}), {t['finish_reason']})")
-        print(f"n={len(n['choices'])}: {'valid' if n['valid'] else 'INVALID: ' + str(n['why'])} "
-              f"(prefill_passes {n['usage'].get('prefill_passes')})")
+        print(f"tools: {'valid' if t['valid'] else 'INVALID: ' + str(t['why'])}" + (
+              f" ({t['calls']} call(s), {t['name']}({t['arguments']}), {t['finish_reason']})" if t["calls"] else ""))
+        print(f"n={len(n['choices'])}: {'valid' if n['valid'] else 'INVALID: ' + str(n['why'])}" + (
+              f" (prefill_passes {n['usage']['prefill_passes']})" if "prefill_passes" in n["usage"] else ""))
         print(f"{report['model']}: {report['valid']} replies validate against the schema ({report['seconds']} s)")
     return 0 if report["passed"] else 1
 

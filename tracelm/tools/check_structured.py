@@ -91,10 +91,26 @@ def _openai_client(port: int) -> Any:
     return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
+def _asked(client: Any, **request: Any) -> Any:
+    """A chat completion through the openai client, or why the server refused it (its status and message: e.g. a
+    model whose template cannot take tools), so the check reports it rather than raising."""
+    import openai
+
+    try:
+        return client.chat.completions.create(**request)
+    except openai.APIStatusError as e:
+        said = e.body.get("message") if isinstance(e.body, dict) else None
+        return f"HTTP {e.status_code}: {said or e.message}"
+    except openai.APIConnectionError as e:
+        return f"no reply from the server: {e}"
+
+
 def _tool_run(client: Any, model_id: str, jsonschema: Any) -> dict[str, Any]:
     """The weather tool offered (tool_choice auto): the reply must call it, its arguments valid under its schema."""
-    reply = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": WEATHER_PROMPT}],
-                                           tools=[WEATHER_TOOL], tool_choice="auto", temperature=0.0, seed=1)
+    reply = _asked(client, model=model_id, messages=[{"role": "user", "content": WEATHER_PROMPT}],
+                   tools=[WEATHER_TOOL], tool_choice="auto", temperature=0.0, seed=1)
+    if isinstance(reply, str):
+        return {"valid": False, "finish_reason": None, "calls": 0, "name": None, "arguments": None, "why": reply}
     choice = reply.choices[0]
     calls = choice.message.tool_calls or []
     why, name, arguments = None, None, None
@@ -114,8 +130,10 @@ def _tool_run(client: Any, model_id: str, jsonschema: Any) -> dict[str, Any]:
 
 def _n_run(client: Any, model_id: str) -> dict[str, Any]:
     """n = 3 sampled choices: three of them, indexed 0..2, and the usage says the prompt was prefilled once."""
-    reply = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "Name a fruit."}],
-                                           n=N_CHOICES, temperature=0.8, seed=1, max_tokens=16)
+    reply = _asked(client, model=model_id, messages=[{"role": "user", "content": "Name a fruit."}], n=N_CHOICES,
+                   temperature=0.8, seed=1, max_tokens=16)
+    if isinstance(reply, str):
+        return {"valid": False, "choices": [], "usage": {}, "why": reply}
     usage = reply.usage.model_dump()
     indexes = [c.index for c in reply.choices]
     why = None
