@@ -326,9 +326,9 @@ def top_k(x: np.ndarray, k: int) -> np.ndarray:
 def top_p(e: np.ndarray, total: float, top_p: float) -> np.ndarray:
     """Top-p sampling's set: the indices (int64, ascending) of the shortest prefix of the order by descending
     p = e / total (float64; ties: lower index first) whose cumulative sum, added one by one in that order as np.cumsum
-    does, reaches top_p; every index when it never does (rounding). Only that prefix is sorted (a histogram of e's bits
-    finds where it ends): the set of the full sort, in a pass or two over e. e: float32 1-D, unit stride, finite and
-    >= 0 (a softmax's numerators); total > 0; 0 < top_p <= 1."""
+    does, reaches top_p; every index when it never does (rounding). Only that prefix's candidates are sorted (a
+    histogram of e's bits finds where it ends; a stable radix sort of their bits): the set of the full sort. e: float32
+    1-D, unit stride, finite and >= 0 (a softmax's numerators); total > 0; 0 < top_p <= 1."""
     out = np.empty(e.shape[0] if e.ndim == 1 else 0, np.int64)
     return out[: _core.top_p(e, float(total), float(top_p), out)]
 
