@@ -10,6 +10,7 @@ import gguf
 import pytest
 
 from tests.conftest import write_tiny_gguf
+from tracelm.state.errors import TracelmError
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "smollm2.yaml"
 
@@ -105,3 +106,21 @@ def test_unknown_key_in_a_config_file(tmp_path: Path) -> None:
 
 def test_unknown_model_name() -> None:
     assert_one_line_error(run_model(Path("no-such-model")), "unknown model 'no-such-model'")
+
+
+def test_numbers_in_exponent_form_are_numbers(tmp_path: Path) -> None:
+    """1e-2 (no dot) is text to YAML 1.1 and 1e-50 is how a float flag's value reaches the config: a float key
+    takes both, from --set, a flag and a config file; a NaN is refused by the key's own range."""
+    from tracelm.io.run_config import load_run_config
+
+    cfg = load_run_config(None, ["sampling.min_p=1e-2", "sampling.top_p=9.5E-1", "sampling.temperature=1e-50"])
+    assert (cfg.sampling.min_p, cfg.sampling.top_p, cfg.sampling.temperature) == (0.01, 0.95, 1e-50)
+    path = tmp_path / "sci.yaml"
+    path.write_text("sampling:\n  min_p: 5e-2\n")
+    assert load_run_config(str(path), []).sampling.min_p == 0.05
+    with pytest.raises(TracelmError, match="'temperature' must be >= 0.0: nan"):
+        load_run_config(None, ["sampling.temperature=NaN"])
+    with pytest.raises(TracelmError, match="config key sampling.min_p: expected float, got 'abc'"):
+        load_run_config(None, ["sampling.min_p=abc"])
+    p = write_tiny_gguf(tmp_path / "tiny.gguf")
+    assert run_model(p, "--temperature", "1e-50", "--prompt", "hi").returncode == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import types
 import typing
 from collections.abc import Iterable
@@ -63,6 +64,9 @@ def _check(value: Any, kind: Any, key: str) -> Any:
             return float(value)
         except OverflowError:
             raise TracelmError(f"config key {key}: {shown(value)} is too large for a number") from None
+    if kind is float and isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) and JSON's NaN as text
+        with contextlib.suppress(ValueError):
+            return float(value)
     if kind in _SCALARS and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
         raise TracelmError(f"config key {key}: expected {kind.__name__}, got {shown(value)}")
     return value
