@@ -54,6 +54,21 @@ def test_a_model_where_the_config_goes(tiny_gguf, tmp_path):
     assert proc.returncode == 2 and "give it once" in proc.stderr
 
 
+def test_n_minus_one_fills_the_context(tiny_gguf, tmp_path):
+    """llama.cpp's `-n -1` / `-n -2`: as many tokens as the context leaves after the prompt (tracelm does not shift
+    the context, so both stop there); the trace records that max_tokens. Elsewhere -1 stays an error."""
+    trace = tmp_path / "t.jsonl"
+    for n in ("-1", "-2"):
+        proc = tracelm("run", "--model", str(tiny_gguf), "-p", "hi", "-n", n, "-c", "24", "--temperature", "1",
+                       "--trace", str(trace))
+        assert proc.returncode == 0, proc.stderr
+        assert header(trace)["config"]["max_tokens"] == 22 and "22 generated (length)" in proc.stderr
+    proc = tracelm("run", "--model", str(tiny_gguf), "-p", "hi", "-n", "-3")
+    assert proc.returncode == 2 and "'max_tokens' must be >= 0: -3" in proc.stderr
+    proc = tracelm("chat", "--model", str(tiny_gguf), "-n", "-1", "--message", "hi")
+    assert proc.returncode == 2 and "'max_tokens' must be >= 0: -1" in proc.stderr
+
+
 def test_a_missing_config_names_the_packaged_ones(tmp_path):
     proc = tracelm("run", "configs/smollm2.yaml", cwd=tmp_path)  # as the README says it, outside the source tree
     assert proc.returncode == 2 and "`tracelm run smollm2`" in proc.stderr and "--model NAME" in proc.stderr

@@ -137,11 +137,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     from tracelm.session import Session, decode_rate
 
     _stdin_prompt(args)
+    fill = args.max_tokens in (-1, -2)  # llama.cpp's -n -1 (until the end) / -2 (until the context is full)
+    if fill:
+        args.max_tokens = None
     with Session(config=_load_config(args)) as session, _interrupt_as_cancel() as interrupted:
         cfg = session.cfg
         ids = session.encode(cfg.prompt)
-        session.check(len(ids))  # before the weights load
-        for _ in _echo(session.stream(cfg.prompt, trace_key_env=getattr(args, "trace_key_env", None),
+        max_tokens = max(cfg.context - len(ids), 0) if fill else None  # no context shift: both stop at the context
+        session.check(len(ids), max_tokens)  # before the weights load
+        key_env = getattr(args, "trace_key_env", None)
+        for _ in _echo(session.stream(cfg.prompt, max_tokens=max_tokens, trace_key_env=key_env,
                                       cancel=interrupted.is_set)):
             pass
         s = session.stats
@@ -560,7 +565,8 @@ def _model_options(sp: argparse.ArgumentParser, defaults: str = "") -> None:
     sp.add_argument("-c", "--context", "--ctx-size", dest="context", type=int, metavar="N",
                     help="positions of the KV cache: prompt + reply (config key context)")
     sp.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens", type=int, metavar="N",
-                    help=f"most tokens to generate{defaults} (max_tokens)")
+                    help=f"most tokens to generate{defaults} (max_tokens); `run` takes -1 or -2 as llama.cpp does: as "
+                    "many as the context leaves after the prompt")
     sp.add_argument("-t", "--threads", type=int, metavar="N", help="kernel threads; 0 = one per core (threads)")
     sp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key, e.g. --set "
                     "sampling.min_p=0.1 (repeatable; docs/usage.md lists the keys)")
