@@ -15,6 +15,7 @@ import pytest
 
 from tests.conftest import FIXTURES, child_env
 from tracelm.cli import build_parser, main
+from tracelm.state.records import Constraint
 from tracelm.version import __version__
 
 
@@ -94,6 +95,39 @@ def test_llama_cpp_short_flags_set_the_config(monkeypatch):
     assert (seen["chat"].system, seen["chat"].context, seen["chat"].max_tokens) == ("Be brief.", 256, 4)
     main(["chat", "-sys", "Terse."])
     assert seen["chat"].system == "Terse."
+
+
+def test_more_llama_cpp_flags(monkeypatch, tmp_path, capsys):
+    """-f FILE (the prompt; one final newline dropped), --repeat-last-n, --presence-penalty, --frequency-penalty,
+    -j SCHEMA (inline), -s -1 (a seed drawn and printed), -ngl (accepted, said to be ignored)."""
+    import tracelm.cli as cli
+
+    seen = {}
+
+    def fake_run(args):
+        cli._stdin_prompt(args)
+        seen.update(cfg=cli._load_config(args))
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_run", fake_run)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("Once upon\na time\n\n")
+    main(["run", "-m", "smollm2-135m-instruct", "-f", str(prompt), "--repeat-last-n", "32", "--presence-penalty",
+          "0.5", "--frequency-penalty", "-0.25", "-j", '{"type": "object"}', "-s", "-1", "-ngl", "99"])
+    cfg, err = seen["cfg"], capsys.readouterr().err
+    s = cfg.sampling
+    assert cfg.prompt == "Once upon\na time\n"
+    assert (s.repeat_last_n, s.presence_penalty, s.frequency_penalty) == (32, 0.5, -0.25)
+    assert s.constraint == Constraint("json_schema", '{"type": "object"}')
+    assert f"tracelm: -s -1: seed {s.seed}" in err and 0 <= s.seed < 2**32
+    assert "-ngl 99 ignored: tracelm computes on the CPU" in err
+    main(["run", "-m", "smollm2-135m-instruct", "-s", "-1", "-p", "x"])
+    assert seen["cfg"].sampling.seed != s.seed  # drawn anew (1 in 2^32 to collide)
+    with pytest.raises(SystemExit) as e:
+        main(["run", "-f", str(prompt), "-p", "x"])
+    assert e.value.code == 2 and "not allowed with argument -f/--file" in capsys.readouterr().err
+    assert main(["run", "-m", "smollm2-135m-instruct", "-f", str(tmp_path / "absent.txt")]) == 2
+    assert "absent.txt: cannot read -f prompt file" in capsys.readouterr().err
 
 
 def test_version(capsys):

@@ -30,6 +30,13 @@ def _load_config(args: argparse.Namespace) -> Any:
 
     overrides = list(args.set or [])
     _model_as_positional(args)
+    if getattr(args, "seed", None) == -1:  # llama.cpp's: a seed of the OS's, said here and kept in the config
+        import secrets
+
+        args.seed = secrets.randbelow(1 << 32)
+        print(f"tracelm: -s -1: seed {args.seed}", file=sys.stderr)
+    if getattr(args, "gpu_layers", None) is not None:
+        print(f"tracelm: -ngl {args.gpu_layers} ignored: tracelm computes on the CPU", file=sys.stderr)
     for flag, key in OPTION_KEYS:
         value = getattr(args, flag, None)
         if value is not None:
@@ -58,7 +65,9 @@ def _load_config(args: argparse.Namespace) -> Any:
 OPTION_KEYS = (("prompt", "prompt"), ("max_tokens", "max_tokens"), ("temperature", "sampling.temperature"),
                ("seed", "sampling.seed"), ("context", "context"), ("model", "model"), ("threads", "threads"),
                ("system", "system"), ("top_k", "sampling.top_k"), ("top_p", "sampling.top_p"),
-               ("min_p", "sampling.min_p"), ("repeat_penalty", "sampling.repeat_penalty"), ("quantize", "quantize"))
+               ("min_p", "sampling.min_p"), ("repeat_penalty", "sampling.repeat_penalty"), ("quantize", "quantize"),
+               ("repeat_last_n", "sampling.repeat_last_n"), ("presence_penalty", "sampling.presence_penalty"),
+               ("frequency_penalty", "sampling.frequency_penalty"))
 
 
 def _model_as_positional(args: argparse.Namespace) -> None:
@@ -91,7 +100,13 @@ def _positional_hint(args: argparse.Namespace, error: TracelmError) -> str:
 
 def _stdin_prompt(args: argparse.Namespace) -> None:
     """`echo "Tell me a joke" | tracelm run --model M`: without --prompt, a stdin that is no terminal is the prompt
-    (`--prompt -` reads it in any case); an empty one leaves the config's prompt."""
+    (`--prompt -` reads it in any case); an empty one leaves the config's prompt. `-f FILE`: the file's text."""
+    if args.file is not None:
+        from tracelm.session import MiB, read_regular_text
+
+        text = read_regular_text(args.file, "-f prompt file", 64 * MiB)
+        args.prompt = text[:-1] if text.endswith("\n") else text  # one final newline dropped, as llama.cpp does
+        return
     if args.prompt not in (None, "-") or (args.prompt is None and _stdin_is_terminal()):
         return
     try:
@@ -113,14 +128,16 @@ def _stdin_is_terminal() -> bool:
 
 
 def _constraint(args: argparse.Namespace) -> Any:
-    """The Constraint that --json, --schema FILE, --grammar FILE (Lark; a .regex file: a regex) or --regex TEXT
-    asks for, or None."""
+    """The Constraint that --json, --schema FILE, -j SCHEMA, --grammar FILE (Lark; a .regex file: a regex) or --regex
+    TEXT asks for, or None."""
     from tracelm.state.records import Constraint
 
     if getattr(args, "json", False):
         return Constraint("json_object")
     if getattr(args, "regex", None) is not None:
         return Constraint("regex", args.regex)
+    if getattr(args, "json_schema", None) is not None:
+        return Constraint("json_schema", args.json_schema)
     for flag in ("schema", "grammar"):
         path = getattr(args, flag, None)
         if path is None:
@@ -575,7 +592,8 @@ def _model_options(sp: argparse.ArgumentParser, defaults: str = "") -> None:
 def _sampling_options(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--temperature", "--temp", dest="temperature", type=float, metavar="T",
                     help="sampling temperature; 0 = greedy (sampling.temperature)")
-    sp.add_argument("-s", "--seed", type=int, help="the sampler's random seed (sampling.seed)")
+    sp.add_argument("-s", "--seed", type=int, help="the sampler's random seed; -1: one drawn from the OS, printed "
+                    "(sampling.seed)")
     sp.add_argument("--top-k", type=int, metavar="K", help="keep the K likeliest tokens; 0 = off (sampling.top_k)")
     sp.add_argument("--top-p", type=float, metavar="P", help="keep the likeliest tokens whose probabilities add up to "
                     "P; 1.0 = off (sampling.top_p)")
@@ -583,6 +601,14 @@ def _sampling_options(sp: argparse.ArgumentParser) -> None:
                     "0 = off (sampling.min_p)")
     sp.add_argument("--repeat-penalty", type=float, metavar="R", help="penalise recently seen tokens; 1.0 = off "
                     "(sampling.repeat_penalty)")
+    sp.add_argument("--repeat-last-n", type=int, metavar="N", help="how many recent tokens the penalties look at "
+                    "(sampling.repeat_last_n)")
+    sp.add_argument("--presence-penalty", type=float, metavar="P", help="subtract P from a token seen in that window "
+                    "(OpenAI's; sampling.presence_penalty)")
+    sp.add_argument("--frequency-penalty", type=float, metavar="F", help="subtract F times its count there "
+                    "(OpenAI's; sampling.frequency_penalty)")
+    sp.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="gpu_layers", type=int, metavar="N",
+                    help="accepted for llama.cpp's scripts and ignored: tracelm computes on the CPU")
 
 
 def _system_option(sp: argparse.ArgumentParser) -> None:
@@ -601,6 +627,8 @@ def _run_options(sp: argparse.ArgumentParser) -> None:
     g.add_argument("--grammar", metavar="FILE", help="constrain the output to this Lark grammar (llguidance's "
                    "dialect, rule `start`); a FILE ending in .regex holds a regular expression instead")
     g.add_argument("--regex", metavar="TEXT", help="constrain the output to match this regular expression, whole")
+    g.add_argument("-j", "--json-schema", metavar="SCHEMA", help="as --schema, the schema given inline as JSON text "
+                   "(llama.cpp's -j)")
     _sign_key_option(sp)
 
 
@@ -620,8 +648,10 @@ def _sign_key_option(sp: argparse.ArgumentParser) -> None:
 def _add_run_commands(sub: Any) -> None:
     sp = sub.add_parser("run", help="generate text from a prompt, streaming to stdout")
     _run_options(sp)
-    sp.add_argument("-p", "--prompt", help="the text to continue (no chat template: `tracelm chat` applies one); "
-                    "default: stdin when it is not a terminal, else the config's prompt; - reads stdin")
+    g = sp.add_mutually_exclusive_group()
+    g.add_argument("-p", "--prompt", help="the text to continue (no chat template: `tracelm chat` applies one); "
+                   "default: stdin when it is not a terminal, else the config's prompt; - reads stdin")
+    g.add_argument("-f", "--file", metavar="FILE", help="the prompt is this file's text (llama.cpp's -f)")
     sp.add_argument("--trace", metavar="FILE", help="write a JSON-lines trace (level digest by default)")
     sp.add_argument("--trace-key-env", metavar="NAME", help="sign the trace with HMAC-SHA256, key from env var NAME")
     sp.set_defaults(fn=cmd_run)
