@@ -585,6 +585,8 @@ def _model_options(sp: argparse.ArgumentParser, defaults: str = "") -> None:
                     help=f"most tokens to generate{defaults} (max_tokens); `run` takes -1 or -2 as llama.cpp does: as "
                     "many as the context leaves after the prompt")
     sp.add_argument("-t", "--threads", type=int, metavar="N", help="kernel threads; 0 = one per core (threads)")
+    sp.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="gpu_layers", type=int, metavar="N",
+                    help="accepted for llama.cpp's scripts and ignored: tracelm computes on the CPU")
     sp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key, e.g. --set "
                     "sampling.min_p=0.1 (repeatable; docs/usage.md lists the keys)")
 
@@ -607,8 +609,6 @@ def _sampling_options(sp: argparse.ArgumentParser) -> None:
                     "(OpenAI's; sampling.presence_penalty)")
     sp.add_argument("--frequency-penalty", type=float, metavar="F", help="subtract F times its count there "
                     "(OpenAI's; sampling.frequency_penalty)")
-    sp.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="gpu_layers", type=int, metavar="N",
-                    help="accepted for llama.cpp's scripts and ignored: tracelm computes on the CPU")
 
 
 def _system_option(sp: argparse.ArgumentParser) -> None:
