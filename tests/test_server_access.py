@@ -168,3 +168,24 @@ def test_access_rules_in_process():
     assert refusal("GET", "/api/info", {"Host": "localhost:9"}, key=None) is None
     assert refusal("GET", "/v1/models", {"Host": "any.name", "Authorization": "bearer k"}) is None
     assert split_host("[::1]:80", "http") == ("::1", 80) and split_host("Box.LAN.", "https") == ("box.lan", 443)
+
+
+def test_the_key_from_a_file_and_not_from_the_command_line(tmp_path: Path, tiny_gguf: Path, capsys):
+    """`serve --api-key-file FILE` (llama-server's flag): its first line is the key every route but /health needs;
+    `--api-key KEY` is refused (a key on the command line is visible in ps), as is an empty key file."""
+    from tracelm.cli import main
+
+    key_file = tmp_path / "key.txt"
+    key_file.write_text("file-key-987\n")
+    config = {"model": str(tiny_gguf), "context": 64, "max_tokens": 2, "threads": 1}
+    s = ServerProcess(tmp_path / "serve", config, args=("--api-key-file", str(key_file)))
+    try:
+        assert_openai_error(chat(s, {}), 401, code="invalid_api_key")
+        assert chat(s, {"Authorization": "Bearer file-key-987"}).status == 200
+    finally:
+        s.stop()
+    assert main(["serve", "--model", str(tiny_gguf), "--api-key", "secret"]) == 2
+    assert "--api-key is refused" in capsys.readouterr().err
+    key_file.write_text("\n")
+    assert main(["serve", "--model", str(tiny_gguf), "--api-key-file", str(key_file)]) == 2
+    assert "holds no key on its first line" in capsys.readouterr().err

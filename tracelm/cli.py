@@ -487,6 +487,17 @@ def cmd_validate(args: argparse.Namespace) -> int:
                             args.compute)
 
 
+def _api_key_file(path: str) -> str:
+    """The key in `path`: its first line, without surrounding whitespace; an empty one is an error."""
+    from tracelm.session import read_regular_text
+
+    lines = read_regular_text(path, "--api-key-file", 64 * 1024).splitlines()
+    key = lines[0].strip() if lines else ""
+    if not key:
+        raise TracelmError(f"{path}: --api-key-file holds no key on its first line")
+    return key
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from tracelm.server import serve
 
@@ -498,7 +509,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             args.set = [*(args.set or []), f"server.{key}={json.dumps(value)}"]
     if args.strict_model:
         args.set = [*(args.set or []), "server.strict_model=true"]
-    serve(_load_config(args), args.host, args.port)  # the server's Session sets the config's thread limits
+    if args.api_key is not None:
+        raise TracelmError("serve: --api-key is refused: a key on the command line is visible to every user of this "
+                           "machine (ps); put it in a file for --api-key-file, or in TRACELM_API_KEY")
+    key = _api_key_file(args.api_key_file) if args.api_key_file else None
+    serve(_load_config(args), args.host, args.port, key)  # the server's Session sets the config's thread limits
     return 0
 
 
@@ -676,6 +691,11 @@ def _add_run_commands(sub: Any) -> None:
     _system_option(sp)
     sp.add_argument("--host", help="address to listen on (default: server.host of the config, 127.0.0.1)")
     sp.add_argument("--port", type=int, help="port (default: server.port of the config, 8080; 0 = any free port)")
+    sp.add_argument("--api-key-file", metavar="FILE", help="require this file's key (its first line) of every request "
+                    "but /health and the pages, as llama-server's flag does; default: the variable server.api_key_env "
+                    "names, TRACELM_API_KEY")
+    sp.add_argument("--api-key", metavar="KEY", help="refused: a key on the command line is visible to every user of "
+                    "the machine (ps); use --api-key-file or TRACELM_API_KEY")
     sp.add_argument("--sessions", metavar="DIR", help="also save session_id conversations in DIR, so that they "
                     "survive a restart (server.sessions_dir)")
     sp.add_argument("--sessions-max-mb", type=int, metavar="MB", help="disk the saved sessions may take, least "

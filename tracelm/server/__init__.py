@@ -47,9 +47,10 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def serve(cfg: Any, host: str | None = None, port: int | None = None) -> None:
+def serve(cfg: Any, host: str | None = None, port: int | None = None, api_key: str | None = None) -> None:
     """Load the config's model (a Session: its thread limits, its runners) and serve it until interrupted
-    (SIGINT / SIGTERM)."""
+    (SIGINT / SIGTERM). `api_key`: the key requests need (`--api-key-file`); None: the variable
+    cfg.server.api_key_env names, if it is set."""
     import uvicorn
 
     from tracelm.server.app import Server
@@ -60,7 +61,7 @@ def serve(cfg: Any, host: str | None = None, port: int | None = None) -> None:
     port = cfg.server.port if port is None else port
     if not 0 <= port <= 65535:
         raise TracelmError(f"--port {port}: expected 0..65535")
-    api_key = os.environ.get(cfg.server.api_key_env) or None
+    api_key = api_key or os.environ.get(cfg.server.api_key_env) or None
     cfg = attrs.evolve(cfg, server=attrs.evolve(cfg.server, host=host))  # its pages answer under this name too
     sock = _listen(host, port)
     try:
