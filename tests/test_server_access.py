@@ -53,7 +53,8 @@ def test_every_route_but_health_and_the_pages_needs_the_key(keyed):
         assert "hi" not in r.text
     assert keyed.request("POST", "/api/trace/verify", lines, AUTH).json()["verdict"]["intact"]
     assert keyed.request("GET", "/api/info", headers=AUTH).json()["api_key_required"]
-    for path in ("/health", "/", "/trace", "/static/key.js", "/static/chat.js"):  # no data in these
+    assert_openai_error(keyed.request("POST", "/completion", {"prompt": "hi"}), 401, code="invalid_api_key")
+    for path in ("/health", "/v1/health", "/", "/trace", "/static/key.js", "/static/chat.js"):  # no data in these
         assert keyed.request("GET", path).status == 200, path
 
 

@@ -37,12 +37,18 @@ class GenerationStats:
     n_drafted: int = 0  # draft tokens fed ahead of being sampled
     n_accepted: int = 0  # draft tokens the sampler then chose
     constrain_seconds: float = 0.0  # of decode_seconds: the grammar's masks, applying them, advancing it
+    stop_word: str = ""  # the stop string that ended the generation ("" for any other end)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
     return int(diff[0]) if diff.size else n
+
+
+def stop_at(text: str, at: int, stops: Sequence[str]) -> str:
+    """The stop string stop_split found at `at` in `text` (the first of `stops` that begins there)."""
+    return next(s for s in stops if text.startswith(s, at))
 
 
 def stop_split(text: str, stops: Sequence[str]) -> tuple[str, str, bool]:
@@ -283,7 +289,10 @@ class Generation:
         stats.tokens.append(choice.token)
         stats.n_generated += 1
         self.n_steps += 1
-        emit, self.pending, self.stopped = stop_split(self.pending + self.decoder.push(choice.token), self.stop)
+        text = self.pending + self.decoder.push(choice.token)
+        emit, self.pending, self.stopped = stop_split(text, self.stop)
+        if self.stopped:
+            stats.stop_word = stop_at(text, len(emit), self.stop)
         if self.stopped or (self.matcher is not None and self.matcher.stopped):  # a stop string; a complete grammar
             self._end("stop")
         elif self.n_steps >= self.max_tokens:
@@ -334,9 +343,10 @@ class Generation:
             self.guesses = []
         emit = ""
         if not self.stopped:  # release what was held back for a stop string, and any trailing bytes
-            emit, _, stopped = stop_split(self.pending + self.decoder.flush(), self.stop)
+            text = self.pending + self.decoder.flush()
+            emit, _, stopped = stop_split(text, self.stop)
             if stopped and self.stats.finish_reason != "cancelled":
-                self.stats.finish_reason = "stop"
+                self.stats.finish_reason, self.stats.stop_word = "stop", stop_at(text, len(emit), self.stop)
         self.stats.decode_seconds = time.perf_counter() - self.t0
         return emit
 

@@ -110,7 +110,7 @@ class Access:
     def refusal(self, scope: dict[str, Any]) -> ApiError | None:
         """Why a request is refused before any route sees it, or None."""
         method, path = scope["method"], scope["path"]
-        if path == "/health":
+        if path in ("/health", "/v1/health"):  # (llama-server's alias)
             return None
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         origin, host = headers.get("origin"), headers.get("host", "")

@@ -1,6 +1,7 @@
 """The HTTP side: an OpenAI-compatible API on Starlette, served by uvicorn.
 
-Routes: GET /health, GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions; and for
+Routes: GET /health, GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions (also
+without /v1, and llama-server's own POST /completion: llama_server.py); and for
 scripts: GET /metrics (Prometheus, metrics.py), POST /tokenize, /detokenize and /v1/embeddings (tokens.py); and
 Ollama's /api/chat, /api/generate, /api/embed, /api/tags, /api/show, /api/version (ollama.py).
 A generation request naming any model is served by the one loaded model (as llama-server and Ollama do), and the
@@ -39,6 +40,7 @@ from starlette.routing import Route
 from tracelm.audit.policy import Policy, load_policy
 from tracelm.server.access import Access, body_lost, read_body
 from tracelm.server.errors import ApiError, bad
+from tracelm.server.llama_server import llama_server_routes
 from tracelm.server.metrics import Metrics, MetricsMiddleware, metrics_routes
 from tracelm.server.ollama import ollama_error, ollama_routes
 from tracelm.server.pages import page_routes
@@ -106,10 +108,14 @@ class Server:
 
         routes = [
             Route("/health", self.health, methods=["GET"]),
+            Route("/v1/health", self.health, methods=["GET"]),  # llama-server's alias
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", self.model_info, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/completions", self.completions, methods=["POST"]),  # llama-server's, without /v1
+            Route("/chat/completions", self.chat_completions, methods=["POST"]),
+            *llama_server_routes(self, Shape),  # llama-server's own POST /completion (llama_server.py)
             Route("/v1/attestation", self.attestation, methods=["GET"]),
             *page_routes(self),  # the chat page at / and the trace viewer at /trace (pages.py)
             *metrics_routes(self),  # GET /metrics (metrics.py)

@@ -479,7 +479,7 @@ class Engine:
         self._post(a.job, "done", {"finish_reason": finish, "prompt_tokens": stats.n_prompt,
                                    "cached_tokens": stats.n_reused, "completion_tokens": stats.n_generated,
                                    "prefill_seconds": stats.prefill_seconds, "decode_seconds": stats.decode_seconds,
-                                   "prefilled": a.prefilled, "note": note},
+                                   "prefilled": a.prefilled, "note": note, "stop_word": stats.stop_word},
                    a.index)
         if a.job.session_id is not None:  # with server.sessions_dir: its file, once the answer is out
             self._flush()

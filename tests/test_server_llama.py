@@ -1,0 +1,105 @@
+"""llama-server's own POST /completion (server/llama_server.py), its OpenAI routes without /v1 and /v1/health, on a
+real `tracelm serve` of the tiny model: the answers' shape, the same text as /v1/completions for the same request,
+streaming, stop words, log-probabilities, and a 400 naming each field the server cannot honour."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.test_server_helpers import ServerProcess, assert_openai_error
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path):
+    config = {"model": str(tiny_gguf), "context": 128, "max_tokens": 6, "threads": 1}
+    s = ServerProcess(tmp_path_factory.mktemp("llama-server"), config)
+    yield s
+    s.stop()
+
+
+def completion(s: ServerProcess, **body):
+    return s.request("POST", "/completion", {"prompt": "hello there", "temperature": 0, **body})
+
+
+def test_completion_answers_as_llama_server_does(server):
+    r = completion(server, n_predict=8)
+    assert r.status == 200, r.text
+    out = r.json()
+    assert out["stop"] is True and out["stop_type"] == "limit" and out["stopping_word"] == ""
+    assert out["tokens_predicted"] == 8 and out["tokens_evaluated"] > 0 and out["truncated"] is False
+    assert out["generation_settings"]["n_predict"] == 8 and out["generation_settings"]["n_ctx"] == 128
+    assert out["prompt"] == "hello there" and out["tokens"] == []
+    assert {"prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "predicted_per_second"} <= set(out["timings"])
+    same = server.request("POST", "/v1/completions", {"model": "m", "prompt": "hello there", "temperature": 0,
+                                                      "max_tokens": 8})
+    assert same.json()["choices"][0]["text"] == out["content"]  # the same engine, the same tokens
+    ids = completion(server, prompt=out["tokens"] or [104, 105], n_predict=2)  # a prompt of token ids
+    assert ids.status == 200 and ids.json()["tokens_predicted"] == 2
+    assert completion(server, n_predict=-1).json()["tokens_predicted"] == 6  # -1: the server's max_tokens
+    for alias in ("/completions", "/chat/completions"):
+        body = {"model": "m", "max_tokens": 2, **({"prompt": "hi"} if alias == "/completions" else
+                                                   {"messages": [{"role": "user", "content": "hi"}]})}
+        assert server.request("POST", alias, body).status == 200, alias
+    assert server.request("GET", "/v1/health").status == 200
+
+
+def test_streaming_ends_with_the_whole_object(server):
+    whole = completion(server, n_predict=8).json()
+    r = completion(server, n_predict=8, stream=True)
+    assert r.status == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [json.loads(line[len("data: "):]) for line in r.text.split("\n\n") if line.startswith("data: ")]
+    assert "[DONE]" not in r.text and events[-1]["stop"] is True and not any(e["stop"] for e in events[:-1])
+    assert "".join(e["content"] for e in events) == whole["content"]
+    assert events[-1]["tokens_predicted"] == 8 and events[-1]["stop_type"] == "limit"
+
+
+def test_a_stop_word_is_named(server):
+    text = completion(server, n_predict=12).json()["content"]
+    word = text[4:6]
+    out = completion(server, n_predict=12, stop=[word, "never-there"]).json()
+    assert out["stop_type"] == "word" and out["stopping_word"] == word, out
+    assert out["content"] == text[: text.find(word)]
+
+
+def test_log_probabilities_and_token_ids(server):
+    out = completion(server, n_predict=5, n_probs=3, return_tokens=True).json()
+    probs = out["completion_probabilities"]
+    assert len(out["tokens"]) == len(probs) == 5 and [p["id"] for p in probs] == out["tokens"]
+    for p in probs:
+        assert 1 <= len(p["top_logprobs"]) <= 3 and p["logprob"] <= 0 and isinstance(p["bytes"], list)
+        assert p["top_logprobs"][0]["logprob"] >= p["top_logprobs"][-1]["logprob"]
+    assert completion(server, n_predict=5, return_tokens=True).json()["tokens"] == out["tokens"]  # (greedy)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"grammar": "root ::= \"a\""}, "grammar"),
+    ({"mirostat": 2}, "mirostat"),
+    ({"typical_p": 0.5}, "typical_p"),
+    ({"samplers": ["temperature", "top_k"]}, "samplers"),
+    ({"speculative_mode": True}, "speculative_mode"),
+    ({"n_predict": "many"}, "n_predict"),
+    ({"logit_bias": [["hello", 1.0]]}, "logit_bias"),
+    ({"json_schema": "an object"}, "json_schema"),
+    ({"stream": "yes"}, "stream"),
+])
+def test_what_it_cannot_honour_is_a_400_naming_it(server, body, param):
+    assert_openai_error(completion(server, **body), 400, param=param)
+
+
+def test_neutral_samplers_ignored_options_and_llama_cpp_values_are_accepted(server):
+    r = completion(server, n_predict=3, mirostat=0, typical_p=1.0, tfs_z=1, cache_prompt=True, id_slot=-1, n_keep=0,
+                   top_k=-1, seed=-1, repeat_last_n=-1, logit_bias=[[104, False], ["105", -1.5]], ignore_eos=True,
+                   samplers=["dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"])
+    assert r.status == 200, r.text
+    settings = r.json()["generation_settings"]
+    assert settings["top_k"] == 0 and settings["repeat_last_n"] == 1 << 30 and 0 <= settings["seed"]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    out = completion(server, n_predict=12, json_schema=schema, temperature=0.8, seed=5).json()
+    assert out["content"].startswith("{"), out  # the schema's grammar: the same tokens as response_format's
+    same = server.request("POST", "/v1/completions", {
+        "model": "m", "prompt": "hello there", "max_tokens": 12, "temperature": 0.8, "seed": 5,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "json_schema", "schema": schema}}})
+    assert same.json()["choices"][0]["text"] == out["content"]
