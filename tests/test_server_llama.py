@@ -81,6 +81,9 @@ def test_log_probabilities_and_token_ids(server):
     ({"samplers": ["temperature", "top_k"]}, "samplers"),
     ({"speculative_mode": True}, "speculative_mode"),
     ({"n_predict": "many"}, "n_predict"),
+    ({"n_predict": 0}, "n_predict"),  # (OpenAI's max_tokens said as the request said it)
+    ({"n_predict": 100000}, "n_predict"),
+    ({"n_probs": 9}, "n_probs"),
     ({"logit_bias": [["hello", 1.0]]}, "logit_bias"),
     ({"json_schema": "an object"}, "json_schema"),
     ({"stream": "yes"}, "stream"),

@@ -42,6 +42,7 @@ _IGNORED = frozenset({"cache_prompt", "id_slot", "n_keep", "n_cache_reuse", "tim
 _NEUTRAL = {"mirostat": (0,), "typical_p": (1, 1.0), "tfs_z": (1, 1.0), "dynatemp_range": (0, 0.0),
             "xtc_probability": (0, 0.0), "dry_multiplier": (0, 0.0), "n_indent": (0,), "t_max_predict_ms": (0,),
             "post_sampling_probs": (False,), "n_cmpl": (1,)}
+_RENAMED = {"max_tokens": "n_predict", "logprobs": "n_probs", "response_format": "json_schema"}  # OpenAI's -> ours
 _DEFAULT_SAMPLERS = ["dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"]
 _KNOWN = frozenset({"prompt", "n_predict", "seed", "top_k", "repeat_last_n", "stream", "n_probs", "return_tokens",
                     "json_schema", "grammar", "ignore_eos", "logit_bias", "samplers", "model", *_SAME, *_IGNORED,
@@ -220,7 +221,14 @@ def llama_server_routes(server: Any, openai_shape: type) -> list[Route]:
         n_probs = _integer(body, "n_probs") or 0
         shape = type("LlamaCompletionShape", (LlamaShape, openai_shape),
                      {"n_probs": n_probs, "return_tokens": bool(body.get("return_tokens"))})
-        return await server.answer(request, parse_request(out, "completion"), shape)
+        try:
+            return await server.answer(request, parse_request(out, "completion"), shape)
+        except ApiError as e:  # name the field as the request did
+            if e.param in _RENAMED:
+                e.message = e.message.replace(f"'{e.param}'", f"'{_RENAMED[e.param]}'")
+                e.message = e.message.replace(f" {e.param}", f" {_RENAMED[e.param]}")
+                e.param = _RENAMED[e.param]
+            raise
 
     return [Route("/completion", completion, methods=["POST"])]
 
