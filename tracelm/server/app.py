@@ -1,8 +1,9 @@
 """The HTTP side: an OpenAI-compatible API on Starlette, served by uvicorn.
 
-Routes: GET /health, GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions (also
-without /v1, and llama-server's own POST /completion: llama_server.py); and for
-scripts: GET /metrics (Prometheus, metrics.py), POST /tokenize, /detokenize and /v1/embeddings (tokens.py); and
+Routes: GET /health, GET /v1/models, GET /v1/models/{id}, POST /v1/completions (`suffix`: fill in the middle,
+fim.py), POST /v1/chat/completions (both also without /v1; llama-server's own POST /completion and /infill are in
+llama_server.py); and for scripts: GET /metrics (Prometheus, metrics.py), POST /tokenize, /detokenize and
+/v1/embeddings (tokens.py); and
 Ollama's /api/chat, /api/generate, /api/embed, /api/tags, /api/show, /api/version (ollama.py).
 A generation request naming any model is served by the one loaded model (as llama-server and Ollama do), and the
 reply's `model` is the served model's id; with `server.strict_model` (`tracelm serve --strict-model`) another name
@@ -40,6 +41,7 @@ from starlette.routing import Route
 from tracelm.audit.policy import Policy, load_policy
 from tracelm.server.access import Access, body_lost, read_body
 from tracelm.server.errors import ApiError, bad
+from tracelm.server.fim import fill_request
 from tracelm.server.llama_server import llama_server_routes
 from tracelm.server.metrics import Metrics, MetricsMiddleware, metrics_routes
 from tracelm.server.ollama import ollama_error, ollama_routes
@@ -194,7 +196,17 @@ class Server:
     # -- generation --------------------------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, "completion")
+        body = parse_json(await self._body(request))
+        if body.get("suffix"):  # OpenAI's insert mode: the model fills in between prompt and suffix (fim.py)
+            prompt, suffix, stop = body.get("prompt"), body["suffix"], body.get("stop") or []
+            if not isinstance(prompt, str) or not isinstance(suffix, str) or not isinstance(stop, str | list):
+                raise bad("'suffix' (a string) takes a 'prompt' that is a string", "suffix")
+            n = body.get("max_tokens")
+            n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else self.cfg.max_tokens
+            ids, stops = await run_in_threadpool(fill_request, self.model, self.cfg.context, n, prompt, suffix,
+                                                 [stop] if isinstance(stop, str) else stop, "", (), "suffix")
+            body = {**body, "prompt": ids, "suffix": "", "stop": stops}
+        return await self.answer(request, parse_request(body, "completion"), Shape)
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, "chat")

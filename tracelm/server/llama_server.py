@@ -1,6 +1,6 @@
-"""llama-server's own completion route, POST /completion, so scripts written for llama.cpp's server work unchanged
-(`curl .../completion -d '{"prompt": "...", "n_predict": 128}'`); its OpenAI routes without the /v1 prefix
-(/completions, /chat/completions) and /v1/health are in app.py.
+"""llama-server's own completion routes, POST /completion and POST /infill, so scripts and editor plugins written for
+llama.cpp's server work unchanged (`curl .../completion -d '{"prompt": "...", "n_predict": 128}'`); its OpenAI
+routes without the /v1 prefix (/completions, /chat/completions) and /v1/health are in app.py.
 
 A request is translated into the OpenAI completion body the other routes take and checked by the same code
 (params.py), then runs on the engine as theirs do (`Server.answer`); only the answer's shape is llama-server's: one
@@ -16,6 +16,10 @@ ids. `json_schema` constrains the output as `response_format` does; a GBNF `gram
 are Lark: `guided_grammar` on /v1/completions). Samplers tracelm does not have (mirostat, typical-p, XTC, DRY,
 dynamic temperature, a reordered `samplers` chain) are accepted at their neutral values only, options about slots
 and caches are accepted and ignored, and any other field is a 400 naming it.
+
+/infill is fill-in-the-middle for code models (fim.py): `input_prefix`, `input_suffix`, `input_extra` (other files,
+`[{"filename", "text"}]`) and `prompt` (text after the middle token) make the prompt in the model's FIM tokens; the
+rest of the body is /completion's, and so is the answer.
 """
 
 from __future__ import annotations
@@ -24,11 +28,13 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from tracelm.server.errors import ApiError, bad, kind_of
+from tracelm.server.fim import fill_request
 from tracelm.server.params import parse_json, parse_request
 
 # fields passed through as the OpenAI argument of the same name
@@ -42,6 +48,7 @@ _IGNORED = frozenset({"cache_prompt", "id_slot", "n_keep", "n_cache_reuse", "tim
 _NEUTRAL = {"mirostat": (0,), "typical_p": (1, 1.0), "tfs_z": (1, 1.0), "dynatemp_range": (0, 0.0),
             "xtc_probability": (0, 0.0), "dry_multiplier": (0, 0.0), "n_indent": (0,), "t_max_predict_ms": (0,),
             "post_sampling_probs": (False,), "n_cmpl": (1,)}
+_INFILL = frozenset({"input_prefix", "input_suffix", "input_extra", "prompt"})  # /infill's own fields
 _RENAMED = {"max_tokens": "n_predict", "logprobs": "n_probs", "response_format": "json_schema"}  # OpenAI's -> ours
 _DEFAULT_SAMPLERS = ["dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"]
 _KNOWN = frozenset({"prompt", "n_predict", "seed", "top_k", "repeat_last_n", "stream", "n_probs", "return_tokens",
@@ -213,10 +220,25 @@ class LlamaShape:
 
 
 def llama_server_routes(server: Any, openai_shape: type) -> list[Route]:
-    """POST /completion on `server`, its answers shaped by a subclass of `openai_shape` (app.Shape)."""
+    """POST /completion and POST /infill on `server`, their answers shaped by a subclass of `openai_shape`
+    (app.Shape)."""
 
     async def completion(request: Request) -> Response:
+        return await completion_of(parse_json(await server._body(request)), request)
+
+    async def infill(request: Request) -> Response:
         body = parse_json(await server._body(request))
+        prefix, suffix, prompt = (_text(body, k) for k in ("input_prefix", "input_suffix", "prompt"))
+        extra = _extra(body.get("input_extra"))
+        rest = {k: v for k, v in body.items() if k not in _INFILL}
+        n_predict = _integer(rest, "n_predict")
+        stop = rest.get("stop") or []
+        ids, rest["stop"] = await run_in_threadpool(
+            fill_request, server.model, server.cfg.context, n_predict if n_predict and n_predict > 0 else
+            server.cfg.max_tokens, prefix, suffix, [stop] if isinstance(stop, str) else stop, prompt, extra)
+        return await completion_of({**rest, "prompt": ids}, request)
+
+    async def completion_of(body: dict[str, Any], request: Request) -> Response:
         out = openai_body(body, server.model.tokenizer.eog_ids, server.model_id)
         n_probs = _integer(body, "n_probs") or 0
         shape = type("LlamaCompletionShape", (LlamaShape, openai_shape),
@@ -230,5 +252,22 @@ def llama_server_routes(server: Any, openai_shape: type) -> list[Route]:
                 e.param = _RENAMED[e.param]
             raise
 
-    return [Route("/completion", completion, methods=["POST"])]
+    return [Route("/completion", completion, methods=["POST"]), Route("/infill", infill, methods=["POST"])]
+
+
+def _text(body: dict[str, Any], key: str) -> str:
+    x = body.get(key, "")
+    if not isinstance(x, str):
+        raise bad(f"'{key}' must be a string, got {kind_of(x)}", key)
+    return x
+
+
+def _extra(x: Any) -> list[tuple[str, str]]:
+    """/infill's input_extra: [{"filename", "text"}, ...] as (filename, text) pairs."""
+    if x is None:
+        return []
+    if not isinstance(x, list) or not all(isinstance(c, dict) and isinstance(c.get("text", ""), str) and
+                                          isinstance(c.get("filename", "tmp"), str) for c in x):
+        raise bad("'input_extra' must be an array of {\"filename\": string, \"text\": string}", "input_extra")
+    return [(c.get("filename", "tmp"), c.get("text", "")) for c in x]
 
