@@ -449,6 +449,22 @@ class Shape:
                 finish = "tool_calls" if finish == "stop" else finish
         return message, finish
 
+    async def _one_choice(self) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
+        """A one-choice job's text, its log-probability entries and its done record (an error raised, a client
+        gone a 499): what the other APIs' shapes (ollama.py, llama_server.py) answer from."""
+        texts, entries, done = [], [], {}
+        async for event in self._events():
+            if event[0] == "piece":
+                texts.append(event[1])
+                entries.extend(event[2])
+            elif event[0] == "error":
+                raise event[1]
+            elif event[0] == "gone":
+                raise ApiError(499, "client closed the request")
+            elif event[0] == "done":
+                done = event[1]
+        return "".join(texts), entries, done
+
     async def collect(self) -> dict[str, Any]:
         n = self.req.n
         texts: list[list[str]] = [[] for _ in range(n)]

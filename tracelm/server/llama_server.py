@@ -180,18 +180,7 @@ class LlamaShape:
         return out
 
     async def collect(self) -> dict[str, Any]:
-        texts, entries, done = [], [], {}
-        async for event in self._events():
-            if event[0] == "piece":
-                texts.append(event[1])
-                entries.extend(event[2])
-            elif event[0] == "error":
-                raise event[1]
-            elif event[0] == "gone":
-                raise ApiError(499, "client closed the request")
-            elif event[0] == "done":
-                done = event[1]
-        return self._final("".join(texts), entries, done)
+        return self._final(*await self._one_choice())
 
     async def stream(self, _ndjson: bool) -> AsyncIterator[bytes]:
         def frame(obj: dict[str, Any]) -> bytes:

@@ -179,17 +179,8 @@ class OllamaShape:
                           eval_count=done["completion_tokens"], eval_duration=ns(done["decode_seconds"]))
 
     async def collect(self) -> dict[str, Any]:
-        texts, done = [], {}
-        async for event in self._events():
-            if event[0] == "piece":
-                texts.append(event[1])
-            elif event[0] == "error":
-                raise event[1]
-            elif event[0] == "gone":
-                raise ApiError(499, "client closed the request")
-            elif event[0] == "done":
-                done = event[1]
-        return self._final("".join(texts), done)
+        text, _entries, done = await self._one_choice()
+        return self._final(text, done)
 
     async def stream(self, _ndjson: bool) -> AsyncIterator[bytes]:
         def frame(obj: dict[str, Any]) -> bytes:
