@@ -87,6 +87,8 @@ def test_log_probabilities_and_token_ids(server):
     ({"logit_bias": [["hello", 1.0]]}, "logit_bias"),
     ({"json_schema": "an object"}, "json_schema"),
     ({"stream": "yes"}, "stream"),
+    ({"return_tokens": 1}, "return_tokens"),
+    ({"ignore_eos": "no"}, "ignore_eos"),
 ])
 def test_what_it_cannot_honour_is_a_400_naming_it(server, body, param):
     assert_openai_error(completion(server, **body), 400, param=param)

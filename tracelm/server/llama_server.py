@@ -65,6 +65,13 @@ def _integer(body: dict[str, Any], key: str) -> int | None:
     return x
 
 
+def _flag(body: dict[str, Any], key: str) -> bool:
+    x = body.get(key)
+    if x is not None and not isinstance(x, bool):
+        raise bad(f"'{key}' must be a boolean, got {kind_of(x)}", key)
+    return bool(x)
+
+
 def _logit_bias(x: Any) -> dict[str, float]:
     """llama-server's logit_bias ([[id, bias], ...] or {id: bias}; a bias of false bans the token) as OpenAI's."""
     pairs = list(x.items()) if isinstance(x, dict) else x
@@ -102,10 +109,7 @@ def openai_body(body: dict[str, Any], eog: frozenset[int], model_id: str) -> dic
                   "'guided_grammar' on /v1/completions", "grammar")
     out: dict[str, Any] = {"model": body.get("model") or model_id, "prompt": body.get("prompt"),
                            **{k: body[k] for k in _SAME if body.get(k) is not None}}
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise bad(f"'stream' must be a boolean, got {kind_of(stream)}", "stream")
-    out["stream"] = bool(stream)
+    out["stream"] = _flag(body, "stream")
     n_predict = _integer(body, "n_predict")
     if n_predict is not None and n_predict not in (-1, -2):  # -1 / -2: the server's max_tokens
         out["max_tokens"] = n_predict
@@ -119,7 +123,7 @@ def openai_body(body: dict[str, Any], eog: frozenset[int], model_id: str) -> dic
     if last_n is not None:
         out["repeat_last_n"] = 1 << 30 if last_n == -1 else last_n  # -1: the whole context
     n_probs = _integer(body, "n_probs")
-    if n_probs or body.get("return_tokens"):  # the ids come with the log-probabilities
+    if n_probs or _flag(body, "return_tokens"):  # the ids come with the log-probabilities
         out["logprobs"] = n_probs or 0
     schema = body.get("json_schema")
     if schema is not None:
@@ -127,10 +131,7 @@ def openai_body(body: dict[str, Any], eog: frozenset[int], model_id: str) -> dic
             raise bad(f"'json_schema' must be a JSON schema (an object), got {kind_of(schema)}", "json_schema")
         out["response_format"] = {"type": "json_schema", "json_schema": {"name": "json_schema", "schema": schema}}
     bias = _logit_bias(body["logit_bias"]) if body.get("logit_bias") else {}
-    ignore_eos = body.get("ignore_eos")
-    if ignore_eos is not None and not isinstance(ignore_eos, bool):
-        raise bad(f"'ignore_eos' must be a boolean, got {kind_of(ignore_eos)}", "ignore_eos")
-    if ignore_eos:
+    if _flag(body, "ignore_eos"):
         bias |= {str(t): -100.0 for t in sorted(eog)}
     if bias:
         out["logit_bias"] = bias
