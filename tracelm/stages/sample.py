@@ -38,7 +38,9 @@ How it is computed (same result as the literal order above, less work):
 - min-p runs before top-p: its kept set is a top prefix of the probability order and its test is
   unchanged by top-p's renormalisation (p_i / p_max is), so top-p then only looks at the survivors,
   and sorts only its own prefix of them (tracelm.kernels.top_p: a histogram of the values finds where
-  the prefix ends; the same set as a full sort).
+  the prefix ends; the same set as a full sort);
+- a temperature so small that logits / T overflow in float32 (or is 0 there) takes the limit T -> 0:
+  the largest logits alike, the rest nothing.
 
 `recent` is only read (and checked: 1-D integer ids inside the vocabulary) when the penalty is on.
 """
