@@ -70,6 +70,16 @@ def test_infill_and_suffix_fill_in_a_function(qwen_server):
                                                            "temperature": 0, "max_tokens": 16})
     assert same.status == 200, same.text
     assert same.json()["choices"][0]["text"] == out["content"]  # one prompt, one engine
+    vscode = {"input_prefix": PREFIX, "input_suffix": SUFFIX, "input_extra": [], "prompt": "", "n_predict": 8,
+              "top_k": 40, "top_p": 0.99, "stream": False, "n_indent": 4, "samplers": ["top_k", "top_p", "infill"],
+              "cache_prompt": True, "t_max_prompt_ms": 500, "t_max_predict_ms": 1000}  # llama.vscode's request
+    r = qwen_server.request("POST", "/infill", vscode)
+    assert r.status == 200 and r.json()["tokens_predicted"] > 0, r.text
+    warm = {"id_slot": 0, "input_prefix": "", "input_suffix": "", "input_extra": [{"filename": "a.py", "text": "x"}],
+            "prompt": "", "n_predict": 0, "temperature": 0.0, "samplers": [], "stream": False, "cache_prompt": True,
+            "t_max_prompt_ms": 1, "t_max_predict_ms": 1, "response_fields": [""]}  # llama.vim's warm-up
+    r = qwen_server.request("POST", "/infill", warm)
+    assert r.status == 200 and r.json() == {}, r.text
     bad = qwen_server.request("POST", "/infill", {"input_prefix": 3})
     assert_openai_error(bad, 400, param="input_prefix")
     bad = qwen_server.request("POST", "/infill", {"input_prefix": "x", "input_extra": [{"text": 5}]})

@@ -78,11 +78,11 @@ def test_log_probabilities_and_token_ids(server):
     ({"grammar": "root ::= \"a\""}, "grammar"),
     ({"mirostat": 2}, "mirostat"),
     ({"typical_p": 0.5}, "typical_p"),
-    ({"samplers": ["temperature", "top_k"]}, "samplers"),
     ({"speculative_mode": True}, "speculative_mode"),
     ({"n_predict": "many"}, "n_predict"),
-    ({"n_predict": 0}, "n_predict"),  # (OpenAI's max_tokens said as the request said it)
+    ({"n_predict": -5}, "n_predict"),  # (OpenAI's max_tokens said as the request said it)
     ({"n_predict": 100000}, "n_predict"),
+    ({"response_fields": "content"}, "response_fields"),
     ({"n_probs": 9}, "n_probs"),
     ({"logit_bias": [["hello", 1.0]]}, "logit_bias"),
     ({"json_schema": "an object"}, "json_schema"),
@@ -97,7 +97,7 @@ def test_what_it_cannot_honour_is_a_400_naming_it(server, body, param):
 def test_neutral_samplers_ignored_options_and_llama_cpp_values_are_accepted(server):
     r = completion(server, n_predict=3, mirostat=0, typical_p=1.0, tfs_z=1, cache_prompt=True, id_slot=-1, n_keep=0,
                    top_k=-1, seed=-1, repeat_last_n=-1, logit_bias=[[104, False], ["105", -1.5]], ignore_eos=True,
-                   samplers=["dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"])
+                   samplers=["top_k", "top_p", "infill"], n_indent=4, t_max_prompt_ms=500, t_max_predict_ms=1000)
     assert r.status == 200, r.text
     settings = r.json()["generation_settings"]
     assert settings["top_k"] == 0 and settings["repeat_last_n"] == 1 << 30 and 0 <= settings["seed"]
@@ -108,3 +108,12 @@ def test_neutral_samplers_ignored_options_and_llama_cpp_values_are_accepted(serv
         "model": "m", "prompt": "hello there", "max_tokens": 12, "temperature": 0.8, "seed": 5,
         "response_format": {"type": "json_schema", "json_schema": {"name": "json_schema", "schema": schema}}})
     assert same.json()["choices"][0]["text"] == out["content"]
+
+
+def test_response_fields_and_a_warm_up_that_runs_nothing(server):
+    out = completion(server, n_predict=4, response_fields=["content", "timings/predicted_n", "no/such"]).json()
+    assert set(out) == {"content", "predicted_n"} and out["predicted_n"] == 4
+    warm = completion(server, n_predict=0, response_fields=[""])  # llama.vim's cache warm-up
+    assert warm.status == 200 and warm.json() == {}
+    out = completion(server, n_predict=0).json()
+    assert out["tokens_predicted"] == out["tokens_evaluated"] == 0 and out["content"] == "" and out["stop"]

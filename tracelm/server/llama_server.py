@@ -14,8 +14,11 @@ seed) draws one, as no seed does. `top_k` <= 0 turns top-k off. `n_probs` N give
 its N most likely alternatives (`completion_probabilities`, llama-server's newer `logprob` form); `return_tokens` the
 ids. `json_schema` constrains the output as `response_format` does; a GBNF `grammar` is a 400 (tracelm's grammars
 are Lark: `guided_grammar` on /v1/completions). Samplers tracelm does not have (mirostat, typical-p, XTC, DRY,
-dynamic temperature, a reordered `samplers` chain) are accepted at their neutral values only, options about slots
-and caches are accepted and ignored, and any other field is a 400 naming it.
+dynamic temperature) are accepted at their neutral values only. Options about slots, caches, time budgets and
+layout (`cache_prompt`, `id_slot`, `t_max_predict_ms`, `n_indent`, ...) and `samplers` (tracelm's chain has one
+fixed order) are accepted and ignored: the server's own settings stand, and a trace records what was applied.
+`response_fields` picks the answer's fields; `n_predict` 0 (an editor's cache warm-up) runs nothing and says so.
+Any other field is a 400 naming it.
 
 /infill is fill-in-the-middle for code models (fim.py): `input_prefix`, `input_suffix`, `input_extra` (other files,
 `[{"filename", "text"}]`) and `prompt` (text after the middle token) make the prompt in the model's FIM tokens; the
@@ -30,7 +33,7 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from tracelm.server.errors import ApiError, bad, kind_of
@@ -39,20 +42,19 @@ from tracelm.server.params import parse_json, parse_request
 
 # fields passed through as the OpenAI argument of the same name
 _SAME = ("temperature", "top_p", "min_p", "stop", "repeat_penalty", "presence_penalty", "frequency_penalty")
-# about slots, caches and the response's extras: accepted, with no effect on the tokens
+# about slots, caches, time budgets and layout (what editor plugins send with every request), and `samplers`
+# (tracelm's chain has one fixed order): accepted, and the server's own behaviour stands
 _IGNORED = frozenset({"cache_prompt", "id_slot", "n_keep", "n_cache_reuse", "timings_per_token", "return_progress",
                       "mirostat_tau", "mirostat_eta", "xtc_threshold", "dynatemp_exponent", "dry_base",
                       "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "penalize_nl", "min_keep",
-                      "sse_ping_interval"})
+                      "sse_ping_interval", "t_max_prompt_ms", "t_max_predict_ms", "n_indent", "samplers"})
 # samplers tracelm does not have, at the value that turns them off
 _NEUTRAL = {"mirostat": (0,), "typical_p": (1, 1.0), "tfs_z": (1, 1.0), "dynatemp_range": (0, 0.0),
-            "xtc_probability": (0, 0.0), "dry_multiplier": (0, 0.0), "n_indent": (0,), "t_max_predict_ms": (0,),
-            "post_sampling_probs": (False,), "n_cmpl": (1,)}
+            "xtc_probability": (0, 0.0), "dry_multiplier": (0, 0.0), "post_sampling_probs": (False,), "n_cmpl": (1,)}
 _INFILL = frozenset({"input_prefix", "input_suffix", "input_extra", "prompt"})  # /infill's own fields
 _RENAMED = {"max_tokens": "n_predict", "logprobs": "n_probs", "response_format": "json_schema"}  # OpenAI's -> ours
-_DEFAULT_SAMPLERS = ["dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"]
 _KNOWN = frozenset({"prompt", "n_predict", "seed", "top_k", "repeat_last_n", "stream", "n_probs", "return_tokens",
-                    "json_schema", "grammar", "ignore_eos", "logit_bias", "samplers", "model", *_SAME, *_IGNORED,
+                    "json_schema", "grammar", "ignore_eos", "logit_bias", "response_fields", "model", *_SAME, *_IGNORED,
                     *_NEUTRAL})
 
 
@@ -101,9 +103,6 @@ def openai_body(body: dict[str, Any], eog: frozenset[int], model_id: str) -> dic
     for key, neutral in _NEUTRAL.items():
         if key in body and (isinstance(body[key], bool) != isinstance(neutral[0], bool) or body[key] not in neutral):
             raise bad(f"'{key}' = {json.dumps(body[key])[:40]} is not supported by this server", key)
-    if body.get("samplers") not in (None, _DEFAULT_SAMPLERS):
-        raise bad("'samplers': this server applies its samplers in one fixed order (penalties, top-k, top-p, min-p, "
-                  "temperature); only the default chain is accepted", "samplers")
     if body.get("grammar"):
         raise bad("'grammar': GBNF grammars are not supported; use 'json_schema', or a Lark grammar as "
                   "'guided_grammar' on /v1/completions", "grammar")
@@ -143,6 +142,7 @@ class LlamaShape:
 
     n_probs = 0
     return_tokens = False
+    fields: tuple[str, ...] | None = None  # response_fields
 
     def ndjson(self, _request: Request) -> bool:
         return False
@@ -178,7 +178,7 @@ class LlamaShape:
                            "predicted_per_second": n_gen / max(predicted_ms / 1e3, 1e-9)}}
         if self.n_probs:
             out["completion_probabilities"] = self._probs(entries)
-        return out
+        return select(out, self.fields)
 
     async def collect(self) -> dict[str, Any]:
         return self._final(*await self._one_choice())
@@ -230,9 +230,12 @@ def llama_server_routes(server: Any, openai_shape: type) -> list[Route]:
 
     async def completion_of(body: dict[str, Any], request: Request) -> Response:
         out = openai_body(body, server.model.tokenizer.eog_ids, server.model_id)
+        fields = _response_fields(body.get("response_fields"))
+        if out.get("max_tokens") == 0:  # nothing to generate (an editor's cache warm-up): nothing is run
+            return JSONResponse(select(_nothing(server.model_id), fields))
         n_probs = _integer(body, "n_probs") or 0
         shape = type("LlamaCompletionShape", (LlamaShape, openai_shape),
-                     {"n_probs": n_probs, "return_tokens": bool(body.get("return_tokens"))})
+                     {"n_probs": n_probs, "return_tokens": bool(body.get("return_tokens")), "fields": fields})
         try:
             return await server.answer(request, parse_request(out, "completion"), shape)
         except ApiError as e:  # name the field as the request did
@@ -243,6 +246,40 @@ def llama_server_routes(server: Any, openai_shape: type) -> list[Route]:
             raise
 
     return [Route("/completion", completion, methods=["POST"]), Route("/infill", infill, methods=["POST"])]
+
+
+def _response_fields(x: Any) -> tuple[str, ...] | None:
+    if x is None:
+        return None
+    if not isinstance(x, list) or not all(isinstance(f, str) for f in x):
+        raise bad(f"'response_fields' must be an array of strings, got {kind_of(x)}", "response_fields")
+    return tuple(x)
+
+
+def select(out: dict[str, Any], fields: tuple[str, ...] | None) -> dict[str, Any]:
+    """llama-server's response_fields: only these fields, a nested one ("timings/prompt_n") under its last name;
+    one that is not there is left out. None: every field."""
+    if fields is None:
+        return out
+    picked = {}
+    for path in fields:
+        node: Any = out
+        for key in path.split("/"):
+            node = node.get(key, _MISSING) if isinstance(node, dict) else _MISSING
+        if node is not _MISSING:
+            picked[path.rsplit("/", 1)[-1]] = node
+    return picked
+
+
+_MISSING = object()
+
+
+def _nothing(model_id: str) -> dict[str, Any]:
+    """The answer to n_predict 0: no token generated and, since tracelm keeps no cache across requests, none
+    evaluated either."""
+    return {"content": "", "tokens": [], "id_slot": 0, "stop": True, "model": model_id, "tokens_predicted": 0,
+            "tokens_evaluated": 0, "tokens_cached": 0, "stop_type": "limit", "stopping_word": "", "truncated": False,
+            "timings": {"prompt_n": 0, "prompt_ms": 0.0, "predicted_n": 0, "predicted_ms": 0.0}}
 
 
 def _text(body: dict[str, Any], key: str) -> str:
