@@ -117,3 +117,9 @@ def test_response_fields_and_a_warm_up_that_runs_nothing(server):
     assert warm.status == 200 and warm.json() == {}
     out = completion(server, n_predict=0).json()
     assert out["tokens_predicted"] == out["tokens_evaluated"] == 0 and out["content"] == "" and out["stop"]
+
+
+def test_t_max_predict_ms_is_the_requests_time_limit(server):
+    out = completion(server, n_predict=100, t_max_predict_ms=1).json()
+    assert out["stop_type"] == "limit" and out["tokens_predicted"] < 100, out
+    assert completion(server, n_predict=100, t_max_predict_ms=60_000).json()["tokens_predicted"] == 100
