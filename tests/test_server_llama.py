@@ -119,7 +119,20 @@ def test_response_fields_and_a_warm_up_that_runs_nothing(server):
     assert out["tokens_predicted"] == out["tokens_evaluated"] == 0 and out["content"] == "" and out["stop"]
 
 
-def test_t_max_predict_ms_is_the_requests_time_limit(server):
+def test_t_max_predict_ms_limits_the_generation(server):
     out = completion(server, n_predict=100, t_max_predict_ms=1).json()
     assert out["stop_type"] == "limit" and out["tokens_predicted"] < 100, out
     assert completion(server, n_predict=100, t_max_predict_ms=60_000).json()["tokens_predicted"] == 100
+
+
+def test_t_max_predict_ms_counts_from_the_end_of_the_prefill(tmp_path: Path, smollm2_path: Path):
+    """An editor's long prompt on a CPU: its prefill alone may take longer than the limit, and the fill still gets
+    the limit's time for its tokens (llama.cpp counts from the first token too)."""
+    s = ServerProcess(tmp_path, {"model": str(smollm2_path), "context": 2048, "max_tokens": 400, "threads": 1})
+    try:
+        prompt = "def f(x):\n    return x\n" * 150  # ~1,350 tokens: seconds of prefill on one thread
+        t = s.request("POST", "/completion", {"prompt": prompt, "n_predict": 400, "t_max_predict_ms": 300,
+                                              "temperature": 0}).json()
+        assert t["stop_type"] == "limit" and 1 <= t["tokens_predicted"] < 400, t  # (counted from arrival: none)
+    finally:
+        s.stop()

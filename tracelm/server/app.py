@@ -314,8 +314,8 @@ class Server:
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         tools = req.tools if kind == "chat" and req.tools is not None and req.tools.active else None
         job = Job(request_id=rid, prompt_ids=ids, prompt_text=prompt_text, max_tokens=max_tokens, sampling=sampling,
-                  stop=req.stop, deadline=time.monotonic() + min(self.cfg.server.request_timeout,
-                                                                  req.time_limit or self.cfg.server.request_timeout),
+                  stop=req.stop, deadline=time.monotonic() + self.cfg.server.request_timeout,
+                  predict_limit=req.predict_limit or 0.0,
                   loop=asyncio.get_running_loop(), session_id=req.session_id, logprobs=req.logprobs, n=req.n,
                   cpu_limit=self.cfg.server.request_cpu_seconds,
                   watch=None if tools is None else functools.partial(ExcessCalls, {f.name for f in tools.functions},

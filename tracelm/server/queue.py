@@ -85,6 +85,7 @@ class Job:
     logprobs: int | None = None  # top alternatives per token; None = no logprobs
     n: int = 1  # choices, sampled from one prefill
     cpu_limit: float = 0.0  # CPU seconds it may use (server.request_cpu_seconds; 0: no limit)
+    predict_limit: float = 0.0  # seconds it may generate once its prompt is in (the deadline moves in; 0: none)
     cpu_used: float = 0.0  # its prefill's, and its share of each batched step's (worker thread only)
     remaining: int = 0  # its choices started and not yet ended (worker thread only)
     arrived: float = attrs.Factory(time.monotonic)  # when it was made (time to first token counts from here)
@@ -363,6 +364,8 @@ class Engine:
             a.gen = a.runner.start(job.prompt_ids, job.max_tokens, job.sampling, job.stop, cancel=a.cancelled,
                                    on_token=a.logprob if job.logprobs is not None else None, tracer=a.tracer)
             a.prefilled = True
+            if job.predict_limit:  # generation's own time limit starts now, after the prefill
+                job.deadline = min(job.deadline, time.monotonic() + job.predict_limit)
             if job.n > 1:
                 snapshot = a.runner.cache.snapshot()
                 if a.tracer is not None:  # the trace follows choice 0; the others are named by their seeds
