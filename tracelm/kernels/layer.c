@@ -946,8 +946,9 @@ static PyObject *py_all_finite(PyObject *self, PyObject *args) {
 /* ======================================================================================================
  * mask_logits: a grammar's allowed-token mask applied to a row of logits. Token t is allowed when bit t & 7 of byte
  * t >> 3 is set (the grammar engine's packed int32 words, 32 tokens each, little-endian); every other token of the
- * row gets -inf. Eight bytes at a time: a run of allowed tokens is passed over, the rest bit by bit. Returns how many
- * of the row's tokens are allowed (0: the grammar has no way on).
+ * row gets -inf. Eight bytes at a time: a run of allowed tokens is passed over, a run of forbidden ones filled, the
+ * rest token by token without a branch on the bit. Returns how many of the row's tokens are allowed (0: the grammar
+ * has no way on).
  * ==================================================================================================== */
 #define MASK_ROW(U, NINF)   /* U: the logits' bits as an unsigned integer; NINF: -inf's */                          \
     do {                                                                                                           \

@@ -198,13 +198,11 @@ class Server:
     async def completions(self, request: Request) -> Response:
         body = parse_json(await self._body(request))
         if body.get("suffix"):  # OpenAI's insert mode: the model fills in between prompt and suffix (fim.py)
-            prompt, suffix, stop = body.get("prompt"), body["suffix"], body.get("stop") or []
-            if not isinstance(prompt, str) or not isinstance(suffix, str) or not isinstance(stop, str | list):
+            prompt, suffix = body.get("prompt"), body["suffix"]
+            if not isinstance(prompt, str) or not isinstance(suffix, str):
                 raise bad("'suffix' (a string) takes a 'prompt' that is a string", "suffix")
-            n = body.get("max_tokens")
-            n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else self.cfg.max_tokens
-            ids, stops = await run_in_threadpool(fill_request, self.model, self.cfg.context, n, prompt, suffix,
-                                                 [stop] if isinstance(stop, str) else stop, "", (), "suffix")
+            ids, stops = await run_in_threadpool(fill_request, self.model, self.cfg, body.get("max_tokens"), prompt,
+                                                 suffix, body.get("stop"), "", (), "suffix")
             body = {**body, "prompt": ids, "suffix": "", "stop": stops}
         return await self.answer(request, parse_request(body, "completion"), Shape)
 
@@ -315,7 +313,7 @@ class Server:
         tools = req.tools if kind == "chat" and req.tools is not None and req.tools.active else None
         job = Job(request_id=rid, prompt_ids=ids, prompt_text=prompt_text, max_tokens=max_tokens, sampling=sampling,
                   stop=req.stop, deadline=time.monotonic() + self.cfg.server.request_timeout,
-                  predict_limit=req.predict_limit or 0.0,
+                  predict_limit=req.predict_limit,
                   loop=asyncio.get_running_loop(), session_id=req.session_id, logprobs=req.logprobs, n=req.n,
                   cpu_limit=self.cfg.server.request_cpu_seconds,
                   watch=None if tools is None else functools.partial(ExcessCalls, {f.name for f in tools.functions},

@@ -100,17 +100,23 @@ def infill_ids(tok: Any, fim: FimTokens, prefix: str, suffix: str, room: int, pr
     return [*bos, *head, fim.pre, *prefix_ids, fim.suf, *suffix_ids, *tail]
 
 
-def fill_request(model: Any, context: int, max_tokens: int, prefix: str, suffix: str, stop: Sequence[str],
-                 prompt: str = "", extra: Sequence[tuple[str, str]] = (), param: str = "input_prefix"
-                 ) -> tuple[list[int], list[str]]:
-    """A fill request's prompt ids (in the room the context leaves max_tokens) and its stop strings (the request's
-    and fim_stops); a 400 naming `param` where the model has no FIM tokens or the context no room."""
+def fill_request(model: Any, cfg: Any, max_tokens: Any, prefix: str, suffix: str, stop: Any, prompt: str = "",
+                 extra: Sequence[tuple[str, str]] = (), param: str = "input_prefix") -> tuple[list[int], list[str]]:
+    """A fill request's prompt ids, in the room the context (cfg.context) leaves its reply (max_tokens as the request
+    gave it: a positive integer, else the server's cfg.max_tokens), and its stop strings (the request's `stop`, a
+    string or a list, and fim_stops); a 400 naming `param` where the model has no FIM tokens or the context no
+    room. The request's own fields are checked where the request is parsed (params.py)."""
     tok = model.tokenizer
     fim = fim_tokens(tok, model.metadata)
     if fim is None:
         raise bad("this model has no fill-in-the-middle tokens (a code model such as Qwen2.5-Coder has them)", param)
+    reply = max_tokens if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > 0 else \
+        cfg.max_tokens
     try:
-        ids = infill_ids(tok, fim, prefix, suffix, context - max_tokens, prompt, extra)
+        ids = infill_ids(tok, fim, prefix, suffix, cfg.context - reply, prompt, extra)
     except ValueError as e:
         raise bad(str(e), param, "context_length_exceeded") from None
-    return ids, [*stop, *fim_stops(tok, fim)]
+    if stop is not None and not isinstance(stop, str | list):
+        raise bad("'stop' must be a string or an array of strings", "stop")
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    return ids, [*stops, *fim_stops(tok, fim)]

@@ -224,11 +224,9 @@ def llama_server_routes(server: Any, openai_shape: type) -> list[Route]:
         prefix, suffix, prompt = (_text(body, k) for k in ("input_prefix", "input_suffix", "prompt"))
         extra = _extra(body.get("input_extra"))
         rest = {k: v for k, v in body.items() if k not in _INFILL}
-        n_predict = _integer(rest, "n_predict")
-        stop = rest.get("stop") or []
-        ids, rest["stop"] = await run_in_threadpool(
-            fill_request, server.model, server.cfg.context, n_predict if n_predict and n_predict > 0 else
-            server.cfg.max_tokens, prefix, suffix, [stop] if isinstance(stop, str) else stop, prompt, extra)
+        ids, rest["stop"] = await run_in_threadpool(fill_request, server.model, server.cfg,
+                                                    _integer(rest, "n_predict"), prefix, suffix, rest.get("stop"),
+                                                    prompt, extra)
         return await completion_of({**rest, "prompt": ids}, request)
 
     async def completion_of(body: dict[str, Any], request: Request) -> Response:

@@ -71,7 +71,7 @@ class GenerationRequest:
     session_id: str | None = None
     constraint_param: str | None = None  # the argument sampling["constraint"] came from (for its errors)
     tools: ToolRequest | None = None  # chat: tools, tool_choice, parallel_tool_calls
-    predict_limit: float | None = None  # seconds of generation after the prefill (llama-server's t_max_predict_ms)
+    predict_limit: float = 0.0  # seconds of generation after the prefill, 0: none (llama-server's t_max_predict_ms)
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
