@@ -166,6 +166,10 @@ def test_compare_user_errors(tiny_gguf, capsys):
     assert "apply to --compare only" in capsys.readouterr().err
     assert main(["bench", "tokenizer", "--compare", "--model", str(tiny_gguf)]) == 2
     assert "--compare applies to the model bench only" in capsys.readouterr().err
+    assert main(["bench", "--compare", "--model", str(tiny_gguf), "--engines", "llama.cpp"]) == 2
+    assert "the engines (llama.cpp) must include tracelm" in capsys.readouterr().err
+    assert main(["bench", "--compare", "--model", str(tiny_gguf), "--engines", "tracelm,vllm"]) == 2
+    assert "unknown engine 'vllm'" in capsys.readouterr().err
 
 
 @pytest.mark.reference
@@ -276,6 +280,23 @@ def test_rounds_alternate_every_engine_and_variant(tiny_gguf, monkeypatch):
     assert rep["engines"]["llama.cpp"]["best"] == {"prefill_tok_s": "flash_attn on", "decode_tok_s": "flash_attn off"}
     assert rep["ratios"]["decode_vs_llama_cpp"]["rounds"] == [1.5, 1.25, 1.75]
     assert rep["agreement"]["ok"] is True
+
+
+def test_engines_picks_the_engines_run(tiny_gguf, monkeypatch, capsys):
+    """--engines tracelm,llama.cpp: transformers is neither run nor reported (on a machine where it is installed it
+    would cost a load of the f32 weights every round)."""
+    toks = [1, 2, 3]
+    children = _fake_engines(monkeypatch, {"tracelm": [(600, 60, toks)] * 2,
+                                           "llama.cpp (flash_attn off)": [(300, 40, toks)] * 2,
+                                           "llama.cpp (flash_attn on)": [(310, 30, toks)] * 2,
+                                           "transformers": [(100, 10, toks)] * 2})
+    argv = ["bench", "--compare", "--model", str(tiny_gguf), "--threads", "2", "--prompt-tokens", "8",
+            "--decode-tokens", "2", "--rounds", "2", "--engines", "tracelm, llama.cpp", "--json"]
+    assert main(argv) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert [c[0] for c in children.calls] == ["tracelm", "llama.cpp (flash_attn off)", "llama.cpp (flash_attn on)"] * 2
+    assert set(rep["engines"]) == {"tracelm", "llama.cpp"}
+    assert rep["ratios"]["decode_vs_llama_cpp"]["value"] == 1.5
 
 
 def test_greedy_disagreement_exits_nonzero_unless_allowed(tiny_gguf, monkeypatch, capsys):

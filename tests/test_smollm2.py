@@ -71,12 +71,17 @@ def test_logits_command_writes_every_position(smollm2, tmp_path) -> None:
 
 
 def test_bench_reports_rates_and_ratios(smollm2_path) -> None:
-    proc = tracelm("bench", "--model", str(smollm2_path), "--prompt-tokens", "32", "--decode-tokens", "4", "--json")
+    proc = tracelm("bench", "--model", str(smollm2_path), "--prompt-tokens", "32", "--decode-tokens", "4", "--threads",
+                   "1", "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     for key in ("load_seconds", "prefill_tok_s", "decode_tok_s", "peak_rss_mb", "bandwidth_gb_s", "sgemm_gflop_s",
                 "decode_vs_roofline", "prefill_vs_sgemm_bound"):
         assert report[key] > 0, key
+    # the roofline's bandwidth: the better of the two reads, the pool's at the bench's own thread count
+    reads = report["bandwidth_reads"]
+    assert reads["threads"] == 1 and min(reads["sgemv_gb_s"], reads["kernels_read_gb_s"]) > 0
+    assert report["bandwidth_gb_s"] == max(reads["sgemv_gb_s"], reads["kernels_read_gb_s"])
     # the path measured, and why it was trusted: its self-test against the portable path passed
     assert report["kernels_path"] in report["selftest"]
     assert report["selftest"][report["kernels_path"]].startswith("passed")

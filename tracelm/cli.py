@@ -293,7 +293,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from tracelm.tools.bench_compare import agreement_line, format_table, run_compare
 
         report = run_compare(args.model, args.threads, args.prompt_tokens, args.decode_tokens, args.repeats or 3,
-                             activations=args.activations, rounds=args.rounds, agree_tokens=args.agree_tokens,
+                             engines=[e.strip() for e in args.engines.split(",") if e.strip()], activations=args.activations, rounds=args.rounds,
+                             agree_tokens=args.agree_tokens,
                              llama_bench=args.llama_bench, progress=True)
         print(json.dumps(report, indent=2) if args.json else format_table(report))
         if not report["agreement"]["ok"] and not args.allow_disagreement:
@@ -989,6 +990,8 @@ def _add_bench_command(sub: Any) -> None:
                     "exits 1 when the greedy tokens disagree")
     sp.add_argument("--rounds", type=int, default=5,
                     help="--compare: rounds; each runs every engine once, in turn, prefill and decode (default 5)")
+    sp.add_argument("--engines", default="tracelm,llama.cpp,transformers", metavar="NAME,NAME,...",
+                    help="--compare: the engines to run, tracelm first (default: %(default)s, each when installed)")
     sp.add_argument("--agree-tokens", type=int, default=32, metavar="K",
                     help="--compare: every engine's first K greedy tokens must be tracelm's, in every round "
                     "(default 32)")

@@ -1,8 +1,8 @@
 """`tracelm bench`: load time, prefill and decode rates, peak RSS, against limits measured in the same run.
 
 The machine's limits are measured in a child process (so its 1 GiB probe buffer does not count in the
-model's peak RSS): read bandwidth of a matrix-vector product over 1 GiB (the access pattern of decode)
-and the sgemm rate of a large square product. From them:
+model's peak RSS): read bandwidth over 1 GiB, the better of a matrix-vector product (the access pattern of decode)
+and the kernels' pool reading it at the bench's thread count (decode's threads), and the sgemm rate of a large square product. From them:
 - decode roofline: f32 weight bytes / bandwidth (each decoded token reads every weight once);
 - prefill bound: sgemm rate / FLOPs per prompt token (matrix products + attention scores).
 It also times one pass's weight products alone (`product_pass_seconds`), to show how much of each limit the
@@ -42,19 +42,31 @@ def _best_seconds(fn: Any, repeat: int) -> float:
     return best
 
 
-def _read_bandwidth(nbytes: int) -> float:
+def _read_bandwidth(nbytes: int, threads: int) -> dict[str, float]:
+    """GB/s read from a buffer of nbytes two ways, each the best of 5: a matrix-vector product (numpy's BLAS, its
+    own threads: decode's access pattern) and the kernels' pool at `threads` (0: all) reading it in 64 KiB chunks
+    (all_finite: every byte loaded, nothing written), as decode's own threads read the weights."""
+    import tracelm.kernels as kernels
+
     w = np.ones((nbytes // 4096, 1024), np.float32)
     x = np.ones(1024, np.float32)
-    return w.nbytes / _best_seconds(lambda: w @ x, 5) / 1e9
+    sgemv = w.nbytes / _best_seconds(lambda: w @ x, 5) / 1e9
+    if threads > 0:
+        kernels.set_threads(threads)
+    flat = w.reshape(-1)
+    pool = w.nbytes / _best_seconds(lambda: kernels.all_finite(flat), 5) / 1e9
+    return {"sgemv_gb_s": round(sgemv, 2), "kernels_read_gb_s": round(pool, 2), "threads": kernels.threads()}
 
 
-def machine_probe() -> dict[str, float]:
-    """Measured read bandwidth (GB/s) and sgemm rate (GFLOP/s) of this machine, now."""
-    bandwidth = _read_bandwidth(1 << 30)
+def machine_probe(threads: int = 0) -> dict[str, Any]:
+    """Measured read bandwidth (GB/s: the better of the two reads, each reported) and sgemm rate (GFLOP/s) of this
+    machine, now."""
+    reads = _read_bandwidth(1 << 30, threads)
     n = 2048
     a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
     sgemm = 2 * n**3 / _best_seconds(lambda: a @ a, 5) / 1e9
-    return {"bandwidth_gb_s": round(bandwidth, 2), "sgemm_gflop_s": round(sgemm, 1)}
+    return {"bandwidth_gb_s": max(reads["sgemv_gb_s"], reads["kernels_read_gb_s"]), "bandwidth_reads": reads,
+            "sgemm_gflop_s": round(sgemm, 1)}
 
 
 def open_session(model_name: str, **fields: Any) -> Session:
@@ -83,7 +95,7 @@ def run_bench(model_name: str, n_prompt: int = 256, n_decode: int = 128, n_ctx: 
     and the report adds the streamed mode's RSS bound and whether its logits equal resident mode's (see
     `streamed_report`). On the kernels the weights are the file's blocks: `weights_gb_s` is the rate decode
     reads them at, against the machine's bandwidth, and the RSS budget is the file + KV cache + 150 MB."""
-    probe = run_child(machine_probe)
+    probe = run_child(machine_probe, int(engine.get("threads") or 0))
     with open_session(model_name, weights=weights, **engine) as session:
         return _model_bench(session, probe, n_prompt, n_decode, n_ctx)
 

@@ -586,6 +586,8 @@ def run_compare(model_name: str, threads: int = 0, n_prompt: int = 256, n_decode
     unknown = [e for e in engines if e not in ENGINE_CLASSES]
     if unknown:
         raise TracelmError(f"bench --compare: unknown engine {unknown[0]!r} (known: {', '.join(ENGINES)})")
+    if "tracelm" not in engines:  # every ratio and the greedy agreement are against tracelm
+        raise TracelmError(f"bench --compare: the engines ({', '.join(engines) or 'none'}) must include tracelm")
     if llama_bench is not None and not (os.path.isfile(llama_bench) and os.access(llama_bench, os.X_OK)):
         raise TracelmError(f"--llama-bench {llama_bench}: not an executable file")
     source = ModelFile(model_name)
