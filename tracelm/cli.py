@@ -292,10 +292,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.compare:  # each engine in its own child process, which sets its own threads
         from tracelm.tools.bench_compare import agreement_line, format_table, run_compare
 
+        engines = [e.strip() for e in args.engines.split(",") if e.strip()]
         report = run_compare(args.model, args.threads, args.prompt_tokens, args.decode_tokens, args.repeats or 3,
-                             engines=[e.strip() for e in args.engines.split(",") if e.strip()], activations=args.activations, rounds=args.rounds,
-                             agree_tokens=args.agree_tokens,
-                             llama_bench=args.llama_bench, progress=True)
+                             engines=engines, activations=args.activations, rounds=args.rounds,
+                             agree_tokens=args.agree_tokens, llama_bench=args.llama_bench, progress=True)
         print(json.dumps(report, indent=2) if args.json else format_table(report))
         if not report["agreement"]["ok"] and not args.allow_disagreement:
             print(f"tracelm: {agreement_line(report['agreement'])} (--allow-disagreement to accept)", file=sys.stderr)

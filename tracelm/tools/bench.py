@@ -1,8 +1,9 @@
 """`tracelm bench`: load time, prefill and decode rates, peak RSS, against limits measured in the same run.
 
 The machine's limits are measured in a child process (so its 1 GiB probe buffer does not count in the
-model's peak RSS): read bandwidth over 1 GiB, the better of a matrix-vector product (the access pattern of decode)
-and the kernels' pool reading it at the bench's thread count (decode's threads), and the sgemm rate of a large square product. From them:
+model's peak RSS): read bandwidth over 1 GiB, the better of a matrix-vector product (the access pattern of
+decode) and the kernels' pool reading it at the bench's thread count (decode's threads), and the sgemm rate of a
+large square product. From them:
 - decode roofline: f32 weight bytes / bandwidth (each decoded token reads every weight once);
 - prefill bound: sgemm rate / FLOPs per prompt token (matrix products + attention scores).
 It also times one pass's weight products alone (`product_pass_seconds`), to show how much of each limit the
