@@ -427,15 +427,24 @@ def run_rounds(path: str, ids: Sequence[int], n_decode: int, threads: int, repea
             done = runs[engine][name]
             if done and done[-1]["status"] != "ok":
                 continue
-            log(f"round {r + 1}/{rounds}: {_label(engine, name)}")
             result = run_engine(engine, path, ids, n_decode, threads, repeats, timeout, opts)
             settings[(engine, name)] = result.get("options", opts)
             done.append(result)
+            log(f"round {r + 1}/{rounds}: {_label(engine, name)}: {_result_line(result)}")
         if llama_bench and all(not d or d[-1]["status"] == "ok" for d in runs[LLAMA_BENCH].values()):
-            log(f"round {r + 1}/{rounds}: {LLAMA_BENCH}")
             for name, result in run_llama_bench(llama_bench, path, len(ids), n_decode, threads, timeout).items():
                 runs[LLAMA_BENCH].setdefault(name, []).append(result)
+                log(f"round {r + 1}/{rounds}: {_label(LLAMA_BENCH, name)}: {_result_line(result)}")
     return runs
+
+
+def _result_line(result: dict[str, Any]) -> str:
+    """One child's figures as the progress line gives them, so that a run cut short still said what it measured."""
+    if result["status"] != "ok":
+        return f"{result['status']}: {result.get('error', '')}".rstrip(": ")
+    line = f"prefill {result.get('prefill_tok_s', '-')} tok/s, decode {result.get('decode_tok_s', '-')} tok/s"
+    line += f", load {result['load_seconds']} s" if "load_seconds" in result else ""
+    return line + (f" ({result['note']})" if result.get("note") else "")
 
 
 def _label(engine: str, variant: str) -> str:
