@@ -236,6 +236,29 @@ def test_bad_constraint_flags_fail_before_the_model_loads(tmp_path: Path, capsys
     assert main(["run", "--schema", str(tmp_path / "absent.json")]) == 2
     err = capsys.readouterr().err
     assert "--schema" in err and "cannot read" in err
+    gbnf = tmp_path / "bad.gbnf"
+    gbnf.write_text('root ::= ("a"')
+    for flag in ("--grammar", "--grammar-file"):
+        assert main(["run", "--model", str(tmp_path / "missing.gguf"), flag, str(gbnf)]) == 2
+        assert f"{flag} {gbnf}: not a GBNF grammar: Expected ')'" in capsys.readouterr().err
+
+
+def test_a_gbnf_grammar_runs_as_its_lark_and_the_trace_holds_that(tiny_gguf: Path, tmp_path: Path, capsys) -> None:
+    """--grammar-file (llama.cpp's GBNF) and --grammar FILE.gbnf: converted to Lark as read; the output is in the
+    language, and the trace's constraint is the Lark grammar applied (what its replay compiles)."""
+    gbnf = tmp_path / "words.gbnf"
+    gbnf.write_text('root ::= word ("-" word)+\nword ::= [a-h] [a-h] [a-h]\n')
+    texts = []
+    for flag in ("--grammar-file", "--grammar"):
+        trace = tmp_path / f"{flag}.jsonl"
+        code = main(["run", "--model", str(tiny_gguf), "--prompt", "hello", "--max-tokens", "40", "--temperature",
+                     "0.9", "--seed", "4", flag, str(gbnf), "--trace", str(trace)])
+        texts.append(capsys.readouterr().out.strip())
+        assert code == 0 and re.fullmatch(r"[a-h]{3}(-[a-h]{3})+", texts[-1]), texts[-1]
+        recorded = Constraint(**json.loads(trace.read_text().splitlines()[0])["config"]["sampling"]["constraint"])
+        assert recorded.kind == "lark" and "start:" in recorded.source and "::=" not in recorded.source
+        assert replay(trace).status == REPRODUCED
+    assert texts[0] == texts[1]
 
 
 # ---------------------------------------------------------------- SmolLM2: schemas, regexes, bias, speculation

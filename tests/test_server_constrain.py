@@ -79,6 +79,9 @@ def test_guided_regex_and_grammar_on_both_endpoints(client) -> None:
     lark = 'start: answer "."\nanswer: "yes" | "no"'
     text = _chat(client, "Is Paris in France?", temperature=0, extra_body={"guided_grammar": lark})
     assert text.choices[0].message.content in ("yes.", "no.")
+    gbnf = 'root ::= answer "."\nanswer ::= "yes" | "no"'  # llama-server's `grammar`: the same language in GBNF
+    same = _chat(client, "Is Paris in France?", temperature=0, extra_body={"grammar": gbnf})
+    assert same.choices[0].message.content == text.choices[0].message.content
     free = client.completions.create(model=client.model_id, prompt="Tell me about Anna.", max_tokens=24,
                                      temperature=0.8, seed=1)
     assert not re.fullmatch(pattern, free.choices[0].text)

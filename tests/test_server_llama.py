@@ -75,7 +75,9 @@ def test_log_probabilities_and_token_ids(server):
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"grammar": "root ::= \"a\""}, "grammar"),
+    ({"grammar": "root ::= (\"a\""}, "grammar"),  # GBNF the converter cannot read
+    ({"grammar": "answer ::= \"a\""}, "grammar"),  # no root rule
+    ({"grammar": "root ::= \"a\"", "json_schema": {"type": "object"}}, "grammar"),
     ({"mirostat": 2}, "mirostat"),
     ({"typical_p": 0.5}, "typical_p"),
     ({"speculative_mode": True}, "speculative_mode"),
@@ -108,6 +110,20 @@ def test_neutral_samplers_ignored_options_and_llama_cpp_values_are_accepted(serv
         "model": "m", "prompt": "hello there", "max_tokens": 12, "temperature": 0.8, "seed": 5,
         "response_format": {"type": "json_schema", "json_schema": {"name": "json_schema", "schema": schema}}})
     assert same.json()["choices"][0]["text"] == out["content"]
+
+
+def test_a_gbnf_grammar_constrains_as_on_the_openai_routes(server):
+    """llama-server's `grammar` (GBNF) on /completion and on /v1/completions: converted to Lark, the same text."""
+    gbnf = 'root ::= word ("-" word)*\nword ::= [a-h]+'
+    out = completion(server, n_predict=6, temperature=0.9, seed=3, grammar=gbnf)
+    assert out.status == 200, out.text
+    text = out.json()["content"]
+    import re
+
+    assert text and re.fullmatch(r"[a-h]+(-[a-h]+)*-?", text), text  # cut by n_predict: a prefix of the language
+    same = server.request("POST", "/v1/completions", {"model": "m", "prompt": "hello there", "max_tokens": 6,
+                                                      "temperature": 0.9, "seed": 3, "grammar": gbnf})
+    assert same.status == 200 and same.json()["choices"][0]["text"] == text
 
 
 def test_response_fields_and_a_warm_up_that_runs_nothing(server):

@@ -128,8 +128,9 @@ def _stdin_is_terminal() -> bool:
 
 
 def _constraint(args: argparse.Namespace) -> Any:
-    """The Constraint that --json, --schema FILE, -j SCHEMA, --grammar FILE (Lark; a .regex file: a regex) or --regex
-    TEXT asks for, or None."""
+    """The Constraint that --json, --schema FILE, -j SCHEMA, --grammar FILE (Lark; a .regex file: a regex; a .gbnf
+    file: GBNF), --grammar-file FILE (GBNF) or --regex TEXT asks for, or None. GBNF becomes Lark here, so the run
+    (and its trace) holds the grammar it applies."""
     from tracelm.state.records import Constraint
 
     if getattr(args, "json", False):
@@ -138,13 +139,18 @@ def _constraint(args: argparse.Namespace) -> Any:
         return Constraint("regex", args.regex)
     if getattr(args, "json_schema", None) is not None:
         return Constraint("json_schema", args.json_schema)
-    for flag in ("schema", "grammar"):
+    for flag in ("schema", "grammar", "grammar_file"):
         path = getattr(args, flag, None)
         if path is None:
             continue
         from tracelm.session import MiB, read_regular_text
 
-        text = read_regular_text(path, f"--{flag} file", 16 * MiB)
+        option = "--" + flag.replace("_", "-")
+        text = read_regular_text(path, f"{option} file", 16 * MiB)
+        if flag == "grammar_file" or path.endswith(".gbnf"):
+            from tracelm.io.grammar import lark_of_gbnf
+
+            return Constraint("lark", lark_of_gbnf(text, f"{option} {path}"))
         kind = "json_schema" if flag == "schema" else "regex" if path.endswith(".regex") else "lark"
         return Constraint(kind, text.rstrip("\n") if kind == "regex" else text)
     return None
@@ -641,7 +647,10 @@ def _run_options(sp: argparse.ArgumentParser) -> None:
     g.add_argument("--schema", metavar="FILE", help="constrain the output to JSON valid against this JSON schema "
                    "(strict: objects hold only the properties they name)")
     g.add_argument("--grammar", metavar="FILE", help="constrain the output to this Lark grammar (llguidance's "
-                   "dialect, rule `start`); a FILE ending in .regex holds a regular expression instead")
+                   "dialect, rule `start`); a FILE ending in .regex holds a regular expression instead, one ending in "
+                   ".gbnf a GBNF grammar")
+    g.add_argument("--grammar-file", metavar="FILE", help="constrain the output to this GBNF grammar (llama.cpp's "
+                   "format, rule `root`), converted to Lark as it is read")
     g.add_argument("--regex", metavar="TEXT", help="constrain the output to match this regular expression, whole")
     g.add_argument("-j", "--json-schema", metavar="SCHEMA", help="as --schema, the schema given inline as JSON text "
                    "(llama.cpp's -j)")

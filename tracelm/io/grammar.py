@@ -10,7 +10,8 @@ A `Matcher` follows one generation: `mask()` is the packed bitmask of the tokens
 the constrain stage), `consume(token)` advances it. `state` is a running sha256-128 over what it has been
 through -- the constraint's digest, then per token the digest of the mask it was drawn under and the token
 id -- so two runs whose states agree went through the same masks and tokens (the trace's token events carry
-it). Grammar problems (invalid JSON or schema, a bad regex or Lark grammar) are TracelmErrors naming them; any
+it). A GBNF grammar (llama.cpp's) is converted to Lark on the way in (`lark_of_gbnf`). Grammar problems (invalid
+JSON or schema, a bad regex, Lark or GBNF grammar) are TracelmErrors naming them; any
 other exception the library raises (a version whose API differs, an internal failure) is a `GrammarLibraryError`
 with the library's own message and version, so a request that meets one is refused, not crashed on.
 """
@@ -138,6 +139,23 @@ def _grammar_text(constraint: Constraint) -> str:
                                                       defaults=options)
     except ValueError as e:
         raise TracelmError(f"{where}: {e}") from None
+
+
+def lark_of_gbnf(text: str, where: str) -> str:
+    """A GBNF grammar (llama.cpp's format: `root ::= ...`) as the Lark grammar llguidance reads, by llguidance's own
+    converter (its `root` rule becomes `start`). The constraint then holds the Lark text: a trace records the
+    grammar that was applied, in the one dialect its replay compiles. A grammar the converter cannot read is a
+    TracelmError naming `where` and the converter's reason."""
+    if not text.strip():
+        raise TracelmError(f"{where}: the GBNF grammar is empty")
+    try:
+        from llguidance.gbnf_to_lark import gbnf_to_lark
+    except ImportError as e:
+        raise GrammarLibraryError(f"{where}: the grammar library has no GBNF converter ({e})") from None
+    try:
+        return gbnf_to_lark(text)
+    except Exception as e:  # noqa: BLE001 -- the converter's errors (GbnfToLarkError, Exception) are about the text
+        raise TracelmError(f"{where}: not a GBNF grammar: {_first_line(str(e))}") from None
 
 
 _DATA_KEYS = frozenset({"enum", "const", "default", "examples"})  # their values are JSON data, not schemas

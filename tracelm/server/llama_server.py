@@ -12,8 +12,8 @@ The prompt is a string or an array of token ids (no template: this is a raw comp
 default: "as many as the context allows") is the server's max_tokens, as Ollama's num_predict is. `seed` -1 (a random
 seed) draws one, as no seed does. `top_k` <= 0 turns top-k off. `n_probs` N gives each token's log-probability and
 its N most likely alternatives (`completion_probabilities`, llama-server's newer `logprob` form); `return_tokens` the
-ids. `json_schema` constrains the output as `response_format` does; a GBNF `grammar` is a 400 (tracelm's grammars
-are Lark: `guided_grammar` on /v1/completions). Samplers tracelm does not have (mirostat, typical-p, XTC, DRY,
+ids. `json_schema` constrains the output as `response_format` does, a GBNF `grammar` as on the OpenAI routes
+(converted to Lark). Samplers tracelm does not have (mirostat, typical-p, XTC, DRY,
 dynamic temperature) are accepted at their neutral values only. Options about slots, caches, time budgets and
 layout (`cache_prompt`, `id_slot`, `n_indent`, ...) and `samplers` (tracelm's chain has one fixed order) are
 accepted and ignored: the server's own settings stand, and a trace records what was applied. `t_max_predict_ms`
@@ -106,9 +106,8 @@ def openai_body(body: dict[str, Any], eog: frozenset[int], model_id: str) -> dic
     for key, neutral in _NEUTRAL.items():
         if key in body and (isinstance(body[key], bool) != isinstance(neutral[0], bool) or body[key] not in neutral):
             raise bad(f"'{key}' = {json.dumps(body[key])[:40]} is not supported by this server", key)
-    if body.get("grammar"):
-        raise bad("'grammar': GBNF grammars are not supported; use 'json_schema', or a Lark grammar as "
-                  "'guided_grammar' on /v1/completions", "grammar")
+    if body.get("grammar") is not None and body.get("json_schema") is not None:
+        raise bad("give at most one of 'json_schema' and 'grammar'", "grammar")
     out: dict[str, Any] = {"model": body.get("model") or model_id, "prompt": body.get("prompt"),
                            **{k: body[k] for k in _SAME if body.get(k) is not None}}
     out["stream"] = _flag(body, "stream")
@@ -127,6 +126,8 @@ def openai_body(body: dict[str, Any], eog: frozenset[int], model_id: str) -> dic
     n_probs = _integer(body, "n_probs")
     if n_probs or _flag(body, "return_tokens"):  # the ids come with the log-probabilities
         out["logprobs"] = n_probs or 0
+    if body.get("grammar") is not None:
+        out["grammar"] = body["grammar"]  # GBNF, as the OpenAI routes take it too (params.py)
     schema = body.get("json_schema")
     if schema is not None:
         if not isinstance(schema, dict):

@@ -11,7 +11,8 @@ object, as transformers' templates expect) and `tool` messages answering them (`
 
 Constrained output: `response_format` ({"type": "json_object"} or {"type": "json_schema", "json_schema": {"name",
 "schema", "strict"}}) and, as vLLM spells them, `guided_regex` (the whole output matches the pattern) and
-`guided_grammar` (a Lark grammar, llguidance's dialect); at most one of them per request. `logit_bias`: an
+`guided_grammar` (a Lark grammar, llguidance's dialect), and as llama-server spells it, `grammar` (a GBNF grammar,
+converted to Lark as it is read: the trace holds the grammar applied); at most one of them per request. `logit_bias`: an
 object of token ids (as strings) to biases in [-100, 100], added to the logits before sampling.
 """
 
@@ -25,7 +26,7 @@ import attrs
 
 from tracelm.server.errors import bad, kind_of
 from tracelm.server.tools import ToolRequest, parse_tools
-from tracelm.state.errors import shown
+from tracelm.state.errors import TracelmError, shown
 from tracelm.state.records import Constraint
 
 # Arguments every generation endpoint takes, plus tracelm's extensions (top_k, min_p, repetition_penalty,
@@ -34,6 +35,7 @@ _COMMON = frozenset({
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p",
     "repetition_penalty", "repeat_penalty", "repeat_last_n", "frequency_penalty", "presence_penalty", "seed",
     "stop", "n", "user", "session_id", "logprobs", "logit_bias", "response_format", "guided_regex", "guided_grammar",
+    "grammar",
 })
 _COMPLETION = _COMMON | {"prompt", "echo", "best_of", "suffix"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
@@ -181,11 +183,12 @@ def _response_format(x: Any) -> Constraint | None:
 
 
 def _constraint(body: dict[str, Any]) -> tuple[Constraint | None, str | None]:
-    """The request's constraint and the argument it came from: response_format, guided_regex or guided_grammar."""
-    given = [k for k in ("response_format", "guided_regex", "guided_grammar") if body.get(k) is not None]
+    """The request's constraint and the argument it came from: response_format, guided_regex, guided_grammar or
+    grammar (GBNF)."""
+    given = [k for k in ("response_format", "guided_regex", "guided_grammar", "grammar") if body.get(k) is not None]
     if len(given) > 1:
-        raise bad(f"give at most one of 'response_format', 'guided_regex' and 'guided_grammar' (got {given})",
-                  given[1])
+        raise bad(f"give at most one of 'response_format', 'guided_regex', 'guided_grammar' and 'grammar' (got "
+                  f"{given})", given[1])
     if not given:
         return None, None
     key = given[0]
@@ -195,6 +198,13 @@ def _constraint(body: dict[str, Any]) -> tuple[Constraint | None, str | None]:
     source = _string(body, key)
     if not source:
         raise bad(f"'{key}' must be a non-empty string", key)
+    if key == "grammar":
+        from tracelm.io.grammar import lark_of_gbnf
+
+        try:
+            source = lark_of_gbnf(source, "'grammar'")
+        except TracelmError as e:
+            raise bad(str(e), key) from None
     return Constraint("regex" if key == "guided_regex" else "lark", source), key
 
 
