@@ -120,7 +120,7 @@ def test_more_llama_cpp_flags(monkeypatch, tmp_path, capsys):
     assert (s.repeat_last_n, s.presence_penalty, s.frequency_penalty) == (32, 0.5, -0.25)
     assert s.constraint == Constraint("json_schema", '{"type": "object"}')
     assert f"tracelm: -s -1: seed {s.seed}" in err and 0 <= s.seed < 2**32
-    assert "-ngl 99 ignored: tracelm computes on the CPU" in err
+    assert "tracelm: ignored: -ngl 99 (tracelm computes on the CPU)" in err
     main(["run", "-m", "smollm2-135m-instruct", "-s", "-1", "-p", "x"])
     assert seen["cfg"].sampling.seed != s.seed  # drawn anew (1 in 2^32 to collide)
     with pytest.raises(SystemExit) as e:
@@ -158,3 +158,70 @@ def test_packaged_stories260k_outside_the_source_tree(tmp_path):
     proc = tracelm("run", "stories260k", "-n", "4", cwd=tmp_path, env={"TRACELM_HOME": str(home)})
     assert proc.returncode == 0, proc.stderr
     assert "4 generated" in proc.stderr
+
+
+def test_llama_cli_options_map_are_ignored_or_refused(monkeypatch, capsys):
+    """llama-cli's options (tools/llama_flags.py): the ones with a tracelm meaning take it (-r as a stop string,
+    --predict, -e's escapes), the ones with nothing to change are named on stderr with the reason, a sampler tracelm
+    lacks is accepted only off, an interactive mode on run points to chat -- and none is misread as a short option
+    cluster (-fa as -f a, -tb as -t b, -sys as -s ys, -cnv as -c nv, -no-cnv as -n o-cnv)."""
+    import tracelm.cli as cli
+
+    seen = {}
+
+    def fake(args):
+        seen.update(cfg=cli._load_config(args), args=args)
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_run", fake)
+    monkeypatch.setattr(cli, "cmd_chat", fake)
+    monkeypatch.setattr(cli, "cmd_serve", fake)
+    assert main(["run", "-m", "smollm2-135m-instruct", "-p", r"Q:\tone\nA:\x41 \d", "-e", "-r", r"\nQ:", "-r", "User:",
+                 "--predict", "7", "-fa", "-tb", "4", "-b", "512", "-ub", "128", "--mlock", "--no-mmap", "-no-cnv",
+                 "--no-display-prompt", "--color", "on", "--typical", "1", "--mirostat", "0", "--numa", "isolate",
+                 "--jinja", "--no-warmup", "--ignore-eos"]) == 0
+    cfg, err = seen["cfg"], capsys.readouterr().err
+    assert cfg.prompt == "Q:\tone\nA:A \\d" and cfg.stop == ("\nQ:", "User:") and cfg.max_tokens == 7
+    assert seen["args"].ignore_eos is True
+    note = next(line for line in err.splitlines() if line.startswith("tracelm: ignored: "))
+    for said in ("-fa (", "-tb 4 (-t sets", "-b 512 (", "-ub 128 (", "--mlock (", "--no-mmap (", "-no-cnv (",
+                 "--color on (", "--numa isolate (", "--jinja (", "--no-warmup ("):
+        assert said in note, said
+    # without -e the prompt is the text as given (tracelm's default; llama.cpp's is -e)
+    assert main(["run", "-m", "smollm2-135m-instruct", "-p", r"a\nb", "--no-escape"]) == 0
+    assert seen["cfg"].prompt == r"a\nb" and "ignored" not in capsys.readouterr().err
+    for argv, message in ((["--typical", "0.9"], "--typical 0.9: tracelm has no such sampler; only 1 (off)"),
+                          (["--mirostat", "2"], "--mirostat 2: tracelm has no such sampler; only 0 (off)"),
+                          (["-sys", "Be brief."], "-sys: tracelm run is one completion without a chat template"),
+                          (["-cnv"], "a conversation (with a system prompt, -sys) is `tracelm chat`"),
+                          (["-i"], "-i: tracelm run is one completion"), (["-e", "--no-escape"], "not allowed with")):
+        with pytest.raises(SystemExit) as e:
+            main(["run", "-m", "smollm2-135m-instruct", "-p", "x", *argv])
+        assert e.value.code == 2 and message in capsys.readouterr().err, argv
+    # chat takes -sys, -r and the ignored ones; serve llama-server's ignored ones; batch keeps its own --batch-size
+    assert main(["chat", "-m", "smollm2-135m-instruct", "-sys", "Terse.", "-r", "User:", "-fa", "on", "-ngl",
+                 "99"]) == 0
+    assert seen["cfg"].system == "Terse." and seen["cfg"].stop == ("User:",)
+    assert "-fa on (" in capsys.readouterr().err
+    assert main(["serve", "-m", "smollm2-135m-instruct", "-ngl", "99", "-fa", "on", "--mlock", "-b", "2048"]) == 0
+    assert "tracelm: ignored: -ngl 99 (" in capsys.readouterr().err
+    args = cli.build_parser().parse_args(["batch", "--input", "i", "--output", "o", "--batch-size", "4", "-ngl", "9"])
+    assert args.batch_size == 4 and args.llama_ignored and "-ngl 9" in args.llama_ignored[0]
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["batch", "--input", "i", "--output", "o", "-b", "4"])
+
+
+def test_process_escapes_is_llama_cpps():
+    from tracelm.tools.llama_flags import process_escapes
+
+    assert process_escapes(r"a\nb\tc\rd\'e\"f\\g\x41\x4a") == "a\nb\tc\rd'e\"f\\gAJ"
+    assert process_escapes(r"\d \u00e9 \x4 \\n") == r"\d \u00e9 \x4 \n"  # unknown and short ones stay
+
+
+def test_ignore_eos_runs_past_the_end_token(tiny_gguf, capsys):
+    """The tiny model at seed 2 ends (an end-of-generation token) after 16 tokens; --ignore-eos goes on to -n."""
+    argv = ["run", "-m", str(tiny_gguf), "-p", "hello", "-n", "30", "--temp", "1.5", "-s", "2"]
+    assert main(argv) == 0
+    assert "16 generated (stop)" in capsys.readouterr().err
+    assert main([*argv, "--ignore-eos"]) == 0
+    assert "30 generated (length)" in capsys.readouterr().err

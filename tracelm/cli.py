@@ -15,6 +15,7 @@ from typing import Any
 
 from tracelm.state.errors import TracelmError
 from tracelm.state.run_config import KV_CACHE_DTYPES, QUANT_NAMES
+from tracelm.tools.llama_flags import add_llama_options
 
 
 def _threads(n: int, compute: str = "kernels") -> Any:
@@ -35,8 +36,13 @@ def _load_config(args: argparse.Namespace) -> Any:
 
         args.seed = secrets.randbelow(1 << 32)
         print(f"tracelm: -s -1: seed {args.seed}", file=sys.stderr)
-    if getattr(args, "gpu_layers", None) is not None:
-        print(f"tracelm: -ngl {args.gpu_layers} ignored: tracelm computes on the CPU", file=sys.stderr)
+    from tracelm.tools.llama_flags import ignored_note, process_escapes
+
+    if ignored_note(args):
+        print(ignored_note(args), file=sys.stderr)
+    if getattr(args, "escape", False):  # run -e: llama.cpp's escapes in the prompt and the stop strings
+        args.prompt = None if args.prompt is None else process_escapes(args.prompt)
+        args.reverse_prompt = [process_escapes(r) for r in args.reverse_prompt or []] or None
     for flag, key in OPTION_KEYS:
         value = getattr(args, flag, None)
         if value is not None:
@@ -67,7 +73,7 @@ OPTION_KEYS = (("prompt", "prompt"), ("max_tokens", "max_tokens"), ("temperature
                ("system", "system"), ("top_k", "sampling.top_k"), ("top_p", "sampling.top_p"),
                ("min_p", "sampling.min_p"), ("repeat_penalty", "sampling.repeat_penalty"), ("quantize", "quantize"),
                ("repeat_last_n", "sampling.repeat_last_n"), ("presence_penalty", "sampling.presence_penalty"),
-               ("frequency_penalty", "sampling.frequency_penalty"))
+               ("frequency_penalty", "sampling.frequency_penalty"), ("reverse_prompt", "stop"))
 
 
 def _model_as_positional(args: argparse.Namespace) -> None:
@@ -169,8 +175,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         max_tokens = max(cfg.context - len(ids), 0) if fill else None  # no context shift: both stop at the context
         session.check(len(ids), max_tokens)  # before the weights load
         key_env = getattr(args, "trace_key_env", None)
+        # --ignore-eos: every end-of-generation token biased by -100 (the server's ignore_eos)
+        bias = {**dict(cfg.sampling.logit_bias), **{t: -100.0 for t in session.tokenizer.eog_ids}}
+        extra = {"logit_bias": bias} if args.ignore_eos else {}
         for _ in _echo(session.stream(cfg.prompt, max_tokens=max_tokens, trace_key_env=key_env,
-                                      cancel=interrupted.is_set)):
+                                      cancel=interrupted.is_set, **extra)):
             pass
         s = session.stats
     sys.stdout.write("\n")
@@ -603,12 +612,10 @@ def _model_options(sp: argparse.ArgumentParser, defaults: str = "") -> None:
     _quantize_option(sp)
     sp.add_argument("-c", "--context", "--ctx-size", dest="context", type=int, metavar="N",
                     help="positions of the KV cache: prompt + reply (config key context)")
-    sp.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens", type=int, metavar="N",
+    sp.add_argument("-n", "--max-tokens", "--n-predict", "--predict", dest="max_tokens", type=int, metavar="N",
                     help=f"most tokens to generate{defaults} (max_tokens); `run` takes -1 or -2 as llama.cpp does: as "
                     "many as the context leaves after the prompt")
     sp.add_argument("-t", "--threads", type=int, metavar="N", help="kernel threads; 0 = one per core (threads)")
-    sp.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="gpu_layers", type=int, metavar="N",
-                    help="accepted for llama.cpp's scripts and ignored: tracelm computes on the CPU")
     sp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key, e.g. --set "
                     "sampling.min_p=0.1 (repeatable; docs/usage.md lists the keys)")
 
@@ -679,6 +686,7 @@ def _add_run_commands(sub: Any) -> None:
     g.add_argument("-f", "--file", metavar="FILE", help="the prompt is this file's text (llama.cpp's -f)")
     sp.add_argument("--trace", metavar="FILE", help="write a JSON-lines trace (level digest by default)")
     sp.add_argument("--trace-key-env", metavar="NAME", help="sign the trace with HMAC-SHA256, key from env var NAME")
+    add_llama_options(sp, "run")
     sp.set_defaults(fn=cmd_run)
 
     sp = sub.add_parser("chat", help="multi-turn chat with the model's chat template (at a terminal: line editing, "
@@ -690,6 +698,7 @@ def _add_run_commands(sub: Any) -> None:
                     "sessions) and save it after each reply; a new NAME starts one")
     sp.add_argument("--trace", metavar="FILE", help="write each turn's trace here (its header names the last hash "
                     "of the conversation's previous trace)")
+    add_llama_options(sp, "chat")
     sp.set_defaults(fn=cmd_chat)
 
     sp = sub.add_parser("serve", help="an OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, streaming")
@@ -723,6 +732,7 @@ def _add_run_commands(sub: Any) -> None:
     _sign_key_option(sp)
     sp.add_argument("--policy", metavar="FILE", help="the trust policy (YAML, docs/trust.md) the trace viewer and "
                     "POST /api/trace/verify judge traces by (trace.policy; default: no key trusted)")
+    add_llama_options(sp, "serve")
     sp.set_defaults(fn=cmd_serve)
 
     sp = sub.add_parser("soak", help="a server (in a child process) under concurrent chat clients over many session "
@@ -765,6 +775,7 @@ def _add_batch_command(sub: Any) -> None:
     sp.add_argument("--cpus-per-actor", type=float, default=1.0,
                     help="ray: CPUs each actor reserves, and its threads unless the config sets threads")
     sp.add_argument("--batch-size", type=int, default=8, help="sequences decoded together per pass (1..8)")
+    add_llama_options(sp, "batch")
     sp.set_defaults(fn=cmd_batch)
 
 
