@@ -246,3 +246,36 @@ def test_encode_chat_on_a_small_vocabulary():
         encode_chat(tok, looks, [{"role": "user", "content": "<|im_end|>xyz"}])
     with pytest.raises(TracelmError, match="role"):
         encode_chat(tok, None, [{"content": "no role"}])
+
+
+def test_a_configs_chat_template_replaces_the_models(tiny_gguf, tmp_path, capsys):
+    """chat_template (llama.cpp's --chat-template NAME / --chat-template-file FILE): a built-in's name or Jinja text in
+    the model's own template's place, for chat, the server and batch alike (they all read LoadedModel.chat_template);
+    a name it does not know is refused before the weights load."""
+    from tracelm.cli import main
+    from tracelm.io.chat_template import LLAMA2_TEMPLATE, encode_chat
+    from tracelm.session import Session, chat_prompt
+
+    with Session(str(tiny_gguf), settings=["chat_template=llama2"]) as s:
+        assert s.model.chat_template == LLAMA2_TEMPLATE
+        assert chat_prompt(s.model, CONVERSATION[1:2]) == encode_chat(s.tokenizer, LLAMA2_TEMPLATE, CONVERSATION[1:2],
+                                                                      add_generation_prompt=True)
+    own = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+    with Session(str(tiny_gguf), settings=[f"chat_template={own!r}"]) as s:
+        assert s.model.chat_template == own
+    with Session(str(tiny_gguf)) as s:
+        assert s.model.chat_template != own
+    with pytest.raises(TracelmError, match="'llama3': neither a built-in template"):
+        Session(str(tiny_gguf), settings=["chat_template=llama3"])
+    # the CLI: the file's text is the config's key, so a trace's header holds the template the chat ran under
+    template = tmp_path / "own.jinja"
+    template.write_text(own)
+    trace = tmp_path / "chat.jsonl"
+    assert main(["chat", "-m", str(tiny_gguf), "--chat-template-file", str(template), "--message", "hello", "-n", "2",
+                 "--trace", str(trace)]) == 0
+    import json
+
+    header = json.loads(trace.read_text().splitlines()[0])
+    assert header["config"]["chat_template"] == own
+    assert main(["chat", "-m", str(tiny_gguf), "--chat-template", "vicuna", "--message", "hello"]) == 2
+    assert "chat_template 'vicuna': neither a built-in template (chatml, llama2, gemma)" in capsys.readouterr().err

@@ -38,6 +38,11 @@ def _load_config(args: argparse.Namespace) -> Any:
         print(f"tracelm: -s -1: seed {args.seed}", file=sys.stderr)
     from tracelm.tools.llama_flags import ignored_note, process_escapes
 
+    if getattr(args, "chat_template_file", None):
+        from tracelm.session import MiB, read_regular_text
+
+        args.chat_template = read_regular_text(args.chat_template_file, "--chat-template-file", 4 * MiB)
+
     if ignored_note(args):
         print(ignored_note(args), file=sys.stderr)
     if getattr(args, "escape", False):  # run -e: llama.cpp's escapes in the prompt and the stop strings
@@ -73,7 +78,8 @@ OPTION_KEYS = (("prompt", "prompt"), ("max_tokens", "max_tokens"), ("temperature
                ("system", "system"), ("top_k", "sampling.top_k"), ("top_p", "sampling.top_p"),
                ("min_p", "sampling.min_p"), ("repeat_penalty", "sampling.repeat_penalty"), ("quantize", "quantize"),
                ("repeat_last_n", "sampling.repeat_last_n"), ("presence_penalty", "sampling.presence_penalty"),
-               ("frequency_penalty", "sampling.frequency_penalty"), ("reverse_prompt", "stop"))
+               ("frequency_penalty", "sampling.frequency_penalty"), ("reverse_prompt", "stop"),
+               ("chat_template", "chat_template"))
 
 
 def _model_as_positional(args: argparse.Namespace) -> None:
@@ -643,6 +649,11 @@ def _sampling_options(sp: argparse.ArgumentParser) -> None:
 def _system_option(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("-sys", "--system", "--system-prompt", dest="system", metavar="TEXT", help="the system prompt of "
                     "a chat (config key system; default: the chat template's own)")
+    g = sp.add_mutually_exclusive_group()
+    g.add_argument("--chat-template", metavar="NAME_OR_JINJA", help="the chat template in the model's place: chatml, "
+                   "llama2, gemma, or Jinja text (config key chat_template)")
+    g.add_argument("--chat-template-file", metavar="FILE", help="the chat template in the model's place, read from "
+                   "this Jinja file (llama.cpp's flag)")
 
 
 def _run_options(sp: argparse.ArgumentParser) -> None:

@@ -31,7 +31,7 @@ import attrs
 import numpy as np
 
 from tracelm.io.attest.binding import parse_nonce
-from tracelm.io.chat_template import RenderBudget, encode_chat
+from tracelm.io.chat_template import RenderBudget, encode_chat, template_named
 from tracelm.io.files import MiB, read_regular_text
 from tracelm.io.grammar import closed as closed_schema
 from tracelm.io.grammar import unspellable
@@ -145,9 +145,13 @@ def numerics(cfg: RunConfig) -> str:
 
 
 def with_activations(model: LoadedModel, cfg: RunConfig) -> LoadedModel:
-    """The model as `cfg.activations` asks its quantized products to run (the same blocks, no copy)."""
+    """The model as `cfg.activations` asks its quantized products to run (the same blocks, no copy), and with
+    `cfg.chat_template` in its own template's place."""
     weights = model.weights.with_halves(ACTIVATION_MODES[cfg.activations])
-    return model if weights is model.weights else attrs.evolve(model, weights=weights)
+    template = template_named(cfg.chat_template) if cfg.chat_template is not None else model.template_override
+    if weights is model.weights and template == model.template_override:
+        return model
+    return attrs.evolve(model, weights=weights, template_override=template)
 
 
 def held_bytes(runner: Runner) -> int:
@@ -316,6 +320,8 @@ class Session:
             check_run(self.source.cfg, self.cfg.context, self.cfg.rope_scale,  # before any weight is allocated
                       self.source.weights_bytes(self.cfg.weights, self.cfg.compute, self.cfg.quantize), self.path.name,
                       self.cfg.kv_cache)
+        if self.cfg.chat_template is not None:
+            template_named(self.cfg.chat_template)  # a name it does not know: said now, before the weights load
         self.messages: list[dict[str, str]] = self._new_conversation()
         self.trace_chain: str | None = None  # the last line hash of this conversation's latest trace
         self.last_trace_hash: str | None = None  # ... of the last call's trace (None: it wrote none)

@@ -422,6 +422,20 @@ def chat_template_from_metadata(meta: Mapping[str, Any]) -> str | None:
 # ---------------------------------------------------------------- conversation -> token ids
 
 
+BUILTIN_TEMPLATES = {"chatml": CHATML_TEMPLATE, "llama2": LLAMA2_TEMPLATE, "gemma": GEMMA_TEMPLATE}
+
+
+def template_named(value: str) -> str:
+    """A chat template as a config's `chat_template` (llama.cpp's --chat-template) gives it: a built-in's name, or
+    Jinja text as it is. Anything else is a TracelmError naming the built-ins."""
+    if value in BUILTIN_TEMPLATES:
+        return BUILTIN_TEMPLATES[value]
+    if "{{" in value or "{%" in value:
+        return value
+    raise TracelmError(f"chat_template {value[:40]!r}: neither a built-in template ({', '.join(BUILTIN_TEMPLATES)}) "
+                       "nor Jinja text ({{ ... }} / {% ... %}); --chat-template-file reads one from a file")
+
+
 def builtin_template_for(tokenizer: Any) -> str:
     """The built-in template for a vocabulary that carries none: Gemma's turns if it has `<start_of_turn>`,
     ChatML if it has `<|im_start|>`, Llama 2's [INST] format for a SentencePiece vocabulary with `<s>`, else

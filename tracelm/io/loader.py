@@ -34,13 +34,15 @@ class LoadedModel:
     load_seconds: float
     tokenizer_path: Path | None = None  # where the tokenizer came from when not the model file itself
     rope_scale: float = 1.0  # the linear RoPE scaling applied to cfg (see `scaled_rope`)
+    template_override: str | None = None  # a run config's chat_template, as Jinja text (Session: with_template)
 
     @property
     def chat_template(self) -> str | None:
-        """The model's chat template, decided here for chat, the server, batch and Session: the GGUF's
-        `tokenizer.chat_template`, else its tokenizer's (a Hugging Face folder's `chat_template.jinja` or
-        `tokenizer_config.json`); None: the built-in one for the vocabulary (`builtin_template_for`)."""
-        return chat_template_from_metadata(self.metadata) or self.tokenizer.chat_template
+        """The model's chat template, decided here for chat, the server, batch and Session: the run config's
+        `chat_template` when it has one, else the GGUF's `tokenizer.chat_template`, else its tokenizer's (a Hugging
+        Face folder's `chat_template.jinja` or `tokenizer_config.json`); None: the built-in one for the vocabulary
+        (`builtin_template_for`)."""
+        return self.template_override or chat_template_from_metadata(self.metadata) or self.tokenizer.chat_template
 
 
 class ModelFile:

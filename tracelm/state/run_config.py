@@ -138,6 +138,9 @@ class RunConfig:
     max_tokens: int = attrs.field(default=128, validator=v.ge(0))
     stop: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_check_stops)  # stop strings
     system: str | None = None  # chat: system prompt (None: the template's default)
+    # chat: the chat template in the model's place: a built-in's name (chatml, llama2, gemma) or Jinja text
+    # (io/chat_template.py: template_named); None: the model's own
+    chat_template: str | None = attrs.field(default=None, validator=v.optional(v.min_len(1)))
     prompt: str = "The capital of France is"
     sampling: SamplingParams = attrs.field(default=SamplingParams(), validator=_check_seed)
     # linear RoPE scaling (position interpolation): every RoPE frequency divided by this. A context beyond the
