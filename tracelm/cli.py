@@ -160,7 +160,7 @@ def _constraint(args: argparse.Namespace) -> Any:
         option = "--" + flag.replace("_", "-")
         text = read_regular_text(path, f"{option} file", 16 * MiB)
         if flag == "grammar_file" or path.endswith(".gbnf"):
-            from tracelm.io.grammar import lark_of_gbnf
+            from tracelm.session import lark_of_gbnf
 
             return Constraint("lark", lark_of_gbnf(text, f"{option} {path}"))
         kind = "json_schema" if flag == "schema" else "regex" if path.endswith(".regex") else "lark"

@@ -199,7 +199,7 @@ def _constraint(body: dict[str, Any]) -> tuple[Constraint | None, str | None]:
     if not source:
         raise bad(f"'{key}' must be a non-empty string", key)
     if key == "grammar":
-        from tracelm.io.grammar import lark_of_gbnf
+        from tracelm.session import lark_of_gbnf
 
         try:
             source = lark_of_gbnf(source, "'grammar'")
