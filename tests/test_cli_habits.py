@@ -225,3 +225,39 @@ def test_ignore_eos_runs_past_the_end_token(tiny_gguf, capsys):
     assert "16 generated (stop)" in capsys.readouterr().err
     assert main([*argv, "--ignore-eos"]) == 0
     assert "30 generated (length)" in capsys.readouterr().err
+
+
+def test_llama_server_and_cache_options_set_their_keys(monkeypatch, capsys):
+    """llama-server's -np / -a / -to / --pooling on serve, and -ctk / -ctv / --rope-scale / --rope-freq-scale on
+    every model command, set the config keys they name; llama-server's options with nothing to change are named."""
+    import tracelm.cli as cli
+
+    seen = {}
+
+    def fake(args):
+        seen.update(cfg=cli._load_config(args))
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_serve", fake)
+    monkeypatch.setattr(cli, "cmd_run", fake)
+    assert main(["serve", "-m", "smollm2-135m-instruct", "-np", "4", "-a", "my-model", "-to", "60", "--pooling",
+                 "last", "-ctk", "q8_0", "-ctv", "q8_0", "--rope-freq-scale", "0.5", "--metrics", "--embeddings",
+                 "-cb", "--threads-http", "8", "--slots", "-kvu"]) == 0
+    cfg, err = seen["cfg"], capsys.readouterr().err
+    assert (cfg.server.max_batch, cfg.server.alias, cfg.server.request_timeout, cfg.server.pooling) == (
+        4, "my-model", 60.0, "last")
+    assert cfg.kv_cache == "q8_0" and cfg.rope_scale == 2.0
+    for said in ("--metrics (", "--embeddings (", "-cb (", "--threads-http 8 (", "--slots (", "-kvu ("):
+        assert said in err, said
+    assert main(["run", "-m", "smollm2-135m-instruct", "-p", "x", "-ctk", "f32", "--rope-scale", "2"]) == 0
+    assert seen["cfg"].kv_cache == "f32" and seen["cfg"].rope_scale == 2.0
+    for argv, message in ((["-ctk", "q8_0", "-ctv", "f16"], "-ctk q8_0 -ctv f16: tracelm's KV cache holds keys and "
+                           "values in one type"),
+                          (["-ctk", "q4_0"], "kv_cache"),
+                          (["--rope-scale", "2", "--rope-freq-scale", "0.25"], "disagree"),
+                          (["--rope-freq-scale", "0"], "--rope-freq-scale 0: must be > 0"),
+                          (["-np", "16"], "server.max_batch")):
+        assert main(["serve", "-m", "smollm2-135m-instruct", *argv]) == 2, argv
+        assert message in capsys.readouterr().err, argv
+    with pytest.raises(SystemExit):
+        main(["serve", "-m", "smollm2-135m-instruct", "--rope-scaling", "yarn"])

@@ -152,3 +152,16 @@ def test_t_max_predict_ms_counts_from_the_end_of_the_prefill(tmp_path: Path, smo
         assert t["stop_type"] == "limit" and 1 <= t["tokens_predicted"] < 400, t  # (counted from arrival: none)
     finally:
         s.stop()
+
+
+def test_an_alias_is_the_models_id(tmp_path: Path, tiny_gguf: Path):
+    """server.alias (llama-server's --alias): /v1/models lists it, the answers name it, and a request may name it."""
+    s = ServerProcess(tmp_path, {"model": str(tiny_gguf), "context": 64, "max_tokens": 2, "threads": 1,
+                                 "server": {"alias": "team/model-v2", "strict_model": True}})
+    try:
+        assert [m["id"] for m in s.request("GET", "/v1/models").json()["data"]] == ["team/model-v2"]
+        r = s.request("POST", "/v1/completions", {"model": "team/model-v2", "prompt": "hi", "temperature": 0})
+        assert r.status == 200 and r.json()["model"] == "team/model-v2", r.text
+        assert s.request("POST", "/v1/completions", {"model": "other", "prompt": "hi"}).status == 404
+    finally:
+        s.stop()

@@ -36,8 +36,9 @@ def _load_config(args: argparse.Namespace) -> Any:
 
         args.seed = secrets.randbelow(1 << 32)
         print(f"tracelm: -s -1: seed {args.seed}", file=sys.stderr)
-    from tracelm.tools.llama_flags import ignored_note, process_escapes
+    from tracelm.tools.llama_flags import ignored_note, llama_settings, process_escapes
 
+    overrides += llama_settings(args)  # as the other flags: after --set
     if getattr(args, "chat_template_file", None):
         from tracelm.session import MiB, read_regular_text
 

@@ -76,7 +76,9 @@ FINGERPRINT = f"tracelm-{__version__}"
 
 
 def model_id_of(cfg: RunConfig) -> str:
-    """The id /v1/models shows: the registry name, or the GGUF file's stem for a path."""
+    """The id /v1/models shows: server.alias, else the registry name, or the GGUF file's stem for a path."""
+    if cfg.server.alias:
+        return cfg.server.alias
     name = cfg.model
     if "/" in name or name.endswith(".gguf"):
         return Path(name).stem

@@ -83,6 +83,7 @@ class ServerOptions:
     sessions_max_mb: int = attrs.field(default=2048, validator=v.ge(1))  # disk the saved ones may take (LRU out)
     # a request naming another model than the loaded one is a 404 (by default the loaded model serves any name)
     strict_model: bool = False
+    alias: str | None = None  # the model's id in /v1/models and the answers (llama-server's --alias); None: its name
     # /v1/embeddings: a text's vector is the mean of its positions' final hidden states, or the last one's
     pooling: str = attrs.field(default="mean", validator=v.in_(("mean", "last")))
     header_timeout: float = attrs.field(default=10.0, validator=v.gt(0))  # seconds to send a request head, else closed

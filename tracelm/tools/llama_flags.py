@@ -39,6 +39,22 @@ IGNORED: tuple[tuple[tuple[str, ...], Any, str], ...] = (
     (("-lv", "--verbosity", "--log-verbosity"), 1, "tracelm logs only errors and the closing figures, on stderr"),
     (("--jinja",), 0, "chat templates are always rendered by Jinja"),
 )
+# llama-server's, on serve: nothing to change in tracelm's server
+SERVE_IGNORED: tuple[tuple[tuple[str, ...], Any, str], ...] = (
+    (("--metrics",), 0, "/metrics is always served"),
+    (("--embeddings", "--embedding"), 0, "/v1/embeddings is always served"),
+    (("--slots", "--no-slots"), 0, "tracelm's server has no slots endpoint"),
+    (("-cb", "--cont-batching", "-nocb", "--no-cont-batching"), 0, "requests join the pass as they come "
+     "(server.max_batch)"),
+    (("--threads-http",), 1, "requests are read by the server's own threads"),
+    (("--cache-reuse",), 1, "a session_id keeps a conversation's cache"),
+    (("-sps", "--slot-prompt-similarity"), 1, "a session_id keeps a conversation's cache"),
+    (("-kvu", "--kv-unified"), 0, "each sequence has its own Cache"),
+    (("-nkvo", "--no-kv-offload"), 0, "tracelm computes on the CPU"),
+    (("-dt", "--defrag-thold"), 1, "each sequence's Cache is contiguous"),
+    (("--log-format",), 1, "tracelm logs only errors, on stderr"),
+    (("-v", "--verbose"), 0, "tracelm logs only errors, on stderr"),
+)
 # samplers tracelm does not have: (option strings, the value that turns it off)
 NEUTRAL: tuple[tuple[tuple[str, ...], float], ...] = (
     (("--typical",), 1.0), (("--mirostat",), 0.0), (("--dry-multiplier",), 0.0), (("--xtc-probability",), 0.0),
@@ -86,11 +102,27 @@ def add_llama_options(sp: argparse.ArgumentParser, command: str) -> None:
     sp.set_defaults(llama_ignored=None)
     g = sp.add_argument_group("llama.cpp's options", "accepted for llama.cpp's scripts: each does what it says, or "
                               "is named on stderr as changing nothing here, or is refused with the reason")
-    for names, nargs, reason in IGNORED:
+    for names, nargs, reason in IGNORED + (SERVE_IGNORED if command == "serve" else ()):
         if any(n in sp._option_string_actions for n in names):  # noqa: SLF001 -- argparse's own table
             continue  # the command's own option (batch's --batch-size): -b would be read as that, not ignored
         g.add_argument(*names, nargs=nargs if nargs != 1 else None, action=_Ignored, reason=reason,
                        help=f"ignored: {reason}", **({} if nargs == 0 else {"metavar": "X"}))
+    for names in (("-ctk", "--cache-type-k"), ("-ctv", "--cache-type-v")):
+        g.add_argument(*names, dest=names[1][2:].replace("-", "_"), metavar="TYPE", help="the KV cache's type, "
+                       "keys and values alike: f16, f32 or q8_0 (config key kv_cache)")
+    g.add_argument("--rope-scale", type=float, metavar="N", help="linear RoPE scaling: the context stretched N times "
+                   "(config key rope_scale)")
+    g.add_argument("--rope-freq-scale", type=float, metavar="F", help="the same as --rope-scale 1/F")
+    g.add_argument("--rope-scaling", choices=("none", "linear"), help="tracelm's RoPE scaling is linear (yarn is "
+                   "not supported)")
+    if command == "serve":
+        g.add_argument("-np", "--parallel", type=int, metavar="N", help="sequences decoded together in one pass, "
+                       "1 to 8 (server.max_batch)")
+        g.add_argument("-a", "--alias", metavar="NAME", help="the model's id in /v1/models and the answers "
+                       "(server.alias)")
+        g.add_argument("-to", "--timeout", dest="http_timeout", type=float, metavar="S", help="seconds from a "
+                       "request's arrival to its last token (server.request_timeout)")
+        g.add_argument("--pooling", choices=("mean", "last"), help="/v1/embeddings' pooling (server.pooling)")
     if command in ("serve", "batch"):
         return
     for names, neutral in NEUTRAL:
@@ -121,6 +153,33 @@ _NAMED = {"n": "\n", "r": "\r", "t": "\t", "'": "'", '"': '"', "\\": "\\"}
 def process_escapes(text: str) -> str:
     """llama.cpp's -e: \\n \\r \\t \\' \\" \\\\ and \\xNN as the characters they name; any other backslash stays."""
     return _ESCAPE.sub(lambda m: chr(int(m[1][1:], 16)) if m[1][0] == "x" else _NAMED[m[1]], text)
+
+
+def llama_settings(args: argparse.Namespace) -> list[str]:
+    """The config settings (`--set` KEY=VALUE) llama.cpp's value options ask for: -ctk / -ctv (one KV cache type for
+    both: two different ones are refused), --rope-scale / --rope-freq-scale, and serve's -np, -a, -to, --pooling."""
+    import json
+
+    from tracelm.state.errors import TracelmError
+
+    out = []
+    k, v = getattr(args, "cache_type_k", None), getattr(args, "cache_type_v", None)
+    if k is not None and v is not None and k != v:
+        raise TracelmError(f"-ctk {k} -ctv {v}: tracelm's KV cache holds keys and values in one type (kv_cache)")
+    if (k or v) is not None:
+        out.append(f"kv_cache={json.dumps((k or v).lower())}")
+    scale, freq = getattr(args, "rope_scale", None), getattr(args, "rope_freq_scale", None)
+    if scale is not None and freq is not None and abs(scale * freq - 1) > 1e-9:
+        raise TracelmError(f"--rope-scale {scale:g} and --rope-freq-scale {freq:g} disagree (one is 1 / the other)")
+    if freq is not None and not freq > 0:
+        raise TracelmError(f"--rope-freq-scale {freq:g}: must be > 0")
+    if scale is not None or freq is not None:
+        out.append(f"rope_scale={json.dumps(scale if scale is not None else 1 / freq)}")
+    for flag, key in (("parallel", "server.max_batch"), ("alias", "server.alias"),
+                      ("http_timeout", "server.request_timeout"), ("pooling", "server.pooling")):
+        if getattr(args, flag, None) is not None:
+            out.append(f"{key}={json.dumps(getattr(args, flag))}")
+    return out
 
 
 def ignored_note(args: argparse.Namespace) -> str | None:
