@@ -47,6 +47,7 @@ def test_every_route_but_health_and_the_pages_needs_the_key(keyed):
     for method, path, body in [("GET", f"/api/trace/request/{rid}", None), ("POST", "/api/trace/verify", lines),
                                ("GET", "/api/info", None), ("GET", "/api/trace/preloaded", None),
                                ("GET", "/v1/models", None), ("GET", "/v1/attestation?nonce=00", None),
+                               ("GET", "/props", None),
                                ("GET", "/no/such/route", None)]:
         r = keyed.request(method, path, body)
         assert_openai_error(r, 401, code="invalid_api_key")

@@ -165,3 +165,19 @@ def test_an_alias_is_the_models_id(tmp_path: Path, tiny_gguf: Path):
         assert s.request("POST", "/v1/completions", {"model": "other", "prompt": "hi"}).status == 404
     finally:
         s.stop()
+
+
+def test_props_says_the_defaults_the_slots_and_the_template(server):
+    """llama-server's GET /props, which its web UI and scripts read before a request: the server's defaults (as a
+    /completion that gives none runs), the sequences decoded together, the model and the chat template applied."""
+    r = server.request("GET", "/props")
+    assert r.status == 200, r.text
+    p = r.json()
+    d = p["default_generation_settings"]
+    assert d["n_ctx"] == 128 and d["params"]["n_predict"] == 6 and p["total_slots"] == 8
+    assert p["model_alias"] == "tiny-llama" and p["model_path"].endswith("tiny-llama.gguf")
+    assert "{%" in p["chat_template"] and p["build_info"].startswith("tracelm ")
+    assert p["modalities"] == {"vision": False, "audio": False}
+    out = completion(server, temperature=d["params"]["temperature"]).json()["generation_settings"]
+    assert {k: out[k] for k in ("top_k", "top_p", "min_p", "repeat_penalty")} == {
+        k: d["params"][k] for k in ("top_k", "top_p", "min_p", "repeat_penalty")}

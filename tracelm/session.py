@@ -31,7 +31,7 @@ import attrs
 import numpy as np
 
 from tracelm.io.attest.binding import parse_nonce
-from tracelm.io.chat_template import RenderBudget, encode_chat, template_named
+from tracelm.io.chat_template import RenderBudget, builtin_template_for, encode_chat, template_named
 from tracelm.io.files import MiB, read_regular_text
 from tracelm.io.grammar import closed as closed_schema
 from tracelm.io.grammar import lark_of_gbnf, unspellable
@@ -64,11 +64,11 @@ from tracelm.stages.sample import top_logprobs
 
 # what the server, replay and the tools use of the engine, through the front door
 __all__ = ["POOLINGS", "SUFFIX", "Generation", "GenerationStats", "MiB", "RenderBudget", "Runner", "Session",
-           "ThreadLimits", "Tracer", "chat_prompt", "check_sampling", "closed_schema", "decode_rate", "embedding",
-           "encode_chat", "held_bytes", "lark_of_gbnf", "load_conversation", "numerics", "packaged_configs",
-           "parse_nonce", "positional_is_model", "read_regular_text", "release_memory", "run_config",
-           "save_conversation", "shift_chat", "signature_fields", "template_budget", "top_logprobs", "trace_key",
-           "unspellable", "write_footer"]
+           "ThreadLimits", "Tracer", "builtin_template_for", "chat_prompt", "check_sampling", "closed_schema",
+           "decode_rate", "embedding", "encode_chat", "held_bytes", "lark_of_gbnf", "load_conversation", "numerics",
+           "packaged_configs", "parse_nonce", "positional_is_model", "read_regular_text", "release_memory",
+           "run_config", "save_conversation", "shift_chat", "signature_fields", "template_budget", "top_logprobs",
+           "trace_key", "unspellable", "write_footer"]
 from tracelm.state.errors import SessionIncompatible, TracelmError, shown
 from tracelm.state.records import SamplingParams
 from tracelm.state.run_config import ACTIVATION_MODES, RunConfig

@@ -170,11 +170,7 @@ class LlamaShape:
                "tokens_cached": done["cached_tokens"], "prompt": self.job.prompt_text, "stop_type": stop_type,
                "stopping_word": word, "truncated": False,
                "generation_settings": {"n_ctx": cfg.context, "model": self.server.model_id,
-                                       "n_predict": self.job.max_tokens, "seed": s.seed, "temperature": s.temperature,
-                                       "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
-                                       "repeat_penalty": s.repeat_penalty, "repeat_last_n": s.repeat_last_n,
-                                       "presence_penalty": s.presence_penalty,
-                                       "frequency_penalty": s.frequency_penalty, "stop": list(self.req.stop),
+                                       **sampling_settings(s, self.job.max_tokens, self.req.stop),
                                        "n_probs": self.n_probs, "stream": self.req.stream},
                "timings": {"prompt_n": n_prompt - done["cached_tokens"], "prompt_ms": prompt_ms,
                            "prompt_per_second": (n_prompt - done["cached_tokens"]) / max(prompt_ms / 1e3, 1e-9),
@@ -213,9 +209,36 @@ class LlamaShape:
                 self.job.gone.set()
 
 
+def sampling_settings(s: Any, max_tokens: int, stop: Any) -> dict[str, Any]:
+    """A request's (or the server's default) sampling as llama-server's generation settings name it."""
+    return {"n_predict": max_tokens, "seed": s.seed, "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
+            "min_p": s.min_p, "repeat_penalty": s.repeat_penalty, "repeat_last_n": s.repeat_last_n,
+            "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty, "stop": list(stop)}
+
+
+def props(server: Any) -> dict[str, Any]:
+    """llama-server's GET /props: the defaults a request that gives none runs with, the sequences decoded together
+    (its slots), the model, its chat template (the one applied: the config's, the file's or the built-in one) and
+    the build."""
+    from tracelm.session import builtin_template_for
+    from tracelm.version import __version__
+
+    cfg, tok = server.cfg, server.model.tokenizer
+    piece = lambda i: "" if i is None else tok.token_bytes(i).decode("utf-8", "replace")  # noqa: E731
+    return {"default_generation_settings": {"n_ctx": cfg.context, "model": server.model_id,
+                                            "params": sampling_settings(cfg.sampling, cfg.max_tokens, cfg.stop)},
+            "total_slots": cfg.server.max_batch, "model_alias": server.model_id, "model_path": str(server.model.path),
+            "chat_template": server.model.chat_template or builtin_template_for(tok),
+            "bos_token": piece(tok.bos_id), "eos_token": piece(tok.eos_id),
+            "modalities": {"vision": False, "audio": False}, "build_info": f"tracelm {__version__}"}
+
+
 def llama_server_routes(server: Any, openai_shape: type) -> list[Route]:
-    """POST /completion and POST /infill on `server`, their answers shaped by a subclass of `openai_shape`
+    """POST /completion, POST /infill and GET /props on `server`, the answers shaped by a subclass of `openai_shape`
     (app.Shape)."""
+
+    async def get_props(_request: Request) -> Response:
+        return JSONResponse(props(server))
 
     async def completion(request: Request) -> Response:
         return await completion_of(parse_json(await server._body(request)), request)
@@ -251,7 +274,8 @@ def llama_server_routes(server: Any, openai_shape: type) -> list[Route]:
                 e.param = _RENAMED[e.param]
             raise
 
-    return [Route("/completion", completion, methods=["POST"]), Route("/infill", infill, methods=["POST"])]
+    return [Route("/completion", completion, methods=["POST"]), Route("/infill", infill, methods=["POST"]),
+            Route("/props", get_props, methods=["GET"])]
 
 
 def _response_fields(x: Any) -> tuple[str, ...] | None:
