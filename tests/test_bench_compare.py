@@ -190,6 +190,31 @@ def test_compare_cli_with_transformers(tiny_gguf, monkeypatch, capsys):
     assert rep["engines"]["llama.cpp"]["status"] == "not installed"
 
 
+def test_a_crash_fallback_carries_to_the_engines_other_variants(tiny_gguf, monkeypatch):
+    """llama.cpp's AMX buffers crash whatever flash attention is: once the first variant needed the fallback, the
+    second starts with it (no crash and reload to pay), the later rounds too, and its figures say why."""
+    from tracelm.tools.child import ChildKilled
+
+    monkeypatch.setattr(bc, "missing_modules", lambda engine: [])
+    calls = []
+
+    def fake_run_child(fn, engine, request, timeout=None):
+        calls.append((engine, dict(request["options"])))
+        if engine == "llama.cpp" and request["options"].get("extra_buffers") is not False:
+            raise ChildKilled("SIGSEGV")
+        return _ok(engine, 500.0, 100.0, [1, 2, 3]) | {"options": request["options"]}
+
+    monkeypatch.setattr(bc, "run_child", fake_run_child)
+    rep = bc.run_compare(str(tiny_gguf), threads=2, n_prompt=8, n_decode=2, rounds=2, engines=("tracelm", "llama.cpp"))
+    llama = [o for e, o in calls if e == "llama.cpp"]
+    assert llama == [{"flash_attn": False}, {"flash_attn": False, "extra_buffers": False},
+                     {"flash_attn": True, "extra_buffers": False}] + [
+                     {"flash_attn": False, "extra_buffers": False}, {"flash_attn": True, "extra_buffers": False}]
+    variants = rep["engines"]["llama.cpp"]["variants"]
+    assert "child killed by SIGSEGV" in variants["flash_attn off"]["note"]
+    assert "(in llama.cpp (flash_attn off))" in variants["flash_attn on"]["note"]
+
+
 def test_crashed_child_is_retried_with_the_engines_fallback(monkeypatch):
     """A child killed by a signal (llama.cpp's AMX buffers on some machines) is run once more with the engine's
     fallback options, and the report says why; a second crash is a plain failure naming the signal."""

@@ -410,9 +410,10 @@ def run_rounds(path: str, ids: Sequence[int], n_decode: int, threads: int, repea
                llama_bench: str | None = None, log: Callable[[str], None] = lambda line: None) -> Runs:
     """Every engine's variants (and llama-bench) measured once per round, in turn. An engine that is not installed
     is reported once; a variant that failed is not run again; a crash's fallback options are kept for the rounds
-    after it."""
+    after it, and for the engine's other variants (llama.cpp's AMX buffers crash with flash attention on or off)."""
     runs: Runs = {}
     settings: dict[tuple[str, str], dict[str, Any]] = {}
+    inherited: dict[tuple[str, str], str] = {}  # a variant run with the fallback another variant's crash called for
     for engine in engines:
         missing = missing_modules(engine)
         if missing:
@@ -429,6 +430,13 @@ def run_rounds(path: str, ids: Sequence[int], n_decode: int, threads: int, repea
                 continue
             result = run_engine(engine, path, ids, n_decode, threads, repeats, timeout, opts)
             settings[(engine, name)] = result.get("options", opts)
+            if result.get("note") and engine in RETRY_AFTER_CRASH:  # the crash is the engine's, not the variant's:
+                fallback, why = RETRY_AFTER_CRASH[engine]  # its other variants start with the fallback (no crash)
+                for key in [k for k in settings if k[0] == engine and k[1] != name]:
+                    settings[key] = {**settings[key], **fallback}
+                    inherited[key] = f"{why} (in {_label(engine, name)})"
+            elif (engine, name) in inherited and result["status"] == "ok":
+                result = {**result, "note": inherited[(engine, name)]}
             done.append(result)
             log(f"round {r + 1}/{rounds}: {_label(engine, name)}: {_result_line(result)}")
         if llama_bench and all(not d or d[-1]["status"] == "ok" for d in runs[LLAMA_BENCH].values()):
