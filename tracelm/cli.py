@@ -15,7 +15,7 @@ from typing import Any
 
 from tracelm.state.errors import TracelmError
 from tracelm.state.run_config import KV_CACHE_DTYPES, QUANT_NAMES
-from tracelm.tools.llama_flags import add_llama_options
+from tracelm.tools.llama_flags import add_llama_options, ignored_note, llama_settings, process_escapes
 
 
 def _threads(n: int, compute: str = "kernels") -> Any:
@@ -36,16 +36,14 @@ def _load_config(args: argparse.Namespace) -> Any:
 
         args.seed = secrets.randbelow(1 << 32)
         print(f"tracelm: -s -1: seed {args.seed}", file=sys.stderr)
-    from tracelm.tools.llama_flags import ignored_note, llama_settings, process_escapes
-
     overrides += llama_settings(args)  # as the other flags: after --set
     if getattr(args, "chat_template_file", None):
         from tracelm.session import MiB, read_regular_text
 
         args.chat_template = read_regular_text(args.chat_template_file, "--chat-template-file", 4 * MiB)
-
-    if ignored_note(args):
-        print(ignored_note(args), file=sys.stderr)
+    note = ignored_note(args)
+    if note:
+        print(note, file=sys.stderr)
     if getattr(args, "escape", False):  # run -e: llama.cpp's escapes in the prompt and the stop strings
         args.prompt = None if args.prompt is None else process_escapes(args.prompt)
         args.reverse_prompt = [process_escapes(r) for r in args.reverse_prompt or []] or None
@@ -182,9 +180,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         max_tokens = max(cfg.context - len(ids), 0) if fill else None  # no context shift: both stop at the context
         session.check(len(ids), max_tokens)  # before the weights load
         key_env = getattr(args, "trace_key_env", None)
-        # --ignore-eos: every end-of-generation token biased by -100 (the server's ignore_eos)
-        bias = {**dict(cfg.sampling.logit_bias), **{t: -100.0 for t in session.tokenizer.eog_ids}}
-        extra = {"logit_bias": bias} if args.ignore_eos else {}
+        extra = {}
+        if args.ignore_eos:  # every end-of-generation token biased by -100 (the server's ignore_eos)
+            extra["logit_bias"] = {**dict(cfg.sampling.logit_bias), **dict.fromkeys(session.tokenizer.eog_ids, -100.0)}
         for _ in _echo(session.stream(cfg.prompt, max_tokens=max_tokens, trace_key_env=key_env,
                                       cancel=interrupted.is_set, **extra)):
             pass
