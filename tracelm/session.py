@@ -144,7 +144,7 @@ def numerics(cfg: RunConfig) -> str:
     return f"{mode}{quantized}/kv-{cfg.kv_cache}"
 
 
-def with_activations(model: LoadedModel, cfg: RunConfig) -> LoadedModel:
+def as_configured(model: LoadedModel, cfg: RunConfig) -> LoadedModel:
     """The model as `cfg.activations` asks its quantized products to run (the same blocks, no copy), and with
     `cfg.chat_template` in its own template's place."""
     weights = model.weights.with_halves(ACTIVATION_MODES[cfg.activations])
@@ -305,7 +305,7 @@ class Session:
         self._runner: Runner | None = None
         if isinstance(model, LoadedModel):
             self.cfg = run_config(None if config is not None else str(model.path), config, settings)
-            self._model, self.path, self.tokenizer = with_activations(model, self.cfg), model.path, model.tokenizer
+            self._model, self.path, self.tokenizer = as_configured(model, self.cfg), model.path, model.tokenizer
             self.limits: ThreadLimits | None = None
         else:
             self.cfg = run_config(model, config, settings)
@@ -336,7 +336,7 @@ class Session:
     @property
     def model(self) -> LoadedModel:
         if self._model is None:
-            self._model = with_activations(self.source.load(self.progress, self.cfg.weights, self.cfg.compute,
+            self._model = as_configured(self.source.load(self.progress, self.cfg.weights, self.cfg.compute,
                                                             self.cfg.rope_scale, self.cfg.quantize), self.cfg)
         return self._model
 

@@ -34,7 +34,7 @@ class LoadedModel:
     load_seconds: float
     tokenizer_path: Path | None = None  # where the tokenizer came from when not the model file itself
     rope_scale: float = 1.0  # the linear RoPE scaling applied to cfg (see `scaled_rope`)
-    template_override: str | None = None  # a run config's chat_template, as Jinja text (Session: with_template)
+    template_override: str | None = None  # a run config's chat_template, as Jinja text (session.as_configured)
 
     @property
     def chat_template(self) -> str | None:
