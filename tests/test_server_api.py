@@ -94,7 +94,9 @@ BAD_REQUESTS = [
     (M(prompt="hi", stop=["a" * 1025]), 400, "stop", None),
     (M(prompt="hi", n=9), 400, "n", None),  # more than server.max_batch
     (M(prompt="hi", best_of=3), 400, "best_of", "unsupported"),
-    (M(prompt="hi", echo=True), 400, "echo", "unsupported"),
+    (M(prompt="hi", echo=True, stream=True), 400, "echo", None),
+    (M(prompt="hi", echo="yes"), 400, "echo", None),
+    (M(prompt="hi", max_tokens=0), 400, "max_tokens", None),  # 0 only with echo
     (M(prompt="hi", logit_bias={"x": 10}), 400, "logit_bias", None),
     (M(prompt="hi", logit_bias={"5": 101}), 400, "logit_bias", None),
     (M(prompt="hi", logit_bias=[5, 10]), 400, "logit_bias", None),
@@ -434,3 +436,45 @@ def test_sessions_survive_a_restart_and_a_long_chat_shifts(disk_config, tiny_ser
         second.stop()
     body = {"model": tiny_server.model_id, "messages": long, "max_tokens": 8}
     assert_openai_error(post(tiny_server, "/v1/chat/completions", body), 400, code="context_length_exceeded")
+
+
+def test_echo_scores_the_prompt_and_prefixes_the_completion(tiny_server, tiny_gguf):
+    """OpenAI's echo on /v1/completions (what evaluation harnesses send to score text: max_tokens 0 or 1, logprobs,
+    echo): the prompt's tokens' logprobs -- the first null, each the model's log-softmax at the position before, the
+    same numbers as the full logits give -- then the completion's, offsets running through the prompt's text."""
+    from tracelm.session import Session
+    from tracelm.stages.sample import top_logprobs
+
+    ids = [5, 17, 42, 8, 99]
+    r = tiny_server.request("POST", "/v1/completions", {"model": "m", "prompt": ids, "max_tokens": 0, "echo": True,
+                                                        "logprobs": 2}, AUTH)
+    assert r.status == 200, r.text
+    out = r.json()
+    choice, lp = out["choices"][0], out["choices"][0]["logprobs"]
+    with Session(str(tiny_gguf)) as s:
+        tok, logits = s.tokenizer, s.runner.logits(ids)
+        text = tok.decode(ids)
+    assert choice["text"] == text and choice["finish_reason"] == "length"
+    assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5}
+    assert lp["tokens"] == [tok.token_bytes(i).decode("utf-8", "replace") for i in ids]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    for i in range(1, 5):
+        want, top, lps = top_logprobs(logits[i - 1], ids[i], 2)
+        assert abs(lp["token_logprobs"][i] - want) < 1e-6
+        expected = {tok.token_bytes(int(t)).decode("utf-8", "replace"): v for t, v in zip(top, lps, strict=True)}
+        assert lp["top_logprobs"][i] == pytest.approx(expected, abs=1e-6)  # (OpenAI's: keyed by the token's text)
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(5)]
+    # max_tokens 1 (lm-eval's loglikelihood request): the prompt's entries, then the generated token's
+    one = tiny_server.request("POST", "/v1/completions", {"model": "m", "prompt": ids, "max_tokens": 1,
+                                                          "echo": True, "logprobs": 1, "temperature": 0}, AUTH).json()
+    c = one["choices"][0]
+    assert c["text"].startswith(text) and len(c["logprobs"]["tokens"]) == 6
+    assert c["logprobs"]["token_logprobs"][:5] == pytest.approx([None] + lp["token_logprobs"][1:], abs=1e-6)
+    assert c["logprobs"]["text_offset"][5] == len(text)
+    plain = tiny_server.request("POST", "/v1/completions", {"model": "m", "prompt": ids, "max_tokens": 1,
+                                                            "temperature": 0}, AUTH).json()["choices"][0]["text"]
+    assert c["text"] == text + plain
+    # echo without logprobs: the text alone
+    bare = tiny_server.request("POST", "/v1/completions", {"model": "m", "prompt": "hello", "max_tokens": 0,
+                                                           "echo": True}, AUTH).json()["choices"][0]
+    assert bare["text"] == "hello" and bare["logprobs"] is None

@@ -59,6 +59,7 @@ from tracelm.pipeline.trace import (
     write_footer,
     write_header,
 )
+from tracelm.stages.head import head
 from tracelm.stages.pool import POOLINGS, pool
 from tracelm.stages.sample import top_logprobs
 
@@ -66,11 +67,11 @@ from tracelm.stages.sample import top_logprobs
 __all__ = ["POOLINGS", "SUFFIX", "Generation", "GenerationStats", "MiB", "RenderBudget", "Runner", "Session",
            "ThreadLimits", "Tracer", "builtin_template_for", "chat_prompt", "check_sampling", "closed_schema",
            "decode_rate", "embedding", "encode_chat", "held_bytes", "lark_of_gbnf", "load_conversation", "numerics",
-           "packaged_configs", "parse_nonce", "positional_is_model", "read_regular_text", "release_memory",
-           "run_config", "save_conversation", "shift_chat", "signature_fields", "template_budget", "top_logprobs",
-           "trace_key", "unspellable", "write_footer"]
+           "packaged_configs", "parse_nonce", "positional_is_model", "prompt_logprobs", "read_regular_text",
+           "release_memory", "run_config", "save_conversation", "shift_chat", "signature_fields", "template_budget",
+           "top_logprobs", "trace_key", "unspellable", "write_footer"]
 from tracelm.state.errors import SessionIncompatible, TracelmError, shown
-from tracelm.state.records import SamplingParams
+from tracelm.state.records import Hidden, SamplingParams
 from tracelm.state.run_config import ACTIVATION_MODES, RunConfig
 
 MAX_SESSION_NAME = 128  # characters of `tracelm chat --session NAME` (a file name: the system allows 255 bytes)
@@ -198,6 +199,21 @@ def embedding(runner: Runner, ids: Sequence[int], pooling: str = "mean") -> np.n
     """The unit-length f32 embedding of `ids`: their final hidden states (after the output norm) pooled by
     `pooling` (mean or last, stages/pool.py), computed on `runner`'s Cache emptied first."""
     return pool(runner.hidden(ids), pooling)
+
+
+def prompt_logprobs(runner: Runner, ids: Sequence[int], k: int, rows: int = 64
+                    ) -> list[tuple[float, np.ndarray, np.ndarray]]:
+    """Each prompt token's log-probability given the ones before it, from the second on (OpenAI's `echo` with
+    `logprobs`): `top_logprobs` of position i's logits for token i + 1 with the k likeliest, computed on `runner`'s
+    Cache emptied first. The head runs `rows` positions at a time, so a long prompt's logits are never all held
+    ([T, vocab] f32 is 1.2 GB for 2,048 positions of Qwen's vocabulary)."""
+    h, w = runner.hidden(ids), runner.model.weights.output
+    out = []
+    for a in range(0, len(ids) - 1, rows):
+        b = min(a + rows, len(ids) - 1)
+        logits = head(Hidden(h[a:b], a), w).values
+        out += [top_logprobs(logits[j], int(ids[a + j + 1]), k) for j in range(b - a)]
+    return out
 
 
 def template_budget(cfg: RunConfig) -> RenderBudget:

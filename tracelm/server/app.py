@@ -47,7 +47,7 @@ from tracelm.server.metrics import Metrics, MetricsMiddleware, metrics_routes
 from tracelm.server.ollama import ollama_error, ollama_routes
 from tracelm.server.pages import page_routes
 from tracelm.server.params import GenerationRequest, parse_json, parse_request
-from tracelm.server.queue import Engine, Job, QueueFull
+from tracelm.server.queue import Engine, Job, QueueFull, Task
 from tracelm.server.tokens import token_routes
 from tracelm.server.tools import (
     ExcessCalls,
@@ -62,9 +62,11 @@ from tracelm.session import (
     chat_prompt,
     encode_chat,
     parse_nonce,
+    prompt_logprobs,
     shift_chat,
     signature_fields,
     template_budget,
+    unspellable,
 )
 from tracelm.state.errors import GrammarLibraryError, TracelmError
 from tracelm.state.records import Constraint
@@ -262,6 +264,31 @@ class Server:
         with refused(req.constraint_param):
             self.session.check_sampling(sampling)
 
+    async def _echo_logprobs(self, ids: list[int], k: int | None) -> dict[str, Any] | None:
+        """OpenAI's logprobs of the prompt's tokens for `echo` (None without `logprobs`), computed on the engine as
+        a Task (a 429 when its queue is full): each token's piece, its log-probability given the ones before it (the
+        first's null), the k likeliest there and its offset in the prompt's text (a control token's piece, such
+        as BOS, is not in the text: its offset is where the text stands)."""
+        if k is None:
+            return None
+        task = Task([ids], lambda runner, x: prompt_logprobs(runner, x, k),
+                    deadline=time.monotonic() + self.cfg.server.request_timeout)
+        self.submit(task)
+        try:
+            scored = (await asyncio.wrap_future(task.future))[0]
+        except TracelmError as e:
+            raise ApiError(400, str(e)) from None
+        tok = self.model.tokenizer
+        piece = lambda t: tok.token_bytes(t).decode("utf-8", "replace")  # noqa: E731
+        offsets, pos = [], 0
+        for t in ids:
+            offsets.append(pos)
+            pos += 0 if unspellable(tok, t) else len(piece(t))
+        return {"tokens": [piece(t) for t in ids], "token_logprobs": [None] + [lp for lp, _, _ in scored],
+                "top_logprobs": [None] + [{piece(int(i)): float(v) for i, v in zip(top, lps, strict=True)}
+                                          for _, top, lps in scored],
+                "text_offset": offsets}
+
     def _max_tokens(self, req: GenerationRequest, n_prompt: int) -> int:
         n_ctx = self.cfg.context
         param = "messages" if req.kind == "chat" else "prompt"
@@ -273,6 +300,8 @@ class Server:
                       param, "context_length_exceeded")
         if req.max_tokens is None:
             return min(self.cfg.max_tokens, room) or 1
+        if req.max_tokens == 0:  # (echo: the prompt scored alone)
+            return 0
         if req.max_tokens > room:
             raise bad(f"This model's maximum context length is {n_ctx} tokens. However, you requested "
                       f"{n_prompt + req.max_tokens} tokens ({n_prompt} in the prompt, {req.max_tokens} in the "
@@ -312,6 +341,9 @@ class Server:
             raise bad(f"sampling parameters: {e}") from None
         await run_in_threadpool(self._check_sampling, req, sampling)
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        echo = (prompt_text, await self._echo_logprobs(ids, req.logprobs)) if req.echo else None
+        if echo is not None and max_tokens == 0:  # the prompt scored, nothing generated
+            return JSONResponse(echoed(Shape(self, req, rid, None), echo, len(ids)), headers={"x-request-id": rid})
         tools = req.tools if kind == "chat" and req.tools is not None and req.tools.active else None
         job = Job(request_id=rid, prompt_ids=ids, prompt_text=prompt_text, max_tokens=max_tokens, sampling=sampling,
                   stop=req.stop, deadline=time.monotonic() + self.cfg.server.request_timeout,
@@ -330,6 +362,7 @@ class Server:
             if first[0] == "gone":
                 return Response(status_code=499)
             shape = shape_of(self, req, rid, job)
+            shape.echo = echo
             if not req.stream:
                 return JSONResponse(await shape.collect(), headers={"x-request-id": rid})
             streaming = True
@@ -355,6 +388,14 @@ def refused(param: str) -> Iterator[None]:
         raise bad(f"{param}: {e}", param) from None
 
 
+def echoed(shape: Shape, echo: tuple[str, dict[str, Any] | None], n_prompt: int) -> dict[str, Any]:
+    """A completion of max_tokens 0 with `echo`: each choice the prompt, its tokens' logprobs when asked for."""
+    prompt, scored = echo
+    choices = [{"index": i, "text": prompt, "logprobs": scored, "finish_reason": "length"} for i in range(shape.req.n)]
+    return {**shape._head("text_completion"), "choices": choices,
+            "usage": {"prompt_tokens": n_prompt, "completion_tokens": 0, "total_tokens": n_prompt}}
+
+
 def _add_note(choice: dict[str, Any], done: dict[str, Any]) -> None:
     """A tracelm extension: why a choice was cut short by a server limit (`finish_note`), when one was."""
     if done.get("note"):
@@ -378,6 +419,8 @@ async def _watch_disconnect(request: Request, job: Job) -> None:
 
 class Shape:
     """Turns a job's events into the OpenAI response shapes of one endpoint."""
+
+    echo: tuple[str, dict[str, Any] | None] | None = None  # completions' echo: the prompt's text and logprobs
 
     def __init__(self, server: Server, req: GenerationRequest, rid: str, job: Job):
         self.server, self.req, self.rid, self.job = server, req, rid, job
@@ -487,6 +530,13 @@ class Shape:
             if self.chat:
                 message, finish = self._message(body, dones[i])
                 choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
+            elif self.echo is not None:  # the prompt first, its logprobs before the completion's
+                prompt, scored = self.echo
+                logprobs = self._logprobs(entries[i], len(prompt))
+                if scored is not None and logprobs is not None:
+                    logprobs = {k: scored[k] + logprobs[k] for k in scored}
+                choices.append({"index": i, "text": prompt + body, "logprobs": logprobs,
+                                "finish_reason": dones[i]["finish_reason"]})
             else:
                 choices.append({"index": i, "text": body, "logprobs": logprobs,
                                 "finish_reason": dones[i]["finish_reason"]})

@@ -1,10 +1,12 @@
 """OpenAI request bodies -> checked generation requests; every client mistake becomes an `ApiError` (4xx).
 
 The checks follow the OpenAI API: unknown arguments are rejected, `null` means "not given", booleans
-are not numbers, and values the engine cannot honour (best_of > 1, echo, the legacy `functions`, ...) get a 400
+are not numbers, and values the engine cannot honour (best_of > 1, the legacy `functions`, ...) get a 400
 that names the argument rather than being silently ignored.
 
 `n`: that many choices sampled from one prefill of the prompt (checked against server.max_batch by the server).
+`echo` (completions, not streamed): each choice's text begins with the prompt, and with `logprobs` its logprobs with
+the prompt's tokens' (the first token's null: nothing precedes it); `max_tokens` 0 then scores the prompt alone.
 Tools: `tools`, `tool_choice`, `parallel_tool_calls` (server/tools.py), and the conversation's tool turns: an
 assistant message's `tool_calls` (its function.arguments a JSON object as text, given to the template as the
 object, as transformers' templates expect) and `tool` messages answering them (`tool_call_id`).
@@ -42,7 +44,7 @@ _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                    "function_call", "parallel_tool_calls", "store", "metadata"}
 # Arguments accepted only at their neutral value (what the engine does anyway).
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "best_of": (1,), "echo": (False,), "suffix": ("",), "functions": ([],), "function_call": ("none",),
+    "best_of": (1,), "suffix": ("",), "functions": ([],), "function_call": ("none",),
     "store": (False,),
 }
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -74,6 +76,7 @@ class GenerationRequest:
     constraint_param: str | None = None  # the argument sampling["constraint"] came from (for its errors)
     tools: ToolRequest | None = None  # chat: tools, tool_choice, parallel_tool_calls
     predict_limit: float = 0.0  # seconds of generation after the prefill, 0: none (llama-server's t_max_predict_ms)
+    echo: bool = False  # completions: the prompt before the text, with its tokens' logprobs when logprobs is given
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -330,8 +333,11 @@ def parse_request(body: dict[str, Any], kind: str) -> GenerationRequest:
     if not isinstance(model, str) or not model:
         raise bad("'model' is required: a model id from GET /v1/models", "model")
     sampling, constraint_param = _sampling(body)
-    max_tokens, logprobs = _length_and_logprobs(body, kind)
+    echo = kind == "completion" and bool(_boolean(body, "echo"))
+    max_tokens, logprobs = _length_and_logprobs(body, kind, echo)
     stream, include_usage = _stream(body)
+    if echo and stream:
+        raise bad("'echo' with 'stream' is not supported by this server: ask without streaming", "echo")
     session_id, n = _session_and_n(body)
     tools = None
     if kind == "chat":
@@ -355,6 +361,7 @@ def parse_request(body: dict[str, Any], kind: str) -> GenerationRequest:
         constraint_param=constraint_param,
         n=n,
         tools=tools,
+        echo=echo,
     )
 
 
@@ -394,9 +401,10 @@ def _sampling(body: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
     return sampling, constraint_param
 
 
-def _length_and_logprobs(body: dict[str, Any], kind: str) -> tuple[int | None, int | None]:
-    """max_tokens (chat: or max_completion_tokens) and the top alternatives per token (None: no logprobs)."""
-    max_tokens = _integer(body, "max_tokens", 1, 1 << 30)
+def _length_and_logprobs(body: dict[str, Any], kind: str, echo: bool = False) -> tuple[int | None, int | None]:
+    """max_tokens (chat: or max_completion_tokens; 0 only with echo: the prompt's logprobs alone) and the top
+    alternatives per token (None: no logprobs)."""
+    max_tokens = _integer(body, "max_tokens", 0 if echo else 1, 1 << 30)
     if kind != "chat":
         return max_tokens, _integer(body, "logprobs", 0, 5)
     mct = _integer(body, "max_completion_tokens", 1, 1 << 30)
