@@ -33,7 +33,7 @@ IGNORED: tuple[tuple[tuple[str, ...], Any, str], ...] = (
     (("--prompt-cache",), 1, "a prompt is prefilled each run (sessions keep a conversation's cache: tracelm chat)"),
     (("--color", "-co"), "?", "tracelm's output is plain text"),
     (("--simple-io",), 0, "tracelm's output is plain text"),
-    (("--no-display-prompt",), 0, "tracelm run prints only the generated text"),
+    (("--no-display-prompt",), 0, "tracelm prints only the generated text"),
     (("--log-disable",), 0, "tracelm logs only errors and the closing figures, on stderr"),
     (("--no-perf",), 0, "the closing figures go to stderr"),
     (("-lv", "--verbosity", "--log-verbosity"), 1, "tracelm logs only errors and the closing figures, on stderr"),
