@@ -141,6 +141,7 @@ def test_absent_engine_is_reported_not_a_crash(tiny_gguf, monkeypatch):
     assert rep["engines"]["tracelm"]["status"] == "ok"
     assert rep["ratios"]["prefill_vs_llama_cpp"]["value"] is None
     assert rep["load_average_1m"]["cores"] >= 1 and rep["load_average_1m"]["before"] >= 0
+    assert rep["cpu"] == bc.cpu_name() and (rep["cpu"] is None or rep["cpu"] in bc.format_table(rep))
     assert rep["engines"]["tracelm"]["kernels"]  # the kernels' path in use, named, with its self-test's result
     assert rep["engines"]["tracelm"]["selftest"].startswith("passed")
     table = bc.format_table(rep)
@@ -456,3 +457,13 @@ def test_llama_cpp_engine_passes_flash_attn_and_reports_its_build(tmp_path, monk
         bc.LlamaCppEngine("m.gguf", threads=2, n_ctx=64, flash_attn=True)
     Later.context_params = types.SimpleNamespace(flash_attn_type=1)
     assert bc.LlamaCppEngine("m.gguf", threads=2, n_ctx=64, flash_attn=True).describe()["flash_attn"] is True
+
+
+def test_cpu_name_reads_the_first_model_name(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Gold 6526Y\n\n"
+                    "processor\t: 1\nmodel name\t: other\n")
+    assert bc.cpu_name(str(info)) == "Intel(R) Xeon(R) Gold 6526Y"
+    info.write_text("processor\t: 0\nBogoMIPS\t: 50.00\n")  # (an Arm board's cpuinfo names no model)
+    assert bc.cpu_name(str(info)) is None
+    assert bc.cpu_name(str(tmp_path / "absent")) is None

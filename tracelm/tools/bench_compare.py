@@ -623,7 +623,22 @@ def run_compare(model_name: str, threads: int = 0, n_prompt: int = 256, n_decode
     # other work on the machine slows the engines unequally: say how busy it was
     report["load_average_1m"] = {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2),
                                  "cores": os.cpu_count()}
+    report["cpu"] = cpu_name()
     return report
+
+
+def cpu_name(cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """The processor's name as the OS gives it (Linux: /proc/cpuinfo's first `model name`), so that a report says
+    which machine its figures are from; None where there is none."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    return value.strip() or None
+    except OSError:
+        pass
+    return None
 
 
 # --- the table ----------------------------------------------------------------------------------------------
@@ -686,8 +701,9 @@ def format_table(report: dict[str, Any]) -> str:
              "alternated; median (min-max) over the rounds)"]
     load = report.get("load_average_1m")
     if load:
+        cpu = f" {report['cpu']}" if report.get("cpu") else ""
         lines.append(f"load average (1 min) {load['before']:.2f} before, {load['after']:.2f} after, on {load['cores']} "
-                     "cores (other work slows the engines unequally)")
+                     f"cores{cpu} (other work slows the engines unequally)")
     if report.get("llama_bench_command"):
         lines.append(f"llama-bench, each round: {report['llama_bench_command']}")
     lines.append(f"{'engine':28s} {'version':16s} {'load s':>8s} {'prefill tok/s':>26s} {'decode tok/s':>26s} "
