@@ -117,7 +117,9 @@ BAD_REQUESTS = [
     (M(prompt="hi", frobnicate=1), 400, "frobnicate", "unrecognized_argument"),
     (M(), 400, "prompt", None),
     (M(prompt={"text": "hi"}), 400, "prompt", None),
-    (M(prompt=["one", "two"]), 400, "prompt", None),
+    (M(prompt=["one", "two"], stream=True), 400, "stream", None),  # several prompts: not streamed
+    (M(prompt=["one"] * 65), 400, "prompt", None),
+    (M(prompt=["one", [1, 99999]]), 400, "prompt", None),  # each prompt checked as a request's own
     (M(prompt=[1, 2, 99999]), 400, "prompt", None),
     (M(prompt=""), 400, "prompt", None),
     (M(prompt="hi", max_tokens=CONTEXT), 400, "max_tokens", "context_length_exceeded"),
@@ -478,3 +480,24 @@ def test_echo_scores_the_prompt_and_prefixes_the_completion(tiny_server, tiny_gg
     bare = tiny_server.request("POST", "/v1/completions", {"model": "m", "prompt": "hello", "max_tokens": 0,
                                                            "echo": True}, AUTH).json()["choices"][0]
     assert bare["text"] == "hello" and bare["logprobs"] is None
+
+
+def test_several_prompts_answer_in_prompt_order(tiny_server):
+    """OpenAI's array of prompts on /v1/completions (harnesses batch their requests so): each prompt answered as if
+    alone, prompt i's choice j at index i * n + j, the usage summed."""
+    prompts = ["hello", [5, 17, 42], "the end"]
+    alone = [tiny_server.request("POST", "/v1/completions", {"model": "m", "prompt": p, "max_tokens": 4, "n": 2,
+                                                             "temperature": 0}, AUTH).json() for p in prompts]
+    r = tiny_server.request("POST", "/v1/completions", {"model": "m", "prompt": prompts, "max_tokens": 4, "n": 2,
+                                                        "temperature": 0}, AUTH)
+    assert r.status == 200, r.text
+    out = r.json()
+    assert [c["index"] for c in out["choices"]] == list(range(6))
+    assert [c["text"] for c in out["choices"]] == [c["text"] for a in alone for c in a["choices"]]
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert out["usage"][key] == sum(a["usage"][key] for a in alone)
+    assert r.headers["x-request-id"] == out["id"]
+    # more prompts than the queue holds (server.queue_size 2 here): run a few at a time, not refused with a 429
+    many = tiny_server.request("POST", "/v1/completions", {"model": "m", "prompt": ["a", "b", "c", "d", "e", "f"],
+                                                           "max_tokens": 2, "temperature": 0}, AUTH)
+    assert many.status == 200 and len(many.json()["choices"]) == 6, many.text

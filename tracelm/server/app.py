@@ -46,7 +46,7 @@ from tracelm.server.llama_server import llama_server_routes
 from tracelm.server.metrics import Metrics, MetricsMiddleware, metrics_routes
 from tracelm.server.ollama import ollama_error, ollama_routes
 from tracelm.server.pages import page_routes
-from tracelm.server.params import GenerationRequest, parse_json, parse_request
+from tracelm.server.params import GenerationRequest, parse_json, parse_request, prompt_batch
 from tracelm.server.queue import Engine, Job, QueueFull, Task
 from tracelm.server.tokens import token_routes
 from tracelm.server.tools import (
@@ -208,7 +208,30 @@ class Server:
             ids, stops = await run_in_threadpool(fill_request, self.model, self.cfg, body.get("max_tokens"), prompt,
                                                  suffix, body.get("stop"), "", (), "suffix")
             body = {**body, "prompt": ids, "suffix": "", "stop": stops}
+        batch = prompt_batch(body)
+        if batch is not None:
+            return await self._prompts(request, body, batch)
         return await self.answer(request, parse_request(body, "completion"), Shape)
+
+    async def _prompts(self, request: Request, body: dict[str, Any], batch: list[Any]) -> Response:
+        """A completions request of several prompts: each checked and answered as its own request, max_batch
+        sequences at a time, their choices in prompt order (prompt i's choice j at index i * n + j) and their usage
+        summed. Not streamed."""
+        if body.get("stream"):
+            raise bad("several prompts in one request are not streamed by this server: send them one by one, or "
+                      "without 'stream'", "stream")
+        reqs = [parse_request({**body, "prompt": p}, "completion") for p in batch]
+        n, outs = reqs[0].n, []
+        wave = max(1, min(self.engine.max_batch // n, self.cfg.server.queue_size + 1))  # (no 429 from itself)
+        for a in range(0, len(reqs), wave):
+            outs += await asyncio.gather(*(self.answer(request, r, Shape, raw=True) for r in reqs[a:a + wave]))
+        choices = [{**c, "index": i * n + c["index"]} for i, out in enumerate(outs) for c in out["choices"]]
+        usage = {k: sum(out["usage"][k] for out in outs) for k in ("prompt_tokens", "completion_tokens",
+                                                                    "total_tokens", "prefill_passes")}
+        usage["prompt_tokens_details"] = {"cached_tokens": sum(out["usage"]["prompt_tokens_details"]["cached_tokens"]
+                                                               for out in outs)}
+        head = {k: v for k, v in outs[0].items() if k not in ("choices", "usage")}
+        return JSONResponse({**head, "choices": choices, "usage": usage}, headers={"x-request-id": head["id"]})
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, "chat")
@@ -320,9 +343,10 @@ class Server:
     async def _generate(self, request: Request, kind: str) -> Response:
         return await self.answer(request, parse_request(parse_json(await self._body(request)), kind), Shape)
 
-    async def answer(self, request: Request, req: GenerationRequest, shape_of: type[Shape]) -> Response:
+    async def answer(self, request: Request, req: GenerationRequest, shape_of: type[Shape], raw: bool = False) -> Any:
         """Run a checked request on the engine and answer it in the shapes of `shape_of` (Shape: OpenAI's; the
-        Ollama routes give theirs, ollama.py): one JSON body, or a stream framed as the shape says."""
+        Ollama routes give theirs, ollama.py): one JSON body, or a stream framed as the shape says. `raw` (a request
+        not streamed): the body itself, not a Response (one prompt of several, `_prompts`)."""
         kind = req.kind
         if self.strict_model and req.model not in self.model_names:
             raise self._no_model(req.model)
@@ -343,7 +367,8 @@ class Server:
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         echo = (prompt_text, await self._echo_logprobs(ids, req.logprobs)) if req.echo else None
         if echo is not None and max_tokens == 0:  # the prompt scored, nothing generated
-            return JSONResponse(echoed(Shape(self, req, rid, None), echo, len(ids)), headers={"x-request-id": rid})
+            out = echoed(Shape(self, req, rid, None), echo, len(ids))
+            return out if raw else JSONResponse(out, headers={"x-request-id": rid})
         tools = req.tools if kind == "chat" and req.tools is not None and req.tools.active else None
         job = Job(request_id=rid, prompt_ids=ids, prompt_text=prompt_text, max_tokens=max_tokens, sampling=sampling,
                   stop=req.stop, deadline=time.monotonic() + self.cfg.server.request_timeout,
@@ -364,7 +389,8 @@ class Server:
             shape = shape_of(self, req, rid, job)
             shape.echo = echo
             if not req.stream:
-                return JSONResponse(await shape.collect(), headers={"x-request-id": rid})
+                out = await shape.collect()
+                return out if raw else JSONResponse(out, headers={"x-request-id": rid})
             streaming = True
         finally:
             watcher.cancel()  # from here on the streaming response watches for the client going away

@@ -5,6 +5,8 @@ are not numbers, and values the engine cannot honour (best_of > 1, the legacy `f
 that names the argument rather than being silently ignored.
 
 `n`: that many choices sampled from one prefill of the prompt (checked against server.max_batch by the server).
+`prompt` may hold several prompts (completions): each is checked and run as a request of its own, and the answer's
+choices follow the prompts (prompt i's choice j at index i * n + j), as OpenAI numbers them.
 `echo` (completions, not streamed): each choice's text begins with the prompt, and with `logprobs` its logprobs with
 the prompt's tokens' (the first token's null: nothing precedes it); `max_tokens` 0 then scores the prompt alone.
 Tools: `tools`, `tool_choice`, `parallel_tool_calls` (server/tools.py), and the conversation's tool turns: an
@@ -233,6 +235,20 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
     return out
 
 
+MAX_PROMPTS = 64  # prompts in one completions request (a batch, run max_batch sequences at a time)
+
+
+def prompt_batch(body: dict[str, Any]) -> list[Any] | None:
+    """The prompts of a completions request that holds several (OpenAI's array of strings or of token-id arrays),
+    each to be checked as a request's own; None for one prompt (checked by `_prompt`)."""
+    x = body.get("prompt")
+    if not (isinstance(x, list) and len(x) > 1 and all(isinstance(p, str | list) for p in x)):
+        return None
+    if len(x) > MAX_PROMPTS:
+        raise bad(f"'prompt' holds {len(x)} prompts; this server takes at most {MAX_PROMPTS} per request", "prompt")
+    return x
+
+
 def _prompt(body: dict[str, Any]) -> str | list[int]:
     x = body.get("prompt")
     if x is None:
@@ -246,8 +262,6 @@ def _prompt(body: dict[str, Any]) -> str | list[int]:
             raise bad(f"'prompt' token ids are 0 to {MAX_TOKEN_ID}, got "
                       f"{shown(next(i for i in x if not 0 <= i <= MAX_TOKEN_ID))}", "prompt")
         return list(x)
-    if isinstance(x, list) and len(x) > 1 and all(isinstance(p, str | list) for p in x):
-        raise bad(f"'prompt' holds {len(x)} prompts; this server takes one per request", "prompt")
     raise bad("'prompt' must be a string, an array of token ids, or an array holding one of those", "prompt")
 
 
