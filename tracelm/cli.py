@@ -78,7 +78,8 @@ OPTION_KEYS = (("prompt", "prompt"), ("max_tokens", "max_tokens"), ("temperature
                ("min_p", "sampling.min_p"), ("repeat_penalty", "sampling.repeat_penalty"), ("quantize", "quantize"),
                ("repeat_last_n", "sampling.repeat_last_n"), ("presence_penalty", "sampling.presence_penalty"),
                ("frequency_penalty", "sampling.frequency_penalty"), ("reverse_prompt", "stop"),
-               ("chat_template", "chat_template"))
+               ("chat_template", "chat_template"), ("parallel", "server.max_batch"), ("alias", "server.alias"),
+               ("http_timeout", "server.request_timeout"), ("pooling", "server.pooling"))
 
 
 def _model_as_positional(args: argparse.Namespace) -> None:

@@ -25,7 +25,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -302,15 +302,10 @@ class Server:
         except TracelmError as e:
             raise ApiError(400, str(e)) from None
         tok = self.model.tokenizer
-        piece = lambda t: tok.token_bytes(t).decode("utf-8", "replace")  # noqa: E731
-        offsets, pos = [], 0
-        for t in ids:
-            offsets.append(pos)
-            pos += 0 if unspellable(tok, t) else len(piece(t))
-        return {"tokens": [piece(t) for t in ids], "token_logprobs": [None] + [lp for lp, _, _ in scored],
-                "top_logprobs": [None] + [{piece(int(i)): float(v) for i, v in zip(top, lps, strict=True)}
-                                          for _, top, lps in scored],
-                "text_offset": offsets}
+        entries = [{"id": ids[0], "logprob": None, "top": None}] + [
+            {"id": t, "logprob": lp, "top": list(zip(top.tolist(), lps.tolist(), strict=True))}
+            for t, (lp, top, lps) in zip(ids[1:], scored, strict=True)]
+        return text_logprobs(tok, entries, 0, lambda t: not unspellable(tok, t))
 
     def _max_tokens(self, req: GenerationRequest, n_prompt: int) -> int:
         n_ctx = self.cfg.context
@@ -414,6 +409,28 @@ def refused(param: str) -> Iterator[None]:
         raise bad(f"{param}: {e}", param) from None
 
 
+def token_text(tok: Any, token: int) -> str:
+    return tok.token_bytes(token).decode("utf-8", "replace")
+
+
+def text_logprobs(tok: Any, entries: list[dict[str, Any]], start: int,
+                  takes_room: Callable[[int], bool] = lambda _t: True) -> dict[str, Any]:
+    """OpenAI's completions logprobs of tokens whose text begins at offset `start`: each entry {"id", "logprob",
+    "top": [(id, logprob)], or None for a prompt's first token, which nothing precedes} as its text, its logprob,
+    its alternatives keyed by their text, and its offset; a token `takes_room` says is not in the text (echo: a
+    control token such as BOS) moves the offsets on by nothing."""
+    tokens, offsets, pos = [], [], start
+    for e in entries:
+        text = token_text(tok, e["id"])
+        tokens.append(text)
+        offsets.append(pos)
+        pos += len(text) if takes_room(e["id"]) else 0
+    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [None if e["top"] is None else {token_text(tok, t): lp for t, lp in e["top"]}
+                             for e in entries],
+            "text_offset": offsets}
+
+
 def echoed(shape: Shape, echo: tuple[str, dict[str, Any] | None], n_prompt: int) -> dict[str, Any]:
     """A completion of max_tokens 0 with `echo`: each choice the prompt, its tokens' logprobs when asked for."""
     prompt, scored = echo
@@ -475,7 +492,7 @@ class Shape:
                 "prefill_passes": sum(d["prefilled"] for d in dones)}
 
     def _token_text(self, token: int) -> str:
-        return self.tok.token_bytes(token).decode("utf-8", "replace")
+        return token_text(self.tok, token)
 
     def _logprobs(self, entries: list[dict[str, Any]], text_len_before: int) -> dict[str, Any] | None:
         """OpenAI logprobs for the tokens behind one piece of text (None when not asked for)."""
@@ -488,15 +505,7 @@ class Shape:
 
             return {"content": [{**item(e["id"], e["logprob"]), "top_logprobs": [item(t, lp) for t, lp in e["top"]]}
                                 for e in entries], "refusal": None}
-        tokens, offsets, pos = [], [], text_len_before
-        for e in entries:
-            s = self._token_text(e["id"])
-            tokens.append(s)
-            offsets.append(pos)
-            pos += len(s)
-        return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [{self._token_text(t): lp for t, lp in e["top"]} for e in entries],
-                "text_offset": offsets}
+        return text_logprobs(self.tok, entries, text_len_before)
 
     async def _events(self) -> AsyncIterator[tuple[Any, ...]]:
         """The job's events until every choice is done (or an error, or the client gone)."""

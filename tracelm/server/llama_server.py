@@ -224,7 +224,7 @@ def props(server: Any) -> dict[str, Any]:
     from tracelm.version import __version__
 
     cfg, tok = server.cfg, server.model.tokenizer
-    piece = lambda i: "" if i is None else tok.token_bytes(i).decode("utf-8", "replace")  # noqa: E731
+    piece = lambda i: "" if i is None else tok.piece(i)  # noqa: E731 -- (bos and eos: control tokens, spelled as is)
     return {"default_generation_settings": {"n_ctx": cfg.context, "model": server.model_id,
                                             "params": sampling_settings(cfg.sampling, cfg.max_tokens, cfg.stop)},
             "total_slots": cfg.server.max_batch, "model_alias": server.model_id, "model_path": str(server.model.path),

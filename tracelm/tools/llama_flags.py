@@ -156,8 +156,9 @@ def process_escapes(text: str) -> str:
 
 
 def llama_settings(args: argparse.Namespace) -> list[str]:
-    """The config settings (`--set` KEY=VALUE) llama.cpp's value options ask for: -ctk / -ctv (one KV cache type for
-    both: two different ones are refused), --rope-scale / --rope-freq-scale, and serve's -np, -a, -to, --pooling."""
+    """The config settings (`--set` KEY=VALUE) llama.cpp's options that are not one flag for one key ask for: -ctk /
+    -ctv (one KV cache type for both: two different ones are refused) and --rope-scale / --rope-freq-scale (serve's
+    -np, -a, -to and --pooling are cli.OPTION_KEYS')."""
     import json
 
     from tracelm.state.errors import TracelmError
@@ -175,10 +176,6 @@ def llama_settings(args: argparse.Namespace) -> list[str]:
         raise TracelmError(f"--rope-freq-scale {freq:g}: must be > 0")
     if scale is not None or freq is not None:
         out.append(f"rope_scale={json.dumps(scale if scale is not None else 1 / freq)}")
-    for flag, key in (("parallel", "server.max_batch"), ("alias", "server.alias"),
-                      ("http_timeout", "server.request_timeout"), ("pooling", "server.pooling")):
-        if getattr(args, flag, None) is not None:
-            out.append(f"{key}={json.dumps(getattr(args, flag))}")
     return out
 
 
