@@ -31,7 +31,8 @@ ALL = FLOAT + QUANT32 + KQUANT
 PATHS = kernels.paths()
 EPS = 2.0**-23  # f32 unit roundoff, generously (2^-24 would do)
 XBLOCK32 = np.dtype([("d", "<f4"), ("sum", "<i4"), ("q", "i1", 32)])
-XBLOCK256 = np.dtype([("d", "<f4"), ("bsum", "<i2", 16), ("q", "i1", 256)])
+XBLOCK256 = np.dtype([("q", "i1", 256), ("d", "<f4"), ("bsum", "<i2", 16), ("pad", "u1", 28)])
+XQ_ALIGN = 64  # the quantized rows start at the scratch's first 64-byte boundary
 
 
 pytestmark = pytest.mark.usefixtures("kernels_restored")  # each test may switch path and threads
@@ -72,9 +73,12 @@ def offset_part(w: np.ndarray, qt: Q) -> np.ndarray:
     return quants.dequantize(w0, qt)
 
 
-def xblocks(scratch: np.ndarray, qt: Q, M: int) -> np.ndarray:
-    """The scratch of quantize_rows/matmul as blocks [M, 2, blocks per row]: [:, 0] the hi half, [:, 1] the lo."""
-    return scratch.view(XBLOCK256 if qt in KQUANT else XBLOCK32).reshape(M, 2, -1)
+def xblocks(scratch: np.ndarray, qt: Q, M: int, halves: int = 2) -> np.ndarray:
+    """The scratch of quantize_rows/matmul as blocks [M, halves, blocks per row]: [:, 0] the hi half, [:, 1] the lo
+    (from the scratch's first 64-byte boundary on)."""
+    start = -scratch.ctypes.data % XQ_ALIGN
+    rows = scratch[start:start + scratch.nbytes - XQ_ALIGN]
+    return rows.view(XBLOCK256 if qt in KQUANT else XBLOCK32).reshape(M, halves, -1)
 
 
 def quantized_x(x: np.ndarray, qt: Q) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -159,15 +163,18 @@ def test_quantize_rows_is_the_stated_split(qt):
         assert (got["d"][4, 1, 0] == 0) and not got["q"][4, 1, 0].any()
         assert (got["d"][5, 0] > 0).all() and (got["d"][5, 1] == 0).all() and not got["q"][5, 1].any()
         assert np.isnan(got["d"][3, :, 1]).all() and not got["q"][3, :, 1].any()
-        seen.append(scratch)
+        seen.append(got)
+    fields = ("q", "d", "bsum") if qt in KQUANT else ("q", "d", "sum")   # (not the padding)
     for other in seen[1:]:
-        np.testing.assert_array_equal(other, seen[0])
+        for f in fields:
+            np.testing.assert_array_equal(other[f], seen[0][f])
     for path in PATHS:  # one half (activations: int8): the hi blocks alone, the same bytes
         kernels.use_path(path)
         one = np.empty(kernels.scratch_bytes(M, 2 * bs, qt, 1), np.uint8)
-        assert one.nbytes * 2 == seen[0].nbytes
+        assert (one.nbytes - XQ_ALIGN) * 2 == seen[0].nbytes
         kernels.quantize_rows(x, qt, one, 1)
-        np.testing.assert_array_equal(one.reshape(M, -1), seen[0].reshape(M, 2, -1)[:, 0], err_msg=path)
+        for f in fields:
+            np.testing.assert_array_equal(xblocks(one, qt, M, 1)[f][:, 0], seen[0][f][:, 0], err_msg=path)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -306,8 +313,9 @@ def test_same_bits_for_any_batch_thread_count_and_path(qt, halves):
 def test_kquant_extreme_values(qt):
     """Weights at their ends (every quant 0 or its maximum, scales of either sign at their ends) against activations
     whose every int8 is +-127: the integer sums at the edge of what the many-row kernels keep in int16 (Q6_K: a
-    sub-block's sum of (u - 32) q, up to 8*32*127 = 32512 per int16) -- the same bits as a row alone, on either
-    path, and within f32 rounding of the product of the quantized halves in float64."""
+    sub-block's sum of (u - 32) q, up to 8*32*127 = 32512 per int16; AMX's byte planes of the scaled weights, up to
+    32*128 = 4096 and 15*63 = 945) -- the same bits as a row alone, on every path, and within f32 rounding of the
+    product of the quantized halves in float64."""
     K, rng = 1024, np.random.default_rng(5)
     bs, tb = gguf.GGML_QUANT_SIZES[qt]
     w = np.concatenate([np.full((8, K // bs * tb), fill, np.uint8) for fill in (0x00, 0xFF, 0x55, 0xAA, 0x0F)])
@@ -478,8 +486,8 @@ def test_threads_and_paths_api():
         kernels.set_threads(0)
     with pytest.raises(ValueError, match="not available"):
         kernels.use_path("neon")
-    assert kernels.scratch_bytes(3, 64, Q.Q4_0) == 3 * 2 * 2 * 40  # rows x halves x blocks x bytes
-    assert kernels.scratch_bytes(2, 512, Q.Q6_K) == 2 * 2 * 2 * 292
+    assert kernels.scratch_bytes(3, 64, Q.Q4_0) == 3 * 2 * 2 * 40 + XQ_ALIGN  # rows x halves x blocks x bytes
+    assert kernels.scratch_bytes(2, 512, Q.Q6_K) == 2 * 2 * 2 * 320 + XQ_ALIGN
     assert kernels.scratch_bytes(5, 100, Q.F16) == 0
     assert kernels.row_bytes(512, Q.Q4_K) == 288
 

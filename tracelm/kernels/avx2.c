@@ -504,21 +504,21 @@ INL void dot32_chunk16(int t, const ubuf32x2 *u, int nkb, int nx, const xblock32
 #if AMX
 /* The tile registers as amx_chunk16 uses them, two sets for blocks in turn (even: tmm0, 2, 4; odd: 1, 3, 5): C
  * [16 half-rows][16 weight rows] int32; A, the 16 half-rows' 32 int8 q of one block; B, the pair's unpacked block as
- * dot32_chunk16 reads it (8 quads x 16 rows, 4 unsigned bytes each: u->v[kb] as it lies). Loaded once per thread
- * (the config is the thread's state). */
+ * dot32_chunk16 reads it (8 quads x 16 rows, 4 unsigned bytes each: u->v[kb] as it lies). The K-quants' (amx_chunkk)
+ * are whole tiles: C as above, A 16 half-rows x 64 values, B 16 quads x 16 rows. Loaded when the kind changes (the
+ * config is the thread's state). */
+enum { AMX_TILES32 = 1, AMX_TILESK = 2 };
 static __thread int amx_configured;
-INL void amx_configure(void) {
-    if (amx_configured) return;
+INL void amx_configure(int kind) {
+    if (amx_configured == kind) return;
     struct { uint8_t palette, start_row, zero[14]; uint16_t colsb[16]; uint8_t rows[16]; } cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int s = 0; s < 2; s++) {
-        cfg.colsb[s] = 64; cfg.rows[s] = 16;           /* C */
-        cfg.colsb[2 + s] = 32; cfg.rows[2 + s] = 16;   /* A */
-        cfg.colsb[4 + s] = 64; cfg.rows[4 + s] = 8;    /* B */
-    }
+    for (int s = 0; s < 8; s++) { cfg.colsb[s] = 64; cfg.rows[s] = 16; }
+    if (kind == AMX_TILES32)
+        for (int s = 0; s < 2; s++) { cfg.colsb[2 + s] = 32; cfg.rows[4 + s] = 8; cfg.colsb[6 + s] = 0; cfg.rows[6 + s] = 0; }
     _tile_loadconfig(&cfg);
-    amx_configured = 1;
+    amx_configured = kind;
 }
 
 /* Signed weights (amx_signed: Q4_0, Q5_0, Q8_0): a copy of the pair's chunk with the offset taken off each byte
@@ -1042,6 +1042,77 @@ INL void dotk_chunk16(int t, const ubufk2 *u, int nks, int nx, const xblock256 *
     *a0 = f0; *a1 = f1;
     if (four) { *a2 = f2; *a3 = f3; }
 }
+
+#if AMX
+/* amx, K-quants: each weight times its sub-block's scale, w = q sc (Q6_K: (q - 32) sc; |w| <= 31 * 63 or 32 * 128,
+ * so an int16), held as two byte planes, lo = w mod 256 (unsigned) and hi = (w - lo) / 256 (signed). Then
+ * sum_l w_l x_l = 256 (hi . x) + (lo . x) over the whole super-block: two tile products per 64 values and no step
+ * per sub-block, giving exactly dotk_chunk16's integer A (its sum over j of sc_j (q . x)_j, Q6_K's offset inside);
+ * its float steps follow unchanged. A pair's super-block of planes: quad e of its 16 rows as ubufk2's v (8 KB). */
+typedef struct { __m512i lo[64], hi[64]; } kplanes;
+INL void amx_kplanes(int t, const ubufk2 *b, kplanes *p) {
+    const __m512i low = _mm512_set1_epi16(0xff), high = _mm512_set1_epi16((short)0xff00), k32 = _mm512_set1_epi16(32);
+#pragma GCC unroll 4
+    for (int e = 0; e < 64; e++) {
+        const __m512i s = ld512(b->sc[t == T_Q6_K ? e / 4 : e / 8]);   /* int32 a lane (VNNI's scale vectors) */
+        const __m512i s16 = _mm512_or_si512(_mm512_and_si512(s, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32(s, 16));
+        const __m512i v = ld512(b->v[e]);
+        __m512i ev = _mm512_and_si512(v, low), od = _mm512_srli_epi16(v, 8);   /* bytes 0, 2 and 1, 3 as int16 */
+        if (t == T_Q6_K) { ev = _mm512_sub_epi16(ev, k32); od = _mm512_sub_epi16(od, k32); }
+        const __m512i we = _mm512_mullo_epi16(ev, s16), wo = _mm512_mullo_epi16(od, s16);
+        p->lo[e] = _mm512_or_si512(_mm512_and_si512(we, low), _mm512_slli_epi16(wo, 8));
+        p->hi[e] = _mm512_or_si512(_mm512_srli_epi16(we, 8), _mm512_and_si512(wo, high));
+    }
+}
+
+/* super-block kb's float steps for 16 half-rows (x as amx_chunkk's) from its planes' integers lo, hi */
+INL void amx_combinek(int t, const ubufk2 *b, const xblock256 *x, int64_t xrb, const int32_t (*lo)[16],
+                      const int32_t (*hi)[16], __m512 *acc) {
+    const __m512 d = _mm512_loadu_ps(b->d), dmin = _mm512_loadu_ps(b->dmin);
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; i++) {
+        const xblock256 *X = (const xblock256 *)((const char *)x + i * xrb);
+        const __m512i A = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(hi[i]), 8), _mm512_load_si512(lo[i]));
+        if (t == T_Q6_K) COMBINE_D(v16, acc[i], d, _mm512_set1_ps(X->d), A);
+        else COMBINE_K(v16, acc[i], d, dmin, _mm512_set1_ps(X->d), A, kmins16(b, X));
+    }
+}
+
+/* amx: 16 quantized half-rows (x: the first one's super-block kb at x + kb, the others xrb bytes apart) against a
+ * pair's chunk of nks super-blocks (u, its planes w), accumulator i = half-row i. Pipelined as amx_chunk16: two
+ * sets of C tiles (lo, hi: tmm0, 1 and tmm2, 3) for super-blocks in turn, A in tmm4/5, B's planes in tmm6, 7. */
+#define AMX_SB(CL, CH, kb)                                                                                      \
+    {                                                                                                           \
+        _tile_zero(CL); _tile_zero(CH);                                                                         \
+        _tile_loadd(4, x[kb].q, xrb); _tile_loadd(6, w[kb].lo, 64); _tile_dpbsud(CL, 4, 6);                    \
+        _tile_loadd(7, w[kb].hi, 64); _tile_dpbssd(CH, 4, 7);                                                   \
+        _tile_loadd(5, x[kb].q + 64, xrb); _tile_loadd(6, w[kb].lo + 16, 64); _tile_dpbsud(CL, 5, 6);          \
+        _tile_loadd(7, w[kb].hi + 16, 64); _tile_dpbssd(CH, 5, 7);                                              \
+        _tile_loadd(4, x[kb].q + 128, xrb); _tile_loadd(6, w[kb].lo + 32, 64); _tile_dpbsud(CL, 4, 6);         \
+        _tile_loadd(7, w[kb].hi + 32, 64); _tile_dpbssd(CH, 4, 7);                                              \
+        _tile_loadd(5, x[kb].q + 192, xrb); _tile_loadd(6, w[kb].lo + 48, 64); _tile_dpbsud(CL, 5, 6);         \
+        _tile_loadd(7, w[kb].hi + 48, 64); _tile_dpbssd(CH, 5, 7);                                              \
+    }
+INL void amx_chunkk(int t, const ubufk2 *u, const kplanes *w, int nks, const xblock256 *x, int64_t xrb,
+                    __m512 *acc) {
+    int32_t c[3][2][16][16] __attribute__((aligned(64)));
+    __asm__ volatile("" ::: "memory");   /* the tile loads read w and x: what was stored there is stored */
+    AMX_SB(0, 1, 0)
+    if (nks > 1) AMX_SB(2, 3, 1)
+    for (int kb = 0; kb < nks; kb++) {
+        if (kb % 2 == 0) {
+            _tile_stored(0, c[kb % 3][0], 64); _tile_stored(1, c[kb % 3][1], 64);
+            if (kb + 2 < nks) AMX_SB(0, 1, kb + 2)
+        } else {
+            _tile_stored(2, c[kb % 3][0], 64); _tile_stored(3, c[kb % 3][1], 64);
+            if (kb + 2 < nks) AMX_SB(2, 3, kb + 2)
+        }
+        if (kb > 0) amx_combinek(t, u + kb - 1, x + kb - 1, xrb, c[(kb - 1) % 3][0], c[(kb - 1) % 3][1], acc);
+    }
+    amx_combinek(t, u + nks - 1, x + nks - 1, xrb, c[(nks - 1) % 3][0], c[(nks - 1) % 3][1], acc);
+}
+#undef AMX_SB
+#endif
 #endif
 
 /* ---- few x rows: unpack on the fly ---- */
@@ -1545,7 +1616,7 @@ INL void tile32x2(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1
 #if AMX
             if (mq - i >= 16) {   /* 16 half-rows: one tile */
                 nx = 16;
-                amx_configure();
+                amx_configure(AMX_TILES32);
                 if (i == 0 && amx_signed(t)) amx_sign_chunk(t, &u, nkb, sv);
                 const xblock32 *xa = (const xblock32 *)(xq + i * xrb) + b0;
 #define CASE(T) amx_chunk16(T, &u, sv, nkb, xa, xrb, &acc[i]); break;
@@ -1629,6 +1700,9 @@ INL void tilek16(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1)
     for (int p = 0; p < np; p++)
         for (int64_t i = 0; i < mq + 4; i++) acc[p][i] = _mm512_setzero_ps();
     ubufk2 u[KUNITS / 2];   /* pair p's chunk at u + p ks */
+#if AMX
+    kplanes kp[KUNITS / 2];   /* its planes (amx_kplanes), where a tile of 16 half-rows runs */
+#endif
     k6off off[4];
     const int ks = KS(t);
     for (int64_t b0 = 0; b0 < nb; b0 += ks) {
@@ -1642,7 +1716,29 @@ INL void tilek16(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1)
                 else unpackk_to(t, 0, rows[src], b0 + kb, &b->v[0][h], &b->sc[0][h], &b->corr[0][h], b->d[h], b->dmin[h], 2);
             }
         }
+#if AMX
+        if (mq >= 16)
+            for (int p = 0; p < np; p++)
+                for (int kb = 0; kb < nks; kb++) amx_kplanes(t, u + p * ks + kb, kp + p * ks + kb);
+#endif
         for (int64_t i = 0, nx; i < mq; i += nx) {
+#if AMX
+            if (mq - i >= 16) {   /* 16 half-rows: one tile */
+                nx = 16;
+                amx_configure(AMX_TILESK);
+                const xblock256 *xa = (const xblock256 *)(xq + i * xrb) + b0;
+                for (int p = 0; p < np; p++) {
+#define CASE(T) amx_chunkk(T, u + p * ks, kp + p * ks, nks, xa, xrb, &acc[p][i]); break;
+                    switch (t) {
+                    case T_Q4_K: CASE(T_Q4_K)
+                    case T_Q5_K: CASE(T_Q5_K)
+                    default: CASE(T_Q6_K)
+                    }
+#undef CASE
+                }
+                continue;
+            }
+#endif
             nx = mq - i >= 4 ? 4 : 2;
             PASS_ROWS(xblock256, b0)
             if (t == T_Q6_K) {

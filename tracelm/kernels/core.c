@@ -577,7 +577,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
         goto done;
     }
     int64_t xrb = xq_row_bytes(qtype, K);
-    if (xrb && (get_scratch(so, "matmul", halves * M * xrb, &sc) || check_apart("matmul", "scratch", &sc.v, "x", &x.v, 0)
+    if (xrb && (get_scratch(so, "matmul", halves * M * xrb + XQ_ALIGN, &sc) || check_apart("matmul", "scratch", &sc.v, "x", &x.v, 0)
                 || check_apart("matmul", "scratch", &sc.v, "w", &w.v, 0) ||
                 check_apart("matmul", "scratch", &sc.v, "out", &out.v, 0)))
         goto done;
@@ -586,7 +586,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
         c.p = path;
         c.j.qtype = qtype; c.j.M = M; c.j.N = N; c.j.K = K;
         c.j.x = (const float *)x.v.buf; c.j.w = (const uint8_t *)w.v.buf; c.j.row_bytes = w.v.shape[1];
-        c.j.out = (float *)out.v.buf; c.j.ldo = ldo; c.j.xq = xrb ? sc.v.buf : NULL; c.j.xq_row_bytes = xrb;
+        c.j.out = (float *)out.v.buf; c.j.ldo = ldo; c.j.xq = xrb ? xq_start(sc.v.buf) : NULL; c.j.xq_row_bytes = xrb;
         c.j.halves = halves;
         c.j.packed = packed;
         mm_job_plan(path, &c.j);
@@ -594,7 +594,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
         c.n_gtasks = (c.j.n_groups + c.j.gstep - 1) / c.j.gstep;
         Py_BEGIN_ALLOW_THREADS
         if (xrb) {
-            quant_job q = {path, qtype, c.j.x, K, (char *)sc.v.buf, xrb, halves};
+            quant_job q = {path, qtype, c.j.x, K, (char *)c.j.xq, xrb, halves};
             if (M * K < (1 << 15)) quant_tasks(&q, 0, M);
             else pool_run(quant_tasks, &q, M, chunk_for(M));
         }
@@ -629,11 +629,11 @@ static PyObject *py_quantize_rows(PyObject *self, PyObject *args) {
         goto done;
     }
     int64_t xrb = xq_row_bytes(qtype, K);
-    if (get_scratch(so, "quantize_rows", halves * M * xrb, &sc) ||
+    if (get_scratch(so, "quantize_rows", halves * M * xrb + (xrb ? XQ_ALIGN : 0), &sc) ||
         check_apart("quantize_rows", "scratch", &sc.v, "x", &x.v, 0))
         goto done;
     Py_BEGIN_ALLOW_THREADS
-    quant_job q = {path, qtype, (const float *)x.v.buf, K, (char *)sc.v.buf, xrb, halves};
+    quant_job q = {path, qtype, (const float *)x.v.buf, K, xq_start(sc.v.buf), xrb, halves};
     pool_run(quant_tasks, &q, M, chunk_for(M));
     Py_END_ALLOW_THREADS
     ret = Py_None;
@@ -787,12 +787,12 @@ static PyObject *py_scratch_bytes(PyObject *self, PyObject *args) {
         return NULL;
     }
     const long long xrb = (long long)xq_row_bytes(qtype, K);
-    if (xrb && M > LLONG_MAX / halves / xrb) {
+    if (xrb && M > (LLONG_MAX - XQ_ALIGN) / halves / xrb) {
         PyErr_Format(PyExc_ValueError, "scratch_bytes: M=%lld rows of K=%lld values need more bytes than fit in 64 "
                      "bits", M, K);
         return NULL;
     }
-    return PyLong_FromLongLong(halves * M * (long long)xq_row_bytes(qtype, K));   /* hi (and lo) of each row */
+    return PyLong_FromLongLong(xrb ? halves * M * xrb + XQ_ALIGN : 0);   /* hi (and lo) of each row, aligned */
 }
 
 static PyObject *py_set_threads(PyObject *self, PyObject *args) {

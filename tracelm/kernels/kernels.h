@@ -109,10 +109,13 @@ typedef struct {
 } xblock32;          /* 40 bytes, for Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 */
 
 typedef struct {
+    int8_t q[256];     /* first, and the block a multiple of 64 bytes: in a scratch from a 64-byte boundary (XQ_ALIGN)
+                        * every block's q starts a cache line, as AMX's tile loads want (a row split over two lines
+                        * loads ~6x slower) */
     float d;
     int16_t bsum[16];  /* sum of q per 16 values */
-    int8_t q[256];
-} xblock256;         /* 292 bytes, for Q4_K Q5_K Q6_K */
+    uint8_t pad[28];
+} xblock256;         /* 320 bytes, for Q4_K Q5_K Q6_K */
 
 /* A job for one matmul: tasks are (tile of up to MTILE x rows) x (gstep groups of GROUP weight rows). */
 #define GROUP 8
@@ -263,6 +266,9 @@ static inline int64_t xq_row_bytes(int t, int64_t K) {
     if (is_float_type(t)) return 0;
     return type_block(t) == 32 ? (K / 32) * (int64_t)sizeof(xblock32) : (K / 256) * (int64_t)sizeof(xblock256);
 }
+/* The quantized rows start at the scratch's first 64-byte boundary: scratch_bytes holds XQ_ALIGN bytes more. */
+#define XQ_ALIGN 64
+static inline char *xq_start(void *scratch) { return (char *)(((uintptr_t)scratch + XQ_ALIGN - 1) & ~(uintptr_t)(XQ_ALIGN - 1)); }
 
 /* ---- layer kernels: the jobs (strides in items; a row of values always has unit stride) ---- */
 typedef struct { const float *p; int64_t s0, s1; } rows3;   /* row (a, b) at p + a*s0 + b*s1 */
