@@ -31,7 +31,7 @@ ALL = FLOAT + QUANT32 + KQUANT
 PATHS = kernels.paths()
 EPS = 2.0**-23  # f32 unit roundoff, generously (2^-24 would do)
 XBLOCK32 = np.dtype([("d", "<f4"), ("sum", "<i4"), ("q", "i1", 32)])
-XBLOCK256 = np.dtype([("q", "i1", 256), ("d", "<f4"), ("bsum", "<i2", 16), ("pad", "u1", 28)])
+XBLOCK256 = np.dtype([("q", "i1", 256), ("d", "<f4"), ("bsum", "<i2", 16), ("bsum32", "<i2", 8), ("pad", "u1", 12)])
 XQ_ALIGN = 64  # the quantized rows start at the scratch's first 64-byte boundary
 
 
@@ -156,6 +156,7 @@ def test_quantize_rows_is_the_stated_split(qt):
             np.testing.assert_array_equal(got["q"][:, h], q, err_msg=f"{path} half {h}")
             if qt in KQUANT:
                 np.testing.assert_array_equal(got["bsum"][:, h], q.reshape(M, 2, 16, 16).astype(np.int32).sum(-1))
+                np.testing.assert_array_equal(got["bsum32"][:, h], q.reshape(M, 2, 8, 32).astype(np.int32).sum(-1))
             else:
                 np.testing.assert_array_equal(got["sum"][:, h], q.astype(np.int32).sum(-1))
         assert list(got["q"][2, 0, 0, :6]) == [127, 2, -4, 0, 2, 0]
@@ -164,7 +165,7 @@ def test_quantize_rows_is_the_stated_split(qt):
         assert (got["d"][5, 0] > 0).all() and (got["d"][5, 1] == 0).all() and not got["q"][5, 1].any()
         assert np.isnan(got["d"][3, :, 1]).all() and not got["q"][3, :, 1].any()
         seen.append(got)
-    fields = ("q", "d", "bsum") if qt in KQUANT else ("q", "d", "sum")   # (not the padding)
+    fields = ("q", "d", "bsum", "bsum32") if qt in KQUANT else ("q", "d", "sum")   # (not the padding)
     for other in seen[1:]:
         for f in fields:
             np.testing.assert_array_equal(other[f], seen[0][f])

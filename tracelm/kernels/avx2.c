@@ -183,7 +183,8 @@ INL void quantize_split(const float *x, int n, float *dh, int8_t *qh, float *dl,
     quantize_block(r, n, dl, ql);
 }
 
-INL void bsums16(const int8_t *q, int16_t *bsum) {   /* sums per 16: maddubs(1, q) pairs, madd(1) quads, halves */
+INL void bsums16(const int8_t *q, int16_t *bsum, int16_t *bsum32) {   /* sums per 16 (maddubs(1, q) pairs, madd(1)
+                                                                        * quads, halves) and per 32 */
     for (int g = 0; g < 8; g++) {
         __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), ld256(q + 32 * g)),
                                       _mm256_set1_epi16(1));
@@ -192,6 +193,7 @@ INL void bsums16(const int8_t *q, int16_t *bsum) {   /* sums per 16: maddubs(1, 
         hi = _mm_add_epi32(hi, _mm_unpackhi_epi64(hi, hi));
         bsum[2 * g] = (int16_t)_mm_cvtsi128_si32(_mm_add_epi32(lo, _mm_shuffle_epi32(lo, 1)));
         bsum[2 * g + 1] = (int16_t)_mm_cvtsi128_si32(_mm_add_epi32(hi, _mm_shuffle_epi32(hi, 1)));
+        bsum32[g] = (int16_t)(bsum[2 * g] + bsum[2 * g + 1]);
     }
 }
 
@@ -214,9 +216,9 @@ AVX2 static void quantize_row(int qtype, const float *x, int64_t K, void *xq, in
                 quantize_block(x + 256 * i, 256, &h[i].d, h[i].q);
             } else {
                 quantize_split(x + 256 * i, 256, &h[i].d, h[i].q, &l[i].d, l[i].q);
-                bsums16(l[i].q, l[i].bsum);
+                bsums16(l[i].q, l[i].bsum, l[i].bsum32);
             }
-            bsums16(h[i].q, h[i].bsum);
+            bsums16(h[i].q, h[i].bsum, h[i].bsum32);
         }
     }
 }
@@ -876,12 +878,9 @@ INL void k6_offsets(const xblock256 *x, int nks, k6off *o) {
 /* Q4_K / Q5_K: B = sum_j mn_j bsum32_j of x block x, lane r = row r (corr: ubufk's, the mins as int16 pairs): the
  * bsum32 pairs broadcast */
 INL __m256i kmins(const __m256i *corr, const xblock256 *x) {
-    const __m256i bs = ld256(x->bsum);
-    const __m128i b32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-    __m256i B = _mm256_madd_epi16(corr[0], _mm256_broadcastd_epi32(b32));
-    B = _mm256_add_epi32(B, _mm256_madd_epi16(corr[1], _mm256_broadcastd_epi32(_mm_srli_si128(b32, 4))));
-    B = _mm256_add_epi32(B, _mm256_madd_epi16(corr[2], _mm256_broadcastd_epi32(_mm_srli_si128(b32, 8))));
-    return _mm256_add_epi32(B, _mm256_madd_epi16(corr[3], _mm256_broadcastd_epi32(_mm_srli_si128(b32, 12))));
+#define P(k) _mm256_madd_epi16(corr[k], _mm256_set1_epi32(ld32s(x->bsum32 + 2 * (k))))
+    return _mm256_add_epi32(_mm256_add_epi32(P(0), P(1)), _mm256_add_epi32(P(2), P(3)));
+#undef P
 }
 
 /* Accumulators against a chunk of super-blocks, as dot32_chunk: one group (ng = 1), x half-rows x0..x(nx-1)
@@ -979,12 +978,9 @@ typedef struct {
 
 /* kmins on 16 lanes: B = sum_j mn_j bsum32_j of x block x */
 INL __m512i kmins16(const ubufk2 *u, const xblock256 *x) {
-    const __m256i bs = ld256(x->bsum);
-    const __m128i b32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-    __m512i B = _mm512_madd_epi16(ld512(u->corr[0]), _mm512_set1_epi32(_mm_cvtsi128_si32(b32)));
-    B = _mm512_add_epi32(B, _mm512_madd_epi16(ld512(u->corr[1]), _mm512_set1_epi32(_mm_extract_epi32(b32, 1))));
-    B = _mm512_add_epi32(B, _mm512_madd_epi16(ld512(u->corr[2]), _mm512_set1_epi32(_mm_extract_epi32(b32, 2))));
-    return _mm512_add_epi32(B, _mm512_madd_epi16(ld512(u->corr[3]), _mm512_set1_epi32(_mm_extract_epi32(b32, 3))));
+#define P(k) _mm512_madd_epi16(ld512(u->corr[k]), _mm512_set1_epi32(ld32s(x->bsum32 + 2 * (k))))
+    return _mm512_add_epi32(_mm512_add_epi32(P(0), P(1)), _mm512_add_epi32(P(2), P(3)));
+#undef P
 }
 
 INL void dotk_chunk16(int t, const ubufk2 *u, int nks, int nx, const xblock256 *x0, const xblock256 *x1,

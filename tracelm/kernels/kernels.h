@@ -114,7 +114,8 @@ typedef struct {
                         * loads ~6x slower) */
     float d;
     int16_t bsum[16];  /* sum of q per 16 values */
-    uint8_t pad[28];
+    int16_t bsum32[8]; /* sum of q per 32 values (the Q4_K/Q5_K mins' sub-blocks; as 4 int16 pairs, one load each) */
+    uint8_t pad[12];
 } xblock256;         /* 320 bytes, for Q4_K Q5_K Q6_K */
 
 /* A job for one matmul: tasks are (tile of up to MTILE x rows) x (gstep groups of GROUP weight rows). */

@@ -68,6 +68,7 @@ static void quantize_row(int qtype, const float *x, int64_t K, void *xq, int hal
                     for (int j = 0; j < 16; j++) s += b->q[16 * g + j];
                     b->bsum[g] = (int16_t)s;
                 }
+                for (int j = 0; j < 8; j++) b->bsum32[j] = (int16_t)(b->bsum[2 * j] + b->bsum[2 * j + 1]);
             }
         }
     }
@@ -177,7 +178,7 @@ static float dot_qk(int t, const uint8_t *w, const xblock256 *x, int64_t nb, flo
                 }
                 A += sc[2 * c] * lo + sc[2 * c + 1] * hi;
             }
-            for (int j = 0; j < 8; j++) B += mn[j] * (x->bsum[2 * j] + x->bsum[2 * j + 1]);
+            for (int j = 0; j < 8; j++) B += mn[j] * x->bsum32[j];
             float d = half_to_float(rd16(blk)), dmin = half_to_float(rd16(blk + 2));
             COMBINE_K(f1, acc, d, dmin, x->d, A, B);
         }
