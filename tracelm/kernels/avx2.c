@@ -1108,6 +1108,34 @@ INL void amx_chunkk(int t, const ubufk2 *u, const kplanes *w, int nks, const xbl
     amx_combinek(t, u + nks - 1, x + nks - 1, xrb, c[(nks - 1) % 3][0], c[(nks - 1) % 3][1], acc);
 }
 #undef AMX_SB
+
+/* amx_chunkk for 32 half-rows (the second 16 from x + 16 xrb, accumulators acc + 16): each plane tile loaded once
+ * for both, C tiles tmm0, 1 (the first 16's lo, hi) and tmm2, 3; super-block kb's floats made while kb + 1's
+ * products run */
+#define AMX_SB2(kb)                                                                                             \
+    {                                                                                                           \
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);                                             \
+        for (int c_ = 0; c_ < 4; c_++) {                                                                        \
+            _tile_loadd(4, x[kb].q + 64 * c_, xrb); _tile_loadd(5, x2[kb].q + 64 * c_, xrb);                    \
+            _tile_loadd(6, w[kb].lo + 16 * c_, 64); _tile_loadd(7, w[kb].hi + 16 * c_, 64);                     \
+            _tile_dpbsud(0, 4, 6); _tile_dpbssd(1, 4, 7); _tile_dpbsud(2, 5, 6); _tile_dpbssd(3, 5, 7);         \
+        }                                                                                                       \
+    }
+INL void amx_chunkk2(int t, const ubufk2 *u, const kplanes *w, int nks, const xblock256 *x, int64_t xrb,
+                     __m512 *acc) {
+    int32_t c[2][4][16][16] __attribute__((aligned(64)));
+    const xblock256 *x2 = (const xblock256 *)((const char *)x + 16 * xrb);
+    __asm__ volatile("" ::: "memory");   /* the tile loads read w and x: what was stored there is stored */
+    AMX_SB2(0)
+    for (int kb = 0; kb < nks; kb++) {
+        int32_t (*ck)[16][16] = c[kb % 2];
+        _tile_stored(0, ck[0], 64); _tile_stored(1, ck[1], 64); _tile_stored(2, ck[2], 64); _tile_stored(3, ck[3], 64);
+        if (kb + 1 < nks) AMX_SB2(kb + 1)
+        amx_combinek(t, u + kb, x + kb, xrb, ck[0], ck[1], acc);
+        amx_combinek(t, u + kb, x2 + kb, xrb, ck[2], ck[3], acc + 16);
+    }
+}
+#undef AMX_SB2
 #endif
 #endif
 
@@ -1719,12 +1747,13 @@ INL void tilek16(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1)
 #endif
         for (int64_t i = 0, nx; i < mq; i += nx) {
 #if AMX
-            if (mq - i >= 16) {   /* 16 half-rows: one tile */
-                nx = 16;
+            if (mq - i >= 16) {   /* 32 or 16 half-rows: two tiles or one */
+                nx = mq - i >= 32 ? 32 : 16;
                 amx_configure(AMX_TILESK);
                 const xblock256 *xa = (const xblock256 *)(xq + i * xrb) + b0;
                 for (int p = 0; p < np; p++) {
-#define CASE(T) amx_chunkk(T, u + p * ks, kp + p * ks, nks, xa, xrb, &acc[p][i]); break;
+#define CASE(T) { if (nx == 32) amx_chunkk2(T, u + p * ks, kp + p * ks, nks, xa, xrb, &acc[p][i]); \
+                  else amx_chunkk(T, u + p * ks, kp + p * ks, nks, xa, xrb, &acc[p][i]); } break;
                     switch (t) {
                     case T_Q4_K: CASE(T_Q4_K)
                     case T_Q5_K: CASE(T_Q5_K)
