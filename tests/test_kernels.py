@@ -286,7 +286,7 @@ def bits(a: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("halves", (1, 2))
 @pytest.mark.parametrize("qt", ALL, ids=lambda q: q.name)
 def test_same_bits_for_any_batch_thread_count_and_path(qt, halves):
-    """out[i] of a row alone = the same row in passes of 2..16, 33 and 256 rows, on 1 or 2 threads, on either
+    """out[i] of a row alone = the same row in passes of 2..16, 24, 33 and 256 rows, on 1 or 2 threads, on either
     path (the direct few-row and the tiled many-row kernels included; with one half, odd tiles of rows too)."""
     K = 1000 if qt == Q.F32 else 512
     N = 75
@@ -303,7 +303,7 @@ def test_same_bits_for_any_batch_thread_count_and_path(qt, halves):
                 alone = np.stack([kernels.matmul(x[i], w, qt, halves=halves) for i in (0, 1, 100, 255)])
                 np.testing.assert_array_equal(bits(alone), bits(ref[[0, 1, 100, 255]]))
             np.testing.assert_array_equal(bits(full), bits(ref), err_msg=f"{path} threads={threads}")
-            for b in (2, 3, 4, 5, 7, 8, 16, 33, 67):
+            for b in (2, 3, 4, 5, 7, 8, 16, 24, 33, 67):
                 lo = 37 % (256 - b)
                 got = kernels.matmul(x[lo:lo + b], w, qt, halves=halves)
                 np.testing.assert_array_equal(bits(got), bits(ref[lo:lo + b]),

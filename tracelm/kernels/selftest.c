@@ -62,7 +62,7 @@ static void run_mm(const kernel_path *p, mm_job *j) {
             p->mm_task(j, g * j->gstep, m0, m0 + j->mtile < j->M ? m0 + j->mtile : j->M);
 }
 
-#define MAX_M 17
+#define MAX_M 25
 #define SK 512              /* values per row: 16 blocks of 32, 2 super-blocks */
 #define FK 100              /* float weights: a row that ends mid-lane-block */
 #define SN 24               /* weight rows: 3 groups (packed), or 21 (the file's rows: a last group of 5) */
@@ -83,7 +83,9 @@ static int fail(char *msg, size_t n, const char *what, int t, int pk, int halves
 
 static int check_products(const kernel_path *p, int flip, char *msg, size_t n, int *cases) {
     static const int types[] = {T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1, T_Q8_0, T_Q4_K, T_Q5_K, T_Q6_K, T_F32, T_F16, T_BF16};
-    static const int64_t rows[] = {1, 2, 3, 4, 5, 9, 17};   /* 17: the amx path's tiles of 16 half-rows, one half too */
+    static const int64_t rows[] = {1, 2, 3, 4, 5, 9, 25};   /* 25: the amx path's tiles of 16 half-rows (one half
+                                                                 * too), and with two halves the K-quants' passes of
+                                                                 * 32 and 16 half-rows, 2 left over */
     const size_t wbytes = (size_t)SN * SK * 4;   /* enough for any type */
     uint8_t *w = malloc(wbytes), *wp = malloc(wbytes);
     float *x = malloc(sizeof(float) * MAX_M * SK), *o0 = malloc(sizeof(float) * MAX_M * SN),
