@@ -148,7 +148,7 @@ def test_quantize_rows_is_the_stated_split(qt):
     seen = []
     for path in PATHS:
         kernels.use_path(path)
-        scratch = np.empty(kernels.scratch_bytes(M, 2 * bs, qt), np.uint8)
+        scratch = np.full(kernels.scratch_bytes(M, 2 * bs, qt), 0xA5, np.uint8)   # not zeros: the padding is written
         kernels.quantize_rows(x, qt, scratch)
         got = xblocks(scratch, qt, M)
         for h, (d, q) in enumerate([(dh, qh), (dl, ql)]):
@@ -157,6 +157,7 @@ def test_quantize_rows_is_the_stated_split(qt):
             if qt in KQUANT:
                 np.testing.assert_array_equal(got["bsum"][:, h], q.reshape(M, 2, 16, 16).astype(np.int32).sum(-1))
                 np.testing.assert_array_equal(got["bsum32"][:, h], q.reshape(M, 2, 8, 32).astype(np.int32).sum(-1))
+                assert not got["pad"][:, h].any()   # written (zeros): the self-test compares the blocks' bytes
             else:
                 np.testing.assert_array_equal(got["sum"][:, h], q.astype(np.int32).sum(-1))
         assert list(got["q"][2, 0, 0, :6]) == [127, 2, -4, 0, 2, 0]
@@ -165,7 +166,7 @@ def test_quantize_rows_is_the_stated_split(qt):
         assert (got["d"][5, 0] > 0).all() and (got["d"][5, 1] == 0).all() and not got["q"][5, 1].any()
         assert np.isnan(got["d"][3, :, 1]).all() and not got["q"][3, :, 1].any()
         seen.append(got)
-    fields = ("q", "d", "bsum", "bsum32") if qt in KQUANT else ("q", "d", "sum")   # (not the padding)
+    fields = ("q", "d", "bsum", "bsum32", "pad") if qt in KQUANT else ("q", "d", "sum")
     for other in seen[1:]:
         for f in fields:
             np.testing.assert_array_equal(other[f], seen[0][f])

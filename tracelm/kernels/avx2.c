@@ -217,8 +217,10 @@ AVX2 static void quantize_row(int qtype, const float *x, int64_t K, void *xq, in
             } else {
                 quantize_split(x + 256 * i, 256, &h[i].d, h[i].q, &l[i].d, l[i].q);
                 bsums16(l[i].q, l[i].bsum, l[i].bsum32);
+                memset(l[i].pad, 0, sizeof l[i].pad);
             }
             bsums16(h[i].q, h[i].bsum, h[i].bsum32);
+            memset(h[i].pad, 0, sizeof h[i].pad);
         }
     }
 }

@@ -63,6 +63,7 @@ static void quantize_row(int qtype, const float *x, int64_t K, void *xq, int hal
             quantize_halves(x + 256 * i, 256, halves, &h->d, h->q, &l->d, l->q);
             for (int k = 0; k < halves; k++) {
                 xblock256 *b = k ? l : h;
+                memset(b->pad, 0, sizeof b->pad);
                 for (int g = 0; g < 16; g++) {
                     int s = 0;
                     for (int j = 0; j < 16; j++) s += b->q[16 * g + j];
