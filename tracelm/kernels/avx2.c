@@ -520,7 +520,9 @@ INL void amx_configure(int kind) {
     cfg.palette = 1;
     for (int s = 0; s < 8; s++) { cfg.colsb[s] = 64; cfg.rows[s] = 16; }
     if (kind == AMX_TILES32)
-        for (int s = 0; s < 2; s++) { cfg.colsb[2 + s] = 32; cfg.rows[4 + s] = 8; cfg.colsb[6 + s] = 0; cfg.rows[6 + s] = 0; }
+        for (int s = 0; s < 2; s++) {   /* A 32 values, B 8 quads; tmm6, 7 unused */
+            cfg.colsb[2 + s] = 32; cfg.rows[4 + s] = 8; cfg.colsb[6 + s] = 0; cfg.rows[6 + s] = 0;
+        }
     _tile_loadconfig(&cfg);
     amx_configured = kind;
 }
@@ -1076,68 +1078,37 @@ INL void amx_combinek(int t, const ubufk2 *b, const xblock256 *x, int64_t xrb, c
     }
 }
 
-/* amx: 16 quantized half-rows (x: the first one's super-block kb at x + kb, the others xrb bytes apart) against a
- * pair's chunk of nks super-blocks (u, its planes w), accumulator i = half-row i. Pipelined as amx_chunk16: two
- * sets of C tiles (lo, hi: tmm0, 1 and tmm2, 3) for super-blocks in turn, A in tmm4/5, B's planes in tmm6, 7. */
-#define AMX_SB(CL, CH, kb)                                                                                      \
+/* amx: 16 or, with `two`, 32 quantized half-rows (x: the first one's super-block kb at x + kb, the others xrb bytes
+ * apart) against a pair's chunk of nks super-blocks (u, its planes w), accumulator i = half-row i. C tiles tmm0, 1
+ * (the first 16's lo, hi) and tmm2, 3 (the second 16's), A tmm4, 5, the planes tmm6, 7 (each loaded once for both
+ * x tiles); super-block kb's floats made while kb + 1's products run. */
+#define AMX_SB(kb)                                                                                              \
     {                                                                                                           \
-        _tile_zero(CL); _tile_zero(CH);                                                                         \
-        _tile_loadd(4, x[kb].q, xrb); _tile_loadd(6, w[kb].lo, 64); _tile_dpbsud(CL, 4, 6);                    \
-        _tile_loadd(7, w[kb].hi, 64); _tile_dpbssd(CH, 4, 7);                                                   \
-        _tile_loadd(5, x[kb].q + 64, xrb); _tile_loadd(6, w[kb].lo + 16, 64); _tile_dpbsud(CL, 5, 6);          \
-        _tile_loadd(7, w[kb].hi + 16, 64); _tile_dpbssd(CH, 5, 7);                                              \
-        _tile_loadd(4, x[kb].q + 128, xrb); _tile_loadd(6, w[kb].lo + 32, 64); _tile_dpbsud(CL, 4, 6);         \
-        _tile_loadd(7, w[kb].hi + 32, 64); _tile_dpbssd(CH, 4, 7);                                              \
-        _tile_loadd(5, x[kb].q + 192, xrb); _tile_loadd(6, w[kb].lo + 48, 64); _tile_dpbsud(CL, 5, 6);         \
-        _tile_loadd(7, w[kb].hi + 48, 64); _tile_dpbssd(CH, 5, 7);                                              \
-    }
-INL void amx_chunkk(int t, const ubufk2 *u, const kplanes *w, int nks, const xblock256 *x, int64_t xrb,
-                    __m512 *acc) {
-    int32_t c[3][2][16][16] __attribute__((aligned(64)));
-    __asm__ volatile("" ::: "memory");   /* the tile loads read w and x: what was stored there is stored */
-    AMX_SB(0, 1, 0)
-    if (nks > 1) AMX_SB(2, 3, 1)
-    for (int kb = 0; kb < nks; kb++) {
-        if (kb % 2 == 0) {
-            _tile_stored(0, c[kb % 3][0], 64); _tile_stored(1, c[kb % 3][1], 64);
-            if (kb + 2 < nks) AMX_SB(0, 1, kb + 2)
-        } else {
-            _tile_stored(2, c[kb % 3][0], 64); _tile_stored(3, c[kb % 3][1], 64);
-            if (kb + 2 < nks) AMX_SB(2, 3, kb + 2)
-        }
-        if (kb > 0) amx_combinek(t, u + kb - 1, x + kb - 1, xrb, c[(kb - 1) % 3][0], c[(kb - 1) % 3][1], acc);
-    }
-    amx_combinek(t, u + nks - 1, x + nks - 1, xrb, c[(nks - 1) % 3][0], c[(nks - 1) % 3][1], acc);
-}
-#undef AMX_SB
-
-/* amx_chunkk for 32 half-rows (the second 16 from x + 16 xrb, accumulators acc + 16): each plane tile loaded once
- * for both, C tiles tmm0, 1 (the first 16's lo, hi) and tmm2, 3; super-block kb's floats made while kb + 1's
- * products run */
-#define AMX_SB2(kb)                                                                                             \
-    {                                                                                                           \
-        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);                                             \
+        _tile_zero(0); _tile_zero(1);                                                                           \
+        if (two) { _tile_zero(2); _tile_zero(3); }                                                              \
         for (int c_ = 0; c_ < 4; c_++) {                                                                        \
-            _tile_loadd(4, x[kb].q + 64 * c_, xrb); _tile_loadd(5, x2[kb].q + 64 * c_, xrb);                    \
+            _tile_loadd(4, x[kb].q + 64 * c_, xrb);                                                             \
             _tile_loadd(6, w[kb].lo + 16 * c_, 64); _tile_loadd(7, w[kb].hi + 16 * c_, 64);                     \
-            _tile_dpbsud(0, 4, 6); _tile_dpbssd(1, 4, 7); _tile_dpbsud(2, 5, 6); _tile_dpbssd(3, 5, 7);         \
+            _tile_dpbsud(0, 4, 6); _tile_dpbssd(1, 4, 7);                                                       \
+            if (two) { _tile_loadd(5, x2[kb].q + 64 * c_, xrb); _tile_dpbsud(2, 5, 6); _tile_dpbssd(3, 5, 7); } \
         }                                                                                                       \
     }
-INL void amx_chunkk2(int t, const ubufk2 *u, const kplanes *w, int nks, const xblock256 *x, int64_t xrb,
-                     __m512 *acc) {
+INL void amx_chunkk(int t, int two, const ubufk2 *u, const kplanes *w, int nks, const xblock256 *x, int64_t xrb,
+                    __m512 *acc) {
     int32_t c[2][4][16][16] __attribute__((aligned(64)));
     const xblock256 *x2 = (const xblock256 *)((const char *)x + 16 * xrb);
     __asm__ volatile("" ::: "memory");   /* the tile loads read w and x: what was stored there is stored */
-    AMX_SB2(0)
+    AMX_SB(0)
     for (int kb = 0; kb < nks; kb++) {
         int32_t (*ck)[16][16] = c[kb % 2];
-        _tile_stored(0, ck[0], 64); _tile_stored(1, ck[1], 64); _tile_stored(2, ck[2], 64); _tile_stored(3, ck[3], 64);
-        if (kb + 1 < nks) AMX_SB2(kb + 1)
+        _tile_stored(0, ck[0], 64); _tile_stored(1, ck[1], 64);
+        if (two) { _tile_stored(2, ck[2], 64); _tile_stored(3, ck[3], 64); }
+        if (kb + 1 < nks) AMX_SB(kb + 1)
         amx_combinek(t, u + kb, x + kb, xrb, ck[0], ck[1], acc);
-        amx_combinek(t, u + kb, x2 + kb, xrb, ck[2], ck[3], acc + 16);
+        if (two) amx_combinek(t, u + kb, x2 + kb, xrb, ck[2], ck[3], acc + 16);
     }
 }
-#undef AMX_SB2
+#undef AMX_SB
 #endif
 #endif
 
@@ -1757,8 +1728,8 @@ INL void tilek16(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1)
                 amx_configure(AMX_TILESK);
                 const xblock256 *xa = (const xblock256 *)(xq + i * xrb) + b0;
                 for (int p = 0; p < np; p++) {
-#define CASE(T) { if (nx == 32) amx_chunkk2(T, u + p * ks, kp + p * ks, nks, xa, xrb, &acc[p][i]); \
-                  else amx_chunkk(T, u + p * ks, kp + p * ks, nks, xa, xrb, &acc[p][i]); } break;
+#define CASE(T) { if (nx == 32) amx_chunkk(T, 1, u + p * ks, kp + p * ks, nks, xa, xrb, &acc[p][i]); \
+                  else amx_chunkk(T, 0, u + p * ks, kp + p * ks, nks, xa, xrb, &acc[p][i]); } break;
                     switch (t) {
                     case T_Q4_K: CASE(T_Q4_K)
                     case T_Q5_K: CASE(T_Q5_K)

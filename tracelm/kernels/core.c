@@ -577,7 +577,8 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
         goto done;
     }
     int64_t xrb = xq_row_bytes(qtype, K);
-    if (xrb && (get_scratch(so, "matmul", halves * M * xrb + XQ_ALIGN, &sc) || check_apart("matmul", "scratch", &sc.v, "x", &x.v, 0)
+    if (xrb && (get_scratch(so, "matmul", halves * M * xrb + XQ_ALIGN, &sc) ||
+                check_apart("matmul", "scratch", &sc.v, "x", &x.v, 0)
                 || check_apart("matmul", "scratch", &sc.v, "w", &w.v, 0) ||
                 check_apart("matmul", "scratch", &sc.v, "out", &out.v, 0)))
         goto done;

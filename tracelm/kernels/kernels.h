@@ -269,7 +269,9 @@ static inline int64_t xq_row_bytes(int t, int64_t K) {
 }
 /* The quantized rows start at the scratch's first 64-byte boundary: scratch_bytes holds XQ_ALIGN bytes more. */
 #define XQ_ALIGN 64
-static inline char *xq_start(void *scratch) { return (char *)(((uintptr_t)scratch + XQ_ALIGN - 1) & ~(uintptr_t)(XQ_ALIGN - 1)); }
+static inline char *xq_start(void *scratch) {
+    return (char *)(((uintptr_t)scratch + XQ_ALIGN - 1) & ~(uintptr_t)(XQ_ALIGN - 1));
+}
 
 /* ---- layer kernels: the jobs (strides in items; a row of values always has unit stride) ---- */
 typedef struct { const float *p; int64_t s0, s1; } rows3;   /* row (a, b) at p + a*s0 + b*s1 */
