@@ -76,8 +76,8 @@ static const char *type_name(int t) {
 }
 
 static int fail(char *msg, size_t n, const char *what, int t, int pk, int halves, int64_t M) {
-    snprintf(msg, n, "%s differs from the portable path (%s, %s, %d half%s, %lld x rows)", what, type_name(t),
-             pk ? "packed" : "file rows", halves, halves == 2 ? "s" : "", (long long)M);
+    snprintf(msg, n, "%s differs from the portable path (%s, %s, %s, %lld x rows)", what, type_name(t),
+             pk ? "packed" : "file rows", halves == 2 ? "2 halves" : "1 half", (long long)M);
     return -1;
 }
 
