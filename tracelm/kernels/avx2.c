@@ -1221,9 +1221,7 @@ INL __m256 dotk_direct(int t, int two, const uint8_t *const *rows, const xblock2
                 COMBINE_D(v8, acc_lo, d, dxl, al);
             }
         } else {
-            __m128i b32h = _mm_hadd_epi16(_mm256_castsi256_si128(bsh), _mm256_extracti128_si256(bsh, 1));
-            __m128i b32l = _mm_hadd_epi16(_mm256_castsi256_si128(bsl), _mm256_extracti128_si256(bsl, 1));
-            const __m256i b2 = join(b32h, b32l);
+            const __m256i b2 = join(ld128(xh->bsum32), ld128(xl->bsum32));
             __m256i B0, B1, B2, B3, B4, B5, B6, B7;
 #define K45(r) k45_direct(t, two, rows[r] + o, xh, xl, b2, &H##r, &L##r, &B##r);
             K45(0) K45(1) K45(2) K45(3) K45(4) K45(5) K45(6) K45(7)
