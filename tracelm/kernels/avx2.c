@@ -508,7 +508,7 @@ INL void dot32_chunk16(int t, const ubuf32x2 *u, int nkb, int nx, const xblock32
 #if AMX
 /* The tile registers as amx_chunk16 uses them, two sets for blocks in turn (even: tmm0, 2, 4; odd: 1, 3, 5): C
  * [16 half-rows][16 weight rows] int32; A, the 16 half-rows' 32 int8 q of one block; B, the pair's unpacked block as
- * dot32_chunk16 reads it (8 quads x 16 rows, 4 unsigned bytes each: u->v[kb] as it lies). The K-quants' (amx_chunkk)
+ * dot32_chunk16 reads it (8 quads x 16 rows, 4 unsigned bytes each: u->v[kb] as it lies). The K-quants' (amx_superk)
  * are whole tiles: C as above, A 16 half-rows x 64 values, B 16 quads x 16 rows. Loaded when the kind changes (the
  * config is the thread's state). */
 enum { AMX_TILES32 = 1, AMX_TILESK = 2 };
@@ -684,7 +684,11 @@ INL __m256 q8_direct(int two, int pk, const uint8_t *const *rows, const xblock32
  * int16) adds it to the int32 A. A task's TGK(t) groups, KS(t) super-blocks of each unpacked at a time (KUNITS
  * units of ~2.7 KB in all, so that they stay in L1), are met by each pass of x rows in turn: the x rows and Q6_K's
  * offsets of a pass are read and made once for all of them. Q6_K: 8 groups of 1 super-block, its offsets shared by
- * 4 pairs (measured, 2 threads, 64-256 rows, real ffn_down: +5-8% against 2 groups of 4); Q4_K/Q5_K: 2 of 4.
+ * 4 pairs (measured, 2 threads, 64-256 rows, real ffn_down: +5-8% against 2 groups of 4); Q4_K/Q5_K: 2 of 4. The AMX
+ * tiles: 8 of 1 for all three, so that each pass's x tiles are met by 4 pairs in turn (measured, 1 thread, 256 rows:
+ * Q4_K, Q5_K 6-8% faster than 2 of 4), and tiles of MTILE_K x rows, each pair's planes met by twice the passes
+ * (2 threads, 256 rows, Qwen2.5-7B's shapes: Q4_K 10-18%, Q6_K 13% faster than 64 rows; 256 rows: Q6_K's ffn_down
+ * faster still, Q4_K's slower).
  * ==================================================================================================== */
 typedef struct {          /* one super-block of a group's 8 rows, unpacked */
     __m256i v[64];        /* quad e/4: 0..15 / 0..31 / 0..63 */
@@ -695,7 +699,8 @@ typedef struct {          /* one super-block of a group's 8 rows, unpacked */
 } ubufk;                  /* 2.7 KB */
 #define KUNITS 8          /* unpacked super-blocks of a task: TGK(t) groups of KS(t) (~22 KB: they stay in L1) */
 #define KS_MAX 4
-INL int KS(int t) { return t == T_Q6_K ? 1 : KS_MAX; }   /* super-blocks per chunk */
+#define MTILE_K (AMX ? 2 * MTILE : MTILE)   /* x rows of a tile, the 256-value types (mm_job_plan) */
+INL int KS(int t) { return t == T_Q6_K || AMX ? 1 : KS_MAX; }   /* super-blocks per chunk */
 #define TGK(t) (KUNITS / KS(t))                           /* weight groups per task (task_groups) */
 
 INL __m256 halves8(const uint8_t *const *rows, int64_t o) {   /* the f16 at rows[r] + o, r = 0..7 */
@@ -981,9 +986,9 @@ typedef struct {
 } ubufk2;
 
 /* kmins on 16 lanes: B = sum_j mn_j bsum32_j of x block x */
-INL __m512i kmins16(const ubufk2 *u, const xblock256 *x) {
-#define P(k) _mm512_madd_epi16(ld512(u->corr[k]), _mm512_set1_epi32(ld32s(x->bsum32 + 2 * (k))))
-    return _mm512_add_epi32(_mm512_add_epi32(P(0), P(1)), _mm512_add_epi32(P(2), P(3)));
+INL __m512i kmins16(const ubufk2 *u, const xblock256 *x) {   /* vpdpwssd: madd and add in one */
+#define P(k) ld512(u->corr[k]), _mm512_set1_epi32(ld32s(x->bsum32 + 2 * (k)))
+    return _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_madd_epi16(P(0)), P(1)), P(2)), P(3));
 #undef P
 }
 
@@ -1065,7 +1070,7 @@ INL void amx_kplanes(int t, const ubufk2 *b, kplanes *p) {
     }
 }
 
-/* super-block kb's float steps for 16 half-rows (x as amx_chunkk's) from its planes' integers lo, hi */
+/* a super-block's float steps for 16 half-rows (x as amx_superk's) from its planes' integers lo, hi */
 INL void amx_combinek(int t, const ubufk2 *b, const xblock256 *x, int64_t xrb, const int32_t (*lo)[16],
                       const int32_t (*hi)[16], __m512 *acc) {
     const __m512 d = _mm512_loadu_ps(b->d), dmin = _mm512_loadu_ps(b->dmin);
@@ -1078,37 +1083,28 @@ INL void amx_combinek(int t, const ubufk2 *b, const xblock256 *x, int64_t xrb, c
     }
 }
 
-/* amx: 16 or, with `two`, 32 quantized half-rows (x: the first one's super-block kb at x + kb, the others xrb bytes
- * apart) against a pair's chunk of nks super-blocks (u, its planes w), accumulator i = half-row i. C tiles tmm0, 1
- * (the first 16's lo, hi) and tmm2, 3 (the second 16's), A tmm4, 5, the planes tmm6, 7 (each loaded once for both
- * x tiles); super-block kb's floats made while kb + 1's products run. */
-#define AMX_SB(kb)                                                                                              \
-    {                                                                                                           \
-        _tile_zero(0); _tile_zero(1);                                                                           \
-        if (two) { _tile_zero(2); _tile_zero(3); }                                                              \
-        for (int c_ = 0; c_ < 4; c_++) {                                                                        \
-            _tile_loadd(4, x[kb].q + 64 * c_, xrb);                                                             \
-            _tile_loadd(6, w[kb].lo + 16 * c_, 64); _tile_loadd(7, w[kb].hi + 16 * c_, 64);                     \
-            _tile_dpbsud(0, 4, 6); _tile_dpbssd(1, 4, 7);                                                       \
-            if (two) { _tile_loadd(5, x2[kb].q + 64 * c_, xrb); _tile_dpbsud(2, 5, 6); _tile_dpbssd(3, 5, 7); } \
-        }                                                                                                       \
-    }
-INL void amx_chunkk(int t, int two, const ubufk2 *u, const kplanes *w, int nks, const xblock256 *x, int64_t xrb,
-                    __m512 *acc) {
-    int32_t c[2][4][16][16] __attribute__((aligned(64)));
+/* amx: 16 or, with `two`, 32 quantized half-rows (x: the first one's super-block, the others xrb bytes apart) against
+ * a pair's unpacked super-block u and its planes w, accumulator i = half-row i: the products, then the floats. C tiles
+ * tmm0, 1 (the first 16's lo, hi) and tmm2, 3 (the second 16's), A tmm4, 5, the planes tmm6, 7 (each loaded once for
+ * both x tiles). In turn: the next super-block's products issued before these floats (over a chunk's super-blocks,
+ * or over every pass and pair of it; at once, or spread among the floats) measured 3-15% slower, 1 thread. */
+INL void amx_superk(int t, int two, const ubufk2 *u, const kplanes *w, const xblock256 *x, int64_t xrb, __m512 *acc) {
+    int32_t c[4][16][16] __attribute__((aligned(64)));
     const xblock256 *x2 = (const xblock256 *)((const char *)x + 16 * xrb);
     __asm__ volatile("" ::: "memory");   /* the tile loads read w and x: what was stored there is stored */
-    AMX_SB(0)
-    for (int kb = 0; kb < nks; kb++) {
-        int32_t (*ck)[16][16] = c[kb % 2];
-        _tile_stored(0, ck[0], 64); _tile_stored(1, ck[1], 64);
-        if (two) { _tile_stored(2, ck[2], 64); _tile_stored(3, ck[3], 64); }
-        if (kb + 1 < nks) AMX_SB(kb + 1)
-        amx_combinek(t, u + kb, x + kb, xrb, ck[0], ck[1], acc);
-        if (two) amx_combinek(t, u + kb, x2 + kb, xrb, ck[2], ck[3], acc + 16);
+    _tile_zero(0); _tile_zero(1);
+    if (two) { _tile_zero(2); _tile_zero(3); }
+    for (int q = 0; q < 4; q++) {   /* values 64 q.. */
+        _tile_loadd(4, x->q + 64 * q, xrb);
+        _tile_loadd(6, w->lo + 16 * q, 64); _tile_loadd(7, w->hi + 16 * q, 64);
+        _tile_dpbsud(0, 4, 6); _tile_dpbssd(1, 4, 7);
+        if (two) { _tile_loadd(5, x2->q + 64 * q, xrb); _tile_dpbsud(2, 5, 6); _tile_dpbssd(3, 5, 7); }
     }
+    _tile_stored(0, c[0], 64); _tile_stored(1, c[1], 64);
+    if (two) { _tile_stored(2, c[2], 64); _tile_stored(3, c[3], 64); }
+    amx_combinek(t, u, x, xrb, c[0], c[1], acc);
+    if (two) amx_combinek(t, u, x2, xrb, c[2], c[3], acc + 16);
 }
-#undef AMX_SB
 #endif
 #endif
 
@@ -1460,6 +1456,7 @@ INL void store_group(const mm_job *j, int64_t group, int64_t m0, int64_t mt, con
     const int64_t n0 = group * GROUP, nr = j->N - n0 < GROUP ? j->N - n0 : GROUP;
     for (int64_t i = 0; i < mt; i++) {
         float o[GROUP];
+        if (nr == GROUP) { _mm256_storeu_ps(&j->out[(m0 + i) * j->ldo + n0], out[i]); continue; }
         _mm256_storeu_ps(o, out[i]);
         memcpy(&j->out[(m0 + i) * j->ldo + n0], o, (size_t)nr * sizeof(float));
     }
@@ -1477,7 +1474,7 @@ INL void store_acc(const mm_job *j, int64_t group, int64_t m0, int64_t mt, const
  * from `group` on: group + h in the 8 lanes of half h */
 INL void store_acc16(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t mt, const __m512 *acc) {
     for (int h = 0; h < ng; h++) {
-        __m256 out[MTILE];
+        __m256 out[MTILE_K];
         for (int64_t i = 0; i < mt; i++) {
             const __m512i a = _mm512_castps_si512(j->halves == 2 ? _mm512_add_ps(acc[2 * i], acc[2 * i + 1]) : acc[i]);
             out[i] = _mm256_castsi256_ps(h ? _mm512_extracti64x4_epi64(a, 1) : _mm512_castsi512_si256(a));
@@ -1691,7 +1688,7 @@ INL void tilek16(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1)
     for (int g = 0; g < ng; g++) group_rows(j, group + g, rows[g]);
     const int64_t mt = m1 - m0, xrb = j->xq_row_bytes, hv = j->halves, mq = hv * mt, nb = j->K / 256;
     const char *xq = (const char *)j->xq + hv * m0 * xrb;
-    __m512 acc[KUNITS / 2][2 * MTILE + 4];
+    __m512 acc[KUNITS / 2][2 * MTILE_K + 4];
     for (int p = 0; p < np; p++)
         for (int64_t i = 0; i < mq + 4; i++) acc[p][i] = _mm512_setzero_ps();
     ubufk2 u[KUNITS / 2];   /* pair p's chunk at u + p ks */
@@ -1726,8 +1723,11 @@ INL void tilek16(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1)
                 amx_configure(AMX_TILESK);
                 const xblock256 *xa = (const xblock256 *)(xq + i * xrb) + b0;
                 for (int p = 0; p < np; p++) {
-#define CASE(T) { if (nx == 32) amx_chunkk(T, 1, u + p * ks, kp + p * ks, nks, xa, xrb, &acc[p][i]); \
-                  else amx_chunkk(T, 0, u + p * ks, kp + p * ks, nks, xa, xrb, &acc[p][i]); } break;
+#define CASE(T) for (int kb = 0; kb < nks; kb++) {                                                               \
+                    const int e = p * ks + kb;                                                                    \
+                    if (nx == 32) amx_superk(T, 1, u + e, kp + e, xa + kb, xrb, &acc[p][i]);                      \
+                    else amx_superk(T, 0, u + e, kp + e, xa + kb, xrb, &acc[p][i]);                               \
+                } break;
                     switch (t) {
                     case T_Q4_K: CASE(T_Q4_K)
                     case T_Q5_K: CASE(T_Q5_K)
@@ -1800,11 +1800,11 @@ AVX2 static void mm_task(const mm_job *j, int64_t g0, int64_t m0, int64_t m1) {
     }
 }
 
-const kernel_path PATH_SYM = {PATH_NAME, quantize_row, mm_task, task_groups, &avx2_layer};
+const kernel_path PATH_SYM = {PATH_NAME, quantize_row, mm_task, task_groups, &avx2_layer, AMX ? MTILE_K : 0};
 
 #else
 #if !VNNI
 int avx2_compiled(void) { return 0; }
 #endif
-const kernel_path PATH_SYM = {PATH_NAME, 0, 0, 0, 0};   /* not compiled: no mm_task */
+const kernel_path PATH_SYM = {PATH_NAME, 0, 0, 0, 0, 0};   /* not compiled: no mm_task */
 #endif

@@ -419,6 +419,7 @@ typedef struct {
     void (*mm_task)(const mm_job *job, int64_t group, int64_t m0, int64_t m1); /* groups g.. x rows m0..m1 */
     int (*task_groups)(int qtype, int64_t rows);   /* groups per task for tiles of `rows` x rows */
     const layer_ops *layer;
+    int mtile_k;   /* x rows of a tile for the 256-value types (0: MTILE) */
 } kernel_path;
 
 extern const kernel_path portable_path;
@@ -430,7 +431,8 @@ int avx2_compiled(void);
 /* a matmul job's tiling on path p, from its qtype, M and N */
 static inline void mm_job_plan(const kernel_path *p, mm_job *j) {
     j->n_groups = (j->N + GROUP - 1) / GROUP;
-    j->mtile = j->M < MTILE ? j->M : MTILE;
+    const int64_t mt = type_block(j->qtype) == 256 && p->mtile_k ? p->mtile_k : MTILE;
+    j->mtile = j->M < mt ? j->M : mt;
     j->gstep = p->task_groups(j->qtype, j->mtile);
 }
 

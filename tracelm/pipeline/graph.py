@@ -199,9 +199,10 @@ def staged_layers(cfg: ModelConfig, w: ModelWeights, batch: Batch, per_layer: li
 
 
 # A long pass's FFN runs this many rows at a time: its [rows, 2 n_ff] and [rows, n_ff] buffers are a prompt's largest
-# (a 7B's 256-token prompt: 58 MB; 14 MB so). Each row's products depend on that row alone, so the bits are the
-# same; the kernels tile 64 rows (MTILE) anyway.
-FFN_ROWS = 64
+# (a 7B's 256-token prompt: 58 MB; 29 MB so). Each row's products depend on that row alone, so the bits are the
+# same; the kernels tile 128 rows at most (the amx path's K-quants; 64 on the others): with 64 here, Qwen2.5-7B's
+# prefill-256 on the amx path ran at 0.9x (2 threads; the other paths alike either way).
+FFN_ROWS = 128
 
 
 def fused_layers(cfg: ModelConfig, w: ModelWeights, batch: Batch, per_layer: list, h: np.ndarray,
