@@ -685,8 +685,9 @@ INL __m256 q8_direct(int two, int pk, const uint8_t *const *rows, const xblock32
  * units of ~2.7 KB in all, so that they stay in L1), are met by each pass of x rows in turn: the x rows and Q6_K's
  * offsets of a pass are read and made once for all of them. Q6_K: 8 groups of 1 super-block, its offsets shared by
  * 4 pairs (measured, 2 threads, 64-256 rows, real ffn_down: +5-8% against 2 groups of 4); Q4_K/Q5_K: 2 of 4. The AMX
- * tiles: 8 of 1 for all three, so that each pass's x tiles are met by 4 pairs in turn (measured, 1 thread, 256 rows:
- * Q4_K, Q5_K 6-8% faster than 2 of 4), and tiles of MTILE_K x rows, each pair's planes met by twice the passes
+ * tiles (from 16 x rows): 8 of 1 for all three, so that each pass's x tiles are met by 4 pairs in turn (measured, 1
+ * thread, 256 rows: Q4_K, Q5_K 6-8% faster than 2 of 4; at 8 rows, on 512-bit VNNI, 2 of 4 stays: 10% faster on
+ * Qwen2.5-7B's ffn_down), and tiles of MTILE_K x rows, each pair's planes met by twice the passes
  * (2 threads, 256 rows, Qwen2.5-7B's shapes: Q4_K 10-18%, Q6_K 13% faster than 64 rows; 256 rows: Q6_K's ffn_down
  * faster still, Q4_K's slower).
  * ==================================================================================================== */
@@ -700,7 +701,7 @@ typedef struct {          /* one super-block of a group's 8 rows, unpacked */
 #define KUNITS 8          /* unpacked super-blocks of a task: TGK(t) groups of KS(t) (~22 KB: they stay in L1) */
 #define KS_MAX 4
 #define MTILE_K (AMX ? 2 * MTILE : MTILE)   /* x rows of a tile, the 256-value types (mm_job_plan) */
-INL int KS(int t) { return t == T_Q6_K || AMX ? 1 : KS_MAX; }   /* super-blocks per chunk */
+INL int KS(int t) { return t == T_Q6_K ? 1 : KS_MAX; }   /* super-blocks per chunk */
 #define TGK(t) (KUNITS / KS(t))                           /* weight groups per task (task_groups) */
 
 INL __m256 halves8(const uint8_t *const *rows, int64_t o) {   /* the f16 at rows[r] + o, r = 0..7 */
@@ -1699,7 +1700,8 @@ INL void tilek16(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1)
     const int amx = mq >= 32;
 #endif
     k6off off[4];
-    const int ks = KS(t);
+    int ks = KS(t);
+    if (np * ks > KUNITS / 2) ks = KUNITS / 2 / np;   /* 4 pairs (the AMX tiles' task_groups): 1 super-block */
     for (int64_t b0 = 0; b0 < nb; b0 += ks) {
         int nks = nb - b0 < ks ? (int)(nb - b0) : ks;
         for (int g = 0; g < 2 * np; g++) {
@@ -1768,7 +1770,8 @@ INL void tilek16(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1)
  * group, nothing to share); the K-quants, tiled: TGK (tilek) */
 AVX2 static int task_groups(int t, int64_t mt) {
     if (mt <= direct_rows(t, 0)) return 1;   /* packed K-quants, direct up to 3 rows: TGK groups, one at a time */
-    return type_block(t) == 256 ? TGK(t) : t == T_Q4_0 || t == T_Q5_0 || VNNI == 2 ? 2 : 1;   /* avx512vnni: pairs */
+    if (type_block(t) == 256) return AMX && mt >= 16 ? KUNITS : TGK(t);   /* amx: the tiles' 4 pairs (tilek16) */
+    return t == T_Q4_0 || t == T_Q5_0 || VNNI == 2 ? 2 : 1;   /* avx512vnni: pairs */
 }
 
 /* ======================================================================================================
