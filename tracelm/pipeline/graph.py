@@ -198,11 +198,18 @@ def staged_layers(cfg: ModelConfig, w: ModelWeights, batch: Batch, per_layer: li
     return h
 
 
-# A long pass's FFN runs this many rows at a time: its [rows, 2 n_ff] and [rows, n_ff] buffers are a prompt's largest
-# (a 7B's 256-token prompt: 58 MB; 29 MB so). Each row's products depend on that row alone, so the bits are the
-# same; the kernels tile 128 rows at most (the amx path's K-quants; 64 on the others): with 64 here, Qwen2.5-7B's
-# prefill-256 on the amx path ran at 0.9x (2 threads; the other paths alike either way).
+# A long pass's FFN runs up to FFN_ROWS rows at a time, half that where its [rows, 2 n_ff] and [rows, n_ff] float32
+# buffers, a prompt's largest, would pass FFN_BYTES (a 7B's 256-token prompt: 58 MB whole, 29 MB at 128 rows, 14.5 MB
+# at 64: within the bench's RSS budget of the file + KV + 150 MB only so). Each row's products depend on that row
+# alone, so the bits are the same. The kernels tile up to 128 rows (the amx path's K-quants; 64 on the others): at
+# 128 rows Qwen2.5-7B's prefill-256 ran 1.11x faster on the amx path (2 threads), 16 MB more at its peak.
 FFN_ROWS = 128
+FFN_BYTES = 15 << 20
+
+
+def ffn_rows(n_ff: int) -> int:
+    """Rows of a long pass's FFN at a time (FFN_ROWS, or half where its buffers would pass FFN_BYTES)."""
+    return FFN_ROWS if 12 * n_ff * FFN_ROWS <= FFN_BYTES else FFN_ROWS // 2
 
 
 def fused_layers(cfg: ModelConfig, w: ModelWeights, batch: Batch, per_layer: list, h: np.ndarray,
@@ -218,7 +225,7 @@ def fused_layers(cfg: ModelConfig, w: ModelWeights, batch: Batch, per_layer: lis
     q_dim, kv_dim, n_ff = H * hd, Hkv * hd, w.layers[0].w_down.shape[1]
     x, o = cache.buffer("x", (T, d)), cache.buffer("o", (T, d))
     qkv_out, a = cache.buffer("qkv", (T, q_dim + 2 * kv_dim)), cache.buffer("attend", (T, q_dim))
-    c = min(T, FFN_ROWS)
+    c = min(T, ffn_rows(n_ff))
     gate_up, ff = cache.buffer("gate_up", (c, 2 * n_ff)), cache.buffer("ffn", (c, n_ff))
     scratch = cache.buffer("scratch", (max(*(kernel_scratch_bytes(T, m) for m in (w.layers[0].wqkv, w.layers[0].wo)),
                                            *(kernel_scratch_bytes(c, m) for m in (w.layers[0].w_gate_up,
@@ -262,7 +269,7 @@ def fused_layers(cfg: ModelConfig, w: ModelWeights, batch: Batch, per_layer: lis
         note and note("post_attn_norm" if cfg.post_norms else "out_proj", i)
         kernels.rms_norm(h, lw.ffn_norm, eps, out=x)
         note and note("ffn_norm", i)
-        for r0 in range(0, T, c):  # the FFN c rows at a time (FFN_ROWS)
+        for r0 in range(0, T, c):  # the FFN c rows at a time (ffn_rows)
             n = min(c, T - r0)
             linear_into(x[r0 : r0 + n], lw.w_gate_up, gate_up[:n], scratch)
             linear_into(act(gate_up[:n], n_ff, out=ff[:n]), lw.w_down, o[r0 : r0 + n], scratch)
