@@ -258,15 +258,15 @@ def test_a_long_prompts_ffn_in_row_chunks_is_the_staged_one_bit_for_bit(tmp_path
 
 def test_the_ffns_rows_at_a_time_keep_its_buffers_within_their_bytes() -> None:
     """FFN_ROWS rows where the [rows, 2 n_ff] and [rows, n_ff] float32 buffers fit FFN_BYTES, half as many where
-    not (a 7B's n_ff: 64 rows, 14.5 MB)."""
+    not (a 7B's n_ff: 128 rows, 29 MB; a 70B's: 64)."""
     from tracelm.pipeline import graph
 
-    for n_ff in (1536, 4864, 9728, 18944):
+    for n_ff in (1536, 4864, 9728, 18944, 28672):
         rows = graph.ffn_rows(n_ff)
         assert rows in (graph.FFN_ROWS, graph.FFN_ROWS // 2)
         assert 12 * n_ff * rows <= graph.FFN_BYTES or rows == graph.FFN_ROWS // 2
         assert rows == graph.FFN_ROWS or 12 * n_ff * graph.FFN_ROWS > graph.FFN_BYTES
-    assert graph.ffn_rows(18944) == 64 and graph.ffn_rows(4864) == 128
+    assert graph.ffn_rows(28672) == 64 and graph.ffn_rows(18944) == 128
 
 
 @pytest.mark.model
