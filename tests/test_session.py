@@ -150,3 +150,20 @@ def test_shift_policy_continues_a_chat_past_the_context(tiny_gguf: Path) -> None
             assert "".join(fresh).strip() == reply.strip()
             reused.append(shift.stats.n_reused)
     assert len(reused) >= 3 and max(reused) > head  # shifted at least thrice; a later turn built on a shifted one
+
+
+def test_a_loaded_gguf_lets_its_vocabulary_arrays_go(tiny_gguf: Path) -> None:
+    """The file's vocabulary-sized metadata (tokens, token types) stays out of the loaded model and goes from the
+    ModelFile once loaded; the tokenizer works on from its own tables, and a fresh ModelFile (export's) has them all."""
+    from tracelm.io.loader import ModelFile
+
+    src = ModelFile(str(tiny_gguf))
+    tokens = list(src.metadata["tokenizer.ggml.tokens"])
+    assert len(tokens) >= 256 and len(src.metadata["tokenizer.ggml.token_type"]) >= 256
+    ids = src.tokenizer.encode("hello world")
+    model = src.load(progress=False)
+    for meta in (src.metadata, model.metadata):
+        assert "tokenizer.ggml.tokens" not in meta and "tokenizer.ggml.token_type" not in meta
+    assert "tokenizer.ggml.merges" in model.metadata   # short arrays stay
+    assert model.tokenizer.encode("hello world") == ids
+    assert list(ModelFile(str(tiny_gguf)).metadata["tokenizer.ggml.tokens"]) == tokens

@@ -1700,8 +1700,7 @@ INL void tilek16(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1)
     const int amx = mq >= 32;
 #endif
     k6off off[4];
-    int ks = KS(t);
-    if (np * ks > KUNITS / 2) ks = KUNITS / 2 / np;   /* 4 pairs (the AMX tiles' task_groups): 1 super-block */
+    const int ks = KS(t) < KUNITS / 2 / np ? KS(t) : KUNITS / 2 / np;   /* 4 pairs (amx's task_groups): 1 */
     for (int64_t b0 = 0; b0 < nb; b0 += ks) {
         int nks = nb - b0 < ks ? (int)(nb - b0) : ks;
         for (int g = 0; g < 2 * np; g++) {
@@ -1803,7 +1802,7 @@ AVX2 static void mm_task(const mm_job *j, int64_t g0, int64_t m0, int64_t m1) {
     }
 }
 
-const kernel_path PATH_SYM = {PATH_NAME, quantize_row, mm_task, task_groups, &avx2_layer, AMX ? MTILE_K : 0};
+const kernel_path PATH_SYM = {PATH_NAME, quantize_row, mm_task, task_groups, &avx2_layer, MTILE_K};
 
 #else
 #if !VNNI

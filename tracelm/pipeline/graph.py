@@ -201,8 +201,8 @@ def staged_layers(cfg: ModelConfig, w: ModelWeights, batch: Batch, per_layer: li
 # A long pass's FFN runs up to FFN_ROWS rows at a time, half that where its [rows, 2 n_ff] and [rows, n_ff] float32
 # buffers, a prompt's largest, would pass FFN_BYTES (a 7B's 256-token prompt: 58 MB whole, 29 MB at 128 rows: within
 # the bench's RSS budget of the file + KV + 150 MB so). Each row's products depend on that row alone, so the bits are
-# the same. The kernels tile up to 128 rows (the amx path's K-quants; 64 on the others): at 128 rows Qwen2.5-7B's
-# prefill-256 ran 1.11x faster than at 64 on the amx path (2 threads), 16 MB more at its peak.
+# the same. The kernels tile up to 128 rows (the amx path's K-quants; 64 on the others): Qwen2.5-7B's prefill-256 on
+# the amx path, 2 threads (`tracelm bench --compare`), 1.42x llama.cpp at 128 rows, 1.30x at 64; 16 MB more at peak.
 FFN_ROWS = 128
 FFN_BYTES = 32 << 20
 
