@@ -1307,6 +1307,131 @@ INL __m256 dotk_packed(int t, int two, const uint8_t *g, const xblock256 *xh, co
     return two ? _mm256_add_ps(acc_hi, acc_lo) : acc_hi;
 }
 
+#if VNNI == 2
+/* few x rows, packed K-quants, two groups at once on 512-bit vectors: dotk_packed's steps lane by lane, group g's
+ * 8 rows in the low 256 bits and g + 1's (gb bytes on) in the high, so each x quad's broadcast and vpdpbusd serve
+ * 16 rows. The same integer sums and float steps per lane: the same bits. */
+INL __m512i ld2g(const uint8_t *p, int64_t gb) {   /* 32 bytes at p of this group and of the next */
+    return _mm512_inserti64x4(_mm512_castsi256_si512(ld256(p)), ld256(p + gb), 1);
+}
+INL __m512 cvt2g(const uint8_t *p, int64_t gb) {    /* the 8 f16 at p of both groups */
+    return _mm512_cvtph_ps(join(ld128(p), ld128(p + gb)));
+}
+#define LB_(l, i) ((i) < 0 ? -1 : 4 * (l) + (i))
+#define LB4_(l, a, b, c, d) LB_(l, a), LB_(l, b), LB_(l, c), LB_(l, d)
+INL __m512i lane_bytes16(__m512i v, int i0, int i1, int i2, int i3) {   /* lane_bytes on 16 lanes */
+    return _mm512_shuffle_epi8(v, _mm512_broadcast_i32x4(_mm_setr_epi8(LB4_(0, i0, i1, i2, i3), LB4_(1, i0, i1, i2, i3),
+                                                                       LB4_(2, i0, i1, i2, i3), LB4_(3, i0, i1, i2, i3))));
+}
+#undef LB4_
+#undef LB_
+
+/* kscale_vecs (VNNI's int32 lanes) of the packed super-block at p and at p + gb */
+INL void kscale_vecs16(int t, const uint8_t *p, int64_t gb, __m512i *sc, __m512i *corr) {
+    if (t == T_Q6_K) {
+        __m512i U[4];
+        for (int k = 0; k < 4; k++) U[k] = ld2g(p + 8 * 192 + 32 * k, gb);
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++) sc[i] = _mm512_srai_epi32(lane_bytes16(U[i / 4], -1, -1, -1, i % 4), 24);
+        return;
+    }
+    const __m512i T1 = ld2g(p + 8 * 4, gb), T2 = ld2g(p + 8 * 4 + 32, gb), T3 = ld2g(p + 8 * 4 + 64, gb);
+    const __m512i m6 = _mm512_set1_epi32(0x3f3f3f3f), m4 = _mm512_set1_epi32(0x0f0f0f0f),
+                  m2 = _mm512_set1_epi32(0x30303030);
+    const __m512i a = _mm512_and_si512(T1, m6), b = _mm512_and_si512(T2, m6);
+    const __m512i c = _mm512_or_si512(_mm512_and_si512(T3, m4), _mm512_and_si512(_mm512_srli_epi32(T1, 2), m2));
+    const __m512i e = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(T3, 4), m4),
+                                      _mm512_and_si512(_mm512_srli_epi32(T2, 2), m2));
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) sc[j] = lane_bytes16(j < 4 ? a : c, j % 4, -1, -1, -1);
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) corr[k] = lane_bytes16(k < 2 ? b : e, 2 * (k % 2), -1, 2 * (k % 2) + 1, -1);
+}
+
+INL __m512i q6_quad16(int m, __m512i A, __m512i B, __m512i C) {   /* q6_quad on 16 lanes */
+    const __m512i m6 = _mm512_set1_epi8(0x3f), f = _mm512_set1_epi8(15), b45 = _mm512_set1_epi8(0x30);
+    if (m < 2) return _mm512_and_si512(m == 0 ? A : B, m6);
+    return _mm512_or_si512(_mm512_and_si512(m == 2 ? C : _mm512_srli_epi16(C, 4), f),
+                           _mm512_and_si512(_mm512_srli_epi16(m == 2 ? A : B, 2), b45));
+}
+
+INL __m512i kmins_v16(const __m512i *corr, const xblock256 *x) {   /* kmins on 16 lanes */
+#define P(k) corr[k], _mm512_set1_epi32(ld32s(x->bsum32 + 2 * (k)))
+    return _mm512_add_epi32(_mm512_add_epi32(_mm512_madd_epi16(P(0)), _mm512_madd_epi16(P(1))),
+                            _mm512_add_epi32(_mm512_madd_epi16(P(2)), _mm512_madd_epi16(P(3))));
+#undef P
+}
+
+INL __m512 dotk_packed16(int t, int two, const uint8_t *g, int64_t gb, const xblock256 *xh, const xblock256 *xl,
+                         int64_t nb) {
+    const int tb = type_bytes(t);
+    const __m512i f = _mm512_set1_epi8(15), z = _mm512_setzero_si512();
+    __m512 acc_hi = _mm512_setzero_ps(), acc_lo = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, xh++, xl++) {
+        const uint8_t *p = g + GROUP * b * tb;
+        for (int64_t c = 0; c < GROUP * tb; c += 64) {
+            _mm_prefetch((const char *)p + 2 * gb + c, _MM_HINT_T0);
+            _mm_prefetch((const char *)p + 3 * gb + c, _MM_HINT_T0);
+        }
+        __m512i sc[16], corr[4], Ah = z, Al = z;
+        kscale_vecs16(t, p, gb, sc, corr);
+        const __m512 d = cvt2g(p + (t == T_Q6_K ? 8 * 208 : 0), gb);
+        const __m512 dxh = _mm512_set1_ps(xh->d), dxl = _mm512_set1_ps(xl->d);
+        if (t == T_Q6_K) {
+            k6off oh, ol;
+            k6_offsets(xh, 1, &oh);
+            if (two) k6_offsets(xl, 1, &ol);
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; i++) {
+                const int h = i / 8, m = i / 2 % 4;
+                __m512i sh = z, sl = z;
+#pragma GCC unroll 4
+                for (int q = 0; q < 4; q++) {
+                    const int k = 4 * (i % 2) + q;
+                    const __m512i v = q6_quad16(m, ld2g(p + 32 * (16 * h + k), gb), ld2g(p + 32 * (16 * h + 8 + k), gb),
+                                                ld2g(p + 8 * 128 + 32 * (8 * h + k), gb));
+                    sh = _mm512_dpbusd_epi32(sh, v, BQ16(xh->q + 16 * i, q)); REG(sh);
+                    if (two) { sl = _mm512_dpbusd_epi32(sl, v, BQ16(xl->q + 16 * i, q)); REG(sl); }
+                }
+                Ah = _mm512_add_epi32(Ah, _mm512_mullo_epi32(_mm512_sub_epi32(sh, _mm512_set1_epi32(oh.d[0][i])), sc[i]));
+                if (two) Al = _mm512_add_epi32(Al, _mm512_mullo_epi32(_mm512_sub_epi32(sl, _mm512_set1_epi32(ol.d[0][i])), sc[i]));
+            }
+            COMBINE_D(v16, acc_hi, d, dxh, Ah);
+            if (two) COMBINE_D(v16, acc_lo, d, dxl, Al);
+            continue;
+        }
+        const __m512 dmin = cvt2g(p + 16, gb);
+        const int five = t == T_Q5_K, qs = 8 * (five ? 48 : 16);
+        const __m512i b4 = _mm512_set1_epi8(0x10);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            __m512i s0h = z, s0l = z, s1h = z, s1l = z;
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; k++) {
+                const __m512i Q = ld2g(p + qs + 32 * (8 * c + k), gb);
+                __m512i v0 = _mm512_and_si512(Q, f), v1 = _mm512_and_si512(_mm512_srli_epi16(Q, 4), f);
+                if (five) {
+                    const __m512i H = ld2g(p + 8 * 16 + 32 * k, gb);
+                    v0 = _mm512_or_si512(v0, _mm512_and_si512(2 * c <= 4 ? _mm512_slli_epi16(H, 4 - 2 * c)
+                                                                         : _mm512_srli_epi16(H, 2 * c - 4), b4));
+                    v1 = _mm512_or_si512(v1, _mm512_and_si512(2 * c + 1 <= 4 ? _mm512_slli_epi16(H, 3 - 2 * c)
+                                                                             : _mm512_srli_epi16(H, 2 * c - 3), b4));
+                }
+#define Q4(S, V, o) S = _mm512_dpbusd_epi32(S, V, BQ16(o, k)); REG(S);
+                Q4(s0h, v0, xh->q + 64 * c) Q4(s1h, v1, xh->q + 64 * c + 32)
+                if (two) { Q4(s0l, v0, xl->q + 64 * c) Q4(s1l, v1, xl->q + 64 * c + 32) }
+#undef Q4
+            }
+            Ah = _mm512_add_epi32(Ah, _mm512_add_epi32(_mm512_mullo_epi32(s0h, sc[2 * c]), _mm512_mullo_epi32(s1h, sc[2 * c + 1])));
+            if (two) Al = _mm512_add_epi32(Al, _mm512_add_epi32(_mm512_mullo_epi32(s0l, sc[2 * c]), _mm512_mullo_epi32(s1l, sc[2 * c + 1])));
+        }
+        COMBINE_K(v16, acc_hi, d, dmin, dxh, Ah, kmins_v16(corr, xh));
+        if (two) COMBINE_K(v16, acc_lo, d, dmin, dxl, Al, kmins_v16(corr, xl));
+    }
+    return two ? _mm512_add_ps(acc_hi, acc_lo) : acc_hi;
+}
+#endif
+
 /* ======================================================================================================
  * F32 / F16 / BF16: 32 lanes in 4 vectors, one weight row against two x rows at a time
  * ==================================================================================================== */
@@ -1481,6 +1606,35 @@ INL void store_acc16(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t
             out[i] = _mm256_castsi256_ps(h ? _mm512_extracti64x4_epi64(a, 1) : _mm512_castsi512_si256(a));
         }
         store_group(j, group + h, m0, mt, out);
+    }
+}
+
+/* few x rows, packed K-quants: two whole groups from `group` on at once (dotk_packed16) */
+INL void direct_pair(const mm_job *j, int64_t group, int64_t m0, int64_t m1) {
+    const int t = j->qtype;
+    const int64_t mt = m1 - m0, xrb = j->xq_row_bytes, hv = j->halves, gb = GROUP * j->row_bytes, nb = j->K / 256;
+    const char *xq = (const char *)j->xq + hv * m0 * xrb;
+    const uint8_t *g = j->w + group * gb;
+    __m512 out[MTILE];
+    for (int64_t i = 0; i < mt; i++) {
+        const char *h = xq + hv * i * xrb;
+        const xblock256 *xh = (const xblock256 *)h, *xl = (const xblock256 *)(hv == 2 ? h + xrb : h);
+#define DIRECT(TWO)                                                                                    \
+        switch (t) {                                                                                   \
+        case T_Q4_K: out[i] = dotk_packed16(T_Q4_K, TWO, g, gb, xh, xl, nb); break;                    \
+        case T_Q5_K: out[i] = dotk_packed16(T_Q5_K, TWO, g, gb, xh, xl, nb); break;                    \
+        default: out[i] = dotk_packed16(T_Q6_K, TWO, g, gb, xh, xl, nb); break;                        \
+        }
+        if (hv == 2) { DIRECT(1) } else { DIRECT(0) }
+#undef DIRECT
+    }
+    for (int h = 0; h < 2; h++) {
+        __m256 o[MTILE];
+        for (int64_t i = 0; i < mt; i++) {
+            const __m512i a = _mm512_castps_si512(out[i]);
+            o[i] = _mm256_castsi256_ps(h ? _mm512_extracti64x4_epi64(a, 1) : _mm512_castsi512_si256(a));
+        }
+        store_group(j, group + h, m0, mt, o);
     }
 }
 #endif
@@ -1768,7 +1922,7 @@ INL void tilek16(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1)
  * +13% at 256 rows, +10% at 8; Q4_1 loses 2-4%, its m term keeping more vectors live; Q8_0's sign step is per
  * group, nothing to share); the K-quants, tiled: TGK (tilek) */
 AVX2 static int task_groups(int t, int64_t mt) {
-    if (mt <= direct_rows(t, 0)) return 1;   /* packed K-quants, direct up to 3 rows: TGK groups, one at a time */
+    if (mt <= direct_rows(t, 0)) return VNNI == 2 ? 2 : 1;   /* packed K-quants, direct up to 3 rows: TGK groups */
     if (type_block(t) == 256) return AMX && mt >= 16 ? KUNITS : TGK(t);   /* amx: the tiles' 4 pairs (tilek16) */
     return t == T_Q4_0 || t == T_Q5_0 || VNNI == 2 ? 2 : 1;   /* avx512vnni: pairs */
 }
@@ -1786,8 +1940,16 @@ AVX2 static void mm_task(const mm_job *j, int64_t g0, int64_t m0, int64_t m1) {
         case T_F16: dotf_task(T_F16, j, n0, nr, m0, m1); break;
         case T_BF16: dotf_task(T_BF16, j, n0, nr, m0, m1); break;
         default:
-            if (m1 - m0 <= direct_rows(t, j->packed)) direct_group(j, g, m0, m1);
-            else {
+            if (m1 - m0 <= direct_rows(t, j->packed)) {
+#if VNNI == 2
+                if (j->packed && type_block(t) == 256 && g + 1 < g1 && (g + 2) * GROUP <= j->N) {
+                    direct_pair(j, g, m0, m1);
+                    g++;
+                    continue;
+                }
+#endif
+                direct_group(j, g, m0, m1);
+            } else {
                 const int tg = task_groups(t, m1 - m0), ng = g1 - g < tg ? (int)(g1 - g) : tg;
 #if VNNI == 2
                 if (type_block(t) == 256) tilek16(j, g, ng, m0, m1);
