@@ -1362,6 +1362,102 @@ INL __m512i kmins_v16(const __m512i *corr, const xblock256 *x) {   /* kmins on 1
 #undef P
 }
 
+/* few x rows, packed 4/5-bit 32-value types: dot32v_direct for two groups at once, as dotk_packed16 */
+INL __m512i fifth_quad16(__m512i QH, int c) {   /* fifth_quad on 16 lanes */
+    const __m512i s = c < 4 ? _mm512_slli_epi32(QH, 4 - c) : c > 4 ? _mm512_srli_epi32(QH, c - 4) : QH;
+    return _mm512_and_si512(s, _mm512_set1_epi32(0x10101010));
+}
+INL __m512 dot32_packed16(int t, int two, const uint8_t *g, int64_t gb, const xblock32 *xh, const xblock32 *xl,
+                          int64_t nb) {
+    const int tb = type_bytes(t), off = t == T_Q4_0 ? 8 : t == T_Q5_0 ? 16 : 0, five = weight_bits(t) == 5;
+    const int pq = packed_quants(t), dm = t == T_Q4_1 || t == T_Q5_1;
+    const __m512i f = _mm512_set1_epi8(15), z = _mm512_setzero_si512();
+    __m512 acc_hi = _mm512_setzero_ps(), acc_lo = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, xh++, xl++) {
+        const uint8_t *p = g + GROUP * b * tb;
+        for (int64_t c = 0; c < GROUP * tb; c += 64) {
+            _mm_prefetch((const char *)p + 2 * gb + c, _MM_HINT_T0);
+            _mm_prefetch((const char *)p + 3 * gb + c, _MM_HINT_T0);
+        }
+        const __m512i T0 = ld2g(p + pq, gb), T1 = ld2g(p + pq + 32, gb), T2 = ld2g(p + pq + 64, gb),
+                      T3 = ld2g(p + pq + 96, gb), QH = five ? ld2g(p + (t == T_Q5_0 ? 16 : 32), gb) : z;
+        const __m512 d = cvt2g(p, gb), m = dm ? cvt2g(p + 16, gb) : d;
+        __m512i ha = z, la = z;
+#define QUAD(V, c)                                                                      \
+        ha = _mm512_dpbusd_epi32(ha, V, BQ16(xh->q, c)); REG(ha);                       \
+        if (two) { la = _mm512_dpbusd_epi32(la, V, BQ16(xl->q, c)); REG(la); }
+#define PAIR(Ta, Tb, c)   /* quads c, c + 1 (low nibbles) and c + 4, c + 5 (high) */     \
+        {                                                                               \
+            __m512i v0 = _mm512_and_si512(Ta, f), v1 = _mm512_and_si512(Tb, f);         \
+            __m512i v4 = _mm512_and_si512(_mm512_srli_epi16(Ta, 4), f), v5 = _mm512_and_si512(_mm512_srli_epi16(Tb, 4), f); \
+            if (five) {                                                                 \
+                v0 = _mm512_or_si512(v0, fifth_quad16(QH, c)); v1 = _mm512_or_si512(v1, fifth_quad16(QH, (c) + 1)); \
+                v4 = _mm512_or_si512(v4, fifth_quad16(QH, (c) + 4)); v5 = _mm512_or_si512(v5, fifth_quad16(QH, (c) + 5)); \
+            }                                                                           \
+            QUAD(v0, c) QUAD(v1, c + 1) QUAD(v4, c + 4) QUAD(v5, c + 5)                 \
+        }
+        PAIR(T0, T1, 0) PAIR(T2, T3, 2)
+#undef PAIR
+#undef QUAD
+#define HALF(I, X, ACC)                                                                                 \
+        {                                                                                               \
+            __m512i i = I;                                                                              \
+            if (off) i = _mm512_sub_epi32(i, _mm512_set1_epi32(off * X->sum));                          \
+            const __m512 dx = _mm512_set1_ps(X->d);                                                     \
+            if (dm) COMBINE_DM(v16, ACC, d, m, dx, i, _mm512_set1_epi32(X->sum));                       \
+            else COMBINE_D(v16, ACC, d, dx, i);                                                         \
+        }
+        HALF(ha, xh, acc_hi)
+        if (two) HALF(la, xl, acc_lo)
+#undef HALF
+    }
+    return two ? _mm512_add_ps(acc_hi, acc_lo) : acc_hi;
+}
+
+/* 8 vectors of two halves of 8 int32 -> lane r (r < 8) = sum of half 0 of s[r], lane 8 + r = sum of its half 1 */
+INL __m512i rowsums16(const __m512i *s) {
+    __m512i t[4], u[2];
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++)   /* per 128 bits: s[2k] a + c, s[2k + 1] a + c, s[2k] b + d, s[2k + 1] b + d */
+        t[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(s[2 * k], s[2 * k + 1]), _mm512_unpackhi_epi32(s[2 * k], s[2 * k + 1]));
+#pragma GCC unroll 2
+    for (int k = 0; k < 2; k++)   /* per 128 bits: the sums of s[4k..4k+3] over its 4 dwords */
+        u[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * k], t[2 * k + 1]), _mm512_unpackhi_epi64(t[2 * k], t[2 * k + 1]));
+    const __m512i v = _mm512_add_epi32(_mm512_shuffle_i32x4(u[0], u[1], 0x88), _mm512_shuffle_i32x4(u[0], u[1], 0xdd));
+    return _mm512_shuffle_i32x4(v, v, 0xd8);   /* 128-bit lanes: rows 0-3, 0-3 of the half after, 4-7, 4-7 -> in order */
+}
+
+/* few x rows, packed Q8_0, two groups at once: row r of both in one vector (the group's 32 bytes low, the next's
+ * high), biased to unsigned (w + 128) for vpdpbusd against the x block in both halves; 128 sum q taken off the
+ * 16 rows' sums (rowsums16) */
+INL __m512 q8_packed16(int two, const uint8_t *g, int64_t gb, const xblock32 *xh, const xblock32 *xl, int64_t nb) {
+    const int tb = type_bytes(T_Q8_0);
+    const __m512i bias = _mm512_set1_epi8((char)0x80), z = _mm512_setzero_si512();
+    __m512 acc_hi = _mm512_setzero_ps(), acc_lo = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, xh++, xl++) {
+        const uint8_t *p = g + GROUP * b * tb;   /* d[8], then the 8 rows' 32 bytes */
+        for (int64_t c = 0; c < GROUP * tb; c += 64) {
+            _mm_prefetch((const char *)p + 2 * gb + c, _MM_HINT_T0);
+            _mm_prefetch((const char *)p + 3 * gb + c, _MM_HINT_T0);
+        }
+        __m512i w[8], s[8];
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; r++) w[r] = _mm512_xor_si512(ld2g(p + 16 + 32 * r, gb), bias);
+        const __m512 d = cvt2g(p, gb);
+#define HALF(X, ACC)                                                                                       \
+        {                                                                                                  \
+            const __m512i xv = _mm512_broadcast_i64x4(ld256(X->q));                                        \
+            _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++) s[r] = _mm512_dpbusd_epi32(z, w[r], xv);  \
+            const __m512i i = _mm512_sub_epi32(rowsums16(s), _mm512_set1_epi32(128 * X->sum));             \
+            COMBINE_D(v16, ACC, d, _mm512_set1_ps(X->d), i);                                               \
+        }
+        HALF(xh, acc_hi)
+        if (two) HALF(xl, acc_lo)
+#undef HALF
+    }
+    return two ? _mm512_add_ps(acc_hi, acc_lo) : acc_hi;
+}
+
 INL __m512 dotk_packed16(int t, int two, const uint8_t *g, int64_t gb, const xblock256 *xh, const xblock256 *xl,
                          int64_t nb) {
     const int tb = type_bytes(t);
@@ -1609,24 +1705,34 @@ INL void store_acc16(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t
     }
 }
 
-/* few x rows, packed K-quants: two whole groups from `group` on at once (dotk_packed16) */
+/* few x rows, packed 4/5-bit types and K-quants: two whole groups from `group` on at once (dot32_packed16,
+ * dotk_packed16) */
 INL void direct_pair(const mm_job *j, int64_t group, int64_t m0, int64_t m1) {
     const int t = j->qtype;
-    const int64_t mt = m1 - m0, xrb = j->xq_row_bytes, hv = j->halves, gb = GROUP * j->row_bytes, nb = j->K / 256;
+    const int64_t mt = m1 - m0, xrb = j->xq_row_bytes, hv = j->halves, gb = GROUP * j->row_bytes;
+    const int64_t nb = j->K / type_block(t);
     const char *xq = (const char *)j->xq + hv * m0 * xrb;
     const uint8_t *g = j->w + group * gb;
     __m512 out[MTILE];
     for (int64_t i = 0; i < mt; i++) {
-        const char *h = xq + hv * i * xrb;
-        const xblock256 *xh = (const xblock256 *)h, *xl = (const xblock256 *)(hv == 2 ? h + xrb : h);
+        const char *h = xq + hv * i * xrb, *l = hv == 2 ? h + xrb : h;
+#define K(T, TWO) dotk_packed16(T, TWO, g, gb, (const xblock256 *)h, (const xblock256 *)l, nb)
+#define B(T, TWO) dot32_packed16(T, TWO, g, gb, (const xblock32 *)h, (const xblock32 *)l, nb)
 #define DIRECT(TWO)                                                                                    \
         switch (t) {                                                                                   \
-        case T_Q4_K: out[i] = dotk_packed16(T_Q4_K, TWO, g, gb, xh, xl, nb); break;                    \
-        case T_Q5_K: out[i] = dotk_packed16(T_Q5_K, TWO, g, gb, xh, xl, nb); break;                    \
-        default: out[i] = dotk_packed16(T_Q6_K, TWO, g, gb, xh, xl, nb); break;                        \
+        case T_Q4_0: out[i] = B(T_Q4_0, TWO); break;                                                   \
+        case T_Q4_1: out[i] = B(T_Q4_1, TWO); break;                                                   \
+        case T_Q5_0: out[i] = B(T_Q5_0, TWO); break;                                                   \
+        case T_Q5_1: out[i] = B(T_Q5_1, TWO); break;                                                   \
+        case T_Q8_0: out[i] = q8_packed16(TWO, g, gb, (const xblock32 *)h, (const xblock32 *)l, nb); break; \
+        case T_Q4_K: out[i] = K(T_Q4_K, TWO); break;                                                   \
+        case T_Q5_K: out[i] = K(T_Q5_K, TWO); break;                                                   \
+        default: out[i] = K(T_Q6_K, TWO); break;                                                       \
         }
         if (hv == 2) { DIRECT(1) } else { DIRECT(0) }
 #undef DIRECT
+#undef B
+#undef K
     }
     for (int h = 0; h < 2; h++) {
         __m256 o[MTILE];
@@ -1942,7 +2048,7 @@ AVX2 static void mm_task(const mm_job *j, int64_t g0, int64_t m0, int64_t m1) {
         default:
             if (m1 - m0 <= direct_rows(t, j->packed)) {
 #if VNNI == 2
-                if (j->packed && type_block(t) == 256 && g + 1 < g1 && (g + 2) * GROUP <= j->N) {
+                if (j->packed && g + 1 < g1 && (g + 2) * GROUP <= j->N) {
                     direct_pair(j, g, m0, m1);
                     g++;
                     continue;
