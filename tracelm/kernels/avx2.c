@@ -1477,20 +1477,30 @@ INL __m512 dotk_packed16(int t, int two, const uint8_t *g, int64_t gb, const xbl
             k6off oh, ol;
             k6_offsets(xh, 1, &oh);
             if (two) k6_offsets(xl, 1, &ol);
-#pragma GCC unroll 16
-            for (int i = 0; i < 16; i++) {
-                const int h = i / 8, m = i / 2 % 4;
-                __m512i sh = z, sl = z;
+            /* dwords A, B, C (k of half h) make quad q = k % 4 of the sub-blocks i = 8h + 2m + k / 4, m = 0..3:
+             * each loaded once */
+#pragma GCC unroll 4
+            for (int hk = 0; hk < 4; hk++) {
+                const int h = hk / 2, i0 = 8 * h + hk % 2;
+                __m512i sh[4] = {z, z, z, z}, sl[4] = {z, z, z, z};
 #pragma GCC unroll 4
                 for (int q = 0; q < 4; q++) {
-                    const int k = 4 * (i % 2) + q;
-                    const __m512i v = q6_quad16(m, ld2g(p + 32 * (16 * h + k), gb), ld2g(p + 32 * (16 * h + 8 + k), gb),
-                                                ld2g(p + 8 * 128 + 32 * (8 * h + k), gb));
-                    sh = _mm512_dpbusd_epi32(sh, v, BQ16(xh->q + 16 * i, q)); REG(sh);
-                    if (two) { sl = _mm512_dpbusd_epi32(sl, v, BQ16(xl->q + 16 * i, q)); REG(sl); }
+                    const int k = 4 * (hk % 2) + q;
+                    const __m512i A = ld2g(p + 32 * (16 * h + k), gb), B = ld2g(p + 32 * (16 * h + 8 + k), gb),
+                                  C = ld2g(p + 8 * 128 + 32 * (8 * h + k), gb);
+#pragma GCC unroll 4
+                    for (int m = 0; m < 4; m++) {
+                        const __m512i v = q6_quad16(m, A, B, C);
+                        sh[m] = _mm512_dpbusd_epi32(sh[m], v, BQ16(xh->q + 16 * (i0 + 2 * m), q)); REG(sh[m]);
+                        if (two) { sl[m] = _mm512_dpbusd_epi32(sl[m], v, BQ16(xl->q + 16 * (i0 + 2 * m), q)); REG(sl[m]); }
+                    }
                 }
-                Ah = _mm512_add_epi32(Ah, _mm512_mullo_epi32(_mm512_sub_epi32(sh, _mm512_set1_epi32(oh.d[0][i])), sc[i]));
-                if (two) Al = _mm512_add_epi32(Al, _mm512_mullo_epi32(_mm512_sub_epi32(sl, _mm512_set1_epi32(ol.d[0][i])), sc[i]));
+#pragma GCC unroll 4
+                for (int m = 0; m < 4; m++) {
+                    const int i = i0 + 2 * m;
+                    Ah = _mm512_add_epi32(Ah, _mm512_mullo_epi32(_mm512_sub_epi32(sh[m], _mm512_set1_epi32(oh.d[0][i])), sc[i]));
+                    if (two) Al = _mm512_add_epi32(Al, _mm512_mullo_epi32(_mm512_sub_epi32(sl[m], _mm512_set1_epi32(ol.d[0][i])), sc[i]));
+                }
             }
             COMBINE_D(v16, acc_hi, d, dxh, Ah);
             if (two) COMBINE_D(v16, acc_lo, d, dxl, Al);
