@@ -191,9 +191,11 @@ def test_compare_cli_with_transformers(tiny_gguf, monkeypatch, capsys):
     assert rep["engines"]["llama.cpp"]["status"] == "not installed"
 
 
-def test_a_crash_fallback_carries_to_the_engines_other_variants(tiny_gguf, monkeypatch):
-    """llama.cpp's AMX buffers crash whatever flash attention is: once the first variant needed the fallback, the
-    second starts with it (no crash and reload to pay), the later rounds too, and its figures say why."""
+@pytest.mark.parametrize("crashes_without", ["amx_buffers", "extra_buffers"])
+def test_a_crash_fallback_carries_to_the_engines_other_variants(tiny_gguf, monkeypatch, crashes_without):
+    """llama.cpp's AMX buffers crash whatever flash attention is: once the first variant needed a fallback (AMX
+    off, repacking kept; failing that, every extra buffer type off), the second starts with it (no crash and
+    reload to pay), the later rounds too, and its figures say why."""
     from tracelm.tools.child import ChildKilled
 
     monkeypatch.setattr(bc, "missing_modules", lambda engine: [])
@@ -201,24 +203,30 @@ def test_a_crash_fallback_carries_to_the_engines_other_variants(tiny_gguf, monke
 
     def fake_run_child(fn, engine, request, timeout=None):
         calls.append((engine, dict(request["options"])))
-        if engine == "llama.cpp" and request["options"].get("extra_buffers") is not False:
+        if engine == "llama.cpp" and request["options"].get(crashes_without) is not False:
             raise ChildKilled("SIGSEGV")
         return _ok(engine, 500.0, 100.0, [1, 2, 3]) | {"options": request["options"]}
 
     monkeypatch.setattr(bc, "run_child", fake_run_child)
     rep = bc.run_compare(str(tiny_gguf), threads=2, n_prompt=8, n_decode=2, rounds=2, engines=("tracelm", "llama.cpp"))
     llama = [o for e, o in calls if e == "llama.cpp"]
-    assert llama == [{"flash_attn": False}, {"flash_attn": False, "extra_buffers": False},
-                     {"flash_attn": True, "extra_buffers": False}] + [
-                     {"flash_attn": False, "extra_buffers": False}, {"flash_attn": True, "extra_buffers": False}]
+    fallback = {"amx_buffers": False} | ({"extra_buffers": False} if crashes_without == "extra_buffers" else {})
+    tries = [{"flash_attn": False}, {"flash_attn": False, "amx_buffers": False}]
+    if crashes_without == "extra_buffers":
+        tries.append({"flash_attn": False} | fallback)
+    assert llama == tries + [{"flash_attn": True} | fallback] + [
+        {"flash_attn": False} | fallback, {"flash_attn": True} | fallback]
     variants = rep["engines"]["llama.cpp"]["variants"]
     assert "child killed by SIGSEGV" in variants["flash_attn off"]["note"]
+    why = "extra weight buffer types" if crashes_without == "extra_buffers" else "AMX weight buffer type off"
+    assert variants["flash_attn on"]["note"].startswith(why)
     assert "(in llama.cpp (flash_attn off))" in variants["flash_attn on"]["note"]
 
 
 def test_crashed_child_is_retried_with_the_engines_fallback(monkeypatch):
-    """A child killed by a signal (llama.cpp's AMX buffers on some machines) is run once more with the engine's
-    fallback options, and the report says why; a second crash is a plain failure naming the signal."""
+    """A child killed by a signal (llama.cpp's AMX buffers on some machines) is run again with the engine's
+    fallbacks in turn (AMX off with repacking kept, then every extra buffer type off), and the report says why;
+    a crash with the last is a plain failure naming the signal."""
     from tracelm.tools.child import ChildKilled
 
     monkeypatch.setattr(bc, "missing_modules", lambda engine: [])
@@ -226,25 +234,29 @@ def test_crashed_child_is_retried_with_the_engines_fallback(monkeypatch):
 
     def fake_run_child(fn, engine, request, timeout=None):
         requests.append(request)
-        if request["options"].get("extra_buffers") is False and len(requests) == 2:
+        if request["options"].get("amx_buffers") is False and len(requests) == 2:
             return _ok("llama.cpp", 500.0, 100.0, [1]) | {"options": request["options"]}
         raise ChildKilled("SIGSEGV")
 
     monkeypatch.setattr(bc, "run_child", fake_run_child)
     r = bc.run_engine("llama.cpp", "m.gguf", [1, 2], n_decode=2, threads=2)
-    assert [q["options"] for q in requests] == [{}, {"extra_buffers": False}]
-    assert r["status"] == "ok" and r["options"] == {"extra_buffers": False}
-    assert "SIGSEGV" in r["note"] and "AMX" in r["note"]
+    assert [q["options"] for q in requests] == [{}, {"amx_buffers": False}]
+    assert r["status"] == "ok" and r["options"] == {"amx_buffers": False}
+    assert "SIGSEGV" in r["note"] and r["note"].startswith("AMX weight buffer type off (repacked layouts kept)")
     table = bc.format_table(bc.build_report("m", 2, 2, 2, {"llama.cpp": {"flash_attn off": [r]}}))
-    assert "note: extra weight buffer types" in table
+    assert "note: AMX weight buffer type off" in table
 
     requests.clear()
     r = bc.run_engine("transformers", "m.gguf", [1, 2], n_decode=2, threads=2)  # no fallback: one try
     assert len(requests) == 1
     assert r == {"engine": "transformers", "status": "failed", "error": "child killed by SIGSEGV"}
-    requests.append({})  # the fallback crashes too
+    requests.clear()
+    requests.append({})  # every fallback crashes too
     r = bc.run_engine("llama.cpp", "m.gguf", [1, 2], n_decode=2, threads=2)
-    assert r["status"] == "failed" and r["error"] == "child killed by SIGSEGV" and "AMX" in r["note"]
+    assert [q["options"] for q in requests[1:]] == [{}, {"amx_buffers": False}, {"amx_buffers": False,
+                                                                                "extra_buffers": False}]
+    assert r["status"] == "failed" and r["error"] == "child killed by SIGSEGV"
+    assert "AMX weight buffer type off" in r["note"] and "extra weight buffer types" in r["note"]
 
 
 def test_children_are_started_by_function():
@@ -452,6 +464,10 @@ def test_llama_cpp_engine_passes_flash_attn_and_reports_its_build(tmp_path, monk
     class Later(Llama):  # a version whose Llama drops an argument it no longer knows (it takes **kwargs)
         context_params = types.SimpleNamespace(flash_attn_type=-1)
 
+    with pytest.raises(TracelmError, match="AMX buffer type cannot be turned off here: .*libggml"):
+        bc.LlamaCppEngine("m.gguf", threads=2, n_ctx=64, amx_buffers=False)  # the stand-in has no libraries
+    assert len(made) == 2
+
     fake.Llama = Later
     with pytest.raises(TracelmError, match="did not apply flash_attn=True"):
         bc.LlamaCppEngine("m.gguf", threads=2, n_ctx=64, flash_attn=True)
@@ -467,3 +483,12 @@ def test_cpu_name_reads_the_first_model_name(tmp_path):
     info.write_text("processor\t: 0\nBogoMIPS\t: 50.00\n")  # (an Arm board's cpuinfo names no model)
     assert bc.cpu_name(str(info)) is None
     assert bc.cpu_name(str(tmp_path / "absent")) is None
+
+
+def test_the_amx_buffer_type_is_taken_out_and_nothing_else():
+    """Where llama-cpp-python is installed (the `compare` extra; not in CI): the AMX buffer type leaves the CPU
+    device's extra buffer types, the repacked layouts stay, and a second call finds nothing more to take."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    kept = bc.drop_amx_buffer_type(llama_cpp)
+    assert "AMX" not in kept and bc.drop_amx_buffer_type(llama_cpp) == kept
+    assert "CPU_REPACK" in kept or "REPACK = 1" not in llama_cpp.llama_print_system_info().decode()

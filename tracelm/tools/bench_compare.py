@@ -105,15 +105,50 @@ class TracelmEngine:
         return int(np.argmax(self.runner.step(token).values[-1]))
 
 
+def drop_amx_buffer_type(llama_cpp: Any) -> list[str]:
+    """Take the AMX weight buffer type out of the CPU device's extra buffer types, in this process, before any
+    model loads: the repacked layouts stay. The list is the nullptr-terminated array ggml's CPU device hands out
+    (`ggml_backend_dev_get_extra_bufts`), the same array every later call returns; returns the names left."""
+    import ctypes
+
+    lib = Path(llama_cpp.__file__).parent / "lib"
+    try:
+        base, ggml = ctypes.CDLL(str(lib / "libggml-base.so")), ctypes.CDLL(str(lib / "libggml.so"))
+    except OSError as e:
+        raise TracelmError(f"llama.cpp's AMX buffer type cannot be turned off here: {e}") from e
+    vp = ctypes.c_void_p
+    ggml.ggml_backend_dev_by_type.restype, ggml.ggml_backend_dev_by_type.argtypes = vp, [ctypes.c_int]
+    base.ggml_backend_dev_backend_reg.restype, base.ggml_backend_dev_backend_reg.argtypes = vp, [vp]
+    base.ggml_backend_reg_get_proc_address.restype = vp
+    base.ggml_backend_reg_get_proc_address.argtypes = [vp, ctypes.c_char_p]
+    base.ggml_backend_buft_name.restype, base.ggml_backend_buft_name.argtypes = ctypes.c_char_p, [vp]
+    llama_cpp.llama_backend_init()
+    dev = ggml.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
+    proc = base.ggml_backend_reg_get_proc_address(base.ggml_backend_dev_backend_reg(dev),
+                                                  b"ggml_backend_dev_get_extra_bufts") if dev else None
+    if not proc:
+        raise TracelmError("llama.cpp's CPU device lists no extra buffer types to take AMX out of")
+    bufts = ctypes.CFUNCTYPE(ctypes.POINTER(vp), vp)(proc)(dev)
+    n = 0
+    while bufts[n]:
+        n += 1
+    kept = [bufts[i] for i in range(n) if base.ggml_backend_buft_name(bufts[i]) != b"AMX"]
+    for i in range(n):  # in place, still nullptr-terminated
+        bufts[i] = kept[i] if i < len(kept) else None
+    return [base.ggml_backend_buft_name(b).decode() for b in kept]
+
+
 class LlamaCppEngine:
-    def __init__(self, path: str, threads: int, n_ctx: int, extra_buffers: bool = True, flash_attn: bool = False,
-                 **options: Any):
+    def __init__(self, path: str, threads: int, n_ctx: int, extra_buffers: bool = True, amx_buffers: bool = True,
+                 flash_attn: bool = False, **options: Any):
         """`extra_buffers=False` turns off llama.cpp's extra weight buffer types (AMX tiles, repacked
-        layouts; model parameter `use_extra_bufts`, which `Llama` does not take as an argument); `flash_attn` is
-        llama-cpp-python's argument of that name."""
+        layouts; model parameter `use_extra_bufts`, which `Llama` does not take as an argument); `amx_buffers=False`
+        the AMX one alone (`drop_amx_buffer_type`); `flash_attn` is llama-cpp-python's argument of that name."""
         import llama_cpp
 
         self.lib, self.flash_attn = llama_cpp, flash_attn
+        if not amx_buffers:
+            drop_amx_buffer_type(llama_cpp)
         if not extra_buffers:  # this child process only: every model it loads gets the parameter
             defaults = llama_cpp.llama_cpp.llama_model_default_params
 
@@ -284,13 +319,32 @@ def _not_installed(engine: str, missing: list[str]) -> dict[str, Any]:
             "error": f"no module {', '.join(missing)} ({INSTALL.get(engine, 'pip install it')})"}
 
 
-# An engine whose child crashed (killed by a signal) is run once more with these options, and the report says
-# why: llama.cpp's AMX weight buffers crash on some machines with AMX (SIGSEGV in ggml_backend_amx_mul_mat,
-# llama.cpp issue 20824; this one included), so it is then measured without its extra buffer types.
-RETRY_AFTER_CRASH: dict[str, tuple[dict[str, Any], str]] = {
-    "llama.cpp": ({"extra_buffers": False}, "extra weight buffer types (AMX, repacking) off: with them the "
-                  "child crashed"),
+# An engine whose child crashed (killed by a signal) is run again with the first of these options not yet in
+# effect, then the next, and the report says why: llama.cpp's AMX weight buffers crash on some machines with AMX
+# (SIGSEGV in ggml_backend_amx_mul_mat, llama.cpp issue 20824; this one included), so it is then measured
+# without them, its repacked layouts kept (its best that runs), and failing that without any extra buffer type.
+RETRY_AFTER_CRASH: dict[str, list[tuple[dict[str, Any], str]]] = {
+    "llama.cpp": [({"amx_buffers": False}, "AMX weight buffer type off (repacked layouts kept): with it the "
+                   "child crashed"),
+                  ({"extra_buffers": False}, "extra weight buffer types (AMX, repacking) off: with them the "
+                   "child crashed")],
 }
+
+
+def next_fallback(engine: str, options: dict[str, Any]) -> tuple[dict[str, Any], str] | None:
+    """The engine's first crash fallback whose options are not all in effect yet."""
+    for fallback, note in RETRY_AFTER_CRASH.get(engine, []):
+        if {**options, **fallback} != options:
+            return fallback, note
+    return None
+
+
+def fallback_in_effect(engine: str, options: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The crash fallbacks' options among `options` (what an engine's other variants start with), and the note of
+    the last of them in effect."""
+    chain = RETRY_AFTER_CRASH.get(engine, [])
+    notes = [note for fallback, note in chain if {**options, **fallback} == options]
+    return {k: v for k, v in options.items() if any(k in f for f, _ in chain)}, notes[-1] if notes else ""
 
 
 def run_engine(engine: str, path: str, ids: Sequence[int], n_decode: int, threads: int, repeats: int = 3,
@@ -303,11 +357,11 @@ def run_engine(engine: str, path: str, ids: Sequence[int], n_decode: int, thread
     request = {"path": str(path), "ids": [int(i) for i in ids], "n_decode": n_decode, "threads": threads,
                "repeats": repeats, "options": options}
     result, crashed = _run_child(engine, request, timeout)
-    if crashed and engine in RETRY_AFTER_CRASH:
-        retry_options, note = RETRY_AFTER_CRASH[engine]
-        if {**options, **retry_options} != options:
-            retried = run_engine(engine, path, ids, n_decode, threads, repeats, timeout, {**options, **retry_options})
-            return {**retried, "note": f"{note} ({result['error']})"}
+    fallback = next_fallback(engine, options) if crashed else None
+    if fallback:
+        retried = run_engine(engine, path, ids, n_decode, threads, repeats, timeout, {**options, **fallback[0]})
+        note = f"{fallback[1]} ({result['error']})"
+        return {**retried, "note": f"{note}; {retried['note']}" if retried.get("note") else note}
     return result
 
 
@@ -431,8 +485,8 @@ def run_rounds(path: str, ids: Sequence[int], n_decode: int, threads: int, repea
             result = run_engine(engine, path, ids, n_decode, threads, repeats, timeout, opts)
             settings[(engine, name)] = result.get("options", opts)
             if result.get("note") and engine in RETRY_AFTER_CRASH:  # the crash is the engine's, not the variant's:
-                fallback, why = RETRY_AFTER_CRASH[engine]  # its other variants start with the fallback (no crash)
-                for key in [k for k in settings if k[0] == engine and k[1] != name]:
+                fallback, why = fallback_in_effect(engine, settings[(engine, name)])  # its other variants start
+                for key in [k for k in settings if k[0] == engine and k[1] != name]:  # with it (no crash)
                     settings[key] = {**settings[key], **fallback}
                     inherited[key] = f"{why} (in {_label(engine, name)})"
             elif (engine, name) in inherited and result["status"] == "ok":
