@@ -203,9 +203,10 @@ def test_a_crash_fallback_carries_to_the_engines_other_variants(tiny_gguf, monke
 
     def fake_run_child(fn, engine, request, timeout=None):
         calls.append((engine, dict(request["options"])))
-        if engine == "llama.cpp" and request["options"].get(crashes_without) is not False:
+        options = request["options"]
+        if engine == "llama.cpp" and False not in (options.get(crashes_without), options.get("extra_buffers")):
             raise ChildKilled("SIGSEGV")
-        return _ok(engine, 500.0, 100.0, [1, 2, 3]) | {"options": request["options"]}
+        return _ok(engine, 500.0, 100.0, [1, 2, 3]) | {"options": options}
 
     monkeypatch.setattr(bc, "run_child", fake_run_child)
     rep = bc.run_compare(str(tiny_gguf), threads=2, n_prompt=8, n_decode=2, rounds=2, engines=("tracelm", "llama.cpp"))
@@ -214,9 +215,11 @@ def test_a_crash_fallback_carries_to_the_engines_other_variants(tiny_gguf, monke
     tries = [{"flash_attn": False}, {"flash_attn": False, "amx_buffers": False}]
     if crashes_without == "extra_buffers":
         tries.append({"flash_attn": False} | fallback)
-    assert llama == tries + [{"flash_attn": True} | fallback] + [
-        {"flash_attn": False} | fallback, {"flash_attn": True} | fallback]
+    generic = [{"flash_attn": False, "extra_buffers": False}, {"flash_attn": True, "extra_buffers": False}]
+    assert llama == tries + [{"flash_attn": True} | fallback] + generic + [
+        {"flash_attn": False} | fallback, {"flash_attn": True} | fallback] + generic
     variants = rep["engines"]["llama.cpp"]["variants"]
+    assert "note" not in variants["flash_attn on, no extra buffers"]  # its own setting, not a fallback
     assert "child killed by SIGSEGV" in variants["flash_attn off"]["note"]
     why = "extra weight buffer types" if crashes_without == "extra_buffers" else "AMX weight buffer type off"
     assert variants["flash_attn on"]["note"].startswith(why)
@@ -284,11 +287,14 @@ class FakeChildren:
         self.figures, self.calls = figures, []
 
     def __call__(self, fn, engine, request, timeout=None):
-        label = bc._label(engine, {None: "default", False: "flash_attn off", True: "flash_attn on"}[
-            request["options"].get("flash_attn")])
+        options = request["options"]
+        base = bc._label(engine, {None: "default", False: "flash_attn off", True: "flash_attn on"}[
+            options.get("flash_attn")])
+        label = base[:-1] + ", no extra buffers)" if options.get("extra_buffers") is False else base
         n = sum(1 for c in self.calls if c[0] == label)
-        self.calls.append((label, request["options"]))
-        prefill, decode, tokens = self.figures[label][n % len(self.figures[label])]
+        self.calls.append((label, options))
+        figures = self.figures.get(label) or self.figures[base]  # a generic variant not named: its base's figures
+        prefill, decode, tokens = figures[n % len(figures)]
         return _ok(engine, prefill, decode, tokens, options=request["options"])
 
 
@@ -300,22 +306,28 @@ def _fake_engines(monkeypatch, figures) -> FakeChildren:
 
 
 def test_rounds_alternate_every_engine_and_variant(tiny_gguf, monkeypatch):
-    """Each round runs every engine (llama.cpp with flash attention off, then on) once, in turn; the report's
-    spreads are over those rounds."""
+    """Each round runs every engine (llama.cpp with flash attention off, then on, with its extra buffer types and
+    without) once, in turn; the report's spreads are over those rounds, llama.cpp's best per rate named."""
     toks = [1, 2, 3]
     children = _fake_engines(monkeypatch, {
         "tracelm": [(600, 60, toks), (500, 50, toks), (700, 70, toks)],
         "llama.cpp (flash_attn off)": [(300, 40, toks)] * 3,
         "llama.cpp (flash_attn on)": [(310, 30, toks)] * 3,
+        "llama.cpp (flash_attn on, no extra buffers)": [(320, 20, toks)] * 3,
         "transformers": [(100, 10, toks)] * 3,
     })
     rep = bc.run_compare(str(tiny_gguf), threads=2, n_prompt=8, n_decode=2, rounds=3)
-    order = ["tracelm", "llama.cpp (flash_attn off)", "llama.cpp (flash_attn on)", "transformers"]
+    order = ["tracelm", "llama.cpp (flash_attn off)", "llama.cpp (flash_attn on)",
+             "llama.cpp (flash_attn off, no extra buffers)", "llama.cpp (flash_attn on, no extra buffers)",
+             "transformers"]
     assert [c[0] for c in children.calls] == order * 3
     assert children.calls[0][1] == {"activations": "int16"} and children.calls[2][1] == {"flash_attn": True}
+    assert children.calls[4][1] == {"flash_attn": True, "extra_buffers": False}
     assert rep["rounds"] == 3
     assert rep["engines"]["tracelm"]["decode_tok_s"] == {"median": 60, "min": 50, "max": 70, "rounds": [60, 50, 70]}
-    assert rep["engines"]["llama.cpp"]["best"] == {"prefill_tok_s": "flash_attn on", "decode_tok_s": "flash_attn off"}
+    assert rep["engines"]["llama.cpp"]["best"] == {"prefill_tok_s": "flash_attn on, no extra buffers",
+                                                   "decode_tok_s": "flash_attn off"}
+    assert rep["ratios"]["prefill_vs_llama_cpp"]["rounds"] == [1.875, 1.562, 2.188]
     assert rep["ratios"]["decode_vs_llama_cpp"]["rounds"] == [1.5, 1.25, 1.75]
     assert rep["agreement"]["ok"] is True
 
@@ -333,7 +345,9 @@ def test_engines_picks_the_engines_run(tiny_gguf, monkeypatch, capsys):
     assert main(argv) == 0
     captured = capsys.readouterr()
     rep = json.loads(captured.out)
-    assert [c[0] for c in children.calls] == ["tracelm", "llama.cpp (flash_attn off)", "llama.cpp (flash_attn on)"] * 2
+    assert [c[0] for c in children.calls] == ["tracelm", "llama.cpp (flash_attn off)", "llama.cpp (flash_attn on)",
+                                              "llama.cpp (flash_attn off, no extra buffers)",
+                                              "llama.cpp (flash_attn on, no extra buffers)"] * 2
     assert set(rep["engines"]) == {"tracelm", "llama.cpp"}
     assert rep["ratios"]["decode_vs_llama_cpp"]["value"] == 1.5
     # each child's figures on stderr as it ends: a run cut short has still said what it measured

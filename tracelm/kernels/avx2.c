@@ -742,8 +742,9 @@ INL void kscales_d(int t, int pk, const uint8_t *const *rows, const uint8_t *p, 
 #define LB_(l, i) ((i) < 0 ? -1 : 4 * (l) + (i))
 #define LB4_(l, a, b, c, d) LB_(l, a), LB_(l, b), LB_(l, c), LB_(l, d)
 #define LB16_(a, b, c, d) LB4_(0, a, b, c, d), LB4_(1, a, b, c, d), LB4_(2, a, b, c, d), LB4_(3, a, b, c, d)
+INL __m128i lane_pattern(int i0, int i1, int i2, int i3) { return _mm_setr_epi8(LB16_(i0, i1, i2, i3)); }
 INL __m256i lane_bytes(__m256i v, int i0, int i1, int i2, int i3) {
-    return _mm256_shuffle_epi8(v, _mm256_setr_epi8(LB16_(i0, i1, i2, i3), LB16_(i0, i1, i2, i3)));
+    return _mm256_shuffle_epi8(v, _mm256_broadcastsi128_si256(lane_pattern(i0, i1, i2, i3)));
 }
 #undef LB16_
 #undef LB4_
@@ -987,11 +988,15 @@ typedef struct {
     float d[2][GROUP], dmin[2][GROUP];
 } ubufk2;
 
-/* kmins on 16 lanes: B = sum_j mn_j bsum32_j of x block x */
-INL __m512i kmins16(const ubufk2 *u, const xblock256 *x) {   /* vpdpwssd: madd and add in one */
-#define P(k) ld512(u->corr[k]), _mm512_set1_epi32(ld32s(x->bsum32 + 2 * (k)))
+/* kmins on 16 lanes: B = sum_j mn_j bsum32_j of x block x, from the mins' vectors corr[0..3] */
+INL __m512i kmins_v16(const __m512i *corr, const xblock256 *x) {   /* vpdpwssd: madd and add in one */
+#define P(k) corr[k], _mm512_set1_epi32(ld32s(x->bsum32 + 2 * (k)))
     return _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_madd_epi16(P(0)), P(1)), P(2)), P(3));
 #undef P
+}
+INL __m512i kmins16(const ubufk2 *u, const xblock256 *x) {   /* of a pair's unpacked super-block */
+    const __m512i corr[4] = {ld512(u->corr[0]), ld512(u->corr[1]), ld512(u->corr[2]), ld512(u->corr[3])};
+    return kmins_v16(corr, x);
 }
 
 INL void dotk_chunk16(int t, const ubufk2 *u, int nks, int nx, const xblock256 *x0, const xblock256 *x1,
@@ -1319,14 +1324,9 @@ INL __m512i ld2g(const uint8_t *p, int64_t gb) {   /* 32 bytes at p of this grou
 INL __m512 cvt2g(const uint8_t *p, int64_t gb) {    /* the 8 f16 at p of both groups */
     return _mm512_cvtph_ps(join(ld128(p), ld128(p + gb)));
 }
-#define LB_(l, i) ((i) < 0 ? -1 : 4 * (l) + (i))
-#define LB4_(l, a, b, c, d) LB_(l, a), LB_(l, b), LB_(l, c), LB_(l, d)
 INL __m512i lane_bytes16(__m512i v, int i0, int i1, int i2, int i3) {   /* lane_bytes on 16 lanes */
-    return _mm512_shuffle_epi8(v, _mm512_broadcast_i32x4(_mm_setr_epi8(LB4_(0, i0, i1, i2, i3), LB4_(1, i0, i1, i2, i3),
-                                                                       LB4_(2, i0, i1, i2, i3), LB4_(3, i0, i1, i2, i3))));
+    return _mm512_shuffle_epi8(v, _mm512_broadcast_i32x4(lane_pattern(i0, i1, i2, i3)));
 }
-#undef LB4_
-#undef LB_
 
 /* kscale_vecs (VNNI's int32 lanes) of the packed super-block at p and at p + gb */
 INL void kscale_vecs16(int t, const uint8_t *p, int64_t gb, __m512i *sc, __m512i *corr) {
@@ -1355,13 +1355,6 @@ INL __m512i q6_quad16(int m, __m512i A, __m512i B, __m512i C) {   /* q6_quad on 
     if (m < 2) return _mm512_and_si512(m == 0 ? A : B, m6);
     return _mm512_or_si512(_mm512_and_si512(m == 2 ? C : _mm512_srli_epi16(C, 4), f),
                            _mm512_and_si512(_mm512_srli_epi16(m == 2 ? A : B, 2), b45));
-}
-
-INL __m512i kmins_v16(const __m512i *corr, const xblock256 *x) {   /* kmins on 16 lanes */
-#define P(k) corr[k], _mm512_set1_epi32(ld32s(x->bsum32 + 2 * (k)))
-    return _mm512_add_epi32(_mm512_add_epi32(_mm512_madd_epi16(P(0)), _mm512_madd_epi16(P(1))),
-                            _mm512_add_epi32(_mm512_madd_epi16(P(2)), _mm512_madd_epi16(P(3))));
-#undef P
 }
 
 /* few x rows, packed 4/5-bit 32-value types: dot32v_direct for two groups at once, as dotk_packed16 */

@@ -5,7 +5,8 @@ interpreter), so its peak RSS (the child's own ru_maxrss) and its thread setting
 the same prompt ids (`bench_ids`, 256 tokens by default) and the same thread count:
 - tracelm: a Session with `threads: N` (the kernels' pool; OpenBLAS at one thread);
 - llama.cpp: `Llama(n_threads=N, n_threads_batch=N, n_batch=512, flash_attn=...)`, measured with flash
-  attention off and on (`VARIANTS`); per rate the better median is llama.cpp's figure, and the report names it;
+  attention off and on, each with its extra weight buffer types (AMX, repacked layouts) and without
+  (`VARIANTS`); per rate the best median is llama.cpp's figure, and the report names it;
 - transformers: `torch.set_num_threads(N)`, the GGUF loaded in f32 as `tracelm validate` does; the report names
   its attention implementation (`model.config._attn_implementation`).
 
@@ -60,10 +61,14 @@ DEFAULT = "default"
 # the settings each engine is measured with, every one in every round; per rate the best median counts
 VARIANTS: dict[str, tuple[tuple[str, dict[str, Any]], ...]] = {
     "tracelm": ((DEFAULT, {}),),
-    "llama.cpp": (("flash_attn off", {"flash_attn": False}), ("flash_attn on", {"flash_attn": True})),
+    "llama.cpp": (("flash_attn off", {"flash_attn": False}), ("flash_attn on", {"flash_attn": True}),
+                  # its generic layouts too: on an AMX machine they prefill faster than the repacked ones
+                  ("flash_attn off, no extra buffers", {"flash_attn": False, "extra_buffers": False}),
+                  ("flash_attn on, no extra buffers", {"flash_attn": True, "extra_buffers": False})),
     "transformers": ((DEFAULT, {}),),
 }
 LLAMA_BENCH = "llama-bench"
+LLAMA_BENCH_VARIANTS = ("flash_attn off", "flash_attn on")  # its -fa 0,1
 RATES = ("prefill_tok_s", "decode_tok_s")
 # (key, what, tracelm's figure / the other engine's, the target: issue 32's for llama.cpp, issue 6's for transformers)
 RATIOS = (
@@ -450,7 +455,7 @@ def run_llama_bench(exe: str, model: str, n_prompt: int, n_decode: int, threads:
 
 
 def _llama_bench_failed(error: str) -> dict[str, dict[str, Any]]:
-    return {label: {"engine": LLAMA_BENCH, "status": "failed", "error": error} for label, _ in VARIANTS["llama.cpp"]}
+    return {label: {"engine": LLAMA_BENCH, "status": "failed", "error": error} for label in LLAMA_BENCH_VARIANTS}
 
 
 # --- the rounds ---------------------------------------------------------------------------------------------
@@ -476,7 +481,7 @@ def run_rounds(path: str, ids: Sequence[int], n_decode: int, threads: int, repea
         runs[engine] = {name: [] for name, _ in VARIANTS[engine]}
         settings |= {(engine, name): {**options.get(engine, {}), **o} for name, o in VARIANTS[engine]}
     if llama_bench:
-        runs[LLAMA_BENCH] = {name: [] for name, _ in VARIANTS["llama.cpp"]}
+        runs[LLAMA_BENCH] = {name: [] for name in LLAMA_BENCH_VARIANTS}
     for r in range(rounds):
         for (engine, name), opts in settings.items():
             done = runs[engine][name]
@@ -486,7 +491,9 @@ def run_rounds(path: str, ids: Sequence[int], n_decode: int, threads: int, repea
             settings[(engine, name)] = result.get("options", opts)
             if result.get("note") and engine in RETRY_AFTER_CRASH:  # the crash is the engine's, not the variant's:
                 fallback, why = fallback_in_effect(engine, settings[(engine, name)])  # its other variants start
-                for key in [k for k in settings if k[0] == engine and k[1] != name]:  # with it (no crash)
+                for key in [k for k in settings if k[0] == engine and k[1] != name]:  # with it (no crash), but
+                    if fallback_in_effect(engine, settings[key])[0]:  # not those that set such options of their own
+                        continue
                     settings[key] = {**settings[key], **fallback}
                     inherited[key] = f"{why} (in {_label(engine, name)})"
             elif (engine, name) in inherited and result["status"] == "ok":
