@@ -711,13 +711,16 @@ def _range(s: dict[str, Any] | None, fmt: str) -> str:
     return f"{s['median']:{fmt}} ({s['min']:{fmt}}-{s['max']:{fmt}})"
 
 
+LABEL = 45  # the engine column: "llama.cpp (flash_attn off, no extra buffers)"
+
+
 def _engine_line(label: str, r: dict[str, Any], version: str) -> str:
     if r["status"] != "ok":
         return f"{label:14s} {r['status']}: {r.get('error', '')}"
     same = f"{r['greedy_same_as_tracelm']}/{r['greedy_tokens']}" if "greedy_same_as_tracelm" in r else "-"
     load = f"{r['load_seconds']['median']:8.2f}" if "load_seconds" in r else f"{'-':>8s}"
     rss = f"{r['peak_rss_mb']:12.1f}" if "peak_rss_mb" in r else f"{'-':>12s}"
-    return (f"{label:28s} {version:16s} {load} {_range(r.get('prefill_tok_s'), '.1f'):>26s} "
+    return (f"{label:{LABEL}s} {version:16s} {load} {_range(r.get('prefill_tok_s'), '.1f'):>26s} "
             f"{_range(r.get('decode_tok_s'), '.2f'):>26s} {rss}  {same}")
 
 
@@ -728,12 +731,12 @@ def _engine_lines(name: str, r: dict[str, Any]) -> list[str]:
     variants = r.get("variants")
     lines = [_engine_line(_label(name, v), vr, version) for v, vr in variants.items()] if variants else \
         [_engine_line(name, r, version)]
-    for v in (variants or {DEFAULT: r}).values():
-        if v.get("note"):
-            lines.append(f"{'':14s} note: {v['note']}")
+    for v, vr in (variants or {DEFAULT: r}).items():
+        if vr.get("note"):
+            lines.append(f"{'':14s} note{f' ({v})' if variants else ''}: {vr['note']}")
     if variants:
         lines.append(f"{'':14s} {name}'s figure: prefill {r['best']['prefill_tok_s']}, decode "
-                     f"{r['best']['decode_tok_s']} (the better median)")
+                     f"{r['best']['decode_tok_s']} (the best median)")
     if r.get("attention"):
         lines.append(f"{'':14s} attention implementation: {r['attention']}")
     if r.get("kernels"):
@@ -767,7 +770,7 @@ def format_table(report: dict[str, Any]) -> str:
                      f"cores{cpu} (other work slows the engines unequally)")
     if report.get("llama_bench_command"):
         lines.append(f"llama-bench, each round: {report['llama_bench_command']}")
-    lines.append(f"{'engine':28s} {'version':16s} {'load s':>8s} {'prefill tok/s':>26s} {'decode tok/s':>26s} "
+    lines.append(f"{'engine':{LABEL}s} {'version':16s} {'load s':>8s} {'prefill tok/s':>26s} {'decode tok/s':>26s} "
                  f"{'peak RSS MB':>12s}  greedy = tracelm")
     for name, r in report["engines"].items():
         lines += _engine_lines(name, r)
