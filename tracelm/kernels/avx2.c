@@ -1316,8 +1316,8 @@ INL __m256 dotk_packed(int t, int two, const uint8_t *g, const xblock256 *xh, co
 #if VNNI == 2
 /* few x rows (decode), packed weights, two groups at once on 512-bit vectors: the direct kernels' steps lane by
  * lane, group g's 8 rows in the low 256 bits and g + 1's (gb bytes on) in the high, so each x quad's broadcast and
- * vpdpbusd serve 16 rows. The same integer sums and float steps per lane: the same bits. (Measured, 1 thread, from
- * L2: 1.15-1.3x the 8-row kernels on every type; Qwen2.5-7B's decode at 2 threads 1.26x.) */
+ * vpdpbusd serve 16 rows. The same integer sums and float steps per lane: the same bits. (Qwen2.5-7B's decode,
+ * `tracelm bench` at 2 threads: 1.26x the 8-row kernels; docs/performance.md.) */
 INL __m512i ld2g(const uint8_t *p, int64_t gb) {   /* 32 bytes at p of this group and of the next */
     return _mm512_inserti64x4(_mm512_castsi256_si512(ld256(p)), ld256(p + gb), 1);
 }
@@ -1697,17 +1697,23 @@ INL void store_acc(const mm_job *j, int64_t group, int64_t m0, int64_t mt, const
 }
 
 #if VNNI == 2
-/* a 16-row tile's accumulators (x row i: acc[2i] + acc[2i + 1], or acc[i]) -> the outputs of its ng (1 or 2) groups
- * from `group` on: group + h in the 8 lanes of half h */
-INL void store_acc16(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t mt, const __m512 *acc) {
+/* out[i] (x row m0 + i) -> the outputs of ng (1 or 2) groups from `group` on: group + h in the 8 lanes of half h */
+INL void store16(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t mt, const __m512 *out) {
     for (int h = 0; h < ng; h++) {
-        __m256 out[MTILE_K];
+        __m256 o[MTILE_K];
         for (int64_t i = 0; i < mt; i++) {
-            const __m512i a = _mm512_castps_si512(j->halves == 2 ? _mm512_add_ps(acc[2 * i], acc[2 * i + 1]) : acc[i]);
-            out[i] = _mm256_castsi256_ps(h ? _mm512_extracti64x4_epi64(a, 1) : _mm512_castsi512_si256(a));
+            const __m512i a = _mm512_castps_si512(out[i]);
+            o[i] = _mm256_castsi256_ps(h ? _mm512_extracti64x4_epi64(a, 1) : _mm512_castsi512_si256(a));
         }
-        store_group(j, group + h, m0, mt, out);
+        store_group(j, group + h, m0, mt, o);
     }
+}
+
+/* a 16-row tile's accumulators (x row i: acc[2i] + acc[2i + 1], or acc[i]) -> its ng groups' outputs */
+INL void store_acc16(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t mt, const __m512 *acc) {
+    __m512 out[MTILE_K];
+    for (int64_t i = 0; i < mt; i++) out[i] = j->halves == 2 ? _mm512_add_ps(acc[2 * i], acc[2 * i + 1]) : acc[i];
+    store16(j, group, ng, m0, mt, out);
 }
 
 /* few x rows, packed 4/5-bit types and K-quants: two whole groups from `group` on at once (dot32_packed16,
@@ -1739,14 +1745,7 @@ INL void direct_pair(const mm_job *j, int64_t group, int64_t m0, int64_t m1) {
 #undef B
 #undef K
     }
-    for (int h = 0; h < 2; h++) {
-        __m256 o[MTILE];
-        for (int64_t i = 0; i < mt; i++) {
-            const __m512i a = _mm512_castps_si512(out[i]);
-            o[i] = _mm256_castsi256_ps(h ? _mm512_extracti64x4_epi64(a, 1) : _mm512_castsi512_si256(a));
-        }
-        store_group(j, group + h, m0, mt, o);
-    }
+    store16(j, group, 2, m0, mt, out);
 }
 #endif
 
