@@ -439,17 +439,25 @@ static int attend_setup(const char *fn, PyObject *const o[A_N], double scale, co
 
 /* the pass's own keys and values (k_new, v_new [T, Hkv, hd] f32) to positions L - T .. L - 1, as the Cache stores
  * them: f32 as they are, f16 rounded to nearest even (numpy's astype), q8_0 blocks by q8_block */
-static void attend_store(const attend_job *j, const arr *kn, const arr *vn) {
+static void attend_store(const layer_ops *ops, const attend_job *j, const arr *kn, const arr *vn) {
     const int64_t T = j->T, hd = j->hd;
     for (int which = 0; which < 2; which++) {
         const arr *src = which ? vn : kn;
         uint8_t *base = (uint8_t *)(which ? j->v : j->k);
         const int64_t sh = which ? j->v_sh : j->k_sh, sl = which ? j->v_sl : j->k_sl, sd = which ? 1 : j->k_sd;
+        const float *x0 = (const float *)src->b.v.buf;
+        if (j->f16 && sl == 1 && sd != 1) {   /* keys transposed ([Hkv, hd, n]): each dim's row of positions */
+            for (int64_t h = 0; h < j->Hkv; h++)
+                for (int64_t d = 0; d < hd; d++)
+                    ops->f16_row(x0 + h * src->s[1] + d, src->s[0], T, (uint16_t *)base + h * sh + (j->L - T) + d * sd);
+            continue;
+        }
         for (int64_t t = 0; t < T; t++)
             for (int64_t h = 0; h < j->Hkv; h++) {
-                const float *x = (const float *)src->b.v.buf + t * src->s[0] + h * src->s[1];
+                const float *x = x0 + t * src->s[0] + h * src->s[1];
                 const int64_t at = h * sh + (j->L - T + t) * sl;
                 if (j->q8) q8_store(x, hd, base + at);
+                else if (j->f16 && sd == 1) ops->f16_row(x, 1, hd, (uint16_t *)base + at);
                 else if (j->f16)
                     for (int64_t d = 0; d < hd; d++) ((uint16_t *)base)[at + d * sd] = half_from_float(x[d]);
                 else
@@ -567,7 +575,7 @@ static int attend_many(const char *fn, int named, PyObject *const (*o)[A_N], con
     }
     Py_BEGIN_ALLOW_THREADS
     for (int64_t p = 0; p < n; p++)
-        if (o[p][A_KN]) attend_store(&c[p].j, &x[p].a[A_KN], &x[p].a[A_VN]);
+        if (o[p][A_KN]) attend_store(c[p].ops, &c[p].j, &x[p].a[A_KN], &x[p].a[A_VN]);
     if (c0->s)
         for (c0->phase = 1; c0->phase <= 3; c0->phase++)
             pool_run(attend_tasks, c0, (c0->phase == 1 ? c0->whole : 0) + (units - c0->whole) *

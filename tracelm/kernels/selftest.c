@@ -168,6 +168,17 @@ static int check_layer(const layer_ops *a, char *msg, size_t n, int *cases) {
     b->lane_max(x, D, &l0);
     a->lane_max(x, D, &l1);
     if (memcmp(&l0, &l1, sizeof l0)) { snprintf(msg, n, "attention's max lanes differ"); return -1; }
+    /* f16 keys and values: ties, subnormals, overflow, a NaN with a payload; contiguous and strided */
+    static const uint32_t edge[] = {0x3f801000u, 0x3f803000u, 0x33800000u, 0x387fc000u, 0x477ff000u, 0x477fefffu,
+                                    0x7fa00000u, 0xffc12345u, 0xff800000u, 0x00000001u};
+    for (int i = 0; i < 10; i++) x[7 * i + 3] = f32_from_bits(edge[i]);
+    uint16_t h0[D], h1[D];
+    for (int xs = 1; xs <= 3; xs += 2) {
+        (*cases)++;
+        b->f16_row(x, xs, D / xs, h0);
+        a->f16_row(x, xs, D / xs, h1);
+        if (memcmp(h0, h1, sizeof(uint16_t) * (size_t)(D / xs))) { snprintf(msg, n, "the f16 conversion differs"); return -1; }
+    }
     return 0;
 }
 
