@@ -402,8 +402,8 @@ typedef struct {
                      int64_t p_s, float *scratch);
     /* act(a) * b over n values (b NULL: act(a) alone; act one of ACT_* / FN_*) */
     void (*map_row)(int act, const float *a, const float *b, int64_t n, float *out);
-    /* out[i] = half_from_float(x[i * xs]), i < n: the Cache's f16 keys and values */
-    void (*f16_row)(const float *x, int64_t xs, int64_t n, uint16_t *out);
+    /* out[i * os] = half_from_float(x[i * xs]), i < n: the Cache's f16 keys and values */
+    void (*f16_row)(const float *x, int64_t xs, int64_t n, uint16_t *out, int64_t os);
 } layer_ops;
 
 extern const layer_ops portable_layer, avx2_layer;

@@ -651,9 +651,9 @@ AVX2 static void map_row(int act, const float *a, const float *b, int64_t n, flo
  * f32 -> f16: F16C's conversion rounds to nearest even, subnormals and overflow to inf included, as half_from_float
  * does; a NaN keeps part of its payload there, so 8 values with a NaN among them go value by value
  * ==================================================================================================== */
-AVX2 static void f16_row(const float *x, int64_t xs, int64_t n, uint16_t *out) {
+AVX2 static void f16_row(const float *x, int64_t xs, int64_t n, uint16_t *out, int64_t os) {
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
+    for (; os == 1 && i + 8 <= n; i += 8) {
         const float *p = x + i * xs;
         const __m256 v = xs == 1 ? _mm256_loadu_ps(p)
                                  : _mm256_setr_ps(p[0], p[xs], p[2 * xs], p[3 * xs], p[4 * xs], p[5 * xs], p[6 * xs],
@@ -661,7 +661,7 @@ AVX2 static void f16_row(const float *x, int64_t xs, int64_t n, uint16_t *out) {
         if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) break;
         _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     }
-    for (; i < n; i++) out[i] = half_from_float(x[i * xs]);
+    for (; i < n; i++) out[i * os] = half_from_float(x[i * xs]);
 }
 
 const layer_ops avx2_layer = {sumsq, rms_row, rope_row, attend_scores, lane_max, exps, weighted, map_row, f16_row};

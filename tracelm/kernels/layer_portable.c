@@ -119,8 +119,8 @@ static void map_row(int act, const float *a, const float *b, int64_t n, float *o
     for (int64_t k = 0; k < n; k++) out[k] = b ? f1_act(act, a[k]) * b[k] : f1_act(act, a[k]);
 }
 
-static void f16_row(const float *x, int64_t xs, int64_t n, uint16_t *out) {
-    for (int64_t i = 0; i < n; i++) out[i] = half_from_float(x[i * xs]);
+static void f16_row(const float *x, int64_t xs, int64_t n, uint16_t *out, int64_t os) {
+    for (int64_t i = 0; i < n; i++) out[i * os] = half_from_float(x[i * xs]);
 }
 
 const layer_ops portable_layer = {sumsq, rms_row, rope_row, attend_scores, lane_max, exps, weighted, map_row,
