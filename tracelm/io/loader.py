@@ -124,6 +124,14 @@ class ModelFile:
             raise TracelmError(f"{self.path.name}: streamed weights need a GGUF file (this is a "
                                f"{'Hugging Face folder' if self.kind == 'hf' else 'llama2.c checkpoint'}); "
                                "use weights: resident, or `tracelm export` it to a GGUF")
+        # the vocabulary-sized arrays (tokens, merges, scores) stay out of the loaded model and go from this file's
+        # metadata before the weights come in, so the two are never resident together: the tokenizer keeps its own
+        # compact tables (Gemma 3's 262K tokens were ~20 MB of Python strings, a 7B's 150K tokens and merges ~12 MB).
+        # Export reads a ModelFile's metadata before any load.
+        vocab = [k for k, v in self.metadata.items() if isinstance(v, list | np.ndarray) and len(v) >= 256]
+        meta = {k: v for k, v in self.metadata.items() if k not in vocab}
+        for k in vocab:
+            del self.metadata[k]
         if self.kind != "llama2c" and compute == "kernels":
             source = self.gguf if self.kind == "gguf" else self.hf
             weights_ = kernel_weights(source, self.cfg, streamed=weights == "streamed", progress=progress,
@@ -142,13 +150,6 @@ class ModelFile:
             weights_ = self.hf.load_weights(progress=progress)
         if compute == "kernels" and self.kind == "llama2c":
             weights_ = f32_kernel_weights(weights_)
-        # the vocabulary-sized arrays (tokens, merges, scores) stay out of the loaded model and go from this file's
-        # metadata: the tokenizer keeps its own tables (a 150K vocabulary's ~300K Python strings: a 7B bench's peak RSS
-        # 12 MB lower). Export reads a ModelFile's metadata before any load.
-        vocab = [k for k, v in self.metadata.items() if isinstance(v, list | np.ndarray) and len(v) >= 256]
-        meta = {k: v for k, v in self.metadata.items() if k not in vocab}
-        for k in vocab:
-            del self.metadata[k]
         return LoadedModel(self.path, scaled_rope(self.cfg, rope_scale), weights_, self.tokenizer, meta,
                            time.perf_counter() - self.t0, self.tokenizer_path, rope_scale)
 
