@@ -194,13 +194,8 @@ print(json.dumps({"peak": peak, "kv": runner.cache.nbytes, "file": model.path.st
 """
 
 
-GEMMA_VOCAB = pytest.mark.xfail(strict=True, reason="Gemma 3's 262,144-token vocabulary: the tokenizer holds ~105 MB "
-                                "(tokenizers' BPE with 514,847 merges, the pieces), 20 MB past the bound")
-
-
 @pytest.mark.model
-@pytest.mark.parametrize("name", ["smollm2-135m-instruct", pytest.param("gemma3-270m", marks=GEMMA_VOCAB),
-                                  "qwen2.5-coder-0.5b-instruct"])
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma3-270m", "qwen2.5-coder-0.5b-instruct"])
 def test_a_256_token_run_holds_the_file_kv_and_150_mb(name: str) -> None:
     """The issue's memory bound on the kernels, resident: the weights are the file's blocks, not f32 copies
     (peak RSS, VmHWM of a child process: 200 prompt tokens and 56 decoded)."""

@@ -60,7 +60,7 @@ def _release_free_heap() -> None:
 
 def _packed(items: Iterable[bytes]) -> tuple[bytes, array]:
     """Byte strings end to end, and where each starts (one more offset than items: item i is [s[i], s[i + 1]))."""
-    data, starts = bytearray(), array("q", [0])
+    data, starts = bytearray(), array("I", [0])
     for b in items:
         data += b
         starts.append(len(data))
