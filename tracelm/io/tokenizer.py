@@ -18,6 +18,7 @@ import ctypes
 import re
 import threading
 from array import array
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -191,7 +192,7 @@ class Tokenizer:
         for name, i in special_ids.items():
             if i is not None and not 0 <= i < self.n_vocab:
                 raise TracelmError(f"{where}{name} {i} is outside the vocabulary (size {self.n_vocab})")
-        self._types = array("i", types)
+        self._types = list(types)
         # every token's bytes end to end, and where each starts: two objects rather than n_vocab bytes objects; the
         # same for the pieces' text as UTF-8 (surrogatepass: every str round-trips), ~20 MB less than 262k str
         self._bytes, self._starts = _packed(token_bytes)
@@ -268,9 +269,6 @@ class Tokenizer:
         i = self._check(token_id)
         return self._text[self._text_starts[i] : self._text_starts[i + 1]].decode("utf-8", "surrogatepass")
 
-    def _pieces(self) -> list[str]:
-        return [self.piece(i) for i in range(self.n_vocab)]
-
     def token_type(self, token_id: int) -> int:
         return self._types[self._check(token_id)]
 
@@ -281,20 +279,32 @@ class Tokenizer:
         """Text -> id of the tokens that parse_special matches (control and unknown tokens)."""
         if not hasattr(self, "_controls"):
             found: dict[str, int] = {}
-            for i, (p, k) in enumerate(zip(self._pieces(), self._types, strict=True)):
-                if k in (CONTROL, UNKNOWN) and p:
+            for i, k in enumerate(self._types):
+                if k in (CONTROL, UNKNOWN) and (p := self.piece(i)):
                     found.setdefault(p, i)
             self._controls = found
         return self._controls
 
     def token_id(self, piece: str) -> int | None:
-        """The id of a token by its text (first one, if repeated), or None."""
-        if not hasattr(self, "_index"):
-            index: dict[str, int] = {}
-            for i, p in enumerate(self._pieces()):
-                index.setdefault(p, i)
-            self._index = index
-        return self._index.get(piece)
+        """The id of a token by its text (first one, if repeated), or None: looked up in the pieces' UTF-8, where an
+        occurrence spans one piece exactly (no index of every piece: 262K strings would be ~30 MB)."""
+        if not hasattr(self, "_ids"):
+            self._ids: dict[str, int | None] = {}
+        if piece not in self._ids:
+            self._ids[piece] = self._find(piece.encode("utf-8", "surrogatepass"))
+        return self._ids[piece]
+
+    def _find(self, needle: bytes) -> int | None:
+        starts, n = self._text_starts, self.n_vocab
+        if not needle:
+            return next((i for i in range(n) if starts[i] == starts[i + 1]), None)
+        at = self._text.find(needle)
+        while at >= 0:  # occurrences in order of position, so the first piece that is one has the lowest id
+            i = bisect_left(starts, at)
+            if i < n and starts[i] == at and starts[i + 1] == at + len(needle):
+                return i
+            at = self._text.find(needle, at + 1)
+        return None
 
     # ------------------------------------------------------------ decode
 
