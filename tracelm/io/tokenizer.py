@@ -197,6 +197,7 @@ class Tokenizer:
         # same for the pieces' text as UTF-8 (surrogatepass: every str round-trips), ~20 MB less than 262k str
         self._bytes, self._starts = _packed(token_bytes)
         self._text, self._text_starts = _packed(p.encode("utf-8", "surrogatepass") for p in pieces)
+        self._ids: dict[str, int | None] = {}  # token_id's answers so far
         _release_free_heap()
         self._encoder = encoder
         self.kind = kind
@@ -288,8 +289,6 @@ class Tokenizer:
     def token_id(self, piece: str) -> int | None:
         """The id of a token by its text (first one, if repeated), or None: looked up in the pieces' UTF-8, where an
         occurrence spans one piece exactly (no index of every piece: 262K strings would be ~30 MB)."""
-        if not hasattr(self, "_ids"):
-            self._ids: dict[str, int | None] = {}
         if piece not in self._ids:
             self._ids[piece] = self._find(piece.encode("utf-8", "surrogatepass"))
         return self._ids[piece]
