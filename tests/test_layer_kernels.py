@@ -646,7 +646,7 @@ def test_one_long_row_in_pieces_over_the_pool_gives_each_values_bits():
     n_ff = 18949  # a 7B FFN's 18944, and a scalar tail
     g = (np.random.default_rng(7).standard_normal((1, 2 * n_ff)) * 3).astype(np.float32)
     for fn in (kernels.silu_mul, kernels.gelu_tanh_mul):
-        whole = every_setting(lambda: fn(g, n_ff))
+        whole = every_setting(fn, g, n_ff)
         for k, m in ((0, 7), (2040, 20), (4093, 9), (n_ff - 13, 13)):
             alone = np.concatenate([g[:, k : k + m], g[:, n_ff + k : n_ff + k + m]], axis=1)
             assert_same_bits(fn(alone, m), whole[:, k : k + m])
