@@ -138,7 +138,7 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The real default model, pulled into TRACELM_HOME on first use."""
-    return pull_model("smollm2-135m-instruct")
+    return _pull("smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="session")
@@ -183,7 +183,7 @@ def require_reference() -> None:
         unavailable(f"transformers + torch not installed (pip install -e '.[reference]'): {e}")
 
 
-def pull_model(name: str) -> Path:
+def _pull(name: str) -> Path:
     """A registry model, pulled into TRACELM_HOME on first use, or `unavailable`."""
     from tracelm import TracelmError
     from tracelm.io import registry
@@ -229,13 +229,13 @@ def transformers_model(gguf_path: Path):
 @pytest.fixture(scope="session")
 def gemma3_path() -> Path:
     """Gemma 3 270M (GGUF Q4_K_M), pulled into TRACELM_HOME on first use."""
-    return pull_model("gemma3-270m")
+    return _pull("gemma3-270m")
 
 
 @pytest.fixture(scope="session")
 def qwen_coder_path() -> Path:
     """Qwen2.5-Coder-0.5B-Instruct (GGUF Q4_K_M), pulled into TRACELM_HOME on first use."""
-    return pull_model("qwen2.5-coder-0.5b-instruct")
+    return _pull("qwen2.5-coder-0.5b-instruct")
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import tracelm.kernels as kernels
-from tests.conftest import pull_model, write_tiny_gguf
+from tests.conftest import _pull, write_tiny_gguf
 from tracelm.kernels import _core
 from tracelm.pipeline import graph
 from tracelm.pipeline import trace as tm
@@ -375,7 +375,7 @@ def test_real_models_traced_fused_pass_logs_what_a_staged_pass_logs(name, monkey
     """The same on the real models: SmolLM2, Gemma 3 (q/k norms, post-norms, windows), Qwen2.5-Coder (q/k/v bias)."""
     from tracelm import Session
 
-    pull_model(name)  # fetched, or skipped (failed under CI) where it cannot be
+    _pull(name)  # fetched, or skipped (failed under CI) where it cannot be
     with Session(name) as s:
         fused, staged = _traced_run(s.model, True, monkeypatch), _traced_run(s.model, False, monkeypatch)
     assert fused == staged
