@@ -750,17 +750,18 @@ done:
 /* ======================================================================================================
  * silu_mul, gelu_tanh_mul (rows of [gate | up]); exp, tanh (one flat array)
  * ==================================================================================================== */
-typedef struct {
-    const layer_ops *ops; int act; const float *a; int64_t a_s, b_off; float *out; int64_t out_s, n, pieces;
-} map_ctx;
+typedef struct { const layer_ops *ops; int act; const float *a; int64_t a_s, b_off; float *out; int64_t out_s, n; } map_ctx;
 
-/* task t: piece t % pieces (MAP_SPAN values; elementwise, so any split gives the same bits) of row t / pieces -- a
- * decode step's one row of n_ff activations is spread over the pool too */
+/* task t: piece t % pieces of row t / pieces, MAP_SPAN values each (elementwise, so any split gives the same bits):
+ * a decode step's one row of n_ff activations is spread over the pool too */
 #define MAP_SPAN 2048
+static int64_t map_pieces(int64_t n) { return (n + MAP_SPAN - 1) / MAP_SPAN; }
+
 static void map_tasks(void *ctx, int64_t t0, int64_t t1) {
     const map_ctx *c = (const map_ctx *)ctx;
+    const int64_t pieces = map_pieces(c->n);
     for (int64_t t = t0; t < t1; t++) {
-        const int64_t r = t / c->pieces, k = t % c->pieces * MAP_SPAN, n = c->n - k < MAP_SPAN ? c->n - k : MAP_SPAN;
+        const int64_t r = t / pieces, k = t % pieces * MAP_SPAN, n = c->n - k < MAP_SPAN ? c->n - k : MAP_SPAN;
         const float *a = c->a + r * c->a_s + k;
         c->ops->map_row(c->act, a, c->b_off ? a + c->b_off : NULL, n, c->out + r * c->out_s + k);
     }
@@ -790,9 +791,9 @@ static PyObject *glu_common(const char *fn, int act, PyObject *args) {
     as3(&out);
     if (rows_apart(fn, "out", &out)) goto done;
     map_ctx c = {current_path()->layer, act, (const float *)g.b.v.buf, g.s[0], n_ff, (float *)out.b.v.buf, out.s[0],
-                 n_ff, (n_ff + MAP_SPAN - 1) / MAP_SPAN};
+                 n_ff};
     Py_BEGIN_ALLOW_THREADS
-    run(map_tasks, &c, g.n[0] * c.pieces, g.n[0] * n_ff * 8);   /* an activation costs ~8 adds and multiplies */
+    run(map_tasks, &c, g.n[0] * map_pieces(n_ff), g.n[0] * n_ff * 8);   /* an activation costs ~8 adds and multiplies */
     Py_END_ALLOW_THREADS
     Py_INCREF(oo);
     ret = oo;
@@ -819,9 +820,9 @@ static PyObject *flat_map(const char *fn, int act, PyObject *args) {
         goto done;
     const int64_t n = x.n[0], rows = n / FLAT_ROW;
     map_ctx c = {current_path()->layer, act, (const float *)x.b.v.buf, FLAT_ROW, 0, (float *)out.b.v.buf, FLAT_ROW,
-                 FLAT_ROW, FLAT_ROW / MAP_SPAN};
+                 FLAT_ROW};
     Py_BEGIN_ALLOW_THREADS
-    run(map_tasks, &c, rows * c.pieces, rows * FLAT_ROW * 8);
+    run(map_tasks, &c, rows * map_pieces(FLAT_ROW), rows * FLAT_ROW * 8);
     c.ops->map_row(act, c.a + rows * FLAT_ROW, NULL, n - rows * FLAT_ROW, c.out + rows * FLAT_ROW);
     Py_END_ALLOW_THREADS
     Py_INCREF(oo);
