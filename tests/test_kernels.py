@@ -494,6 +494,26 @@ def test_threads_and_paths_api():
     assert kernels.row_bytes(512, Q.Q4_K) == 288
 
 
+def test_dot_peak_times_each_paths_own_integer_dot_on_every_thread(kernels_restored):
+    """bench's integer bound: each vector path times its own dot (AVX2: maddubs; the VNNI paths: vpdpbusd on their
+    vectors) on the pool's threads; the portable path has none."""
+    insn = {"amx": "vpdpbusd zmm", "avx512vnni": "vpdpbusd zmm", "avxvnni": "vpdpbusd ymm", "avx2": "vpmaddubsw ymm"}
+    kernels.set_threads(2)
+    for p in PATHS:
+        kernels.use_path(p)
+        peak = kernels.dot_peak(seconds=0.002, repeat=2)
+        if p == "portable":
+            assert peak is None
+            continue
+        assert peak["instruction"] == insn[p] and peak["path"] == p and peak["threads"] == 2
+        assert peak["int8_products_g_s"] > 0
+        # 8 tasks a thread, 12 accumulators of 64 (zmm) or 32 (ymm) products each round
+        products, _ = kernels._core.dot_peak(3)
+        assert products == 2 * 8 * 3 * 12 * (64 if insn[p].endswith("zmm") else 32)
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        kernels._core.dot_peak(0)
+
+
 def test_default_threads_are_the_cpus_we_may_use():
     """At import: as many threads as CPUs in the process's affinity mask (here narrowed to one CPU, then all)."""
     code = "import os; from tracelm import kernels; print(kernels.threads(), len(os.sched_getaffinity(0)))"

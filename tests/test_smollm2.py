@@ -70,6 +70,18 @@ def test_logits_command_writes_every_position(smollm2, tmp_path) -> None:
     np.testing.assert_allclose(logits, Runner(smollm2, 16).logits(ids), atol=1e-4)
 
 
+def test_int8_products_per_token_counts_each_quantized_weight_times_the_halves(smollm2) -> None:
+    """The integer bound's work per prompt token, from the weights, against the dims: the block's four products
+    at every position and the head at the last, each weight met by the activations' halves."""
+    from tracelm.tools.bench import int8_products_per_token
+
+    c, w = smollm2.cfg, smollm2.weights
+    block = c.n_layer * (c.n_embd * (c.q_dim + 2 * c.kv_dim) + c.q_dim * c.n_embd + 3 * c.n_embd * c.n_ff)
+    for halves in (2, 1):
+        per_token = int8_products_per_token(w.with_halves(halves), 64)
+        assert per_token == pytest.approx(halves * (block + c.n_vocab * c.n_embd / 64), rel=1e-12)
+
+
 def test_bench_reports_rates_and_ratios(smollm2_path) -> None:
     proc = tracelm("bench", "--model", str(smollm2_path), "--prompt-tokens", "32", "--decode-tokens", "4", "--threads",
                    "1", "--json")
@@ -82,6 +94,16 @@ def test_bench_reports_rates_and_ratios(smollm2_path) -> None:
     reads = report["bandwidth_reads"]
     assert reads["threads"] == 1 and min(reads["sgemv_gb_s"], reads["kernels_read_gb_s"]) > 0
     assert report["bandwidth_gb_s"] == max(reads["sgemv_gb_s"], reads["kernels_read_gb_s"])
+    # the prompt's integer bound: the path's dot at its peak on the bench's threads over the quantized weights'
+    # int8 products per token; a product's integer work cannot pass it (the amx tiles' can: it times vpdpbusd)
+    if report["kernels_path"] == "portable":
+        assert "int8_dot_peak" not in report
+    else:
+        peak = report["int8_dot_peak"]
+        assert peak["path"] == report["kernels_path"] and peak["threads"] == 1
+        assert report["prefill_int8_bound_tok_s"] > 0
+        if report["kernels_path"] != "amx":
+            assert 0 < report["prefill_products_vs_int8_bound"] < 1 and 0 < report["prefill_vs_int8_bound"] < 1
     # the path measured, and why it was trusted: its self-test against the portable path passed
     assert report["kernels_path"] in report["selftest"]
     assert report["selftest"][report["kernels_path"]].startswith("passed")

@@ -2079,11 +2079,53 @@ AVX2 static void mm_task(const mm_job *j, int64_t g0, int64_t m0, int64_t m1) {
     }
 }
 
-const kernel_path PATH_SYM = {PATH_NAME, quantize_row, mm_task, task_groups, &avx2_layer, MTILE_K};
+/* ======================================================================================================
+ * The integer dot's peak (tracelm bench's bound for a prompt's products): `rounds` rounds of 12 independent
+ * accumulators, each one dot of the path's widest integer step (VNNI: vpdpbusd; AVX2: maddubs and its int16 add),
+ * weights and activations in registers: nothing but the instruction's own throughput. Returns the int8 products.
+ * ==================================================================================================== */
+#if VNNI == 2
+#define PEAK_V __m512i
+#define PEAK_SET(c) _mm512_set1_epi32(c)
+#define PEAK_DOT(a, w, x) _mm512_dpbusd_epi32(a, w, x)
+#define PEAK_ADD(a, b) _mm512_add_epi32(a, b)
+#define PEAK_LANES 64
+#define DOT_INSN "vpdpbusd zmm"
+#else
+#define PEAK_V __m256i
+#define PEAK_SET(c) _mm256_set1_epi32(c)
+#define PEAK_DOT(a, w, x) DOTACC(a, w, x)
+#define PEAK_ADD(a, b) _mm256_add_epi32(a, b)
+#define PEAK_LANES 32
+#define DOT_INSN VNNI ? "vpdpbusd ymm" : "vpmaddubsw ymm"
+#endif
+static volatile int peak_sink;
+AVX2 static int64_t dot_peak(int64_t rounds) {
+    PEAK_V w = PEAK_SET(0x01020304), x = PEAK_SET(0x05060708);
+    REG(w); REG(x);
+#define ACC(k) PEAK_V a##k = PEAK_SET(k);
+    ACC(0) ACC(1) ACC(2) ACC(3) ACC(4) ACC(5) ACC(6) ACC(7) ACC(8) ACC(9) ACC(10) ACC(11)
+#undef ACC
+/* named accumulators, each kept in its register; x made opaque after each dot, so that AVX2's maddubs, which does
+ * not read the accumulator, is not one product shared by all twelve */
+#define ACC(k) a##k = PEAK_DOT(a##k, w, x); REG(a##k); REG(x);
+    for (int64_t r = 0; r < rounds; r++) {
+        ACC(0) ACC(1) ACC(2) ACC(3) ACC(4) ACC(5) ACC(6) ACC(7) ACC(8) ACC(9) ACC(10) ACC(11)
+    }
+#undef ACC
+    const PEAK_V s = PEAK_ADD(PEAK_ADD(PEAK_ADD(PEAK_ADD(a0, a1), PEAK_ADD(a2, a3)), PEAK_ADD(a4, a5)),
+                              PEAK_ADD(PEAK_ADD(PEAK_ADD(a6, a7), PEAK_ADD(a8, a9)), PEAK_ADD(a10, a11)));
+    int first;
+    memcpy(&first, &s, sizeof first);
+    peak_sink = first;   /* every accumulator is used */
+    return rounds * 12 * PEAK_LANES;
+}
+
+const kernel_path PATH_SYM = {PATH_NAME, quantize_row, mm_task, task_groups, &avx2_layer, MTILE_K, dot_peak, DOT_INSN};
 
 #else
 #if !VNNI
 int avx2_compiled(void) { return 0; }
 #endif
-const kernel_path PATH_SYM = {PATH_NAME, 0, 0, 0, 0, 0};   /* not compiled: no mm_task */
+const kernel_path PATH_SYM = {PATH_NAME, 0, 0, 0, 0, 0, 0, 0};   /* not compiled: no mm_task */
 #endif

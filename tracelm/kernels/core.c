@@ -826,6 +826,29 @@ static PyObject *py_path(PyObject *self, PyObject *noargs) {
     return PyUnicode_FromString(path->name);
 }
 
+/* dot_peak(rounds): the path's integer dot at its peak on every thread of the pool (8 tasks a thread of `rounds`
+ * rounds each, so that a thread woken late takes fewer): (int8 products done, the instruction); (0, None) on the
+ * portable path, which has no vector dot to time */
+typedef struct { const kernel_path *p; int64_t rounds; atomic_llong products; } peak_ctx;
+
+static void peak_tasks(void *ctx, int64_t t0, int64_t t1) {
+    peak_ctx *c = (peak_ctx *)ctx;
+    for (int64_t t = t0; t < t1; t++) atomic_fetch_add(&c->products, (long long)c->p->dot_peak(c->rounds));
+}
+
+static PyObject *py_dot_peak(PyObject *self, PyObject *args) {
+    (void)self;
+    long long rounds;
+    if (!PyArg_ParseTuple(args, "L:dot_peak", &rounds)) return NULL;
+    if (rounds < 1) return PyErr_Format(PyExc_ValueError, "dot_peak: rounds must be >= 1, not %lld", rounds);
+    if (!path->dot_peak) return Py_BuildValue("(Ls)", 0LL, NULL);
+    peak_ctx c = {path, rounds, 0};
+    Py_BEGIN_ALLOW_THREADS
+    pool_run(peak_tasks, &c, 8 * (int64_t)(n_workers + 1), 1);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(Ls)", (long long)atomic_load(&c.products), path->dot_insn);
+}
+
 static PyObject *py_paths(PyObject *self, PyObject *noargs) {
     (void)self; (void)noargs;
     PyObject *t = PyTuple_New(0);
@@ -903,6 +926,8 @@ static PyMethodDef methods[] = {
     {"use_path", py_use_path, METH_VARARGS, "use_path(name): switch path (self-tested at its first use)"},
     {"paths", py_paths, METH_NOARGS, "paths(): the paths this CPU can run that passed their self-test, best first"},
     {"selftest", py_selftest, METH_NOARGS, "selftest(): {path: (status, detail)} of every compiled path"},
+    {"dot_peak", py_dot_peak, METH_VARARGS,
+     "dot_peak(rounds): the path's integer dot at its peak on every thread: (int8 products, instruction)"},
     {"shutdown", py_shutdown, METH_NOARGS, "shutdown(): stop the worker threads"},
     {NULL, NULL, 0, NULL},
 };

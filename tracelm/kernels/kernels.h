@@ -422,6 +422,8 @@ typedef struct {
     int (*task_groups)(int qtype, int64_t rows);   /* groups per task for tiles of `rows` x rows */
     const layer_ops *layer;
     int mtile_k;   /* x rows of a tile for the 256-value types (0: MTILE) */
+    int64_t (*dot_peak)(int64_t rounds);   /* the path's integer dot at its peak: int8 products done (dot_insn) */
+    const char *dot_insn;
 } kernel_path;
 
 extern const kernel_path portable_path;

@@ -284,7 +284,7 @@ static void mm_task(const mm_job *j, int64_t g0, int64_t m0, int64_t m1) {   /* 
 
 static int task_groups(int qtype, int64_t rows) { (void)qtype; (void)rows; return 1; }
 
-const kernel_path portable_path = {"portable", quantize_row, mm_task, task_groups, &portable_layer, 0};
+const kernel_path portable_path = {"portable", quantize_row, mm_task, task_groups, &portable_layer, 0, 0, 0};
 
 /* ---- dequantization, the same float operations as gguf.quants ---- */
 void dequantize_rows(int t, const uint8_t *w, int64_t row_bytes, int64_t K, float *out, int64_t r0, int64_t r1) {

@@ -5,7 +5,9 @@ model's peak RSS): read bandwidth over 1 GiB, the better of a matrix-vector prod
 decode) and the kernels' pool reading it at the bench's thread count (decode's threads), and the sgemm rate of a
 large square product. From them:
 - decode roofline: f32 weight bytes / bandwidth (each decoded token reads every weight once);
-- prefill bound: sgemm rate / FLOPs per prompt token (matrix products + attention scores).
+- prefill bound: sgemm rate / FLOPs per prompt token (matrix products + attention scores);
+- on the kernels, the prompt's integer bound: the path's integer dot at its peak on the bench's threads
+  (`kernels.dot_peak`) / the quantized weights' int8 products per prompt token (times the activations' halves).
 It also times one pass's weight products alone (`product_pass_seconds`), to show how much of each limit the
 numpy/OpenBLAS products themselves leave for the rest of the graph.
 """
@@ -85,6 +87,42 @@ def prefill_flops_per_token(cfg: Any, n_prompt: int) -> float:
     return cfg.n_layer * (block + attention) + 2 * cfg.n_vocab * d / n_prompt
 
 
+def int8_products_per_token(w: Any, n_prompt: int) -> float:
+    """int8 products per prompt token of the quantized weights (the kernels' integer work): every block's four
+    products at each position and the head at the last, each weight times the activations' halves (2 under int16,
+    1 under int8); float weights count none."""
+    import tracelm.kernels as kernels
+    from tracelm.state.records import QMatrix
+
+    def products(m: Any) -> int:
+        if not isinstance(m, QMatrix):
+            return 0
+        return m.halves * m.shape[1] * sum(b.shape[0] for b, t in m.parts if t not in kernels.FLOATS)
+
+    block = sum(products(lw.wqkv) + products(lw.wo) + products(lw.w_gate_up) + products(lw.w_down)
+                for lw in w.layers)
+    return block + products(w.output) / n_prompt
+
+
+def int8_bound(session: Session, n_prompt: int, prefill_tok_s: float, prefill_products_tok_s: float | None
+               ) -> dict[str, Any]:
+    """The prompt's integer work against the path's integer dot at its peak (`kernels.dot_peak`, on the run's
+    threads, timed now): the prefill rate no product of these quantized weights can pass on this path, and the
+    share of it the prefill (and its products alone) reach. Empty on the reference path or the portable one, or
+    where no weight is quantized."""
+    import tracelm.kernels as kernels
+
+    per_token = int8_products_per_token(session.model.weights, n_prompt)
+    peak = kernels.dot_peak() if session.cfg.compute == "kernels" and per_token else None
+    if not peak:
+        return {}
+    bound = peak["int8_products_g_s"] * 1e9 / per_token
+    return {"int8_dot_peak": peak, "prefill_int8_bound_tok_s": round(bound, 1),
+            "prefill_vs_int8_bound": round(prefill_tok_s / bound, 3),
+            **({"prefill_products_vs_int8_bound": round(prefill_products_tok_s / bound, 3)}
+               if prefill_products_tok_s else {})}
+
+
 def bench_ids(tokenizer: Any, n: int) -> list[int]:
     ids = tokenizer.encode(BENCH_TEXT)
     return (ids * (n // len(ids) + 1))[:n]
@@ -127,6 +165,7 @@ def _model_bench(session: Session, probe: dict[str, float], n_prompt: int, n_dec
     roofline_tok_s = probe["bandwidth_gb_s"] * 1e9 / weight_bytes
     sgemm_bound_tok_s = probe["sgemm_gflop_s"] * 1e9 / prefill_flops_per_token(cfg, n_prompt)
     ceilings = {}
+    prefill_products_tok_s = None
     if not dequantizing:  # the same limits for the weight products alone, every other stage free
         decode_products_tok_s = 1 / product_pass_seconds(model.weights, cfg, 1, 10)
         prefill_products_tok_s = n_prompt / product_pass_seconds(model.weights, cfg, n_prompt, 3)
@@ -163,6 +202,7 @@ def _model_bench(session: Session, probe: dict[str, float], n_prompt: int, n_dec
         "prefill_sgemm_bound_tok_s": round(sgemm_bound_tok_s, 1),
         "prefill_vs_sgemm_bound": round(n_prompt / prefill_s / sgemm_bound_tok_s, 3),
         **ceilings,
+        **int8_bound(session, n_prompt, n_prompt / prefill_s, prefill_products_tok_s),
         **(kernels_in_use() if compute == "kernels" else {}),
     }
 
