@@ -53,3 +53,16 @@ def test_cli_paths_picks_the_paths(tiny_q8, capsys, kernels_restored):
                      "--repeats", "1", "--threads", "1", "--paths", "portable", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert [k for k in report if k in kernels.paths()] == ["portable"]
+
+
+def test_a_bench_report_names_the_kernels_tuning_variables_set(monkeypatch):
+    """A sweep's reports say what each ran with: the kernels' variables set in the environment, and only those."""
+    from tracelm.tools.bench import kernels_in_use
+
+    for name in ("TRACELM_KERNELS", "TRACELM_K_AHEAD", "TRACELM_TASKS_PER_THREAD", "TRACELM_SPIN_US"):
+        monkeypatch.delenv(name, raising=False)
+    assert "kernels_env" not in kernels_in_use()
+    monkeypatch.setenv("TRACELM_K_AHEAD", "8")
+    monkeypatch.setenv("TRACELM_SPIN_US", "")
+    report = kernels_in_use()
+    assert report["kernels_env"] == {"TRACELM_K_AHEAD": "8"} and report["kernels_path"] == kernels.path()

@@ -475,6 +475,29 @@ def test_env_var_forces_portable_path():
     assert res.stdout == bits(here).tobytes().hex()
 
 
+@pytest.mark.parametrize("ahead", ["1", "64"])
+def test_decode_prefetch_distance_leaves_every_bit(tmp_path, ahead):
+    """TRACELM_K_AHEAD (the K-quants' decode pairs' prefetch, for a bench's sweep) moves no bit: one and two x rows
+    on packed Q4_K and Q6_K rows, 4 pairs of groups, as this process computes them on its path."""
+    code = ("import numpy as np, sys; from tracelm import kernels; "
+            "x = np.load(sys.argv[1]); out = [] \n"
+            "for t in (12, 14):\n"
+            "    w = kernels.pack(np.load(sys.argv[2] + f'{t}.npy'), t)\n"
+            "    out += [kernels.matmul(x[:m], w, t, packed=True).view(np.uint32).tobytes().hex() for m in (1, 2)]\n"
+            "sys.stdout.write(' '.join(out))")
+    x = np.random.default_rng(5).standard_normal((2, 1024)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    here = []
+    for t in (Q.Q4_K, Q.Q6_K):
+        w = weights(t, 64, 1024)
+        np.save(tmp_path / f"w{int(t)}.npy", w)
+        here += [bits(kernels.matmul(x[:m], kernels.pack(w, t), t, packed=True)).tobytes().hex() for m in (1, 2)]
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "x.npy"), str(tmp_path / "w")],
+                         env=dict(os.environ, TRACELM_K_AHEAD=ahead), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == " ".join(here)
+
+
 def test_threads_and_paths_api():
     assert kernels.SUPPORTED == {0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30}
     assert kernels.path() in ("amx", "avx512vnni", "avxvnni", "avx2", "portable") and "portable" in PATHS

@@ -1453,16 +1453,16 @@ INL __m512 q8_packed16(int two, const uint8_t *g, int64_t gb, const xblock32 *xh
     return two ? _mm512_add_ps(acc_hi, acc_lo) : acc_hi;
 }
 
-#define K_AHEAD 4   /* dotk_packed16's prefetch: super-blocks ahead in each stream (docs/performance.md) */
 INL __m512 dotk_packed16(int t, int two, const uint8_t *g, int64_t gb, const xblock256 *xh, const xblock256 *xl,
                          int64_t nb) {
     const int tb = type_bytes(t);
     const __m512i f = _mm512_set1_epi8(15), z = _mm512_setzero_si512();
     __m512 acc_hi = _mm512_setzero_ps(), acc_lo = _mm512_setzero_ps();
+    const int64_t ahead = k_ahead;   /* super-blocks (kernels.h; docs/performance.md) */
     for (int64_t b = 0; b < nb; b++, xh++, xl++) {
         const uint8_t *p = g + GROUP * b * tb;
-        /* each of the two groups' streams K_AHEAD blocks ahead, past their ends into the next pair's two groups */
-        const uint8_t *a = p + K_AHEAD * GROUP * tb + (b + K_AHEAD >= nb ? gb : 0);
+        /* each of the two groups' streams `ahead` blocks ahead, past their ends into the next pair's two groups */
+        const uint8_t *a = p + ahead * GROUP * tb + (b + ahead >= nb ? gb : 0);
         for (int64_t c = 0; c < GROUP * tb; c += 64) {
             _mm_prefetch((const char *)a + c, _MM_HINT_T0);
             _mm_prefetch((const char *)a + gb + c, _MM_HINT_T0);

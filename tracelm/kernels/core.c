@@ -342,6 +342,7 @@ static void dq_tasks(void *ctx, int64_t t0, int64_t t1) {
 
 int pool_threads(void) { return n_workers + 1; }
 
+int k_ahead = 4;
 static int64_t tasks_per_thread = 8;   /* TRACELM_TASKS_PER_THREAD: chunks a thread takes of a job, about */
 
 /* tasks taken at a time: about tasks_per_thread chunks a thread (each take is an atomic add on a line every thread
@@ -951,6 +952,8 @@ PyMODINIT_FUNC PyInit__core(void) {
     const char *spin = getenv("TRACELM_SPIN_US"), *per = getenv("TRACELM_TASKS_PER_THREAD");
     if (spin && *spin) spin_seconds = atof(spin) * 1e-6;
     if (per && atoi(per) >= 1) tasks_per_thread = atoi(per);
+    const char *ahead = getenv("TRACELM_K_AHEAD");
+    if (ahead && atoi(ahead) >= 1 && atoi(ahead) <= 64) k_ahead = atoi(ahead);
     static int forked_hook = 0;
     if (!forked_hook) { pthread_atfork(NULL, NULL, atfork_child); forked_hook = 1; }
     PyObject *sup = Py_BuildValue("(iiiiiiiiiii)", T_F32, T_F16, T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1, T_Q8_0, T_Q4_K,

@@ -430,6 +430,9 @@ extern const kernel_path portable_path;
 /* only if compiled for x86-64 (else mm_task is NULL): avx2.c, and avx2.c again with VNNI (avxvnni.c, avx512vnni.c)
  * and with VNNI and AMX tiles (amx.c) */
 extern const kernel_path avx2_path, avxvnni_path, avx512vnni_path, amx_path;
+/* the K-quants' 512-bit decode pairs' prefetch distance, in super-blocks ahead in each stream (core.c: 4, or
+ * TRACELM_K_AHEAD=1..64 for a bench's sweep; a prefetch computes nothing, so every value gives the same bits) */
+extern __attribute__((visibility("hidden"))) int k_ahead;
 int avx2_compiled(void);
 
 /* a matmul job's tiling on path p, from its qtype, M and N */
