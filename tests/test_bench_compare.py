@@ -49,6 +49,25 @@ def test_report_medians_spreads_and_ratio_spreads():
     assert "1.50x (0.90-2.20)" in table and "not met" in table and "4/4" in table and "3 rounds" in table
 
 
+def test_a_prefill_target_past_tracelms_integer_bound_is_said():
+    """tracelm's child reports its prompt's integer bound; a prefill ratio says what its target asks of it (target x
+    the other's median over the bound), and the table says when that is more than the bound allows."""
+    details = {"kernels": "avx512vnni", "prefill_int8_bound_tok_s": 80.0}
+    runs = {"tracelm": {"default": _rounds("tracelm", [40, 44], [10, 11], [1, 2], details=details)},
+            "llama.cpp": {"flash_attn on": _rounds("llama.cpp", [60, 70], [9, 9], [1, 2])},
+            "transformers": {"default": _rounds("transformers", [20, 30], [3, 4], [1, 2])}}
+    rep = bc.build_report("m.gguf", 2, 256, 128, runs)
+    assert rep["engines"]["tracelm"]["prefill_int8_bound_tok_s"] == 80.0
+    assert rep["ratios"]["prefill_vs_llama_cpp"]["target_vs_int8_bound"] == 1.219  # 1.5 x 65 / 80
+    assert rep["ratios"]["prefill_vs_transformers"]["target_vs_int8_bound"] == 0.312  # 1.0 x 25 / 80
+    assert "target_vs_int8_bound" not in rep["ratios"]["decode_vs_llama_cpp"]
+    table = bc.format_table(rep)
+    assert table.count("integer bound") == 1 and "the target is 1.22x tracelm's integer bound" in table
+    del details["prefill_int8_bound_tok_s"]  # the portable path, or reference weights: no bound, nothing said
+    rep = bc.build_report("m.gguf", 2, 256, 128, runs)
+    assert "target_vs_int8_bound" not in rep["ratios"]["prefill_vs_llama_cpp"]
+
+
 def test_llama_cpp_best_of_flash_attention_named_and_used_per_rate():
     """llama.cpp is measured with flash attention off and on; per rate the better median is its figure, the
     report names which, and the ratios pair tracelm's rounds with that variant's."""
@@ -130,6 +149,25 @@ def test_tracelm_child_on_tiny_gguf(tiny_gguf):
     assert 10 < r["peak_rss_mb"] < 4096
     assert 0 <= r["load_seconds"] < 60
     assert r["tokens"] == greedy(model, ids, 7)  # the child decoded the same greedy tokens as in-process
+    assert "prefill_int8_bound_tok_s" not in r["details"]  # f32 weights: no integer work, no integer bound
+
+
+def test_tracelm_child_reports_its_prompts_integer_bound(tmp_path):
+    """On quantized weights the child names the bound its prefill meets: the path's dot at its peak on its threads
+    over the prompt's int8 products per token (none on the portable path)."""
+    import gguf
+
+    from tests.conftest import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny-q8.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
+    r = bc.run_engine("tracelm", str(path), list(range(1, 17)), n_decode=2, threads=1, repeats=1)
+    assert r["status"] == "ok", r
+    if r["details"]["kernels"] == "portable":
+        assert "prefill_int8_bound_tok_s" not in r["details"]
+    else:
+        peak = r["details"]["int8_dot_peak"]
+        assert peak["threads"] == 1 and peak["path"] == r["details"]["kernels"]
+        assert r["details"]["prefill_int8_bound_tok_s"] > r["prefill_tok_s"] > 0
 
 
 def test_absent_engine_is_reported_not_a_crash(tiny_gguf, monkeypatch):

@@ -104,21 +104,27 @@ def int8_products_per_token(w: Any, n_prompt: int) -> float:
     return block + products(w.output) / n_prompt
 
 
-def int8_bound(session: Session, n_prompt: int, prefill_tok_s: float, prefill_products_tok_s: float | None
-               ) -> dict[str, Any]:
+def prefill_int8_bound(session: Session, n_prompt: int) -> dict[str, Any]:
     """The prompt's integer work against the path's integer dot at its peak (`kernels.dot_peak`, on the run's
-    threads, timed now): the prefill rate no product of these quantized weights can pass on this path, and the
-    share of it the prefill (and its products alone) reach. Empty on the reference path or the portable one, or
-    where no weight is quantized."""
+    threads, timed now): the peak, and the prefill rate no product of these quantized weights can pass on this path.
+    Empty on the reference path or the portable one, or where no weight is quantized."""
     import tracelm.kernels as kernels
 
     per_token = int8_products_per_token(session.model.weights, n_prompt)
     peak = kernels.dot_peak() if session.cfg.compute == "kernels" and per_token else None
     if not peak:
         return {}
-    bound = peak["int8_products_g_s"] * 1e9 / per_token
-    return {"int8_dot_peak": peak, "prefill_int8_bound_tok_s": round(bound, 1),
-            "prefill_vs_int8_bound": round(prefill_tok_s / bound, 3),
+    return {"int8_dot_peak": peak, "prefill_int8_bound_tok_s": round(peak["int8_products_g_s"] * 1e9 / per_token, 1)}
+
+
+def int8_bound(session: Session, n_prompt: int, prefill_tok_s: float, prefill_products_tok_s: float | None
+               ) -> dict[str, Any]:
+    """`prefill_int8_bound` and the share of it the prefill (and its products alone) reach."""
+    report = prefill_int8_bound(session, n_prompt)
+    if not report:
+        return {}
+    bound = report["prefill_int8_bound_tok_s"]
+    return {**report, "prefill_vs_int8_bound": round(prefill_tok_s / bound, 3),
             **({"prefill_products_vs_int8_bound": round(prefill_products_tok_s / bound, 3)}
                if prefill_products_tok_s else {})}
 
