@@ -57,9 +57,10 @@ def test_cli_paths_picks_the_paths(tiny_q8, capsys, kernels_restored):
 
 def test_a_bench_report_names_the_kernels_tuning_variables_set(monkeypatch):
     """A sweep's reports say what each ran with: the kernels' variables set in the environment, and only those."""
-    from tracelm.tools.bench import kernels_in_use
+    from tracelm.tools.bench import KERNELS_ENV, kernels_in_use
 
-    for name in ("TRACELM_KERNELS", "TRACELM_K_AHEAD", "TRACELM_TASKS_PER_THREAD", "TRACELM_SPIN_US"):
+    assert {"TRACELM_KERNELS", "TRACELM_K_AHEAD", "TRACELM_TASKS_PER_THREAD", "TRACELM_SPIN_US"} <= set(KERNELS_ENV)
+    for name in KERNELS_ENV:
         monkeypatch.delenv(name, raising=False)
     assert "kernels_env" not in kernels_in_use()
     monkeypatch.setenv("TRACELM_K_AHEAD", "8")

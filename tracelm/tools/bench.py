@@ -110,8 +110,8 @@ def prefill_int8_bound(session: Session, n_prompt: int) -> dict[str, Any]:
     Empty on the reference path or the portable one, or where no weight is quantized."""
     import tracelm.kernels as kernels
 
-    per_token = int8_products_per_token(session.model.weights, n_prompt)
-    peak = kernels.dot_peak() if session.cfg.compute == "kernels" and per_token else None
+    per_token = int8_products_per_token(session.model.weights, n_prompt)  # 0 on the reference path's f32 weights
+    peak = kernels.dot_peak() if per_token else None
     if not peak:
         return {}
     return {"int8_dot_peak": peak, "prefill_int8_bound_tok_s": round(peak["int8_products_g_s"] * 1e9 / per_token, 1)}
@@ -226,7 +226,6 @@ def kernels_in_use() -> dict[str, Any]:
     tuning = {k: os.environ[k] for k in KERNELS_ENV if os.environ.get(k)}
     return {"kernels_path": kernels.path(), "selftest": {k: f"{s}: {d}" for k, (s, d) in kernels.selftest().items()},
             **({"kernels_env": tuning} if tuning else {})}
-
 
 
 def product_pass_seconds(w: Any, cfg: Any, rows: int, repeat: int, head_rows: int = 1) -> float:

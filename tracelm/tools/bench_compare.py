@@ -796,8 +796,8 @@ def format_table(report: dict[str, Any]) -> str:
         spread_ = "" if ratio["value"] is None else f"({ratio['min']:.2f}-{ratio['max']:.2f})"
         met = {None: "", True: "met", False: "not met"}[ratio["met"]]
         against = f" vs {ratio['against']}" if ratio.get("against") else ""
-        beyond = ratio.get("target_vs_int8_bound", 0)
-        beyond = f" (the target is {beyond:.2f}x tracelm's integer bound)" if beyond > 1 else ""
+        asks = ratio.get("target_vs_int8_bound", 0)
+        beyond = f" (the target is {asks:.2f}x tracelm's integer bound)" if asks > 1 else ""
         lines.append(f"{ratio['what'] + against:58s} {value:>7s} {spread_:15s} target >= {ratio['target']}x "
                      f"{met}{beyond}".rstrip())
     lines.append("")
