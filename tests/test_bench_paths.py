@@ -55,6 +55,27 @@ def test_cli_paths_picks_the_paths(tiny_q8, capsys, kernels_restored):
     assert [k for k in report if k in kernels.paths()] == ["portable"]
 
 
+def test_prefetch_distances_alternated_as_variants(tiny_q8, kernels_restored):
+    """`k_ahead`: each path at each distance, a variant each with the same bits, the ratios to the first distance;
+    the distance in use put back."""
+    before = kernels.k_ahead()
+    path = kernels.path()
+    report = bench_paths(str(tiny_q8), n_prompt=8, n_decode=2, rounds=1, paths=(path,), k_ahead=(2, 0), threads=1)
+    assert report["same_bits"] is True and report["k_ahead"] == before and kernels.k_ahead() == before
+    first, second = f"{path} k_ahead=2", f"{path} k_ahead=0"
+    assert set(report) >= {first, second} and path not in report
+    assert f"decode_vs_{first}" in report[second] and f"decode_vs_{first}" not in report[first]
+
+
+def test_cli_k_ahead(tiny_q8, capsys, kernels_restored):
+    assert cli.main(["bench", "paths", "--model", str(tiny_q8), "--prompt-tokens", "8", "--decode-tokens", "1",
+                     "--repeats", "1", "--threads", "1", "--paths", "portable", "--k-ahead", "0,8", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert {"portable k_ahead=0", "portable k_ahead=8"} <= set(report)
+    assert cli.main(["bench", "paths", "--model", str(tiny_q8), "--k-ahead", "4,65"]) != 0
+    assert "--k-ahead '4,65': expected distinct counts of 0 to 64" in capsys.readouterr().err
+
+
 def test_a_bench_report_names_the_kernels_tuning_variables_set(monkeypatch):
     """A sweep's reports say what each ran with: the kernels' variables set in the environment, and only those."""
     from tracelm.tools.bench import KERNELS_ENV, kernels_in_use
@@ -67,3 +88,4 @@ def test_a_bench_report_names_the_kernels_tuning_variables_set(monkeypatch):
     monkeypatch.setenv("TRACELM_SPIN_US", "")
     report = kernels_in_use()
     assert report["kernels_env"] == {"TRACELM_K_AHEAD": "8"} and report["kernels_path"] == kernels.path()
+    assert report["k_ahead"] == kernels.k_ahead()  # what the extension runs with (it read the variable at import)

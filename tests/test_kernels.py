@@ -475,7 +475,7 @@ def test_env_var_forces_portable_path():
     assert res.stdout == bits(here).tobytes().hex()
 
 
-@pytest.mark.parametrize("ahead", ["1", "64"])
+@pytest.mark.parametrize("ahead", ["0", "64"])
 def test_decode_prefetch_distance_leaves_every_bit(tmp_path, ahead):
     """TRACELM_K_AHEAD (the K-quants' decode pairs' prefetch, for a bench's sweep) moves no bit: one and two x rows
     on packed Q4_K and Q6_K rows, 4 pairs of groups, as this process computes them on its path."""
@@ -496,6 +496,35 @@ def test_decode_prefetch_distance_leaves_every_bit(tmp_path, ahead):
                          env=dict(os.environ, TRACELM_K_AHEAD=ahead), capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert res.stdout == " ".join(here)
+
+
+def test_prefetch_distance_set_in_process_leaves_every_bit():
+    """set_k_ahead moves the decode pairs' prefetch (none, 1, the default, 64 super-blocks ahead) and no bit: one and
+    two x rows on packed Q4_K and Q6_K rows; a distance out of 0..64 is refused, the one in use kept."""
+    x = np.random.default_rng(6).standard_normal((2, 1024)).astype(np.float32)
+    mats = [(t, kernels.pack(weights(t, 64, 1024), t)) for t in (Q.Q4_K, Q.Q6_K)]
+    before = kernels.k_ahead()
+    try:
+        outs = {}
+        for ahead in (0, 1, before, 64):
+            kernels.set_k_ahead(ahead)
+            assert kernels.k_ahead() == ahead
+            outs[ahead] = [bits(kernels.matmul(x[:m], w, t, packed=True)).tobytes() for t, w in mats for m in (1, 2)]
+        assert all(o == outs[before] for o in outs.values())
+        for bad in (-1, 65):
+            with pytest.raises(ValueError, match="0..64 super-blocks"):
+                kernels.set_k_ahead(bad)
+        assert kernels.k_ahead() == 64
+    finally:
+        kernels.set_k_ahead(before)
+
+
+def test_an_unusable_prefetch_distance_in_the_environment_is_named(tmp_path):
+    """TRACELM_K_AHEAD that is not 0..64 leaves the default and says so, naming the value."""
+    res = subprocess.run([sys.executable, "-c", "from tracelm import kernels; print(kernels.k_ahead())"],
+                         env=dict(os.environ, TRACELM_K_AHEAD="65"), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stdout.strip() == "4"
+    assert "TRACELM_K_AHEAD='65' is not a number of super-blocks 0..64" in res.stderr
 
 
 def test_threads_and_paths_api():

@@ -346,7 +346,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             from tracelm.tools.bench_paths import bench_paths
 
             paths = tuple(p.strip() for p in args.paths.split(",") if p.strip()) if args.paths else None
-            report = bench_paths(args.model, args.prompt_tokens, args.decode_tokens, args.repeats or 5, paths, **engine)
+            aheads = _distinct_ints(args.k_ahead, "k-ahead", 64, least=0) if args.k_ahead else ()
+            report = bench_paths(args.model, args.prompt_tokens, args.decode_tokens, args.repeats or 5, paths, aheads,
+                                 **engine)
         elif args.what == "profile":
             from tracelm.tools.bench_profile import bench_profile
 
@@ -398,15 +400,16 @@ def _bench_filters(args: argparse.Namespace) -> dict[str, float]:
     return filters
 
 
-def _distinct_ints(text: str, flag: str, most: int | None = None) -> tuple[int, ...]:
-    """`--FLAG a,b,c` (--positions, --streams, --thread-counts): distinct integers of 1 to `most` (any positive one
-    when None), in the order given, the first the baseline of the ratios."""
+def _distinct_ints(text: str, flag: str, most: int | None = None, least: int = 1) -> tuple[int, ...]:
+    """`--FLAG a,b,c` (--positions, --streams, --thread-counts, --k-ahead): distinct integers of `least` to `most`
+    (any from `least` on when None), in the order given, the first the baseline of the ratios."""
     try:
         values = tuple(int(n) for n in text.split(","))
     except ValueError:
         values = ()
-    if not values or min(values) < 1 or (most is not None and max(values) > most) or len(set(values)) != len(values):
-        want = f"distinct counts of 1 to {most}" if most is not None else "distinct positive integers"
+    distinct = len(set(values)) == len(values)
+    if not values or min(values) < least or (most is not None and max(values) > most) or not distinct:
+        want = f"distinct counts of {least} to {most}" if most is not None else "distinct positive integers"
         raise TracelmError(f"--{flag} {text!r}: expected {want} separated by commas")
     return values
 
@@ -977,6 +980,9 @@ def _add_bench_command(sub: Any) -> None:
     sp.add_argument("--min-p", type=float, metavar="P", help="bench profile, bench server: their min-p (0 = off)")
     sp.add_argument("--paths", default=None, metavar="NAME,NAME,...",
                     help="bench paths: the kernel paths to alternate (default: every self-tested one but portable)")
+    sp.add_argument("--k-ahead", default=None, metavar="N1,N2,...",
+                    help="bench paths: each path at each of these prefetch distances of the K-quants' decode pairs "
+                    "(super-blocks, 0..64; 0: none), alternated")
     sp.add_argument("--items", type=int, default=64,
                     help="bench batch: prompts run as one `tracelm batch` and as separate `tracelm run` calls")
     sp.add_argument("--actors", type=int, default=2, help="bench batch: the Ray engine's actors")

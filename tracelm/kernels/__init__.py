@@ -30,8 +30,10 @@ least one head; out of memory inside a call is a MemoryError.
 Threads: at import, all CPUs this process may run on (os.sched_getaffinity); set_threads(n) changes it.
 
 Environment: TRACELM_KERNELS=NAME (portable, avx2, avxvnni, avx512vnni, amx) picks that path at import where it may run;
-TRACELM_SPIN_US (default 200) is how long idle workers spin before they sleep; TRACELM_SELFTEST_FAULT=NAME makes
-that path's self-test fail (for tests of the refusal).
+TRACELM_SPIN_US (default 200) is how long idle workers spin before they sleep; TRACELM_K_AHEAD=0..64 (default 4) is
+how many super-blocks ahead the K-quants' 512-bit decode pairs prefetch each stream (0: none; set_k_ahead(n) from
+code; the same bits at every value); TRACELM_SELFTEST_FAULT=NAME makes that path's self-test fail (for tests of the
+refusal).
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ PACKABLE = frozenset((Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K))  # types 
 
 set_threads = _core.set_threads  # set_threads(n): n threads in all, the calling thread included
 threads = _core.threads
+set_k_ahead = _core.set_k_ahead  # set_k_ahead(n): the K-quants' decode pairs prefetch n super-blocks ahead, 0..64
+k_ahead = _core.k_ahead
 path = _core.path  # "amx" | "avx512vnni" | "avxvnni" | "avx2" | "portable"
 
 # the trace's kernels (trace_stats.c): stage events held as they come (each output's statistics then, its bytes for the
@@ -107,6 +111,16 @@ def use_path(name: str) -> None:
 
 
 _warn_refused()
+
+
+def _check_k_ahead(value: str | None) -> None:
+    """A RuntimeWarning when TRACELM_K_AHEAD is set to what the extension does not take (it keeps its default)."""
+    if value and not (value.isdigit() and int(value) <= 64):
+        warnings.warn(f"tracelm kernels: TRACELM_K_AHEAD={value!r} is not a number of super-blocks 0..64; "
+                      f"prefetching {k_ahead()} ahead", RuntimeWarning, stacklevel=2)
+
+
+_check_k_ahead(os.environ.get("TRACELM_K_AHEAD"))
 
 
 def default_threads() -> int:

@@ -1463,7 +1463,7 @@ INL __m512 dotk_packed16(int t, int two, const uint8_t *g, int64_t gb, const xbl
         const uint8_t *p = g + GROUP * b * tb;
         /* each of the two groups' streams `ahead` blocks ahead, past their ends into the next pair's two groups */
         const uint8_t *a = p + ahead * GROUP * tb + (b + ahead >= nb ? gb : 0);
-        for (int64_t c = 0; c < GROUP * tb; c += 64) {
+        for (int64_t c = 0; ahead && c < GROUP * tb; c += 64) {   /* 0: the hardware's prefetchers alone */
             _mm_prefetch((const char *)a + c, _MM_HINT_T0);
             _mm_prefetch((const char *)a + gb + c, _MM_HINT_T0);
         }

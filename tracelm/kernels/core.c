@@ -822,6 +822,23 @@ static PyObject *py_threads(PyObject *self, PyObject *noargs) {
     return PyLong_FromLong(n_workers + 1);
 }
 
+static PyObject *py_set_k_ahead(PyObject *self, PyObject *args) {
+    (void)self;
+    int n;
+    if (!PyArg_ParseTuple(args, "i:set_k_ahead", &n)) return NULL;
+    if (n < 0 || n > MAX_K_AHEAD) {
+        PyErr_Format(PyExc_ValueError, "set_k_ahead: n must be 0..%d super-blocks, got %d", MAX_K_AHEAD, n);
+        return NULL;
+    }
+    k_ahead = n;   /* read by each product as it starts: none runs while the GIL is held here */
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_k_ahead(PyObject *self, PyObject *noargs) {
+    (void)self; (void)noargs;
+    return PyLong_FromLong(k_ahead);
+}
+
 static PyObject *py_path(PyObject *self, PyObject *noargs) {
     (void)self; (void)noargs;
     return PyUnicode_FromString(path->name);
@@ -923,6 +940,9 @@ static PyMethodDef methods[] = {
      "scratch_bytes(M, K, qtype, halves=2): bytes of quantized x"},
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n): n threads in all (the caller included)"},
     {"threads", py_threads, METH_NOARGS, "threads(): threads in all"},
+    {"set_k_ahead", py_set_k_ahead, METH_VARARGS,
+     "set_k_ahead(n): the K-quants' 512-bit decode pairs prefetch n super-blocks ahead (0: none; the same bits)"},
+    {"k_ahead", py_k_ahead, METH_NOARGS, "k_ahead(): the decode pairs' prefetch distance in super-blocks"},
     {"path", py_path, METH_NOARGS, "path(): the path in use ('amx', 'avx512vnni', 'avxvnni', 'avx2' or 'portable')"},
     {"use_path", py_use_path, METH_VARARGS, "use_path(name): switch path (self-tested at its first use)"},
     {"paths", py_paths, METH_NOARGS, "paths(): the paths this CPU can run that passed their self-test, best first"},
@@ -953,7 +973,11 @@ PyMODINIT_FUNC PyInit__core(void) {
     if (spin && *spin) spin_seconds = atof(spin) * 1e-6;
     if (per && atoi(per) >= 1) tasks_per_thread = atoi(per);
     const char *ahead = getenv("TRACELM_K_AHEAD");
-    if (ahead && atoi(ahead) >= 1 && atoi(ahead) <= 64) k_ahead = atoi(ahead);
+    if (ahead && *ahead) {   /* a number 0..64, or left at 4 (the Python side warns of another value) */
+        char *end;
+        const long v = strtol(ahead, &end, 10);
+        if (!*end && v >= 0 && v <= MAX_K_AHEAD) k_ahead = (int)v;
+    }
     static int forked_hook = 0;
     if (!forked_hook) { pthread_atfork(NULL, NULL, atfork_child); forked_hook = 1; }
     PyObject *sup = Py_BuildValue("(iiiiiiiiiii)", T_F32, T_F16, T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1, T_Q8_0, T_Q4_K,

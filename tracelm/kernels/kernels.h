@@ -431,7 +431,9 @@ extern const kernel_path portable_path;
  * and with VNNI and AMX tiles (amx.c) */
 extern const kernel_path avx2_path, avxvnni_path, avx512vnni_path, amx_path;
 /* the K-quants' 512-bit decode pairs' prefetch distance, in super-blocks ahead in each stream (core.c: 4, or
- * TRACELM_K_AHEAD=1..64 for a bench's sweep; a prefetch computes nothing, so every value gives the same bits) */
+ * TRACELM_K_AHEAD / set_k_ahead 0..64 for a sweep, 0 leaving the streams to the hardware's prefetchers; a prefetch
+ * computes nothing, so every value gives the same bits) */
+#define MAX_K_AHEAD 64
 extern __attribute__((visibility("hidden"))) int k_ahead;
 int avx2_compiled(void);
 

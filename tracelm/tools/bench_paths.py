@@ -4,7 +4,11 @@ model in one process, alternated round by round so that the machine's drift fall
 After a round that warms every path up, each round, for each path: prefill of a prompt, then decode of a few
 tokens, and the weight products of one prefill pass alone. Reported per path: the median with min and max over
 the rounds, and each median's ratio to the avx2 path's. The paths must agree bit for bit (their contract,
-kernels.h): the prompt's last logits and the decoded tokens are compared, and a difference fails the bench."""
+kernels.h): the prompt's last logits and the decoded tokens are compared, and a difference fails the bench.
+
+With `k_ahead` (`--k-ahead 1,2,4`) each path runs at each of those prefetch distances of the K-quants' decode pairs
+in turn (`kernels.set_k_ahead`), a variant each ("avx512vnni k_ahead=2"), the ratios then to the first distance of
+the base path: a sweep in one process, the model loaded once and the machine's drift on every variant alike."""
 
 from __future__ import annotations
 
@@ -21,8 +25,12 @@ def _spread(values: list[float]) -> dict[str, float]:
     return {"median": round(statistics.median(values), 2), "min": round(min(values), 2), "max": round(max(values), 2)}
 
 
+def variant_name(path: str, ahead: int | None) -> str:
+    return path if ahead is None else f"{path} k_ahead={ahead}"
+
+
 def bench_paths(model_name: str, n_prompt: int = 128, n_decode: int = 32, rounds: int = 5,
-                paths: tuple[str, ...] | None = None, **engine: Any) -> dict[str, Any]:
+                paths: tuple[str, ...] | None = None, k_ahead: tuple[int, ...] = (), **engine: Any) -> dict[str, Any]:
     import tracelm.kernels as kernels
     from tracelm.tools.bench import bench_ids, kernels_in_use, open_session, product_pass_seconds
 
@@ -31,8 +39,10 @@ def bench_paths(model_name: str, n_prompt: int = 128, n_decode: int = 32, rounds
     if unknown:
         raise TracelmError(f"bench paths: {', '.join(unknown)} cannot run here (self-tested paths: "
                            f"{', '.join(kernels.paths())})")
-    before = kernels.path()
-    rates: dict[str, dict[str, list[float]]] = {p: {"prefill": [], "decode": [], "products": []} for p in names}
+    before, ahead_before = kernels.path(), kernels.k_ahead()
+    variants = [(p, a) for p in names for a in (k_ahead or (None,))]
+    labels = [variant_name(p, a) for p, a in variants]
+    rates: dict[str, dict[str, list[float]]] = {v: {"prefill": [], "decode": [], "products": []} for v in labels}
     outputs: dict[str, tuple[bytes, list[int]]] = {}
     try:
         with open_session(model_name, **engine) as session:
@@ -40,8 +50,9 @@ def bench_paths(model_name: str, n_prompt: int = 128, n_decode: int = 32, rounds
             runner = session.new_runner(n_prompt + n_decode + 1)
             ids = bench_ids(model.tokenizer, n_prompt)
             for r in range(rounds + 1):   # round 0 warms every path up and is not counted
-                for p in names:
+                for (p, a), v in zip(variants, labels, strict=True):
                     kernels.use_path(p)
+                    kernels.set_k_ahead(ahead_before if a is None else a)
                     runner.cache.reset()
                     t0 = time.perf_counter()
                     logits = runner.prefill(ids).values[-1]
@@ -51,27 +62,28 @@ def bench_paths(model_name: str, n_prompt: int = 128, n_decode: int = 32, rounds
                         tokens.append(int(np.argmax(runner.step(tokens[-1]).values[-1])))
                     t2 = time.perf_counter()
                     seen = (np.ascontiguousarray(logits, np.float32).tobytes(), tokens)
-                    if outputs.setdefault(p, seen) != seen or outputs[names[0]] != seen:
-                        raise TracelmError(f"bench paths: the {p} path's logits or tokens differ from the "
-                                           f"{names[0]} path's: the kernels' contract is broken on this CPU")
+                    if outputs.setdefault(v, seen) != seen or outputs[labels[0]] != seen:
+                        raise TracelmError(f"bench paths: the {v} path's logits or tokens differ from the "
+                                           f"{labels[0]} path's: the kernels' contract is broken on this CPU")
                     if r == 0:
                         continue
-                    rates[p]["prefill"].append(n_prompt / (t1 - t0))
-                    rates[p]["decode"].append(n_decode / (t2 - t1))
-                    rates[p]["products"].append(n_prompt / product_pass_seconds(model.weights, model.cfg, n_prompt, 1))
+                    rates[v]["prefill"].append(n_prompt / (t1 - t0))
+                    rates[v]["decode"].append(n_decode / (t2 - t1))
+                    rates[v]["products"].append(n_prompt / product_pass_seconds(model.weights, model.cfg, n_prompt, 1))
     finally:
         kernels.use_path(before)
+        kernels.set_k_ahead(ahead_before)
     report: dict[str, Any] = {"model": model_name, "threads": kernels.threads(), "rounds": rounds,
                               "prompt_tokens": n_prompt, "decode_tokens": n_decode,
-                              "selftest": kernels_in_use()["selftest"],
+                              "selftest": kernels_in_use()["selftest"], "k_ahead": ahead_before,
                               "same_bits": True}
-    base = "avx2" if "avx2" in names else names[0]
-    for p in names:
+    base = variant_name("avx2" if "avx2" in names else names[0], k_ahead[0] if k_ahead else None)
+    for v in labels:
         entry: dict[str, Any] = {}
-        for what, values in rates[p].items():
+        for what, values in rates[v].items():
             entry[f"{what}_tok_s"] = _spread(values)
-            if p != base:
+            if v != base:
                 ratios = [a / b for a, b in zip(values, rates[base][what], strict=True)]
                 entry[f"{what}_vs_{base}"] = _spread(ratios)
-        report[p] = entry
+        report[v] = entry
     return report
