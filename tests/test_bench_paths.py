@@ -76,6 +76,18 @@ def test_cli_k_ahead(tiny_q8, capsys, kernels_restored):
     assert "--k-ahead '4,65': expected distinct counts of 0 to 64" in capsys.readouterr().err
 
 
+def test_huge_pages_read_from_the_kernels_account(tmp_path):
+    """AnonHugePages of smaps_rollup in MB; None where the file or the line is missing."""
+    from tracelm.tools.bench import huge_pages_mb
+
+    smaps = tmp_path / "smaps_rollup"
+    smaps.write_text("Rss:  4677680 kB\nAnonHugePages:   4562944 kB\nShmemPmdMapped:  0 kB\n")
+    assert huge_pages_mb(str(smaps)) == 4456.0
+    smaps.write_text("Rss:  10 kB\n")
+    assert huge_pages_mb(str(smaps)) is None
+    assert huge_pages_mb(str(tmp_path / "absent")) is None
+
+
 def test_a_bench_report_names_the_kernels_tuning_variables_set(monkeypatch):
     """A sweep's reports say what each ran with: the kernels' variables set in the environment, and only those."""
     from tracelm.tools.bench import KERNELS_ENV, kernels_in_use

@@ -18,6 +18,7 @@ import os
 import resource
 import time
 import types
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -199,6 +200,7 @@ def _model_bench(session: Session, probe: dict[str, float], n_prompt: int, n_dec
         "peak_rss_mb": round(peak_rss / 2**20, 1),
         **({"rss_budget_mb": round(rss_budget / 2**20, 1)} if not streamed else streamed),
         "weight_mb": round(weight_bytes / 2**20, 1),  # as held: f32 (reference) or the file's blocks (kernels)
+        "huge_pages_mb": huge_pages_mb(),
         "weights_gb_s": round(weight_bytes * n_decode / decode_s / 1e9, 2),  # read by decode, per second
         "kv_cache": session.cfg.kv_cache,
         "kv_cache_mb": round(runner.cache.nbytes / 2**20, 1),
@@ -214,6 +216,18 @@ def _model_bench(session: Session, probe: dict[str, float], n_prompt: int, n_dec
 
 
 KERNELS_ENV = ("TRACELM_KERNELS", "TRACELM_K_AHEAD", "TRACELM_TASKS_PER_THREAD", "TRACELM_SPIN_US")
+
+
+def huge_pages_mb(smaps: str = "/proc/self/smaps_rollup") -> float | None:
+    """MB of this process's memory on transparent huge pages (Linux's AnonHugePages; None where it does not say):
+    resident weights are one arena advised for them, and on 4 KB pages decode's streams lose the hardware's
+    prefetch at every page end, so a roofline comparison wants to know."""
+    try:
+        text = Path(smaps).read_text()
+    except OSError:
+        return None
+    kb = [int(line.split()[1]) for line in text.splitlines() if line.startswith("AnonHugePages:")]
+    return round(kb[0] / 1024, 1) if kb else None
 
 
 def kernels_in_use() -> dict[str, Any]:
