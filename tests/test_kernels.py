@@ -519,12 +519,13 @@ def test_prefetch_distance_set_in_process_leaves_every_bit():
         kernels.set_k_ahead(before)
 
 
-def test_an_unusable_prefetch_distance_in_the_environment_is_named(tmp_path):
-    """TRACELM_K_AHEAD that is not 0..64 leaves the default and says so, naming the value."""
+@pytest.mark.parametrize("value", ["65", "+5", "x"])
+def test_an_unusable_prefetch_distance_in_the_environment_is_named(value):
+    """TRACELM_K_AHEAD that is not digits for 0..64 leaves the default and says so, naming the value."""
     res = subprocess.run([sys.executable, "-c", "from tracelm import kernels; print(kernels.k_ahead())"],
-                         env=dict(os.environ, TRACELM_K_AHEAD="65"), capture_output=True, text=True, timeout=60)
+                         env=dict(os.environ, TRACELM_K_AHEAD=value), capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and res.stdout.strip() == "4"
-    assert "TRACELM_K_AHEAD='65' is not a number of super-blocks 0..64" in res.stderr
+    assert f"TRACELM_K_AHEAD='{value}' is not a number of super-blocks 0..64" in res.stderr
 
 
 def test_threads_and_paths_api():

@@ -346,7 +346,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             from tracelm.tools.bench_paths import bench_paths
 
             paths = tuple(p.strip() for p in args.paths.split(",") if p.strip()) if args.paths else None
-            aheads = _distinct_ints(args.k_ahead, "k-ahead", 64, least=0) if args.k_ahead else ()
+            import tracelm.kernels as kernels
+
+            aheads = _distinct_ints(args.k_ahead, "k-ahead", kernels.MAX_K_AHEAD, least=0) if args.k_ahead else ()
             report = bench_paths(args.model, args.prompt_tokens, args.decode_tokens, args.repeats or 5, paths, aheads,
                                  **engine)
         elif args.what == "profile":

@@ -59,8 +59,9 @@ PACKABLE = frozenset((Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K))  # types 
 
 set_threads = _core.set_threads  # set_threads(n): n threads in all, the calling thread included
 threads = _core.threads
-set_k_ahead = _core.set_k_ahead  # set_k_ahead(n): the K-quants' decode pairs prefetch n super-blocks ahead, 0..64
+set_k_ahead = _core.set_k_ahead  # set_k_ahead(n): the K-quants' decode pairs prefetch n super-blocks ahead
 k_ahead = _core.k_ahead
+MAX_K_AHEAD = _core.MAX_K_AHEAD  # 64: set_k_ahead's and TRACELM_K_AHEAD's most (0: no software prefetch)
 path = _core.path  # "amx" | "avx512vnni" | "avxvnni" | "avx2" | "portable"
 
 # the trace's kernels (trace_stats.c): stage events held as they come (each output's statistics then, its bytes for the
@@ -115,8 +116,8 @@ _warn_refused()
 
 def _check_k_ahead(value: str | None) -> None:
     """A RuntimeWarning when TRACELM_K_AHEAD is set to what the extension does not take (it keeps its default)."""
-    if value and not (value.isdigit() and int(value) <= 64):
-        warnings.warn(f"tracelm kernels: TRACELM_K_AHEAD={value!r} is not a number of super-blocks 0..64; "
+    if value and not (value.isascii() and value.isdigit() and int(value) <= MAX_K_AHEAD):
+        warnings.warn(f"tracelm kernels: TRACELM_K_AHEAD={value!r} is not a number of super-blocks 0..{MAX_K_AHEAD}; "
                       f"prefetching {k_ahead()} ahead", RuntimeWarning, stacklevel=2)
 
 

@@ -973,15 +973,16 @@ PyMODINIT_FUNC PyInit__core(void) {
     if (spin && *spin) spin_seconds = atof(spin) * 1e-6;
     if (per && atoi(per) >= 1) tasks_per_thread = atoi(per);
     const char *ahead = getenv("TRACELM_K_AHEAD");
-    if (ahead && *ahead) {   /* a number 0..64, or left at 4 (the Python side warns of another value) */
+    if (ahead && *ahead >= '0' && *ahead <= '9') {   /* digits, 0..64, or left at 4 (the Python side warns) */
         char *end;
         const long v = strtol(ahead, &end, 10);
-        if (!*end && v >= 0 && v <= MAX_K_AHEAD) k_ahead = (int)v;
+        if (!*end && v <= MAX_K_AHEAD) k_ahead = (int)v;
     }
     static int forked_hook = 0;
     if (!forked_hook) { pthread_atfork(NULL, NULL, atfork_child); forked_hook = 1; }
     PyObject *sup = Py_BuildValue("(iiiiiiiiiii)", T_F32, T_F16, T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1, T_Q8_0, T_Q4_K,
                                   T_Q5_K, T_Q6_K, T_BF16);
     if (!sup || PyModule_AddObject(m, "SUPPORTED", sup) < 0) { Py_XDECREF(sup); Py_DECREF(m); return NULL; }
+    if (PyModule_AddIntConstant(m, "MAX_K_AHEAD", MAX_K_AHEAD) < 0) { Py_DECREF(m); return NULL; }
     return m;
 }

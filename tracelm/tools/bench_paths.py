@@ -26,6 +26,7 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 
 def variant_name(path: str, ahead: int | None) -> str:
+    """A variant's key in the report: the path, and the prefetch distance it ran at when the bench sweeps them."""
     return path if ahead is None else f"{path} k_ahead={ahead}"
 
 
