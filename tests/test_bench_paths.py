@@ -73,7 +73,9 @@ def test_cli_k_ahead(tiny_q8, capsys, kernels_restored):
     report = json.loads(capsys.readouterr().out)
     assert {"portable k_ahead=0", "portable k_ahead=8"} <= set(report)
     assert cli.main(["bench", "paths", "--model", str(tiny_q8), "--k-ahead", "4,65"]) != 0
-    assert "--k-ahead '4,65': expected distinct counts of 0 to 64" in capsys.readouterr().err
+    assert "prefetch distance 65 is not 0..64 super-blocks" in capsys.readouterr().err
+    assert cli.main(["bench", "paths", "--model", str(tiny_q8), "--k-ahead", "4,-1"]) != 0
+    assert "--k-ahead '4,-1': expected distinct integers from 0 on" in capsys.readouterr().err
 
 
 def test_huge_pages_read_from_the_kernels_account(tmp_path):

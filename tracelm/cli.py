@@ -346,9 +346,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             from tracelm.tools.bench_paths import bench_paths
 
             paths = tuple(p.strip() for p in args.paths.split(",") if p.strip()) if args.paths else None
-            import tracelm.kernels as kernels
-
-            aheads = _distinct_ints(args.k_ahead, "k-ahead", kernels.MAX_K_AHEAD, least=0) if args.k_ahead else ()
+            aheads = _distinct_ints(args.k_ahead, "k-ahead", least=0) if args.k_ahead else ()  # the most: bench_paths
             report = bench_paths(args.model, args.prompt_tokens, args.decode_tokens, args.repeats or 5, paths, aheads,
                                  **engine)
         elif args.what == "profile":
@@ -411,7 +409,7 @@ def _distinct_ints(text: str, flag: str, most: int | None = None, least: int = 1
         values = ()
     distinct = len(set(values)) == len(values)
     if not values or min(values) < least or (most is not None and max(values) > most) or not distinct:
-        want = f"distinct counts of {least} to {most}" if most is not None else "distinct positive integers"
+        want = f"distinct counts of {least} to {most}" if most is not None else f"distinct integers from {least} on"
         raise TracelmError(f"--{flag} {text!r}: expected {want} separated by commas")
     return values
 

@@ -40,6 +40,9 @@ def bench_paths(model_name: str, n_prompt: int = 128, n_decode: int = 32, rounds
     if unknown:
         raise TracelmError(f"bench paths: {', '.join(unknown)} cannot run here (self-tested paths: "
                            f"{', '.join(kernels.paths())})")
+    far = [a for a in k_ahead if not 0 <= a <= kernels.MAX_K_AHEAD]
+    if far:
+        raise TracelmError(f"bench paths: prefetch distance {far[0]} is not 0..{kernels.MAX_K_AHEAD} super-blocks")
     before, ahead_before = kernels.path(), kernels.k_ahead()
     variants = [(p, a) for p in names for a in (k_ahead or (None,))]
     labels = [variant_name(p, a) for p, a in variants]
