@@ -480,7 +480,7 @@ def test_decode_prefetch_distance_leaves_every_bit(tmp_path, ahead):
     """TRACELM_K_AHEAD (the K-quants' decode pairs' prefetch, for a bench's sweep) moves no bit: one and two x rows
     on packed Q4_K and Q6_K rows, 4 pairs of groups, as this process computes them on its path."""
     code = ("import numpy as np, sys; from tracelm import kernels; "
-            "x = np.load(sys.argv[1]); out = [] \n"
+            "x = np.load(sys.argv[1]); out = [str(kernels.k_ahead())] \n"
             "for t in (12, 14):\n"
             "    w = kernels.pack(np.load(sys.argv[2] + f'{t}.npy'), t)\n"
             "    out += [kernels.matmul(x[:m], w, t, packed=True).view(np.uint32).tobytes().hex() for m in (1, 2)]\n"
@@ -495,7 +495,7 @@ def test_decode_prefetch_distance_leaves_every_bit(tmp_path, ahead):
     res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "x.npy"), str(tmp_path / "w")],
                          env=dict(os.environ, TRACELM_K_AHEAD=ahead), capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
-    assert res.stdout == " ".join(here)
+    assert res.stdout == " ".join([ahead, *here])  # the distance taken, and the same bits
 
 
 def test_prefetch_distance_set_in_process_leaves_every_bit():

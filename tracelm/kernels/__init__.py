@@ -115,8 +115,9 @@ _warn_refused()
 
 
 def _check_k_ahead(value: str | None) -> None:
-    """A RuntimeWarning when TRACELM_K_AHEAD is set to what the extension does not take (it keeps its default)."""
-    if value and not (value.isascii() and value.isdigit() and int(value) <= MAX_K_AHEAD):
+    """A RuntimeWarning when TRACELM_K_AHEAD is set to what the extension did not take at import (digits for 0 to
+    MAX_K_AHEAD; another value leaves its default)."""
+    if value and not (value.isascii() and value.isdigit() and int(value) == k_ahead()):
         warnings.warn(f"tracelm kernels: TRACELM_K_AHEAD={value!r} is not a number of super-blocks 0..{MAX_K_AHEAD}; "
                       f"prefetching {k_ahead()} ahead", RuntimeWarning, stacklevel=2)
 
