@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import gguf
+import numpy as np
 import pytest
 
 import tracelm.pipeline.graph as graph
@@ -62,6 +63,26 @@ def test_thread_counts_profile_each_and_say_what_scales(tiny_q8):
         assert two["products"] == round(base["kinds"]["products"]["ms_per_step"] /
                                         here["kinds"]["products"]["ms_per_step"], 2)
         assert set(two) == {"step", *KINDS, "rest"}
+
+
+def test_the_pools_time_in_its_jobs(tiny_q8, kernels_restored):
+    """`pool`: the kernels' pool over the timed steps -- none of it on one thread; on two, its jobs a step, their
+    wall, the share spent inside tasks and the rest as ms a step, consistent with each other."""
+    report = bench_profile(str(tiny_q8), streams=(1,), n_prompt=8, n_decode=3, thread_counts=(1, 2))
+    assert report["threads_1"]["streams_1"]["pool"] == {"jobs_per_step": 0.0}
+    pool = report["threads_2"]["streams_1"]["pool"]
+    assert pool["jobs_per_step"] >= 1 and 0 < pool["busy_share"] <= 1
+    assert 0 < pool["ms_per_step"] <= report["threads_2"]["streams_1"]["ms_per_step"]
+    assert pool["waiting_ms_per_step"] == pytest.approx(pool["ms_per_step"] * (1 - pool["busy_share"]), abs=0.002)
+    counts = kernels.pool_counts()  # counting stopped with the timed steps
+    kernels.set_threads(2)
+    x, w = np.ones((16, 512), np.float32), np.ones((512, 512), np.float32)
+    kernels.matmul(x, w, 0)
+    assert kernels.pool_counts() == counts
+    kernels.pool_counting(True)  # and that product is the pool's when counted
+    kernels.matmul(x, w, 0)
+    kernels.pool_counting(False)
+    assert kernels.pool_counts()[0] >= 1
 
 
 def test_cli_thread_counts(tiny_q8, capsys):

@@ -567,6 +567,29 @@ def test_dot_peak_times_each_paths_own_integer_dot_on_every_thread(kernels_resto
         kernels._core.dot_peak(0)
 
 
+def test_pool_counts_its_jobs_only_while_asked(kernels_restored):
+    """kernels.pool_counts: the jobs run on the pool while counting, each one's wall x the threads (offered) and its
+    threads' time inside tasks (busy <= offered); reset when counting starts, still when it stops; a serial job (one
+    thread) is not the pool's."""
+    x = np.random.default_rng(0).standard_normal((16, 512), dtype=np.float32)
+    w = weights(Q.Q4_0, 512, 512)
+    kernels.set_threads(2)
+    kernels.pool_counting(True)
+    assert kernels.pool_counts() == (0, 0.0, 0.0)
+    for _ in range(3):
+        kernels.matmul(x, w, Q.Q4_0)
+    jobs, offered, busy = kernels.pool_counts()
+    assert jobs >= 3 and 0 < busy <= offered  # each matmul: its activations' job, then the products'
+    kernels.pool_counting(False)
+    kernels.matmul(x, w, Q.Q4_0)
+    assert kernels.pool_counts() == (jobs, offered, busy)
+    kernels.set_threads(1)
+    kernels.pool_counting(True)
+    kernels.matmul(x, w, Q.Q4_0)
+    assert kernels.pool_counts() == (0, 0.0, 0.0)
+    kernels.pool_counting(False)
+
+
 def test_default_threads_are_the_cpus_we_may_use():
     """At import: as many threads as CPUs in the process's affinity mask (here narrowed to one CPU, then all)."""
     code = "import os; from tracelm import kernels; print(kernels.threads(), len(os.sched_getaffinity(0)))"

@@ -62,6 +62,8 @@ threads = _core.threads
 set_k_ahead = _core.set_k_ahead  # set_k_ahead(n): the K-quants' decode pairs prefetch n super-blocks ahead
 k_ahead = _core.k_ahead
 MAX_K_AHEAD = _core.MAX_K_AHEAD  # 64: set_k_ahead's and TRACELM_K_AHEAD's most (0: no software prefetch)
+pool_counting = _core.pool_counting  # pool_counting(on): count the pool's jobs from now (reset), or stop
+pool_counts = _core.pool_counts  # -> (jobs, offered s: each job's wall x the threads, busy s: inside its tasks)
 path = _core.path  # "amx" | "avx512vnni" | "avxvnni" | "avx2" | "portable"
 
 # the trace's kernels (trace_stats.c): stage events held as they come (each output's statistics then, its bytes for the

@@ -59,19 +59,30 @@ static double now(void) {   /* monotonic seconds */
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+/* The pool's accounting (kernels.pool_counting): off unless asked, so a job reads no clock. When on, each job run
+ * on the pool adds its wall time (opened to its last task done) times the pool's threads to `offered` and the time
+ * its threads spent inside its tasks to `busy`; offered - busy is what waking the workers, taking tasks and waiting
+ * for the slowest one cost (issue 32: what stops decode from scaling). A job run serially is not counted. */
+static _Alignas(LINE) atomic_int counting;
+static _Alignas(LINE) atomic_llong counted_jobs, offered_ns, busy_ns;
 static void run_tasks(void) {
     int64_t n = job.ntasks, c = job.chunk;
+    const int timed = atomic_load(&counting);
+    double busy = 0;
     for (;;) {
         int64_t t = atomic_fetch_add(&next_task, c);
         if (t >= n) break;
         int64_t e = t + c < n ? t + c : n;
+        const double t0 = timed ? now() : 0;
         job.fn(job.ctx, t, e);
+        if (timed) busy += now() - t0;
         if (atomic_fetch_add(&done_tasks, e - t) + (e - t) == n && atomic_load(&caller_sleeps)) {
             pthread_mutex_lock(&sleep_mx);   /* the last task: wake the caller if it gave up spinning */
             pthread_cond_broadcast(&done_cv);
             pthread_mutex_unlock(&sleep_mx);
         }
     }
+    if (busy > 0) atomic_fetch_add(&busy_ns, (long long)(1e9 * busy));   /* before this thread leaves the job */
 }
 
 /* one step of the idle job, unless there is none or another thread is stepping it: 1 if a step ran */
@@ -165,6 +176,7 @@ void pool_run(task_fn fn, void *ctx, int64_t ntasks, int64_t chunk) {
         fn(ctx, 0, ntasks);
         return;
     }
+    const double t0 = atomic_load(&counting) ? now() : 0;
     job.fn = fn; job.ctx = ctx; job.ntasks = ntasks; job.chunk = chunk;
     atomic_store(&next_task, 0);
     atomic_store(&done_tasks, 0);
@@ -173,6 +185,10 @@ void pool_run(task_fn fn, void *ctx, int64_t ntasks, int64_t chunk) {
     if (atomic_load(&sleepers) > 0) wake_all();
     run_tasks();
     wait_done(ntasks);
+    if (t0 > 0) {
+        atomic_fetch_add(&offered_ns, (long long)(1e9 * (now() - t0) * (n_workers + 1)));
+        atomic_fetch_add(&counted_jobs, 1);
+    }
     atomic_store(&gen, g + 1);                   /* closed: late workers back off */
     wait_idle();                                 /* nobody still reads `job` */
     pthread_mutex_unlock(&run_mx);
@@ -839,6 +855,21 @@ static PyObject *py_k_ahead(PyObject *self, PyObject *noargs) {
     return PyLong_FromLong(k_ahead);
 }
 
+static PyObject *py_pool_counting(PyObject *self, PyObject *args) {
+    (void)self;
+    int on;
+    if (!PyArg_ParseTuple(args, "p:pool_counting", &on)) return NULL;
+    if (on) { atomic_store(&counted_jobs, 0); atomic_store(&offered_ns, 0); atomic_store(&busy_ns, 0); }
+    atomic_store(&counting, on);   /* read as each job opens: none runs while the GIL is held here */
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_pool_counts(PyObject *self, PyObject *noargs) {
+    (void)self; (void)noargs;
+    return Py_BuildValue("(Ldd)", (long long)atomic_load(&counted_jobs), 1e-9 * (double)atomic_load(&offered_ns),
+                         1e-9 * (double)atomic_load(&busy_ns));
+}
+
 static PyObject *py_path(PyObject *self, PyObject *noargs) {
     (void)self; (void)noargs;
     return PyUnicode_FromString(path->name);
@@ -943,6 +974,10 @@ static PyMethodDef methods[] = {
     {"set_k_ahead", py_set_k_ahead, METH_VARARGS,
      "set_k_ahead(n): the K-quants' 512-bit decode pairs prefetch n super-blocks ahead (0: none; the same bits)"},
     {"k_ahead", py_k_ahead, METH_NOARGS, "k_ahead(): the decode pairs' prefetch distance in super-blocks"},
+    {"pool_counting", py_pool_counting, METH_VARARGS,
+     "pool_counting(on): count the pool's jobs from now (the counts reset), or stop counting"},
+    {"pool_counts", py_pool_counts, METH_NOARGS,
+     "pool_counts() -> (jobs, offered seconds: each job's wall time x the threads, busy seconds: inside its tasks)"},
     {"path", py_path, METH_NOARGS, "path(): the path in use ('amx', 'avx512vnni', 'avxvnni', 'avx2' or 'portable')"},
     {"use_path", py_use_path, METH_VARARGS, "use_path(name): switch path (self-tested at its first use)"},
     {"paths", py_paths, METH_NOARGS, "paths(): the paths this CPU can run that passed their self-test, best first"},

@@ -7,7 +7,10 @@ timed by kind: the weight products (`linear_into`: q/k/v, out, gate/up, down), t
 activation; `sampling` is the streams' `Generation.step`; `rest` is the step's wall time outside all of those -- the
 Python between the calls, the embedding lookup, the residual adds, the Cache's bookkeeping. What does not shrink as
 threads are added is what stops decode from scaling (issue 32): `--thread-counts 1,8,16` profiles each thread count
-in turn in one process and reports each kind's speed-up over the first count (`scaling`).
+in turn in one process and reports each kind's speed-up over the first count (`scaling`). `pool` is the kernels'
+thread pool over the timed steps (kernels.pool_counts): its jobs a step, their wall ms a step, the share of the
+threads' time in them spent inside tasks (`busy_share`), and the rest as ms a step (`waiting_ms_per_step`: waking the
+workers, taking tasks, waiting for the slowest) -- what a finer or coarser split, or fewer jobs, could win back.
 
 The timers wrap the module functions the pass calls, for the timed steps only, and are removed after; each call
 then costs about a microsecond more, so `ms_per_step` is given beside `ms_per_step_untimed`, the same steps without
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import tracelm.kernels as kernels
@@ -73,6 +76,28 @@ def timers(spent: dict[str, float]) -> Iterator[None]:
                 owner[name] = fn
             else:
                 setattr(owner, name, fn)
+
+
+@contextlib.contextmanager
+def pool_counted(counts: list[Any]) -> Iterator[None]:
+    """The kernels' pool counted while inside; counts gets kernels.pool_counts() (jobs, offered s, busy s)."""
+    kernels.pool_counting(True)
+    try:
+        yield
+    finally:
+        kernels.pool_counting(False)
+        counts[:] = kernels.pool_counts()
+
+
+def pool_report(counts: Sequence[float], steps: int, threads: int) -> dict[str, float]:
+    """Per step: the pool's jobs and their wall ms; the share of the threads' time in them spent inside tasks; and
+    that wall less the tasks' time spread evenly over the threads (waking, taking tasks, the slowest one's tail)."""
+    jobs, offered, busy = counts
+    if not jobs or offered <= 0:
+        return {"jobs_per_step": 0.0}
+    return {"jobs_per_step": round(jobs / steps, 1), "ms_per_step": round(1e3 * offered / threads / steps, 3),
+            "busy_share": round(busy / offered, 3),
+            "waiting_ms_per_step": round(1e3 * (offered - busy) / threads / steps, 3)}
 
 
 def _decode(gens: list[Generation], n: int) -> float:
@@ -132,13 +157,15 @@ def _profile(session: Session, streams: tuple[int, ...], n_prompt: int, n_decode
         gens = _streams(session, n, n_prompt, n_decode + 1, temperature, filters)
         _decode(gens, 1)  # a warm step
         spent: dict[str, float] = {}
-        with timers(spent):
+        counts: list[Any] = []
+        with timers(spent), pool_counted(counts):
             wall = _decode(gens, n_decode)
         rest = wall - sum(spent.values())
         kinds = {k: {"ms_per_step": round(1e3 * s / n_decode, 3), "share": round(s / wall, 3)}
                  for k, s in (*spent.items(), ("rest", rest))}
         report[f"streams_{n}"] = {"ms_per_step_untimed": round(1e3 * untimed / (n_decode + 1), 3),
-                                  "ms_per_step": round(1e3 * wall / n_decode, 3), "kinds": kinds}
+                                  "ms_per_step": round(1e3 * wall / n_decode, 3), "kinds": kinds,
+                                  "pool": pool_report(counts, n_decode, kernels.threads())}
     return report
 
 
