@@ -1,8 +1,9 @@
 /* tracelm.kernels._core: the Python face of the kernels, argument checks, and one persistent thread pool.
  *
  * Pool: workers wait for a job generation number (odd = a job is open). They spin briefly on it, then
- * sleep on a condition variable. A job is a range of task indices taken in chunks from an atomic counter;
- * the calling thread works too. Results never depend on which thread ran a task.
+ * sleep on a condition variable. A job is a range of task indices taken in chunks from an atomic counter (at
+ * most the job's chunk, less as the range runs out); the calling thread works too. Results never depend on which
+ * thread ran a task.
  *
  * Idle work: one serial job at a time (the trace's lines) that a waiting worker advances a short step at a time
  * between jobs, on a core that would otherwise spin; whoever needs it done finishes it (pool_idle_finish).
@@ -66,10 +67,14 @@ static double now(void) {   /* monotonic seconds */
 static _Alignas(LINE) atomic_int counting;
 static _Alignas(LINE) atomic_llong counted_jobs, offered_ns, busy_ns;
 static void run_tasks(void) {
-    int64_t n = job.ntasks, c = job.chunk;
+    const int64_t n = job.ntasks, most = job.chunk, share = 2 * (int64_t)(n_workers + 1);
     const int timed = atomic_load(&counting);
     double busy = 0;
     for (;;) {
+        /* guided: `most` tasks a take while many remain, then a share of what remains, down to one task, so that
+         * the threads run out of work together instead of waiting for one still on a whole chunk */
+        int64_t c = (n - atomic_load_explicit(&next_task, memory_order_relaxed)) / share;
+        c = c > most ? most : c < 1 ? 1 : c;
         int64_t t = atomic_fetch_add(&next_task, c);
         if (t >= n) break;
         int64_t e = t + c < n ? t + c : n;
