@@ -590,6 +590,28 @@ def test_pool_counts_its_jobs_only_while_asked(kernels_restored):
     kernels.pool_counting(False)
 
 
+@pytest.mark.parametrize("threads", (2, 3))
+def test_every_task_of_a_long_job_runs_once_its_takes_shrinking(threads):
+    """The pool's guided takes (a job's chunk while many tasks remain, then a share of the rest down to one task):
+    jobs of many tasks -- 600 groups of rows, one row or 40; 400 pieces of an activation -- leave no output unwritten
+    (out starts as NaN) and give the one-thread bits at 2 and 3 threads."""
+    w = weights(Q.Q4_0, 4800, 64)
+    g = np.random.default_rng(3).standard_normal((2, 2 * 400 * 2048)).astype(np.float32)
+    for m in (1, 40):
+        x = np.random.default_rng(m).standard_normal((m, 64)).astype(np.float32)
+        kernels.set_threads(1)
+        ref = kernels.matmul(x, w, Q.Q4_0)
+        kernels.set_threads(threads)
+        out = np.full((m, 4800), np.nan, np.float32)
+        kernels.matmul(x, w, Q.Q4_0, out=out)
+        np.testing.assert_array_equal(bits(out), bits(ref), err_msg=f"{m} rows at {threads} threads")
+    kernels.set_threads(1)
+    ref = kernels.silu_mul(g, 400 * 2048, np.empty((2, 400 * 2048), np.float32))
+    kernels.set_threads(threads)
+    out = kernels.silu_mul(g, 400 * 2048, np.full((2, 400 * 2048), np.nan, np.float32))
+    np.testing.assert_array_equal(bits(out), bits(ref))
+
+
 def test_default_threads_are_the_cpus_we_may_use():
     """At import: as many threads as CPUs in the process's affinity mask (here narrowed to one CPU, then all)."""
     code = "import os; from tracelm import kernels; print(kernels.threads(), len(os.sched_getaffinity(0)))"
