@@ -78,6 +78,33 @@ def test_cli_k_ahead(tiny_q8, capsys, kernels_restored):
     assert "--k-ahead '4,-1': expected distinct integers from 0 on" in capsys.readouterr().err
 
 
+def test_prefetch_hints_and_distances_alternated_as_variants(tiny_q8, kernels_restored):
+    """`hints`: each path at each prefetch hint (and, with `k_ahead`, at each distance at each hint), a variant each
+    with the same bits, the ratios to the first; the hint in use put back and named."""
+    kernels.set_prefetch_hint("t0")
+    path = kernels.path()
+    report = bench_paths(str(tiny_q8), n_prompt=8, n_decode=2, rounds=1, paths=(path,), k_ahead=(4, 1),
+                         hints=("nta", "t0"), threads=1)
+    assert report["same_bits"] is True and report["prefetch_hint"] == "t0" and kernels.prefetch_hint() == "t0"
+    names = [f"{path} k_ahead={a} hint={h}" for a in (4, 1) for h in ("nta", "t0")]
+    assert [k for k in report if k.startswith(path)] == names
+    assert all(f"decode_vs_{names[0]}" in report[n] for n in names[1:])
+    with pytest.raises(TracelmError, match="prefetch hint 't1' is not one of t0, nta"):
+        bench_paths(str(tiny_q8), n_prompt=8, n_decode=1, rounds=1, paths=(path,), hints=("t0", "t1"), threads=1)
+
+
+def test_cli_prefetch_hints(tiny_q8, capsys, kernels_restored):
+    assert cli.main(["bench", "paths", "--model", str(tiny_q8), "--prompt-tokens", "8", "--decode-tokens", "1",
+                     "--repeats", "1", "--threads", "1", "--paths", "portable", "--prefetch-hints", "t0,nta",
+                     "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert {"portable hint=t0", "portable hint=nta"} <= set(report) and report["prefetch_hint"] == "t0"
+    assert cli.main(["bench", "paths", "--model", str(tiny_q8), "--prefetch-hints", "t0,x"]) != 0
+    assert "prefetch hint 'x' is not one of t0, nta" in capsys.readouterr().err
+    assert cli.main(["bench", "--model", str(tiny_q8), "--prefetch-hints", "nta"]) == 2
+    assert "--k-ahead and --prefetch-hints apply to bench paths only" in capsys.readouterr().err
+
+
 def test_huge_pages_read_from_the_kernels_account(tmp_path):
     """AnonHugePages of smaps_rollup in MB; None where the file or the line is missing."""
     from tracelm.tools.bench import huge_pages_mb
@@ -103,3 +130,4 @@ def test_a_bench_report_names_the_kernels_tuning_variables_set(monkeypatch):
     report = kernels_in_use()
     assert report["kernels_env"] == {"TRACELM_K_AHEAD": "8"} and report["kernels_path"] == kernels.path()
     assert report["k_ahead"] == kernels.k_ahead()  # what the extension runs with (it read the variable at import)
+    assert report["prefetch_hint"] == kernels.prefetch_hint()

@@ -519,6 +519,32 @@ def test_prefetch_distance_set_in_process_leaves_every_bit():
         kernels.set_k_ahead(before)
 
 
+def test_prefetch_hint_leaves_every_bit():
+    """set_prefetch_hint moves the weights' software prefetch between every cache level (t0) and non-temporal (nta)
+    and no bit, on every path: 1, 2 and 40 x rows (the direct kernels and the tiles' unpacking) on packed and plain
+    rows of each prefetching kind (32-value, Q8_0, K-quant, f16); another hint is refused, the one in use kept."""
+    x = np.random.default_rng(7).standard_normal((40, 1024)).astype(np.float32)
+    mats = [(t, pk, kernels.pack(weights(t, 64, 1024), t) if pk else weights(t, 64, 1024))
+            for t in (Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K) for pk in (False, True)]
+    mats.append((Q.F16, False, weights(Q.F16, 64, 1024)))
+    before = kernels.prefetch_hint()
+    try:
+        for path in PATHS:
+            kernels.use_path(path)
+            outs = {}
+            for hint in kernels.PREFETCH_HINTS:
+                kernels.set_prefetch_hint(hint)
+                assert kernels.prefetch_hint() == hint
+                outs[hint] = [bits(kernels.matmul(x[:m], w, t, packed=pk)).tobytes()
+                              for t, pk, w in mats for m in (1, 2, 40)]
+            assert outs["nta"] == outs["t0"], path
+        with pytest.raises(ValueError, match="hint must be 't0' or 'nta', got 'nt'"):
+            kernels.set_prefetch_hint("nt")
+        assert kernels.prefetch_hint() == "nta"
+    finally:
+        kernels.set_prefetch_hint(before)
+
+
 @pytest.mark.parametrize("value", ["65", "+5", "x"])
 def test_an_unusable_prefetch_distance_in_the_environment_is_named(value):
     """TRACELM_K_AHEAD that is not digits for 0..64 leaves the default and says so, naming the value."""

@@ -324,6 +324,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 0
     if args.llama_bench or args.allow_disagreement:
         raise TracelmError("bench: --llama-bench and --allow-disagreement apply to --compare only")
+    if (args.k_ahead or args.prefetch_hints) and args.what != "paths":
+        raise TracelmError("bench: --k-ahead and --prefetch-hints apply to bench paths only")
     if args.thread_counts is not None and args.what != "profile":
         raise TracelmError("bench: --thread-counts applies to bench profile only")
     if args.temperature and args.what not in ("profile", "server"):
@@ -347,8 +349,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
             paths = tuple(p.strip() for p in args.paths.split(",") if p.strip()) if args.paths else None
             aheads = _distinct_ints(args.k_ahead, "k-ahead", least=0) if args.k_ahead else ()  # the most: bench_paths
+            hints = tuple(dict.fromkeys(h.strip() for h in args.prefetch_hints.split(",") if h.strip())) \
+                if args.prefetch_hints else ()  # checked by bench_paths
             report = bench_paths(args.model, args.prompt_tokens, args.decode_tokens, args.repeats or 5, paths, aheads,
-                                 **engine)
+                                 hints, **engine)
         elif args.what == "profile":
             from tracelm.tools.bench_profile import bench_profile
 
@@ -983,6 +987,9 @@ def _add_bench_command(sub: Any) -> None:
     sp.add_argument("--k-ahead", default=None, metavar="N1,N2,...",
                     help="bench paths: each path at each of these prefetch distances of the K-quants' decode pairs "
                     "(super-blocks, 0..64; 0: none), alternated")
+    sp.add_argument("--prefetch-hints", default=None, metavar="t0,nta",
+                    help="bench paths: each path at each of these hints of the weights' software prefetch (t0: into "
+                    "every cache level, the default; nta: non-temporal), alternated")
     sp.add_argument("--items", type=int, default=64,
                     help="bench batch: prompts run as one `tracelm batch` and as separate `tracelm run` calls")
     sp.add_argument("--actors", type=int, default=2, help="bench batch: the Ray engine's actors")

@@ -352,8 +352,8 @@ INL void unpack32_to(int t, int pk, const uint8_t *const *rows, const uint8_t *g
     for (int kb = 0; kb < nkb; kb++) {
         const int64_t o = (b0 + kb) * tb;
         const uint8_t *p = g + GROUP * o;   /* packed: the block of the 8 rows */
-        if (pk) for (int c = 0; c < GROUP * tb; c += 64) _mm_prefetch((const char *)p + GROUP * PREFETCH + c, _MM_HINT_T0);
-        else for (int r = 0; r < GROUP; r++) _mm_prefetch((const char *)rows[r] + o + PREFETCH, _MM_HINT_T0);
+        if (pk) for (int c = 0; c < GROUP * tb; c += 64) PREFETCH_W((const char *)p + GROUP * PREFETCH + c);
+        else for (int r = 0; r < GROUP; r++) PREFETCH_W((const char *)rows[r] + o + PREFETCH);
         __m256 d, m;
         if (t == T_Q8_0) {
             const uint8_t *pr[GROUP];
@@ -596,7 +596,7 @@ INL __m256 dot32v_direct(int t, int two, int pk, const uint8_t *const *rows, con
         const uint8_t *p = rows[0] + GROUP * o;   /* packed: the block of the 8 rows (rows[0]: the group) */
         /* the next group (pf bytes on) is one contiguous stretch in both layouts: prefetch it as fast as this one
          * is read */
-        for (int64_t c = 0; c < GROUP * tb; c += 64) _mm_prefetch((const char *)p + pf + c, _MM_HINT_T0);
+        for (int64_t c = 0; c < GROUP * tb; c += 64) PREFETCH_W((const char *)p + pf + c);
         __m256i T0, T1, T2, T3, QH = z;
         __m256 d, m;
         block32(t, pk, rows, p, o, &T0, &T1, &T2, &T3, &QH, &d, &m);
@@ -656,7 +656,7 @@ INL __m256 q8_direct(int two, int pk, const uint8_t *const *rows, const xblock32
         const __m256i xvh = ld256(xh->q);
         /* the next group's 8 rows are one contiguous stretch: prefetch it front to back, 8 blocks' worth of
          * bytes per step, as fast as this group is read */
-        for (int64_t c = 0; c < GROUP * tb; c += 64) _mm_prefetch((const char *)rows[0] + pf + GROUP * o + c, _MM_HINT_T0);
+        for (int64_t c = 0; c < GROUP * tb; c += 64) PREFETCH_W((const char *)rows[0] + pf + GROUP * o + c);
         const uint8_t *p = rows[0] + GROUP * o;   /* packed: d[8], then the 8 rows' 32 bytes */
 #define ROW(r) const __m256i w##r = pk ? ld256(p + 16 + 32 * r) : ld256(rows[r] + o + 2);
         ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7)
@@ -797,9 +797,9 @@ INL void unpackk_to(int t, int pk, const uint8_t *const *rows, int64_t kb, __m25
     {
         const int64_t o = kb * tb;
         const uint8_t *blk = rows[0] + GROUP * o;   /* packed: the super-block of the 8 rows */
-        if (pk) for (int c = 0; c < GROUP * tb; c += 64) _mm_prefetch((const char *)blk + GROUP * PREFETCH + c, _MM_HINT_T0);
+        if (pk) for (int c = 0; c < GROUP * tb; c += 64) PREFETCH_W((const char *)blk + GROUP * PREFETCH + c);
         else for (int r = 0; r < GROUP; r++)
-            for (int c = 0; c < tb; c += 64) _mm_prefetch((const char *)rows[r] + o + PREFETCH + c, _MM_HINT_T0);
+            for (int c = 0; c < tb; c += 64) PREFETCH_W((const char *)rows[r] + o + PREFETCH + c);
         __m256i scv[16], corrv[4] = {0};   /* (Q6_K has no corr) */
         kscale_vecs(t, pk, rows, blk, o, scv, corrv);
         for (int i = 0; i < 16; i++) sc[i * step] = scv[i];
@@ -1210,7 +1210,7 @@ INL __m256 dotk_direct(int t, int two, const uint8_t *const *rows, const xblock2
         const int64_t o = b * tb;
         const __m256i bsh = ld256(xh->bsum), bsl = ld256(xl->bsum);
         __m256 dxh = _mm256_set1_ps(xh->d), dxl = _mm256_set1_ps(xl->d), d, dmin;
-        for (int64_t c = 0; c < GROUP * tb; c += 64) _mm_prefetch((const char *)rows[0] + pf + GROUP * o + c, _MM_HINT_T0);
+        for (int64_t c = 0; c < GROUP * tb; c += 64) PREFETCH_W((const char *)rows[0] + pf + GROUP * o + c);
         kscales_d(t, 0, rows, NULL, o, &d, &dmin);
         __m256i H0, H1, H2, H3, H4, H5, H6, H7, L0, L1, L2, L3, L4, L5, L6, L7;
         if (t == T_Q6_K) {
@@ -1252,7 +1252,7 @@ INL __m256 dotk_packed(int t, int two, const uint8_t *g, const xblock256 *xh, co
     __m256 acc_hi = _mm256_setzero_ps(), acc_lo = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, xh++, xl++) {
         const uint8_t *p = g + GROUP * b * tb;   /* the super-block of the 8 rows; byte f of the file's at 8 f */
-        for (int64_t c = 0; c < GROUP * tb; c += 64) _mm_prefetch((const char *)p + pf + c, _MM_HINT_T0);
+        for (int64_t c = 0; c < GROUP * tb; c += 64) PREFETCH_W((const char *)p + pf + c);
         __m256i sc[16], corr[4], Ah = z, Al = z;
         __m256 d, dmin;
         kscale_vecs(t, 1, NULL, p, 0, sc, corr);
@@ -1371,8 +1371,8 @@ INL __m512 dot32_packed16(int t, int two, const uint8_t *g, int64_t gb, const xb
     for (int64_t b = 0; b < nb; b++, xh++, xl++) {
         const uint8_t *p = g + GROUP * b * tb;
         for (int64_t c = 0; c < GROUP * tb; c += 64) {
-            _mm_prefetch((const char *)p + 2 * gb + c, _MM_HINT_T0);
-            _mm_prefetch((const char *)p + 3 * gb + c, _MM_HINT_T0);
+            PREFETCH_W((const char *)p + 2 * gb + c);
+            PREFETCH_W((const char *)p + 3 * gb + c);
         }
         const __m512i T0 = ld2g(p + pq, gb), T1 = ld2g(p + pq + 32, gb), T2 = ld2g(p + pq + 64, gb),
                       T3 = ld2g(p + pq + 96, gb), QH = five ? ld2g(p + (t == T_Q5_0 ? 16 : 32), gb) : z;
@@ -1432,8 +1432,8 @@ INL __m512 q8_packed16(int two, const uint8_t *g, int64_t gb, const xblock32 *xh
     for (int64_t b = 0; b < nb; b++, xh++, xl++) {
         const uint8_t *p = g + GROUP * b * tb;   /* d[8], then the 8 rows' 32 bytes */
         for (int64_t c = 0; c < GROUP * tb; c += 64) {
-            _mm_prefetch((const char *)p + 2 * gb + c, _MM_HINT_T0);
-            _mm_prefetch((const char *)p + 3 * gb + c, _MM_HINT_T0);
+            PREFETCH_W((const char *)p + 2 * gb + c);
+            PREFETCH_W((const char *)p + 3 * gb + c);
         }
         __m512i w[8], s[8];
 #pragma GCC unroll 8
@@ -1464,8 +1464,8 @@ INL __m512 dotk_packed16(int t, int two, const uint8_t *g, int64_t gb, const xbl
         /* each of the two groups' streams `ahead` blocks ahead, past their ends into the next pair's two groups */
         const uint8_t *a = p + ahead * GROUP * tb + (b + ahead >= nb ? gb : 0);
         for (int64_t c = 0; ahead && c < GROUP * tb; c += 64) {   /* 0: the hardware's prefetchers alone */
-            _mm_prefetch((const char *)a + c, _MM_HINT_T0);
-            _mm_prefetch((const char *)a + gb + c, _MM_HINT_T0);
+            PREFETCH_W((const char *)a + c);
+            PREFETCH_W((const char *)a + gb + c);
         }
         __m512i sc[16], corr[4], Ah = z, Al = z;
         kscale_vecs16(t, p, gb, sc, corr);
@@ -1591,7 +1591,7 @@ INL void dotf_rows(int t, const uint8_t *w, const float *x0, const float *x1, in
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
         const uint8_t *p = w + k * es;
-        _mm_prefetch((const char *)p + 1024, _MM_HINT_T0);
+        PREFETCH_W((const char *)p + 1024);
         __m256 w0 = wload8(t, p), w1 = wload8(t, p + 8 * es), w2 = wload8(t, p + 16 * es), w3 = wload8(t, p + 24 * es);
         STEPF(w0, w1, w2, w3, x0 + k, (two ? x1 : x0) + k);
     }

@@ -364,6 +364,7 @@ static void dq_tasks(void *ctx, int64_t t0, int64_t t1) {
 int pool_threads(void) { return n_workers + 1; }
 
 int k_ahead = 4;
+int prefetch_nta = 0;   /* set_prefetch_hint: t0 (0) or nta (1), kernels.h */
 static int64_t tasks_per_thread = 8;   /* TRACELM_TASKS_PER_THREAD: chunks a thread takes of a job, about */
 
 /* tasks taken at a time: about tasks_per_thread chunks a thread (each take is an atomic add on a line every thread
@@ -860,6 +861,26 @@ static PyObject *py_k_ahead(PyObject *self, PyObject *noargs) {
     return PyLong_FromLong(k_ahead);
 }
 
+static const char *const HINTS[2] = {"t0", "nta"};
+
+static PyObject *py_set_prefetch_hint(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *hint;
+    if (!PyArg_ParseTuple(args, "s:set_prefetch_hint", &hint)) return NULL;
+    for (int i = 0; i < 2; i++)
+        if (!strcmp(hint, HINTS[i])) {
+            prefetch_nta = i;   /* read by each prefetch: no product runs while the GIL is held here */
+            Py_RETURN_NONE;
+        }
+    PyErr_Format(PyExc_ValueError, "set_prefetch_hint: hint must be 't0' or 'nta', got '%s'", hint);
+    return NULL;
+}
+
+static PyObject *py_prefetch_hint(PyObject *self, PyObject *noargs) {
+    (void)self; (void)noargs;
+    return PyUnicode_FromString(HINTS[prefetch_nta]);
+}
+
 static PyObject *py_pool_counting(PyObject *self, PyObject *args) {
     (void)self;
     int on;
@@ -979,6 +1000,9 @@ static PyMethodDef methods[] = {
     {"set_k_ahead", py_set_k_ahead, METH_VARARGS,
      "set_k_ahead(n): the K-quants' 512-bit decode pairs prefetch n super-blocks ahead (0: none; the same bits)"},
     {"k_ahead", py_k_ahead, METH_NOARGS, "k_ahead(): the decode pairs' prefetch distance in super-blocks"},
+    {"set_prefetch_hint", py_set_prefetch_hint, METH_VARARGS,
+     "set_prefetch_hint(hint): the weights' software prefetch, 't0' (every cache level) or 'nta' (non-temporal)"},
+    {"prefetch_hint", py_prefetch_hint, METH_NOARGS, "prefetch_hint(): 't0' or 'nta'"},
     {"pool_counting", py_pool_counting, METH_VARARGS,
      "pool_counting(on): count the pool's jobs from now (the counts reset), or stop counting"},
     {"pool_counts", py_pool_counts, METH_NOARGS,

@@ -435,6 +435,15 @@ extern const kernel_path avx2_path, avxvnni_path, avx512vnni_path, amx_path;
  * computes nothing, so every value gives the same bits) */
 #define MAX_K_AHEAD 64
 extern __attribute__((visibility("hidden"))) int k_ahead;
+/* the weights' software prefetch hint (avx2.c's streams, every path on x86-64; core.c: set_prefetch_hint): 0, t0 (into
+ * every cache level); 1, nta (non-temporal: into L1, kept out of the outer levels as far as the CPU allows, so that a
+ * step's small operands -- norms' weights, the KV cache, activations -- stay there). Same bits either way. */
+extern __attribute__((visibility("hidden"))) int prefetch_nta;
+#define PREFETCH_W(p)                                                           \
+    do {                                                                        \
+        if (prefetch_nta) _mm_prefetch((const char *)(p), _MM_HINT_NTA);        \
+        else _mm_prefetch((const char *)(p), _MM_HINT_T0);                      \
+    } while (0)
 int avx2_compiled(void);
 
 /* a matmul job's tiling on path p, from its qtype, M and N */

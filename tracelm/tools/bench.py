@@ -233,14 +233,16 @@ def huge_pages_mb(smaps: str = "/proc/self/smaps_rollup") -> float | None:
 def kernels_in_use() -> dict[str, Any]:
     """The kernel path a bench runs on and each path's self-test against the portable path ("passed: N cases in
     T ms", "refused: ...", "untested", "unsupported"): a report names the path it measured and why it was trusted;
-    the decode pairs' prefetch distance in use (`k_ahead`); and the kernels' tuning variables set in the environment
+    the decode pairs' prefetch distance and the weights' prefetch hint in use (`k_ahead`, `prefetch_hint`); and the
+    kernels' tuning variables set in the environment
     (read at import: TRACELM_KERNELS, TRACELM_K_AHEAD, TRACELM_TASKS_PER_THREAD, TRACELM_SPIN_US), so a sweep's
     reports say what each ran with."""
     import tracelm.kernels as kernels
 
     tuning = {k: os.environ[k] for k in KERNELS_ENV if os.environ.get(k)}
     return {"kernels_path": kernels.path(), "selftest": {k: f"{s}: {d}" for k, (s, d) in kernels.selftest().items()},
-            "k_ahead": kernels.k_ahead(), **({"kernels_env": tuning} if tuning else {})}
+            "k_ahead": kernels.k_ahead(), "prefetch_hint": kernels.prefetch_hint(),
+            **({"kernels_env": tuning} if tuning else {})}
 
 
 def product_pass_seconds(w: Any, cfg: Any, rows: int, repeat: int, head_rows: int = 1) -> float:

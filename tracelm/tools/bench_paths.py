@@ -8,7 +8,9 @@ kernels.h): the prompt's last logits and the decoded tokens are compared, and a 
 
 With `k_ahead` (`--k-ahead 1,2,4`) each path runs at each of those prefetch distances of the K-quants' decode pairs
 in turn (`kernels.set_k_ahead`), a variant each ("avx512vnni k_ahead=2"), the ratios then to the first distance of
-the base path: a sweep in one process, the model loaded once and the machine's drift on every variant alike."""
+the base path: a sweep in one process, the model loaded once and the machine's drift on every variant alike. With
+`hints` (`--prefetch-hints t0,nta`) likewise for the weights' software prefetch hint (`kernels.set_prefetch_hint`:
+into every cache level, or non-temporal), "avx512vnni hint=nta"; with both, every distance at every hint."""
 
 from __future__ import annotations
 
@@ -25,13 +27,15 @@ def _spread(values: list[float]) -> dict[str, float]:
     return {"median": round(statistics.median(values), 2), "min": round(min(values), 2), "max": round(max(values), 2)}
 
 
-def variant_name(path: str, ahead: int | None) -> str:
-    """A variant's key in the report: the path, and the prefetch distance it ran at when the bench sweeps them."""
-    return path if ahead is None else f"{path} k_ahead={ahead}"
+def variant_name(path: str, ahead: int | None, hint: str | None = None) -> str:
+    """A variant's key in the report: the path, and the prefetch distance and hint it ran at when the bench sweeps
+    them."""
+    return " ".join([path, *([f"k_ahead={ahead}"] if ahead is not None else []), *([f"hint={hint}"] if hint else [])])
 
 
 def bench_paths(model_name: str, n_prompt: int = 128, n_decode: int = 32, rounds: int = 5,
-                paths: tuple[str, ...] | None = None, k_ahead: tuple[int, ...] = (), **engine: Any) -> dict[str, Any]:
+                paths: tuple[str, ...] | None = None, k_ahead: tuple[int, ...] = (), hints: tuple[str, ...] = (),
+                **engine: Any) -> dict[str, Any]:
     import tracelm.kernels as kernels
     from tracelm.tools.bench import bench_ids, kernels_in_use, open_session, product_pass_seconds
 
@@ -43,9 +47,12 @@ def bench_paths(model_name: str, n_prompt: int = 128, n_decode: int = 32, rounds
     far = [a for a in k_ahead if not 0 <= a <= kernels.MAX_K_AHEAD]
     if far:
         raise TracelmError(f"bench paths: prefetch distance {far[0]} is not 0..{kernels.MAX_K_AHEAD} super-blocks")
-    before, ahead_before = kernels.path(), kernels.k_ahead()
-    variants = [(p, a) for p in names for a in (k_ahead or (None,))]
-    labels = [variant_name(p, a) for p, a in variants]
+    odd = [h for h in hints if h not in kernels.PREFETCH_HINTS]
+    if odd:
+        raise TracelmError(f"bench paths: prefetch hint {odd[0]!r} is not one of {', '.join(kernels.PREFETCH_HINTS)}")
+    before, ahead_before, hint_before = kernels.path(), kernels.k_ahead(), kernels.prefetch_hint()
+    variants = [(p, a, h) for p in names for a in (k_ahead or (None,)) for h in (hints or (None,))]
+    labels = [variant_name(*v) for v in variants]
     rates: dict[str, dict[str, list[float]]] = {v: {"prefill": [], "decode": [], "products": []} for v in labels}
     outputs: dict[str, tuple[bytes, list[int]]] = {}
     try:
@@ -54,9 +61,10 @@ def bench_paths(model_name: str, n_prompt: int = 128, n_decode: int = 32, rounds
             runner = session.new_runner(n_prompt + n_decode + 1)
             ids = bench_ids(model.tokenizer, n_prompt)
             for r in range(rounds + 1):   # round 0 warms every path up and is not counted
-                for (p, a), v in zip(variants, labels, strict=True):
+                for (p, a, h), v in zip(variants, labels, strict=True):
                     kernels.use_path(p)
                     kernels.set_k_ahead(ahead_before if a is None else a)
+                    kernels.set_prefetch_hint(h or hint_before)
                     runner.cache.reset()
                     t0 = time.perf_counter()
                     logits = runner.prefill(ids).values[-1]
@@ -77,11 +85,14 @@ def bench_paths(model_name: str, n_prompt: int = 128, n_decode: int = 32, rounds
     finally:
         kernels.use_path(before)
         kernels.set_k_ahead(ahead_before)
+        kernels.set_prefetch_hint(hint_before)
     report: dict[str, Any] = {"model": model_name, "threads": kernels.threads(), "rounds": rounds,
                               "prompt_tokens": n_prompt, "decode_tokens": n_decode,
                               "selftest": kernels_in_use()["selftest"], "k_ahead": ahead_before,
+                              "prefetch_hint": hint_before,
                               "same_bits": True}
-    base = variant_name("avx2" if "avx2" in names else names[0], k_ahead[0] if k_ahead else None)
+    base = variant_name("avx2" if "avx2" in names else names[0], k_ahead[0] if k_ahead else None,
+                        hints[0] if hints else None)
     for v in labels:
         entry: dict[str, Any] = {}
         for what, values in rates[v].items():
