@@ -181,7 +181,8 @@ void pool_run(task_fn fn, void *ctx, int64_t ntasks, int64_t chunk) {
         fn(ctx, 0, ntasks);
         return;
     }
-    const double t0 = atomic_load(&counting) ? now() : 0;
+    const int timed = atomic_load(&counting);
+    const double t0 = timed ? now() : 0;
     job.fn = fn; job.ctx = ctx; job.ntasks = ntasks; job.chunk = chunk;
     atomic_store(&next_task, 0);
     atomic_store(&done_tasks, 0);
@@ -190,7 +191,7 @@ void pool_run(task_fn fn, void *ctx, int64_t ntasks, int64_t chunk) {
     if (atomic_load(&sleepers) > 0) wake_all();
     run_tasks();
     wait_done(ntasks);
-    if (t0 > 0) {
+    if (timed) {
         atomic_fetch_add(&offered_ns, (long long)(1e9 * (now() - t0) * (n_workers + 1)));
         atomic_fetch_add(&counted_jobs, 1);
     }

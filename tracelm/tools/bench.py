@@ -234,9 +234,8 @@ def kernels_in_use() -> dict[str, Any]:
     """The kernel path a bench runs on and each path's self-test against the portable path ("passed: N cases in
     T ms", "refused: ...", "untested", "unsupported"): a report names the path it measured and why it was trusted;
     the decode pairs' prefetch distance and the weights' prefetch hint in use (`k_ahead`, `prefetch_hint`); and the
-    kernels' tuning variables set in the environment
-    (read at import: TRACELM_KERNELS, TRACELM_K_AHEAD, TRACELM_TASKS_PER_THREAD, TRACELM_SPIN_US), so a sweep's
-    reports say what each ran with."""
+    kernels' tuning variables set in the environment (read at import: TRACELM_KERNELS, TRACELM_K_AHEAD,
+    TRACELM_TASKS_PER_THREAD, TRACELM_SPIN_US), so a sweep's reports say what each ran with."""
     import tracelm.kernels as kernels
 
     tuning = {k: os.environ[k] for k in KERNELS_ENV if os.environ.get(k)}
