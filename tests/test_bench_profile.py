@@ -74,6 +74,11 @@ def test_the_pools_time_in_its_jobs(tiny_q8, kernels_restored):
     assert pool["jobs_per_step"] >= 1 and 0 < pool["busy_share"] <= 1
     assert 0 < pool["ms_per_step"] <= report["threads_2"]["streams_1"]["ms_per_step"]
     assert pool["waiting_ms_per_step"] == pytest.approx(pool["ms_per_step"] * (1 - pool["busy_share"]), abs=0.002)
+    kinds = report["threads_2"]["streams_1"]["kinds"]
+    assert kinds["products"]["pool"]["jobs_per_step"] >= 1 and "pool" not in kinds["rest"]
+    assert "pool" not in report["threads_1"]["streams_1"]["kinds"]["products"]  # one thread: no pool
+    # each kind's jobs are the step's, counted while its calls ran (at most the step's, rounded to a tenth)
+    assert sum(k["pool"]["jobs_per_step"] for k in kinds.values() if "pool" in k) <= pool["jobs_per_step"] + 0.5
     counts = kernels.pool_counts()  # counting stopped with the timed steps
     kernels.set_threads(2)
     x, w = np.ones((16, 512), np.float32), np.ones((512, 512), np.float32)

@@ -10,7 +10,9 @@ threads are added is what stops decode from scaling (issue 32): `--thread-counts
 in turn in one process and reports each kind's speed-up over the first count (`scaling`). `pool` is the kernels'
 thread pool over the timed steps (kernels.pool_counts): its jobs a step, their wall ms a step, the share of the
 threads' time in them spent inside tasks (`busy_share`), and the rest as ms a step (`waiting_ms_per_step`: waking the
-workers, taking tasks, waiting for the slowest) -- what a finer or coarser split, or fewer jobs, could win back.
+workers, taking tasks, waiting for the slowest) -- what a finer or coarser split, or fewer jobs, could win back;
+each kind whose calls ran jobs on the pool has its own `pool` too (where the waiting is: the products' tails, or
+the wake-ups of many small jobs).
 
 The timers wrap the module functions the pass calls, for the timed steps only, and are removed after; each call
 then costs about a microsecond more, so `ms_per_step` is given beside `ms_per_step_untimed`, the same steps without
@@ -43,20 +45,27 @@ KINDS: dict[str, tuple[tuple[Any, str], ...]] = {
 }
 
 
-def _timed(fn: Callable[..., Any], spent: dict[str, float], kind: str) -> Callable[..., Any]:
+def _timed(fn: Callable[..., Any], spent: dict[str, float], kind: str,
+           pooled: dict[str, list[float]] | None) -> Callable[..., Any]:
     def call(*args: Any, **kwargs: Any) -> Any:
+        before = kernels.pool_counts() if pooled is not None else None
         t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
             spent[kind] += time.perf_counter() - t0
+            if before is not None:
+                into = pooled.setdefault(kind, [0, 0.0, 0.0])
+                for i, (a, b) in enumerate(zip(before, kernels.pool_counts(), strict=True)):
+                    into[i] += b - a
 
     return call
 
 
 @contextlib.contextmanager
-def timers(spent: dict[str, float]) -> Iterator[None]:
-    """Every function of KINDS wrapped to add its calls' seconds to spent[kind]; put back on exit."""
+def timers(spent: dict[str, float], pooled: dict[str, list[float]] | None = None) -> Iterator[None]:
+    """Every function of KINDS wrapped to add its calls' seconds to spent[kind] (and, with `pooled`, what the pool
+    counted during them to pooled[kind], as kernels.pool_counts: jobs, offered s, busy s); put back on exit."""
     saved = []
     try:
         for kind, places in KINDS.items():
@@ -66,9 +75,9 @@ def timers(spent: dict[str, float]) -> Iterator[None]:
                 fn = owner[name] if is_map else getattr(owner, name)
                 saved.append((owner, name, fn))
                 if is_map:
-                    owner[name] = _timed(fn, spent, kind)
+                    owner[name] = _timed(fn, spent, kind, pooled)
                 else:
-                    setattr(owner, name, _timed(fn, spent, kind))
+                    setattr(owner, name, _timed(fn, spent, kind, pooled))
         yield
     finally:
         for owner, name, fn in reversed(saved):
@@ -158,14 +167,17 @@ def _profile(session: Session, streams: tuple[int, ...], n_prompt: int, n_decode
         _decode(gens, 1)  # a warm step
         spent: dict[str, float] = {}
         counts: list[Any] = []
-        with timers(spent), pool_counted(counts):
+        pooled: dict[str, list[float]] = {}
+        with timers(spent, pooled), pool_counted(counts):
             wall = _decode(gens, n_decode)
         rest = wall - sum(spent.values())
-        kinds = {k: {"ms_per_step": round(1e3 * s / n_decode, 3), "share": round(s / wall, 3)}
+        threads = kernels.threads()
+        kinds = {k: {"ms_per_step": round(1e3 * s / n_decode, 3), "share": round(s / wall, 3),
+                     **({"pool": pool_report(pooled[k], n_decode, threads)} if pooled.get(k, [0])[0] else {})}
                  for k, s in (*spent.items(), ("rest", rest))}
         report[f"streams_{n}"] = {"ms_per_step_untimed": round(1e3 * untimed / (n_decode + 1), 3),
                                   "ms_per_step": round(1e3 * wall / n_decode, 3), "kinds": kinds,
-                                  "pool": pool_report(counts, n_decode, kernels.threads())}
+                                  "pool": pool_report(counts, n_decode, threads)}
     return report
 
 
