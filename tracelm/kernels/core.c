@@ -873,7 +873,7 @@ static PyObject *py_set_prefetch_hint(PyObject *self, PyObject *args) {
             prefetch_nta = i;   /* read by each prefetch: no product runs while the GIL is held here */
             Py_RETURN_NONE;
         }
-    PyErr_Format(PyExc_ValueError, "set_prefetch_hint: hint must be 't0' or 'nta', got '%s'", hint);
+    PyErr_Format(PyExc_ValueError, "set_prefetch_hint: hint must be '%s' or '%s', got '%s'", HINTS[0], HINTS[1], hint);
     return NULL;
 }
 
@@ -1049,5 +1049,7 @@ PyMODINIT_FUNC PyInit__core(void) {
                                   T_Q5_K, T_Q6_K, T_BF16);
     if (!sup || PyModule_AddObject(m, "SUPPORTED", sup) < 0) { Py_XDECREF(sup); Py_DECREF(m); return NULL; }
     if (PyModule_AddIntConstant(m, "MAX_K_AHEAD", MAX_K_AHEAD) < 0) { Py_DECREF(m); return NULL; }
+    PyObject *hints = Py_BuildValue("(ss)", HINTS[0], HINTS[1]);
+    if (!hints || PyModule_AddObject(m, "PREFETCH_HINTS", hints) < 0) { Py_XDECREF(hints); Py_DECREF(m); return NULL; }
     return m;
 }
