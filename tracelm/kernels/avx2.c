@@ -479,31 +479,50 @@ INL void step16(int t, __m512 *f, __m512 d, __m512 m, const xblock32 *X, __m512i
     const __m512 d = _mm512_loadu_ps((u)->d[kb]),                                                                 \
                  m = (t) == T_Q4_1 || (t) == T_Q5_1 ? _mm512_loadu_ps((u)->m[kb]) : d;
 
-/* x half-rows x0..x(nx-1) (nx = 2 or 4) against the pair's chunk, accumulator k = half-row k */
-INL void dot32_chunk16(int t, const ubuf32x2 *u, int nkb, int nx, const xblock32 *x0, const xblock32 *x1,
-                       const xblock32 *x2, const xblock32 *x3, __m512 *a0, __m512 *a1, __m512 *a2, __m512 *a3) {
-    const int four = nx > 2;
+/* x half-rows x0..x(nx-1) (nx = 2 or 4) against one pair's chunk u (np2 = 1), accumulator a[k] = half-row k, or
+ * against two pairs' chunks u, w at once (np2 = 2: a 32-row tile; c[k] against w), each x quad broadcast once for
+ * both: half the loads per vpdpbusd (dotk_chunk16) */
+INL void dot32_chunk16(int t, int np2, const ubuf32x2 *u, const ubuf32x2 *w, int nkb, int nx, const xblock32 *x0,
+                       const xblock32 *x1, const xblock32 *x2, const xblock32 *x3, __m512 *a, __m512 *c) {
+    const int four = nx > 2, two = np2 == 2;
     const __m512i z = _mm512_setzero_si512();
-    __m512 f0 = *a0, f1 = *a1, f2 = four ? *a2 : _mm512_setzero_ps(), f3 = four ? *a3 : _mm512_setzero_ps();
+    __m512 f0 = a[0], f1 = a[1], f2 = four ? a[2] : _mm512_setzero_ps(), f3 = four ? a[3] : _mm512_setzero_ps();
+    __m512 g0 = two ? c[0] : f0, g1 = two ? c[1] : f1, g2 = two && four ? c[2] : f2, g3 = two && four ? c[3] : f3;
     for (int kb = 0; kb < nkb; kb++, x0++, x1++, x2++, x3++) {
-        __m512i i0 = z, i1 = z, i2 = z, i3 = z;
+        __m512i i0 = z, i1 = z, i2 = z, i3 = z, r0 = z, r1 = z, r2 = z, r3 = z;
+#define DP(s, V, B) s = _mm512_dpbusd_epi32(s, V, B); REG(s);
 #pragma GCC unroll 8
-        for (int c = 0; c < 8; c++) {
-            const __m512i w = ld512(u->v[kb][c]);
-            i0 = _mm512_dpbusd_epi32(i0, w, BQ16(x0->q, c)); REG(i0);
-            i1 = _mm512_dpbusd_epi32(i1, w, BQ16(x1->q, c)); REG(i1);
-            if (four) {
-                i2 = _mm512_dpbusd_epi32(i2, w, BQ16(x2->q, c)); REG(i2);
-                i3 = _mm512_dpbusd_epi32(i3, w, BQ16(x3->q, c)); REG(i3);
+        for (int q = 0; q < 8; q++) {
+            const __m512i V = ld512(u->v[kb][q]);
+            __m512i B0 = BQ16(x0->q, q), B1 = BQ16(x1->q, q), B2 = four ? BQ16(x2->q, q) : B0,
+                    B3 = four ? BQ16(x3->q, q) : B1;
+            REG(B0); REG(B1); if (four) { REG(B2); REG(B3); }
+            DP(i0, V, B0) DP(i1, V, B1) if (four) { DP(i2, V, B2) DP(i3, V, B3) }
+            if (two) {
+                const __m512i W = ld512(w->v[kb][q]);
+                DP(r0, W, B0) DP(r1, W, B1) if (four) { DP(r2, W, B2) DP(r3, W, B3) }
             }
         }
-        BLOCK_DM(t, u, kb)
-        step16(t, &f0, d, m, x0, i0);
-        step16(t, &f1, d, m, x1, i1);
-        if (four) { step16(t, &f2, d, m, x2, i2); step16(t, &f3, d, m, x3, i3); }
+#undef DP
+        {
+            BLOCK_DM(t, u, kb)
+            step16(t, &f0, d, m, x0, i0);
+            step16(t, &f1, d, m, x1, i1);
+            if (four) { step16(t, &f2, d, m, x2, i2); step16(t, &f3, d, m, x3, i3); }
+        }
+        if (two) {
+            BLOCK_DM(t, w, kb)
+            step16(t, &g0, d, m, x0, r0);
+            step16(t, &g1, d, m, x1, r1);
+            if (four) { step16(t, &g2, d, m, x2, r2); step16(t, &g3, d, m, x3, r3); }
+        }
     }
-    *a0 = f0; *a1 = f1;
-    if (four) { *a2 = f2; *a3 = f3; }
+    a[0] = f0; a[1] = f1;
+    if (four) { a[2] = f2; a[3] = f3; }
+    if (two) {
+        c[0] = g0; c[1] = g1;
+        if (four) { c[2] = g2; c[3] = g3; }
+    }
 }
 
 #if AMX
@@ -999,60 +1018,82 @@ INL __m512i kmins16(const ubufk2 *u, const xblock256 *x) {   /* of a pair's unpa
     return kmins_v16(corr, x);
 }
 
-INL void dotk_chunk16(int t, const ubufk2 *u, int nks, int nx, const xblock256 *x0, const xblock256 *x1,
-                      const xblock256 *x2, const xblock256 *x3, const k6off *o0, const k6off *o1, const k6off *o2,
-                      const k6off *o3, __m512 *a0, __m512 *a1, __m512 *a2, __m512 *a3) {
+/* Against one pair's chunk u (np2 = 1) or two pairs' chunks u, w at once (np2 = 2: a 32-row tile, each x quad
+ * broadcast once for both; accumulators a[k] and c[k] = half-row k against u and w). The two pairs halve the
+ * loads per vpdpbusd (a 512-bit weight vector and nx broadcasts feed 2 nx of them, not nx): the loop is bound
+ * by its loads, not the dot ports (measured, one Zen 5 core, operands in L1: 4 half-rows against one pair 0.59
+ * of the dot's peak, against two 0.88). */
+INL void dotk_chunk16(int t, int np2, const ubufk2 *u, const ubufk2 *w, int nks, int nx, const xblock256 *x0,
+                      const xblock256 *x1, const xblock256 *x2, const xblock256 *x3, const k6off *o0, const k6off *o1,
+                      const k6off *o2, const k6off *o3, __m512 *a, __m512 *c) {
     const __m512i z = _mm512_setzero_si512();
-    const int four = nx > 2;
-    __m512 f0 = *a0, f1 = *a1, f2 = four ? *a2 : _mm512_setzero_ps(), f3 = four ? *a3 : _mm512_setzero_ps();
+    const int four = nx > 2, two = np2 == 2;
+    __m512 f0 = a[0], f1 = a[1], f2 = four ? a[2] : _mm512_setzero_ps(), f3 = four ? a[3] : _mm512_setzero_ps();
+    __m512 g0 = two ? c[0] : f0, g1 = two ? c[1] : f1, g2 = two && four ? c[2] : f2, g3 = two && four ? c[3] : f3;
     for (int kb = 0; kb < nks; kb++, x0++, x1++, x2++, x3++) {
-        const ubufk2 *b = u + kb;
-        __m512i A0 = z, A1 = z, A2 = z, A3 = z;
-#define DP(k, X, o, q) s##k = _mm512_dpbusd_epi32(s##k, V, BQ16(X->q + (o), q)); REG(s##k);
+        const ubufk2 *b = u + kb, *e = two ? w + kb : b;
+        __m512i A0 = z, A1 = z, A2 = z, A3 = z, R0 = z, R1 = z, R2 = z, R3 = z;
+/* quad e of the sub-block's weights against the x quads at byte o + 4 q of each half-row, broadcast once */
+#define DQ(e_, o, q)                                                                                                \
+        {                                                                                                           \
+            const __m512i V = ld512(b->v[e_]);                                                                      \
+            __m512i B0 = BQ16(x0->q + (o), q), B1 = BQ16(x1->q + (o), q), B2 = four ? BQ16(x2->q + (o), q) : B0,    \
+                    B3 = four ? BQ16(x3->q + (o), q) : B1;                                                         \
+            REG(B0); REG(B1); if (four) { REG(B2); REG(B3); }                                                      \
+            DP(s0, V, B0) DP(s1, V, B1) if (four) { DP(s2, V, B2) DP(s3, V, B3) }                                 \
+            if (two) {                                                                                              \
+                const __m512i W = ld512(e->v[e_]);                                                                  \
+                DP(r0, W, B0) DP(r1, W, B1) if (four) { DP(r2, W, B2) DP(r3, W, B3) }                             \
+            }                                                                                                       \
+        }
+#define DP(s, V, B) s = _mm512_dpbusd_epi32(s, V, B); REG(s);
+/* A, R + the sub-block's sums (less Q6_K's offsets O) times its scales */
+#define SC(k, O)                                                                                                    \
+        A##k = _mm512_add_epi32(A##k, _mm512_mullo_epi32(_mm512_sub_epi32(s##k, O), sc)); REG(A##k);                \
+        if (two) { R##k = _mm512_add_epi32(R##k, _mm512_mullo_epi32(_mm512_sub_epi32(r##k, O), scw)); REG(R##k); }
         if (t == T_Q6_K) {
 #pragma GCC unroll 2
             for (int i = 0; i < 16; i++) {   /* sub-block i: quads 4i..4i+3, less the offsets, times the scales */
-                __m512i s0 = z, s1 = z, s2 = z, s3 = z;
+                __m512i s0 = z, s1 = z, s2 = z, s3 = z, r0 = z, r1 = z, r2 = z, r3 = z;
 #pragma GCC unroll 4
-                for (int q = 0; q < 4; q++) {
-                    const __m512i V = ld512(b->v[4 * i + q]);
-                    DP(0, x0, 16 * i, q) DP(1, x1, 16 * i, q)
-                    if (four) { DP(2, x2, 16 * i, q) DP(3, x3, 16 * i, q) }
-                }
-                const __m512i sc = ld512(b->sc[i]);
-#define M(k, O) A##k = _mm512_add_epi32(A##k, _mm512_mullo_epi32(_mm512_sub_epi32(s##k, _mm512_set1_epi32(O->d[kb][i])), sc)); \
-                REG(A##k);
-                M(0, o0) M(1, o1) if (four) { M(2, o2) M(3, o3) }
-#undef M
+                for (int q = 0; q < 4; q++) DQ(4 * i + q, 16 * i, q)
+                const __m512i sc = ld512(b->sc[i]), scw = ld512(e->sc[i]);
+                SC(0, _mm512_set1_epi32(o0->d[kb][i])) SC(1, _mm512_set1_epi32(o1->d[kb][i]))
+                if (four) { SC(2, _mm512_set1_epi32(o2->d[kb][i])) SC(3, _mm512_set1_epi32(o3->d[kb][i])) }
             }
-            const __m512 d = _mm512_loadu_ps(b->d);
-#define C(k, X) COMBINE_D(v16, f##k, d, _mm512_set1_ps(X->d), A##k);
+            const __m512 d = _mm512_loadu_ps(b->d), dw = _mm512_loadu_ps(e->d);
+#define C(k, X)                                                                                                     \
+            COMBINE_D(v16, f##k, d, _mm512_set1_ps(X->d), A##k);                                                    \
+            if (two) COMBINE_D(v16, g##k, dw, _mm512_set1_ps(X->d), R##k);
             C(0, x0) C(1, x1) if (four) { C(2, x2) C(3, x3) }
 #undef C
         } else {
 #pragma GCC unroll 1
             for (int j = 0; j < 8; j++) {   /* sub-block j: quads 8j..8j+7 */
-                __m512i s0 = z, s1 = z, s2 = z, s3 = z;
+                __m512i s0 = z, s1 = z, s2 = z, s3 = z, r0 = z, r1 = z, r2 = z, r3 = z;
 #pragma GCC unroll 8
-                for (int q = 0; q < 8; q++) {
-                    const __m512i V = ld512(b->v[8 * j + q]);
-                    DP(0, x0, 32 * j, q) DP(1, x1, 32 * j, q)
-                    if (four) { DP(2, x2, 32 * j, q) DP(3, x3, 32 * j, q) }
-                }
-                const __m512i sc = ld512(b->sc[j]);
-#define M(k) A##k = _mm512_add_epi32(A##k, _mm512_mullo_epi32(s##k, sc)); REG(A##k);
-                M(0) M(1) if (four) { M(2) M(3) }
-#undef M
+                for (int q = 0; q < 8; q++) DQ(8 * j + q, 32 * j, q)
+                const __m512i sc = ld512(b->sc[j]), scw = ld512(e->sc[j]);
+                SC(0, z) SC(1, z) if (four) { SC(2, z) SC(3, z) }
             }
             const __m512 d = _mm512_loadu_ps(b->d), dmin = _mm512_loadu_ps(b->dmin);
-#define C(k, X) COMBINE_K(v16, f##k, d, dmin, _mm512_set1_ps(X->d), A##k, kmins16(b, X));
+            const __m512 dw = _mm512_loadu_ps(e->d), dminw = _mm512_loadu_ps(e->dmin);
+#define C(k, X)                                                                                                     \
+            COMBINE_K(v16, f##k, d, dmin, _mm512_set1_ps(X->d), A##k, kmins16(b, X));                               \
+            if (two) COMBINE_K(v16, g##k, dw, dminw, _mm512_set1_ps(X->d), R##k, kmins16(e, X));
             C(0, x0) C(1, x1) if (four) { C(2, x2) C(3, x3) }
 #undef C
         }
+#undef SC
 #undef DP
+#undef DQ
     }
-    *a0 = f0; *a1 = f1;
-    if (four) { *a2 = f2; *a3 = f3; }
+    a[0] = f0; a[1] = f1;
+    if (four) { a[2] = f2; a[3] = f3; }
+    if (two) {
+        c[0] = g0; c[1] = g1;
+        if (four) { c[2] = g2; c[3] = g3; }
+    }
 }
 
 #if AMX
@@ -1850,51 +1891,58 @@ INL void tile32(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1) 
 }
 
 #if VNNI == 2
-/* avx512vnni, 32-value types, many x rows: groups `group` and group + 1 (ng = 2; ng = 1: the group with itself) as
- * one 16-row tile, each chunk of blocks unpacked once side by side, then met by the tile's quantized rows 4 at a
- * time (a last 2 or 3: 2 at a time, a last odd one twice) */
+/* avx512vnni, 32-value types, many x rows: ng (1 to 4) groups from `group` on as pairs, each a 16-row tile (a lone
+ * last group with itself), each chunk of blocks unpacked once side by side, then met by the tile's quantized rows 4
+ * at a time (a last 2 or 3: 2 at a time, a last odd one twice), against both pairs at once (dot32_chunk16); two
+ * pairs take chunks of KC / 2 blocks, so that they stay in L1 */
 INL void tile32x2(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1) {
-    const int t = j->qtype;
-    const uint8_t *rows[2][GROUP];
-    group_rows(j, group, rows[0]);
-    group_rows(j, ng == 2 ? group + 1 : group, rows[1]);
+    const int t = j->qtype, np = (ng + 1) / 2, kc = KC / np;
+    const uint8_t *rows[4][GROUP];
+    for (int g = 0; g < 2 * np; g++) group_rows(j, group + (g < ng ? g : ng - 1), rows[g]);
     const int64_t mt = m1 - m0, xrb = j->xq_row_bytes, hv = j->halves, mq = hv * mt, nb = j->K / 32;
     const char *xq = (const char *)j->xq + hv * m0 * xrb;
-    __m512 acc[2 * MTILE + 4];   /* + 4: the unused accumulators of a last pass */
-    for (int64_t i = 0; i < mq + 4; i++) acc[i] = _mm512_setzero_ps();
-    ubuf32x2 u;
+    __m512 acc[2][2 * MTILE + 4];   /* + 4: the unused accumulators of a last pass */
+    for (int p = 0; p < np; p++)
+        for (int64_t i = 0; i < mq + 4; i++) acc[p][i] = _mm512_setzero_ps();
+    ubuf32x2 u[2];
 #if AMX
-    __m512i sv[KC][8];   /* amx_signed types: the chunk as signed bytes */
+    __m512i sv[2][KC][8];   /* amx_signed types: the chunk as signed bytes */
 #endif
-    for (int64_t b0 = 0; b0 < nb; b0 += KC) {
-        int nkb = nb - b0 < KC ? (int)(nb - b0) : KC;
-        for (int h = 0; h < 2; h++) {
-            if (j->packed) unpack32_to(t, 1, rows[h], rows[h][0], b0, nkb, &u.v[0][0][h], NULL, u.d[0][h], u.m[0][h], 2, 1);
-            else unpack32_to(t, 0, rows[h], rows[h][0], b0, nkb, &u.v[0][0][h], NULL, u.d[0][h], u.m[0][h], 2, 1);
+    for (int64_t b0 = 0; b0 < nb; b0 += kc) {
+        int nkb = nb - b0 < kc ? (int)(nb - b0) : kc;
+        for (int g = 0; g < 2 * np; g++) {
+            ubuf32x2 *b = u + g / 2;
+            const int h = g % 2;
+            if (j->packed) unpack32_to(t, 1, rows[g], rows[g][0], b0, nkb, &b->v[0][0][h], NULL, b->d[0][h], b->m[0][h], 2, 1);
+            else unpack32_to(t, 0, rows[g], rows[g][0], b0, nkb, &b->v[0][0][h], NULL, b->d[0][h], b->m[0][h], 2, 1);
         }
         for (int64_t i = 0, nx; i < mq; i += nx) {
 #if AMX
             if (mq - i >= 16) {   /* 16 half-rows: one tile */
                 nx = 16;
                 amx_configure(AMX_TILES32);
-                if (i == 0 && amx_signed(t)) amx_sign_chunk(t, &u, nkb, sv);
                 const xblock32 *xa = (const xblock32 *)(xq + i * xrb) + b0;
-#define CASE(T) amx_chunk16(T, &u, sv, nkb, xa, xrb, &acc[i]); break;
-                SWITCH32(t)
+                for (int p = 0; p < np; p++) {
+                    if (i == 0 && amx_signed(t)) amx_sign_chunk(t, u + p, nkb, sv[p]);
+#define CASE(T) amx_chunk16(T, u + p, sv[p], nkb, xa, xrb, &acc[p][i]); break;
+                    SWITCH32(t)
 #undef CASE
+                }
                 continue;
             }
 #endif
             nx = mq - i >= 4 ? 4 : 2;
             PASS_ROWS(xblock32, b0)
-#define CH(T, NX) dot32_chunk16(T, &u, nkb, NX, x0, x1, x2, x3, &acc[i], &acc[i + 1], &acc[i + 2], &acc[i + 3])
-#define CASE(T) if (nx == 4) CH(T, 4); else CH(T, 2); break;
+#define CH(T, NP, NX) dot32_chunk16(T, NP, &u[0], &u[1], nkb, NX, x0, x1, x2, x3, &acc[0][i], &acc[1][i])
+#define CASE(T) if (np == 2) { if (nx == 4) CH(T, 2, 4); else CH(T, 2, 2); }                                        \
+                else if (nx == 4) CH(T, 1, 4); else CH(T, 1, 2);                                                  \
+                break;
             SWITCH32(t)
 #undef CASE
 #undef CH
         }
     }
-    store_acc16(j, group, ng, m0, mt, acc);
+    for (int p = 0; p < np; p++) store_acc16(j, group + 2 * p, ng - 2 * p < 2 ? 1 : 2, m0, mt, acc[p]);
 }
 #endif
 
@@ -2013,10 +2061,12 @@ INL void tilek16(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1)
                 k6_offsets(x1, nks, &off[1]);
                 if (nx > 2) { k6_offsets(x2, nks, &off[2]); k6_offsets(x3, nks, &off[3]); }
             }
-            for (int p = 0; p < np; p++) {
-#define CH(T, NX) dotk_chunk16(T, u + p * ks, nks, NX, x0, x1, x2, x3, &off[0], &off[1], &off[2], &off[3], &acc[p][i], \
-                               &acc[p][i + 1], &acc[p][i + 2], &acc[p][i + 3])
-#define CASE(T) if (nx == 4) CH(T, 4); else CH(T, 2); break;
+            for (int p = 0; p < np; p += 2) {   /* two pairs at a time, a last lone one alone */
+#define CH(T, NP, NX) dotk_chunk16(T, NP, u + p * ks, u + (p + 1) * ks, nks, NX, x0, x1, x2, x3, &off[0], &off[1],   \
+                                   &off[2], &off[3], &acc[p][i], &acc[p + 1][i])
+#define CASE(T) if (p + 1 == np) { if (nx == 4) CH(T, 1, 4); else CH(T, 1, 2); }                                     \
+                else if (nx == 4) CH(T, 2, 4); else CH(T, 2, 2);                                                     \
+                break;
                 switch (t) {
                 case T_Q4_K: CASE(T_Q4_K)
                 case T_Q5_K: CASE(T_Q5_K)
@@ -2038,8 +2088,10 @@ AVX2 static int task_groups(int t, int64_t mt) {
     /* direct: one group, or a pair on 512-bit vectors (direct_pair); packed K-quants direct up to 3 rows: TGK groups,
      * met in pairs or one at a time */
     if (mt <= direct_rows(t, 0)) return VNNI == 2 ? 2 : 1;
-    if (type_block(t) == 256) return AMX && mt >= 16 ? KUNITS : TGK(t);   /* amx: the tiles' 4 pairs (tilek16) */
-    return t == T_Q4_0 || t == T_Q5_0 || VNNI == 2 ? 2 : 1;   /* avx512vnni: pairs */
+    if (type_block(t) == 256)   /* amx: the tiles' 4 pairs; avx512vnni: at least 2 pairs, met at once (tilek16) */
+        return AMX && mt >= 16 ? KUNITS : VNNI == 2 && TGK(t) < 4 ? 4 : TGK(t);
+    if (VNNI == 2) return AMX ? 2 : 4;   /* avx512vnni: two pairs at once (tile32x2); amx: a pair, its tiles' */
+    return t == T_Q4_0 || t == T_Q5_0 ? 2 : 1;
 }
 
 /* ======================================================================================================
