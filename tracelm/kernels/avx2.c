@@ -704,10 +704,10 @@ INL __m256 q8_direct(int two, int pk, const uint8_t *const *rows, const xblock32
  * int16) adds it to the int32 A. A task's TGK(t) groups, KS(t) super-blocks of each unpacked at a time (KUNITS
  * units of ~2.7 KB in all, so that they stay in L1), are met by each pass of x rows in turn: the x rows and Q6_K's
  * offsets of a pass are read and made once for all of them. Q6_K: 8 groups of 1 super-block, its offsets shared by
- * 4 pairs (measured, 2 threads, 64-256 rows, real ffn_down: +5-8% against 2 groups of 4); Q4_K/Q5_K: 2 of 4. The AMX
- * tiles (from 16 x rows): 8 of 1 for all three, so that each pass's x tiles are met by 4 pairs in turn (measured, 1
- * thread, 256 rows: Q4_K, Q5_K 6-8% faster than 2 of 4; at 8 rows, on 512-bit VNNI, 2 of 4 stays: 10% faster on
- * Qwen2.5-7B's ffn_down), and tiles of MTILE_K x rows, each pair's planes met by twice the passes
+ * 4 pairs (measured, 2 threads, 64-256 rows, real ffn_down: +5-8% against 2 groups of 4); Q4_K/Q5_K: 2 of 4
+ * (avx512vnni from 16 rows: 4 of 2, its two pairs met at once). The AMX tiles (from 16 x rows): 8 of 1 for all
+ * three, so that each pass's x tiles are met by 4 pairs in turn (measured, 1 thread, 256 rows: Q4_K, Q5_K 6-8%
+ * faster than 2 of 4; at 8 rows, on 512-bit VNNI, 2 of 4 stays: 10% faster on Qwen2.5-7B's ffn_down), and tiles of MTILE_K x rows, each pair's planes met by twice the passes
  * (2 threads, 256 rows, Qwen2.5-7B's shapes: Q4_K 10-18%, Q6_K 13% faster than 64 rows; 256 rows: Q6_K's ffn_down
  * faster still, Q4_K's slower).
  * ==================================================================================================== */
@@ -1021,8 +1021,8 @@ INL __m512i kmins16(const ubufk2 *u, const xblock256 *x) {   /* of a pair's unpa
 /* Against one pair's chunk u (np2 = 1) or two pairs' chunks u, w at once (np2 = 2: a 32-row tile, each x quad
  * broadcast once for both; accumulators a[k] and c[k] = half-row k against u and w). The two pairs halve the
  * loads per vpdpbusd (a 512-bit weight vector and nx broadcasts feed 2 nx of them, not nx): the loop is bound
- * by its loads, not the dot ports (measured, one Zen 5 core, operands in L1: 4 half-rows against one pair 0.59
- * of the dot's peak, against two 0.88). */
+ * by its loads, not the dot ports (measured, `tracelm bench`, 2 threads, Zen 5: Qwen2.5-7B's prefill products
+ * 10% faster, Qwen2.5-Coder-0.5B's 20%). */
 INL void dotk_chunk16(int t, int np2, const ubufk2 *u, const ubufk2 *w, int nks, int nx, const xblock256 *x0,
                       const xblock256 *x1, const xblock256 *x2, const xblock256 *x3, const k6off *o0, const k6off *o1,
                       const k6off *o2, const k6off *o3, __m512 *a, __m512 *c) {
