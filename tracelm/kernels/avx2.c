@@ -707,9 +707,9 @@ INL __m256 q8_direct(int two, int pk, const uint8_t *const *rows, const xblock32
  * 4 pairs (measured, 2 threads, 64-256 rows, real ffn_down: +5-8% against 2 groups of 4); Q4_K/Q5_K: 2 of 4
  * (avx512vnni from 16 rows: 4 of 2, its two pairs met at once). The AMX tiles (from 16 x rows): 8 of 1 for all
  * three, so that each pass's x tiles are met by 4 pairs in turn (measured, 1 thread, 256 rows: Q4_K, Q5_K 6-8%
- * faster than 2 of 4; at 8 rows, on 512-bit VNNI, 2 of 4 stays: 10% faster on Qwen2.5-7B's ffn_down), and tiles of MTILE_K x rows, each pair's planes met by twice the passes
- * (2 threads, 256 rows, Qwen2.5-7B's shapes: Q4_K 10-18%, Q6_K 13% faster than 64 rows; 256 rows: Q6_K's ffn_down
- * faster still, Q4_K's slower).
+ * faster than 2 of 4; at 8 rows, on 512-bit VNNI, 2 of 4 stays: 10% faster on Qwen2.5-7B's ffn_down), and tiles
+ * of MTILE_K x rows, each pair's planes met by twice the passes (2 threads, 256 rows, Qwen2.5-7B's shapes: Q4_K
+ * 10-18%, Q6_K 13% faster than 64 rows; 256 rows: Q6_K's ffn_down faster still, Q4_K's slower).
  * ==================================================================================================== */
 typedef struct {          /* one super-block of a group's 8 rows, unpacked */
     __m256i v[64];        /* quad e/4: 0..15 / 0..31 / 0..63 */
@@ -2081,9 +2081,10 @@ INL void tilek16(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1)
 }
 #endif
 
-/* weight groups per task for a tile of mt x rows: 2 where the 16-row tile runs -- Q4_0, Q5_0 (measured, 1 thread:
- * +13% at 256 rows, +10% at 8; Q4_1 loses 2-4%, its m term keeping more vectors live; Q8_0's sign step is per
- * group, nothing to share); the K-quants, tiled: TGK (tilek) */
+/* weight groups per task for a tile of mt x rows: on 256-bit vectors 2 where the 16-row tile runs -- Q4_0, Q5_0
+ * (measured, 1 thread: +13% at 256 rows, +10% at 8; Q4_1 loses 2-4%, its m term keeping more vectors live; Q8_0's
+ * sign step is per group, nothing to share); the K-quants, tiled: TGK (tilek). On 512-bit vectors, pairs of groups
+ * (tile32x2, tilek16), two of them at once where that pays (below). */
 AVX2 static int task_groups(int t, int64_t mt) {
     /* direct: one group, or a pair on 512-bit vectors (direct_pair); packed K-quants direct up to 3 rows: TGK groups,
      * met in pairs or one at a time */
