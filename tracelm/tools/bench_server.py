@@ -115,7 +115,7 @@ def _bench_server(session: Session, streams: tuple[int, ...], n_prompt: int, n_d
         report[f"streams_{n}"] = {"aggregate_tok_s": round(b["tok_s"], 2), f"vs_{first}_stream":
                                   round(b["tok_s"] / one, 3), "cpu_tok_s": round(cpu, 2),
                                   f"cpu_vs_{first}_stream": round(cpu / cpu_one, 3),
-                                  "ms_per_pass": round(b["ms_per_pass"], 2), "products_ms_per_pass": round(products, 2),
+                                  "ms_per_pass": round(b["ms_per_pass"], 3), "products_ms_per_pass": round(products, 4),
                                   f"ceiling_vs_{first}_stream": round(n / first * one_ms / products, 3),
                                   "peak_batch": b["peak_batch"], "generated": int(b["generated"]),
                                   "shortest_stream": int(b["shortest"])}
