@@ -1031,20 +1031,20 @@ INL void dotk_chunk16(int t, int np2, const ubufk2 *u, const ubufk2 *w, int nks,
     __m512 f0 = a[0], f1 = a[1], f2 = four ? a[2] : _mm512_setzero_ps(), f3 = four ? a[3] : _mm512_setzero_ps();
     __m512 g0 = two ? c[0] : f0, g1 = two ? c[1] : f1, g2 = two && four ? c[2] : f2, g3 = two && four ? c[3] : f3;
     for (int kb = 0; kb < nks; kb++, x0++, x1++, x2++, x3++) {
-        const ubufk2 *b = u + kb, *e = two ? w + kb : b;
+        const ubufk2 *b = u + kb, *bw = two ? w + kb : b;   /* the two pairs' super-block kb */
         __m512i A0 = z, A1 = z, A2 = z, A3 = z, R0 = z, R1 = z, R2 = z, R3 = z;
 /* quad e of the sub-block's weights against the x quads at byte o + 4 q of each half-row, broadcast once */
-#define DQ(e_, o, q)                                                                                                \
-        {                                                                                                           \
-            const __m512i V = ld512(b->v[e_]);                                                                      \
-            __m512i B0 = BQ16(x0->q + (o), q), B1 = BQ16(x1->q + (o), q), B2 = four ? BQ16(x2->q + (o), q) : B0,    \
-                    B3 = four ? BQ16(x3->q + (o), q) : B1;                                                         \
-            REG(B0); REG(B1); if (four) { REG(B2); REG(B3); }                                                      \
-            DP(s0, V, B0) DP(s1, V, B1) if (four) { DP(s2, V, B2) DP(s3, V, B3) }                                 \
-            if (two) {                                                                                              \
-                const __m512i W = ld512(e->v[e_]);                                                                  \
-                DP(r0, W, B0) DP(r1, W, B1) if (four) { DP(r2, W, B2) DP(r3, W, B3) }                             \
-            }                                                                                                       \
+#define DQ(e, o, q)                                                                                              \
+        {                                                                                                        \
+            const __m512i V = ld512(b->v[e]);                                                                    \
+            __m512i B0 = BQ16(x0->q + (o), q), B1 = BQ16(x1->q + (o), q), B2 = four ? BQ16(x2->q + (o), q) : B0, \
+                    B3 = four ? BQ16(x3->q + (o), q) : B1;                                                       \
+            REG(B0); REG(B1); if (four) { REG(B2); REG(B3); }                                                    \
+            DP(s0, V, B0) DP(s1, V, B1) if (four) { DP(s2, V, B2) DP(s3, V, B3) }                                \
+            if (two) {                                                                                           \
+                const __m512i W = ld512(bw->v[e]);                                                               \
+                DP(r0, W, B0) DP(r1, W, B1) if (four) { DP(r2, W, B2) DP(r3, W, B3) }                            \
+            }                                                                                                    \
         }
 #define DP(s, V, B) s = _mm512_dpbusd_epi32(s, V, B); REG(s);
 /* A, R + the sub-block's sums (less Q6_K's offsets O) times its scales */
@@ -1057,11 +1057,11 @@ INL void dotk_chunk16(int t, int np2, const ubufk2 *u, const ubufk2 *w, int nks,
                 __m512i s0 = z, s1 = z, s2 = z, s3 = z, r0 = z, r1 = z, r2 = z, r3 = z;
 #pragma GCC unroll 4
                 for (int q = 0; q < 4; q++) DQ(4 * i + q, 16 * i, q)
-                const __m512i sc = ld512(b->sc[i]), scw = ld512(e->sc[i]);
+                const __m512i sc = ld512(b->sc[i]), scw = ld512(bw->sc[i]);
                 SC(0, _mm512_set1_epi32(o0->d[kb][i])) SC(1, _mm512_set1_epi32(o1->d[kb][i]))
                 if (four) { SC(2, _mm512_set1_epi32(o2->d[kb][i])) SC(3, _mm512_set1_epi32(o3->d[kb][i])) }
             }
-            const __m512 d = _mm512_loadu_ps(b->d), dw = _mm512_loadu_ps(e->d);
+            const __m512 d = _mm512_loadu_ps(b->d), dw = _mm512_loadu_ps(bw->d);
 #define C(k, X)                                                                                                     \
             COMBINE_D(v16, f##k, d, _mm512_set1_ps(X->d), A##k);                                                    \
             if (two) COMBINE_D(v16, g##k, dw, _mm512_set1_ps(X->d), R##k);
@@ -1073,14 +1073,14 @@ INL void dotk_chunk16(int t, int np2, const ubufk2 *u, const ubufk2 *w, int nks,
                 __m512i s0 = z, s1 = z, s2 = z, s3 = z, r0 = z, r1 = z, r2 = z, r3 = z;
 #pragma GCC unroll 8
                 for (int q = 0; q < 8; q++) DQ(8 * j + q, 32 * j, q)
-                const __m512i sc = ld512(b->sc[j]), scw = ld512(e->sc[j]);
+                const __m512i sc = ld512(b->sc[j]), scw = ld512(bw->sc[j]);
                 SC(0, z) SC(1, z) if (four) { SC(2, z) SC(3, z) }
             }
             const __m512 d = _mm512_loadu_ps(b->d), dmin = _mm512_loadu_ps(b->dmin);
-            const __m512 dw = _mm512_loadu_ps(e->d), dminw = _mm512_loadu_ps(e->dmin);
+            const __m512 dw = _mm512_loadu_ps(bw->d), dminw = _mm512_loadu_ps(bw->dmin);
 #define C(k, X)                                                                                                     \
             COMBINE_K(v16, f##k, d, dmin, _mm512_set1_ps(X->d), A##k, kmins16(b, X));                               \
-            if (two) COMBINE_K(v16, g##k, dw, dminw, _mm512_set1_ps(X->d), R##k, kmins16(e, X));
+            if (two) COMBINE_K(v16, g##k, dw, dminw, _mm512_set1_ps(X->d), R##k, kmins16(bw, X));
             C(0, x0) C(1, x1) if (four) { C(2, x2) C(3, x3) }
 #undef C
         }
@@ -2090,8 +2090,8 @@ AVX2 static int task_groups(int t, int64_t mt) {
      * met in pairs or one at a time */
     if (mt <= direct_rows(t, 0)) return VNNI == 2 ? 2 : 1;
     /* the K-quants: amx, the tiles' 4 pairs; avx512vnni, from 16 rows on, at least 2 pairs, met at once (tilek16;
-     * measured, 2 threads, Qwen2.5-7B's shapes: Q4_K 6-9% faster at 64-256 rows, Q6_K 15%; at 8 rows the 4 groups
-     * read Q4_K's ffn_up 3-7% slower, memory-bound, where Q6_K and the 32-value types gain 5-15%) */
+     * measured, `tracelm bench kernels`, 2 threads, Qwen2.5-7B's shapes at 256 rows: ffn_gate_up 6%, ffn_down 10%
+     * faster; at 8 rows, where Q4_K's big products read memory-bound, its 4 groups were slower in a scratch build) */
     if (type_block(t) == 256) return AMX && mt >= 16 ? KUNITS : VNNI == 2 && TGK(t) < 4 && mt >= 16 ? 4 : TGK(t);
     if (VNNI == 2) return AMX ? 2 : 4;   /* avx512vnni: two pairs at once (tile32x2); amx: a pair, for its tiles */
     return t == T_Q4_0 || t == T_Q5_0 ? 2 : 1;
