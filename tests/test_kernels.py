@@ -398,9 +398,10 @@ def test_pack_moves_bytes_and_qh_bits_and_unpacks_back(qt):
 @pytest.mark.parametrize("qt", QUANT32 + KQUANT, ids=lambda q: q.name)
 def test_two_group_tiles_packed_or_not(qt):
     """The many-row kernels of the quantized types take two groups of 8 weight rows at a time (on 512-bit vectors
-    two such pairs at once, from 16 rows on for the K-quants): an odd number of groups (a last one alone), a last group of fewer rows, packed weights (`kernels.pack`; 1-3 rows: the packed
-    direct kernels, 8 and 64 the tiled ones), K-quant rows of more super-blocks than a chunk -- the same bits as a
-    row alone, on either path, on 1 or 2 threads."""
+    two such pairs at once, from 16 rows on for the K-quants): an odd number of groups (a last one alone), a last
+    group of fewer rows, packed weights (`kernels.pack`; 1-3 rows: the packed direct kernels, 8 and 64 the tiled
+    ones), K-quant rows of more super-blocks than a chunk -- the same bits as a row alone, on either path, on 1 or 2
+    threads."""
     K = 1280 if qt in KQUANT else 320
     x = np.random.default_rng(3).standard_normal((70, K)).astype(np.float32)
     for N in (40, 24, 21):
