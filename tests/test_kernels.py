@@ -179,6 +179,48 @@ def test_quantize_rows_is_the_stated_split(qt):
             np.testing.assert_array_equal(xblocks(one, qt, M, 1)[f][:, 0], seen[0][f][:, 0], err_msg=path)
 
 
+@pytest.mark.parametrize("qt", [Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
+def test_quantize_rows_long_rows(qt):
+    """Rows of many blocks (the AVX2 paths take 32-value blocks 8 at a time: whole groups and a short last one),
+    every block its own scale, the edge blocks at places in and across those groups -- byte for byte the stated
+    split on every path, both halves and one."""
+    bs = 256 if qt in KQUANT else 32
+    nb = 5 if qt in KQUANT else 21
+    rng = np.random.default_rng(7)
+    M = 4
+    x = (rng.standard_normal((M, nb, bs)) * 10.0 ** rng.uniform(-6, 6, (M, nb, 1))).astype(np.float32)
+    x[0, 1] = 0.0
+    x[0, nb - 1, 3] = -np.inf
+    x[1, 3] = np.float32(2.0**-110)
+    x[1, nb - 2, 0] = np.nan
+    x[2, 2] = rng.integers(-127, 128, bs)   # exact in hi: lo zeros
+    x[2, 2, 0] = 127.0
+    x[2, nb - 1] = np.finfo(np.float32).max * np.sign(rng.standard_normal(bs))  # d q may round past the max: r inf
+    x[3, 0] = rng.standard_normal(bs) * np.float32(2.0**-95)  # hi live, lo below 2^-100
+    x[3, 1, :] = -0.0
+    x = x.reshape(M, nb * bs)
+    with np.errstate(over="ignore"):
+        (dh, qh), (dl, ql) = split_reference(x, bs)
+    for path in PATHS:
+        kernels.use_path(path)
+        for halves in (2, 1):
+            scratch = np.full(kernels.scratch_bytes(M, nb * bs, qt, halves), 0xA5, np.uint8)
+            kernels.quantize_rows(x, qt, scratch, halves)
+            got = xblocks(scratch, qt, M, halves)
+            for h, (d, q) in enumerate([(dh, qh), (dl, ql)][:halves]):
+                np.testing.assert_array_equal(got["d"][:, h].view(np.uint32), d.view(np.uint32), err_msg=f"{path} {h}")
+                np.testing.assert_array_equal(got["q"][:, h], q, err_msg=f"{path} half {h}")
+                if qt in KQUANT:
+                    sums = q.reshape(M, nb, 16, 16).astype(np.int32).sum(-1)
+                    np.testing.assert_array_equal(got["bsum"][:, h], sums, err_msg=path)
+                    np.testing.assert_array_equal(got["bsum32"][:, h], sums.reshape(M, nb, 8, 2).sum(-1))
+                    assert not got["pad"][:, h].any()
+                else:
+                    np.testing.assert_array_equal(got["sum"][:, h], q.astype(np.int32).sum(-1), err_msg=path)
+    assert np.isnan(dl[0, nb - 1]) and np.isnan(dl[1, nb - 2]) and np.isnan(dl[2, nb - 1]).all()
+    assert (dl[2, 2] == 0).all() and (dl[3, 0] == 0).all()
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("qt", QUANT32 + KQUANT, ids=lambda q: q.name)
 def test_matmul_one_half_against_float64(qt, path):

@@ -126,102 +126,185 @@ INL __m256i rowsums8(__m256i p0, __m256i p1, __m256i p2, __m256i p3, __m256i p4,
 INL int weight_bits(int t) { return t == T_Q4_0 || t == T_Q4_1 ? 4 : t == T_Q5_0 || t == T_Q5_1 ? 5 : 8; }
 
 /* ======================================================================================================
- * activations
+ * activations: kernels.h's quantizer, the same bytes as the portable quantize_block / quantize_split.
+ *  - amax: the integer max of the values' bits with the sign cleared (non-negative floats order as their bits; an
+ *    inf or NaN lies above 0x7f7fffff, so the same max flags a non-finite block);
+ *  - q = cvtps(x id) rounds half to even, as nearbyintf does (|x id| <= 127 and a few ulp: no clamp is ever taken);
+ *    the hi half keeps v = round(x id) as a float for r = x - d v, the portable path's (float)q (v may be -0 where
+ *    (float)q is +0: r then differs in the sign of a zero only, which lo maps to q = 0 alike);
+ *  - 32-value blocks go 8 at a time, their horizontal maxes and sums and their divides one vector's work.
  * ==================================================================================================== */
-/* one block of n (32 or 256) values: the same bytes as the portable quantize_block */
-INL void quantize_block(const float *x, int n, float *d_out, int8_t *q) {
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    __m256 amax = _mm256_setzero_ps();
-    __m256i big = _mm256_setzero_si256();
-    for (int i = 0; i < n; i += 8) {
-        __m256 a = _mm256_and_ps(_mm256_loadu_ps(x + i), absmask);
-        big = _mm256_or_si256(big, _mm256_cmpgt_epi32(_mm256_castps_si256(a), _mm256_set1_epi32(0x7f7fffff)));
-        amax = _mm256_max_ps(amax, a);
-    }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-    float am = _mm_cvtss_f32(m4);
-    int finite = _mm256_testz_si256(big, big);
-    if (!finite || am < TINY_AMAX) {
-        *d_out = finite ? 0.0f : __builtin_nanf("");
-        memset(q, 0, (size_t)n);
-        return;
-    }
-    float d = am / 127.0f, id = 1.0f / d;
-    const __m256 vid = _mm256_set1_ps(id);
-    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (int i = 0; i < n; i += 32) {
-        __m256i r[4];
-        for (int k = 0; k < 4; k++) {
-            __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * k), vid);
-            v = _mm256_round_ps(v, _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);   /* = nearbyintf */
-            r[k] = _mm256_cvtps_epi32(v);
+INL __m256i abs_bits(__m256 v) { return _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7fffffff)); }
+
+/* 8 vectors -> one, lane b = the max of v[b]'s lanes */
+INL __m256i max8(const __m256i *v) {
+#define M2(a, b, lo, hi) _mm256_max_epi32(lo(a, b), hi(a, b))
+    const __m256i t0 = M2(v[0], v[1], _mm256_unpacklo_epi32, _mm256_unpackhi_epi32);
+    const __m256i t1 = M2(v[2], v[3], _mm256_unpacklo_epi32, _mm256_unpackhi_epi32);
+    const __m256i t2 = M2(v[4], v[5], _mm256_unpacklo_epi32, _mm256_unpackhi_epi32);
+    const __m256i t3 = M2(v[6], v[7], _mm256_unpacklo_epi32, _mm256_unpackhi_epi32);
+    const __m256i u0 = M2(t0, t1, _mm256_unpacklo_epi64, _mm256_unpackhi_epi64);   /* blocks 0..3, per 128 lanes */
+    const __m256i u1 = M2(t2, t3, _mm256_unpacklo_epi64, _mm256_unpackhi_epi64);   /* blocks 4..7 */
+#undef M2
+    return _mm256_max_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+/* per lane from its amax bits: d = amax / 127, id = 1 / d; below 2^-100 d = id = 0 (so q = 0 and r = x) */
+INL void scales_of(__m256i amax, __m256 *d, __m256 *id) {
+    const __m256 a = _mm256_castsi256_ps(amax), live = _mm256_cmp_ps(a, _mm256_set1_ps(TINY_AMAX), _CMP_GE_OQ);
+    const __m256 dd = _mm256_div_ps(a, _mm256_set1_ps(127.0f));
+    *d = _mm256_and_ps(dd, live);
+    *id = _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.0f), dd), live);
+}
+INL int nonfinite_lanes(__m256i amax) {
+    return _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(amax, _mm256_set1_epi32(0x7f7fffff))));
+}
+
+/* 32 int32 (4 vectors) -> 32 int8 at q */
+INL void pack32(__m256i a, __m256i b, __m256i c, __m256i e, int8_t *q) {
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, e));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+/* 32 values at x scaled by id (in every lane, as d) -> q, the sums of q's first and last 16 (s01, s23: their lanes
+ * add up to each); keep_r: r = x - d v at r, the max of its bits with the sign cleared into *ar */
+INL void quant32(const float *x, __m256 id, __m256 d, int keep_r, float *r, __m256i *ar, int8_t *q, __m256i *s01,
+                 __m256i *s23) {
+#if VNNI == 2
+    const __m512 id16 = _mm512_broadcastss_ps(_mm256_castps256_ps128(id)),
+                 d16 = _mm512_broadcastss_ps(_mm256_castps256_ps128(d));
+    __m512i i[2], a = _mm512_setzero_si512();
+    for (int k = 0; k < 2; k++) {
+        const __m512 xv = _mm512_loadu_ps(x + 16 * k), p = _mm512_mul_ps(xv, id16);
+        if (keep_r) {
+            const __m512 v = _mm512_roundscale_ps(p, _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
+            const __m512 rv = _mm512_sub_ps(xv, _mm512_mul_ps(d16, v));
+            _mm512_storeu_ps(r + 16 * k, rv);
+            a = _mm512_max_epi32(a, _mm512_and_si512(_mm512_castps_si512(rv), _mm512_set1_epi32(0x7fffffff)));
+            i[k] = _mm512_cvtps_epi32(v);
+        } else {
+            i[k] = _mm512_cvtps_epi32(p);
         }
-        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
-        _mm256_storeu_si256((__m256i *)(q + i), _mm256_permutevar8x32_epi32(p, perm));
     }
-    *d_out = d;
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(i[0]));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtsepi32_epi8(i[1]));
+#define LO(v) _mm512_castsi512_si256(v)
+#define HI(v) _mm512_extracti64x4_epi64(v, 1)
+    *s01 = _mm256_add_epi32(LO(i[0]), HI(i[0]));
+    *s23 = _mm256_add_epi32(LO(i[1]), HI(i[1]));
+    if (keep_r) *ar = _mm256_max_epi32(*ar, _mm256_max_epi32(LO(a), HI(a)));
+#undef LO
+#undef HI
+#else
+    __m256i i[4];
+    for (int k = 0; k < 4; k++) {
+        const __m256 xv = _mm256_loadu_ps(x + 8 * k), p = _mm256_mul_ps(xv, id);
+        if (keep_r) {
+            const __m256 v = _mm256_round_ps(p, _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
+            const __m256 rv = _mm256_sub_ps(xv, _mm256_mul_ps(d, v));
+            _mm256_storeu_ps(r + 8 * k, rv);
+            *ar = _mm256_max_epi32(*ar, abs_bits(rv));
+            i[k] = _mm256_cvtps_epi32(v);
+        } else {
+            i[k] = _mm256_cvtps_epi32(p);
+        }
+    }
+    pack32(i[0], i[1], i[2], i[3], q);
+    *s01 = _mm256_add_epi32(i[0], i[1]);
+    *s23 = _mm256_add_epi32(i[2], i[3]);
+#endif
 }
 
-INL int32_t sum_q32(const int8_t *q) {   /* sum of 32 int8 */
-    __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), ld256(q)), _mm256_set1_epi16(1));
-    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-    t = _mm_add_epi32(t, _mm_unpackhi_epi64(t, t));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 1));
-    return _mm_cvtsi128_si32(t);
+/* nb <= 8 blocks of 32 values at x (amax: lane b, block b's) -> h[0..nb); keep_r: their residuals at r and the
+ * residuals' amax bits at ar[b] (a non-finite block's: NaN, so that its lo block is one too) */
+INL void quantize8(const float *x, int nb, __m256i amax, xblock32 *h, int keep_r, float *r, __m256i *ar) {
+    const int bad = nonfinite_lanes(amax);
+    __m256 dv, idv;
+    scales_of(amax, &dv, &idv);
+    float d[8], id[8];
+    int32_t sum[8];
+    __m256i s[8];
+    _mm256_storeu_ps(d, dv);
+    _mm256_storeu_ps(id, idv);
+    for (int b = 0; b < 8; b++) s[b] = ar[b] = _mm256_setzero_si256();
+    for (int b = 0; b < nb; b++) {
+        if (bad >> b & 1) {   /* d = NaN, q = 0 */
+            memset(h[b].q, 0, 32);
+            ar[b] = _mm256_set1_epi32(0x7fc00000);
+            continue;
+        }
+        __m256i s01, s23;
+        quant32(x + 32 * b, _mm256_broadcast_ss(id + b), _mm256_broadcast_ss(d + b), keep_r, r + 32 * b, &ar[b], h[b].q,
+                &s01, &s23);
+        s[b] = _mm256_add_epi32(s01, s23);
+    }
+    _mm256_storeu_si256((__m256i *)sum, hsum8(s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7]));
+    for (int b = 0; b < nb; b++) {
+        h[b].d = bad >> b & 1 ? __builtin_nanf("") : d[b];
+        h[b].sum = sum[b];
+    }
 }
 
-/* one block of n values -> hi (dh, qh) and lo (dl, ql): the lo half is the same quantizer on r = x - dh*qh */
-INL void quantize_split(const float *x, int n, float *dh, int8_t *qh, float *dl, int8_t *ql) {
+/* nb <= 8 blocks of 32 values -> their hi (and lo) blocks */
+INL void quantize_blocks32(const float *x, int nb, xblock32 *h, xblock32 *l, int halves) {
+    __m256i am[8], ar[8];
     float r[256];
-    quantize_block(x, n, dh, qh);
-    const __m256 d = _mm256_set1_ps(*dh);
-    for (int i = 0; i < n; i += 8) {
-        __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qh + i))));
-        _mm256_storeu_ps(r + i, _mm256_sub_ps(_mm256_loadu_ps(x + i), _mm256_mul_ps(d, q)));
+    for (int b = 0; b < 8; b++) {
+        const float *xb = x + 32 * b;
+        am[b] = _mm256_setzero_si256();
+        if (b < nb)
+            for (int k = 0; k < 4; k++) am[b] = _mm256_max_epi32(am[b], abs_bits(_mm256_loadu_ps(xb + 8 * k)));
     }
-    quantize_block(r, n, dl, ql);
+    quantize8(x, nb, max8(am), h, halves == 2, r, ar);
+    if (halves == 2) quantize8(r, nb, max8(ar), l, 0, r, am);
 }
 
-INL void bsums16(const int8_t *q, int16_t *bsum, int16_t *bsum32) {   /* sums per 16 (maddubs(1, q) pairs, madd(1)
-                                                                        * quads, halves) and per 32 */
+/* one block of 256 values -> o (d, q, the sums per 16 and per 32, pad zeros); keep_r: r = x - d v at r. Returns
+ * whether the block is non-finite (d = NaN, q = 0; its lo block is one too) */
+INL int quantize256(const float *x, xblock256 *o, int keep_r, float *r) {
+    __m256i am = _mm256_setzero_si256(), ar = am, s[16];
+    for (int k = 0; k < 32; k++) am = _mm256_max_epi32(am, abs_bits(_mm256_loadu_ps(x + 8 * k)));
+    am = _mm256_max_epi32(am, _mm256_permute2x128_si256(am, am, 1));   /* the max in every lane */
+    am = _mm256_max_epi32(am, _mm256_shuffle_epi32(am, 0x4e));
+    am = _mm256_max_epi32(am, _mm256_shuffle_epi32(am, 0xb1));
+    const int bad = nonfinite_lanes(am) != 0;
+    __m256 d, id;
+    scales_of(am, &d, &id);
     for (int g = 0; g < 8; g++) {
-        __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), ld256(q + 32 * g)),
-                                      _mm256_set1_epi16(1));
-        __m128i lo = _mm256_castsi256_si128(s), hi = _mm256_extracti128_si256(s, 1);
-        lo = _mm_add_epi32(lo, _mm_unpackhi_epi64(lo, lo));
-        hi = _mm_add_epi32(hi, _mm_unpackhi_epi64(hi, hi));
-        bsum[2 * g] = (int16_t)_mm_cvtsi128_si32(_mm_add_epi32(lo, _mm_shuffle_epi32(lo, 1)));
-        bsum[2 * g + 1] = (int16_t)_mm_cvtsi128_si32(_mm_add_epi32(hi, _mm_shuffle_epi32(hi, 1)));
-        bsum32[g] = (int16_t)(bsum[2 * g] + bsum[2 * g + 1]);
+        if (bad) {
+            memset(o->q + 32 * g, 0, 32);
+            s[2 * g] = s[2 * g + 1] = _mm256_setzero_si256();
+        } else {
+            quant32(x + 32 * g, id, d, keep_r, r + 32 * g, &ar, o->q + 32 * g, &s[2 * g], &s[2 * g + 1]);
+        }
     }
+    const __m256i lo = hsum8(s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7]);          /* bsum[0..8) */
+    const __m256i hi = hsum8(s[8], s[9], s[10], s[11], s[12], s[13], s[14], s[15]);    /* bsum[8..16) */
+    const __m256i s32 = _mm256_permute4x64_epi64(_mm256_hadd_epi32(lo, hi), 0xd8);     /* bsum32[0..8) */
+    _mm256_storeu_si256((__m256i *)o->bsum, _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xd8));
+    const __m256i p32 = _mm256_permute4x64_epi64(_mm256_packs_epi32(s32, s32), 0xd8);
+    _mm_storeu_si128((__m128i *)o->bsum32, _mm256_castsi256_si128(p32));
+    memset(o->pad, 0, sizeof o->pad);
+    o->d = bad ? __builtin_nanf("") : _mm256_cvtss_f32(d);
+    return bad;
 }
 
 AVX2 static void quantize_row(int qtype, const float *x, int64_t K, void *xq, int halves) {
     if (type_block(qtype) == 32) {
-        xblock32 *h = (xblock32 *)xq, *l = h + K / 32;   /* hi row, then (two halves) lo row */
-        for (int64_t i = 0; i < K / 32; i++) {
-            if (halves == 1) {
-                quantize_block(x + 32 * i, 32, &h[i].d, h[i].q);
-            } else {
-                quantize_split(x + 32 * i, 32, &h[i].d, h[i].q, &l[i].d, l[i].q);
-                l[i].sum = sum_q32(l[i].q);
-            }
-            h[i].sum = sum_q32(h[i].q);
-        }
+        const int64_t nb = K / 32;
+        xblock32 *h = (xblock32 *)xq, *l = h + nb;   /* hi row, then (two halves) lo row */
+        for (int64_t i = 0; i < nb; i += 8)
+            quantize_blocks32(x + 32 * i, nb - i < 8 ? (int)(nb - i) : 8, h + i, l + i, halves);
     } else {
-        xblock256 *h = (xblock256 *)xq, *l = h + K / 256;
-        for (int64_t i = 0; i < K / 256; i++) {
-            if (halves == 1) {
-                quantize_block(x + 256 * i, 256, &h[i].d, h[i].q);
-            } else {
-                quantize_split(x + 256 * i, 256, &h[i].d, h[i].q, &l[i].d, l[i].q);
-                bsums16(l[i].q, l[i].bsum, l[i].bsum32);
-                memset(l[i].pad, 0, sizeof l[i].pad);
+        const int64_t nb = K / 256;
+        xblock256 *h = (xblock256 *)xq, *l = h + nb;
+        float r[256];
+        for (int64_t i = 0; i < nb; i++) {
+            const int bad = quantize256(x + 256 * i, h + i, halves == 2, r);
+            if (halves == 2) {
+                if (bad) for (int k = 0; k < 256; k++) r[k] = __builtin_nanf("");
+                quantize256(r, l + i, 0, r);
             }
-            bsums16(h[i].q, h[i].bsum, h[i].bsum32);
-            memset(h[i].pad, 0, sizeof h[i].pad);
         }
     }
 }
