@@ -32,6 +32,7 @@ setup(
                      "tracelm/kernels/avxvnni.c", "tracelm/kernels/avx512vnni.c", "tracelm/kernels/amx.c",
                      "tracelm/kernels/selftest.c",
                      "tracelm/kernels/layer.c", "tracelm/kernels/layer_portable.c", "tracelm/kernels/layer_avx2.c",
+                     "tracelm/kernels/layer_avx512.c",
                      "tracelm/kernels/trace_stats.c", "tracelm/kernels/sha256.c"],
             depends=["tracelm/kernels/kernels.h", "tracelm/kernels/layer_math.h", "tracelm/kernels/pyglue.h",
                      "tracelm/kernels/sha256.h"],

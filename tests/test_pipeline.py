@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 
+import gguf
 import numpy as np
 import pytest
 
+from tests.conftest import write_tiny_gguf
 from tracelm import TracelmError
 from tracelm.io.loader import load_model
 from tracelm.pipeline.graph import forward, new_cache
@@ -146,6 +148,19 @@ def test_bench_kernels_reports_every_type_and_shape(tiny_gguf) -> None:
         for m in (1, 4):
             row = report[f"{kind}_M{m}"]
             assert row["ms"] > 0 and row["gb_s"] > 0 and row["gflop_s"] > 0
+            assert "quantize_ms" not in row  # f32 weights: x is not quantized
+
+
+def test_bench_kernels_reports_the_quantizers_share(tmp_path) -> None:
+    """On quantized blocks each product's row says how long quantizing x took of it (a kernel call per part)."""
+    from tracelm.tools.bench import bench_kernels
+
+    path = write_tiny_gguf(tmp_path / "q8.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
+    report = bench_kernels(str(path), rows=(1, 8))
+    for kind in ("qkv", "attn_output", "ffn_gate_up", "ffn_down", "head"):
+        for m in (1, 8):
+            row = report[f"{kind}_M{m}"]
+            assert row["quantize_ms"] > 0 and row["ms"] > 0, (kind, m, row)
 
 
 @pytest.mark.parametrize("kv", ["f16", "f32"])

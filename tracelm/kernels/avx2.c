@@ -2259,7 +2259,12 @@ AVX2 static int64_t dot_peak(int64_t rounds) {
     return rounds * 12 * PEAK_LANES;
 }
 
-const kernel_path PATH_SYM = {PATH_NAME, quantize_row, mm_task, task_groups, &avx2_layer, MTILE_K, dot_peak, DOT_INSN};
+#if VNNI == 2
+#define LAYER_OPS avx512_layer
+#else
+#define LAYER_OPS avx2_layer
+#endif
+const kernel_path PATH_SYM = {PATH_NAME, quantize_row, mm_task, task_groups, &LAYER_OPS, MTILE_K, dot_peak, DOT_INSN};
 
 #else
 #if !VNNI

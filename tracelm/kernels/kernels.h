@@ -406,7 +406,7 @@ typedef struct {
     void (*f16_row)(const float *x, int64_t xs, int64_t n, uint16_t *out, int64_t os);
 } layer_ops;
 
-extern const layer_ops portable_layer, avx2_layer;
+extern const layer_ops portable_layer, avx2_layer, avx512_layer;
 
 /* inv = 1 / sqrt(ss / d + eps), the one order of both paths */
 static inline float rms_inv(float ss, int64_t d, float eps) {

@@ -23,8 +23,18 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 
-#define AVX2 __attribute__((target("avx2,f16c")))
-#define INL static inline __attribute__((always_inline, target("avx2,f16c")))
+#ifndef LAYER_512
+#define LAYER_512 0
+#endif
+#if LAYER_512   /* layer_avx512.c */
+#define LTARGET "avx2,f16c,avx512f"
+#define LAYER_SYM avx512_layer
+#else
+#define LTARGET "avx2,f16c"
+#define LAYER_SYM avx2_layer
+#endif
+#define AVX2 __attribute__((target(LTARGET)))
+#define INL static inline __attribute__((always_inline, target(LTARGET)))
 
 #define P f1
 #define LM static inline
@@ -155,7 +165,39 @@ AVX2 static void rope_row(const rope_job *j, int64_t t) {
     a = _mm256_add_ps(a, _mm256_mul_ps(q1, k1));                                                              \
     a = _mm256_add_ps(a, _mm256_mul_ps(q2, k2));                                                              \
     a = _mm256_add_ps(a, _mm256_mul_ps(q3, k3));
-#define STREAM_SCORES(T, LOAD)                                                                                \
+#if LAYER_512
+#define LD16(p) _mm512_loadu_ps(p)
+#define ST16(p, v) _mm512_storeu_ps(p, v)
+INL __m512 ldh16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }   /* 16 f16 */
+#define STEP16(a, q0, q1, q2, q3)                                                                             \
+    a = _mm512_add_ps(a, _mm512_mul_ps(q0, k0));                                                              \
+    a = _mm512_add_ps(a, _mm512_mul_ps(q1, k1));                                                              \
+    a = _mm512_add_ps(a, _mm512_mul_ps(q2, k2));                                                              \
+    a = _mm512_add_ps(a, _mm512_mul_ps(q3, k3));
+/* STREAM_SCORES' keys i.. 16 at a time (one key a lane, as the 8-lane loop after it) */
+#define KEYS16(LOAD16)                                                                                        \
+    {                                                                                                         \
+        const __m512 A0 = _mm512_set1_ps(qa[0]), A1 = _mm512_set1_ps(qa[1]), A2 = _mm512_set1_ps(qa[2]),     \
+                     A3 = _mm512_set1_ps(qa[3]);                                                              \
+        const __m512 B0 = _mm512_set1_ps(qb[0]), B1 = _mm512_set1_ps(qb[1]), B2 = _mm512_set1_ps(qb[2]),     \
+                     B3 = _mm512_set1_ps(qb[3]);                                                              \
+        for (; i + 16 <= nb; i += 16) {                                                                       \
+            const __m512 k0 = LOAD16(r + i), k1 = LOAD16(r + ld + i), k2 = LOAD16(r + 2 * ld + i),            \
+                         k3 = LOAD16(r + 3 * ld + i);                                                         \
+            __m512 x = LD16(sa + i);                                                                          \
+            STEP16(x, A0, A1, A2, A3)                                                                         \
+            ST16(sa + i, x);                                                                                  \
+            if (sb) {                                                                                         \
+                __m512 y = LD16(sb + i);                                                                      \
+                STEP16(y, B0, B1, B2, B3)                                                                     \
+                ST16(sb + i, y);                                                                              \
+            }                                                                                                 \
+        }                                                                                                     \
+    }
+#else
+#define KEYS16(LOAD16)
+#endif
+#define STREAM_SCORES(T, LOAD, LOAD16)                                                                        \
     INL void stream_scores_##T(const float *qs, int64_t qs_s, int64_t nh, int64_t hd, const T *base, int64_t ld, \
                                int64_t n, float *s, int64_t s_s, int pf) {                                    \
         for (int64_t b = 0; b < n; b += SB) {                                                                 \
@@ -176,7 +218,9 @@ AVX2 static void rope_row(const rope_job *j, int64_t t) {
                     const __m256 b0 = _mm256_set1_ps(qb[0]), b1 = _mm256_set1_ps(qb[1]),                     \
                                  b2 = _mm256_set1_ps(qb[2]), b3 = _mm256_set1_ps(qb[3]);                      \
                     float *sa = s + h * s_s + b, *sb = h + 1 < nh ? sa + s_s : NULL;                          \
-                    for (int64_t i = 0; i < nb; i += 8) {                                                     \
+                    int64_t i = 0;                                                                            \
+                    KEYS16(LOAD16)                                                                            \
+                    for (; i < nb; i += 8) {                                                                  \
                         const __m256 k0 = LOAD(r + i), k1 = LOAD(r + ld + i), k2 = LOAD(r + 2 * ld + i),      \
                                      k3 = LOAD(r + 3 * ld + i);                                               \
                         __m256 x = LD(sa + i);                                                                \
@@ -201,9 +245,10 @@ AVX2 static void rope_row(const rope_job *j, int64_t t) {
             }                                                                                                 \
         }                                                                                                     \
     }
-STREAM_SCORES(float, LD)
-STREAM_SCORES(uint16_t, ldh)
+STREAM_SCORES(float, LD, LD16)
+STREAM_SCORES(uint16_t, ldh, ldh16)
 #undef STREAM_SCORES
+#undef KEYS16
 #undef STEP4
 
 /* the last nt < 8 adjacent keys (base: their row at dim 0): each row's nt values read alone (masked), s at the
@@ -412,6 +457,35 @@ PV2(float, LD)
 PV2(uint16_t, ldh)
 #undef PV2
 
+#if LAYER_512
+/* 64 dims (4 vectors of 16) of two heads (p, q; acc, bcc; q NULL: one head), each value vector loaded once */
+#define PVW(T, LOAD16)                                                                                        \
+    INL void pvw_##T(const T *v, int64_t sl, const float *p, const float *q, int64_t n, float *acc, float *bcc, \
+                     int pf) {                                                                                \
+        __m512 a0 = LD16(acc), a1 = LD16(acc + 16), a2 = LD16(acc + 32), a3 = LD16(acc + 48);                 \
+        __m512 b0 = a0, b1 = a1, b2 = a2, b3 = a3;                                                            \
+        if (q) { b0 = LD16(bcc); b1 = LD16(bcc + 16); b2 = LD16(bcc + 32); b3 = LD16(bcc + 48); }              \
+        for (int64_t i = 0; i < n; i++, v += sl) {                                                            \
+            const __m512 w = _mm512_set1_ps(p[i]), x = _mm512_set1_ps(q ? q[i] : 0.0f);                      \
+            if (pf)                                                                                           \
+                for (int c = 0; c < 64 * (int)sizeof(T); c += 64)                                             \
+                    _mm_prefetch((const char *)(v + PV_AHEAD * sl) + c, _MM_HINT_T0);                         \
+            const __m512 e0 = LOAD16(v), e1 = LOAD16(v + 16), e2 = LOAD16(v + 32), e3 = LOAD16(v + 48);       \
+            a0 = _mm512_add_ps(a0, _mm512_mul_ps(w, e0)); a1 = _mm512_add_ps(a1, _mm512_mul_ps(w, e1));       \
+            a2 = _mm512_add_ps(a2, _mm512_mul_ps(w, e2)); a3 = _mm512_add_ps(a3, _mm512_mul_ps(w, e3));       \
+            if (q) {                                                                                          \
+                b0 = _mm512_add_ps(b0, _mm512_mul_ps(x, e0)); b1 = _mm512_add_ps(b1, _mm512_mul_ps(x, e1));   \
+                b2 = _mm512_add_ps(b2, _mm512_mul_ps(x, e2)); b3 = _mm512_add_ps(b3, _mm512_mul_ps(x, e3));   \
+            }                                                                                                 \
+        }                                                                                                     \
+        ST16(acc, a0); ST16(acc + 16, a1); ST16(acc + 32, a2); ST16(acc + 48, a3);                            \
+        if (q) { ST16(bcc, b0); ST16(bcc + 16, b1); ST16(bcc + 32, b2); ST16(bcc + 48, b3); }                  \
+    }
+PVW(float, LD16)
+PVW(uint16_t, ldh16)
+#undef PVW
+#endif
+
 /* acc[h][d] = sum_i p[h][i] v_i[d] for dims d0..d1-1, keys in order: blocks of VB keys, in a block 32 dims of two
  * heads at a time (then 64, 32, 8 dims of one), each meeting every head while the block's values are in L1 */
 #define VB 64
@@ -431,6 +505,15 @@ INL void weighted_values(const attend_job *j, int64_t kvh, int64_t k0, int64_t n
     for (int64_t b = 0; b < n; b += VB) {
         const int64_t nb = n - b < VB ? n - b : VB;
         int64_t d = d0;
+#if LAYER_512
+        for (; d + 64 <= d1; d += 64)   /* 16 lanes: two heads at a time, then a last one alone */
+            for (int64_t h = 0; h < nh; h += 2) {
+                const float *pa = p + h * p_s + b, *pb = h + 1 < nh ? pa + p_s : NULL;
+                float *aa = acc + h * a_s + d, *ab = aa + a_s;
+                if (j->f16) pvw_uint16_t(vh + b * sl + d, sl, pa, pb, nb, aa, ab, pf);
+                else pvw_float(vf + b * sl + d, sl, pa, pb, nb, aa, ab, pf);
+            }
+#endif
         for (; nh > 1 && d + 32 <= d1; d += 32) {   /* two heads at a time (each value vector loaded once) */
             int64_t h = 0;
             for (; h + 2 <= nh; h += 2) {
@@ -664,8 +747,8 @@ AVX2 static void f16_row(const float *x, int64_t xs, int64_t n, uint16_t *out, i
     for (; i < n; i++) out[i * os] = half_from_float(x[i * xs]);
 }
 
-const layer_ops avx2_layer = {sumsq, rms_row, rope_row, attend_scores, lane_max, exps, weighted, map_row, f16_row};
+const layer_ops LAYER_SYM = {sumsq, rms_row, rope_row, attend_scores, lane_max, exps, weighted, map_row, f16_row};
 
 #else
-const layer_ops avx2_layer = {0};
+const layer_ops LAYER_SYM = {0};
 #endif

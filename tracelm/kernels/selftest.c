@@ -3,9 +3,9 @@
  * (the file's rows and, for the quantized types, packed; 1 to 17 x rows, so the direct and the tiled kernels, the
  * two-group tiles and AMX's tiles of 16 half-rows run; one and two activation halves; rows that end mid-group), the
  * activations' quantizer (its bytes), and the layer kernels' row functions (sum of squares, RMSNorm's row, the activations and
- * exp, the max's lanes). The data is made here by a fixed generator (the same on every machine): random blocks
+ * exp, the max's lanes) and attention's scores and weighted values on f32 and f16 keys. The data is made here by a fixed generator (the same on every machine): random blocks
  * with finite scales, x rows of several magnitudes, a row of tiny values (all-zero blocks) and a row with a large one.
- * Single-threaded, no pool; about 18 ms for a path (254 cases). */
+ * Single-threaded, no pool; about 18 ms for a path (260 cases). */
 #include "kernels.h"
 
 #include <stdio.h>
@@ -133,6 +133,42 @@ done:
     return rc;
 }
 
+/* attend's scores and weighted values of one query row: 3 heads of one kv head (a pair and one alone), hd 80 (64 + 16
+ * dims), a span of 45 keys (vectors of 16, of 8, and the last 8 scored again); the keys in the Cache's layout (dim d
+ * of key i at d * L + i), f32 and f16 */
+static int check_attend(const layer_ops *a, char *msg, size_t n, int *cases, rng *r) {
+    enum { NH = 3, HD = 80, L = 48, NK = 45 };
+    static float q[NH * HD], kf[HD * L], vf[L * HD], p[NH * 48], out0[NH * HD], out1[NH * HD], s0[NH * 48],
+        s1[NH * 48];
+    static uint16_t kh[HD * L], vh[L * HD];
+    float *scratch = (float *)malloc((size_t)attend_scratch_floats(HD, NK, NH) * sizeof(float));
+    if (!scratch) { snprintf(msg, n, "no memory for attention's scratch"); return -1; }
+    int rc = 0;
+    const int64_t spans[2] = {1, 1 + NK};
+    for (int i = 0; i < NH * HD; i++) q[i] = unit(r);
+    for (int i = 0; i < HD * L; i++) { kf[i] = unit(r); vf[i] = unit(r); kh[i] = half_from_float(kf[i]);
+                                       vh[i] = half_from_float(vf[i]); }
+    for (int i = 0; i < NH * 48; i++) p[i] = 0.5f + 0.5f * unit(r);
+    for (int f16 = 0; f16 < 2; f16++) {
+        attend_job j = {1, NH, 1, HD, L, {q, NH * HD, HD}, f16 ? (const void *)kh : (const void *)kf,
+                        f16 ? (const void *)vh : (const void *)vf, f16, 0, 0, HD * L, 1, L, L * HD, HD, spans, 0.125f,
+                        out0, NH * HD};
+        (*cases)++;
+        portable_layer.attend_scores(&j, 0, 0, NH, 0, NK, s0, 48, scratch);
+        a->attend_scores(&j, 0, 0, NH, 0, NK, s1, 48, scratch);
+        for (int h = 0; h < NH && !rc; h++)
+            if (memcmp(s0 + 48 * h, s1 + 48 * h, NK * sizeof(float))) rc = snprintf(msg, n, "attention's scores differ");
+        if (rc) break;
+        (*cases)++;
+        portable_layer.weighted(&j, 0, 0, NH, 0, HD, p, 48, scratch);
+        j.out = out1;
+        a->weighted(&j, 0, 0, NH, 0, HD, p, 48, scratch);
+        if (memcmp(out0, out1, sizeof out0)) { rc = snprintf(msg, n, "attention's weighted values differ"); break; }
+    }
+    free(scratch);
+    return rc ? -1 : 0;
+}
+
 static int check_layer(const layer_ops *a, char *msg, size_t n, int *cases) {
     const layer_ops *b = &portable_layer;
     enum { D = 100 };
@@ -179,7 +215,7 @@ static int check_layer(const layer_ops *a, char *msg, size_t n, int *cases) {
         a->f16_row(x, xs, D / xs, h1, 1);
         if (memcmp(h0, h1, sizeof(uint16_t) * (size_t)(D / xs))) { snprintf(msg, n, "the f16 conversion differs"); return -1; }
     }
-    return 0;
+    return check_attend(a, msg, n, cases, &r);
 }
 
 int path_selftest(const kernel_path *p, int flip, char *msg, size_t n, int *cases) {

@@ -479,14 +479,22 @@ def bench_kernels(model_name: str, rows: tuple[int, ...] = (1, 2, 4, 8, 256), co
 
 def _product_rates(x: np.ndarray, mats: list[Any]) -> dict[str, float]:
     """x @ w.T over `mats` (f32 arrays or QMatrix) through the stages' `linear` (ms, GB/s of weights as held,
-    GFLOP/s), and for a few rows of f32 also as one plain matrix-matrix product (`sgemm_ms`), the call `linear`
-    avoids there."""
+    GFLOP/s); on quantized blocks the part of it that quantizes x (`quantize_ms`); for a few rows of f32 also as
+    one plain matrix-matrix product (`sgemm_ms`), the call `linear` avoids there."""
+    import tracelm.kernels as kernels
     from tracelm.stages.linear import GEMV_ROWS, linear
+    from tracelm.state.records import QMatrix
 
     seconds = _best_seconds(lambda: [linear(x, w) for w in mats], 3)
     flops = sum(2 * x.shape[0] * w.shape[0] * w.shape[1] for w in mats)
     rates = {"ms": round(seconds * 1e3, 4), "gb_s": round(sum(w.nbytes for w in mats) / seconds / 1e9, 1),
              "gflop_s": round(flops / seconds / 1e9, 1)}
+    quantized = [(qtype, w.halves) for w in mats if isinstance(w, QMatrix) for _b, qtype in w.parts
+                 if qtype not in kernels.FLOATS]
+    if quantized:  # the part of `ms` that quantizes x: each kernel call on a quantized part begins with it
+        scratch = np.empty(max(kernels.scratch_bytes(*x.shape, q, h) for q, h in quantized), np.uint8)
+        quantize = _best_seconds(lambda: [kernels.quantize_rows(x, q, scratch, h) for q, h in quantized], 3)
+        rates["quantize_ms"] = round(quantize * 1e3, 4)
     if 1 < x.shape[0] <= GEMV_ROWS and isinstance(mats[0], np.ndarray):
         rates["sgemm_ms"] = round(_best_seconds(lambda: [x @ w.T for w in mats], 3) * 1e3, 4)
     return rates
