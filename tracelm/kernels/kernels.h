@@ -35,10 +35,10 @@
  *  - F32 / F16 / BF16 weights, f32 x: 32 lanes, acc[l] = acc[l] + w[k] * x[k] for k = l (mod 32), the row
  *    padded with zeros to a multiple of 32, then the fixed tree reduce32.
  *
- * The layer kernels (layer.c; layer_portable.c, layer_avx2.c). Their elementwise math is written once, in
- * layer_math.h, over the scalar ops f1_* (portable) or the 8-lane ops v8_* (AVX2): exp, tanh, silu, gelu_tanh, the
- * RMSNorm output and the RoPE pair are the same IEEE operations on both paths. Each output row depends on its own
- * input row (and, for attend, its own span of keys) alone. The reductions:
+ * The layer kernels (layer.c; layer_portable.c, layer_avx2.c and its 512-bit twin layer_avx512.c). Their elementwise
+ * math is written once, in layer_math.h, over the scalar ops f1_* (portable) or the 8-lane ops v8_* (AVX2): exp, tanh,
+ * silu, gelu_tanh, the RMSNorm output and the RoPE pair are the same IEEE operations on both paths. Each output row
+ * depends on its own input row (and, for attend, its own span of keys) alone. The reductions:
  *  - rms_norm, per row of d values: ss = 32 lanes, acc[l] = acc[l] + x[k] * x[k] for k = l (mod 32), the row
  *    padded with zeros to a multiple of 32, then reduce32; inv = 1 / sqrtf(ss / d + eps) (f32 divide, add,
  *    correctly rounded square root, divide, in that order); out = (x * inv) * w, or ((x * inv) * w) + residual.

@@ -1,4 +1,6 @@
 /* The layer kernels' AVX2 path: 8 lanes, the operations of layer_portable.c per lane (target avx2,f16c, no fma).
+ * layer_avx512.c compiles it again for the 512-bit paths (LAYER_512): there attend's streamed scores take 16 keys a
+ * vector (then 8) and its weighted values 64 dims of two heads (or one) at a time, 16 a vector -- the same chains.
  *
  *  - elementwise (RMSNorm's output, RoPE, the activations): 8 values at a time through layer_math.h's v8_*
  *    functions, the tail through its f1_* ones -- the same operations either way;
