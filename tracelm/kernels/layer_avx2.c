@@ -73,6 +73,36 @@
 
 #define LD(p) _mm256_loadu_ps(p)
 #define ST(p, v) _mm256_storeu_ps(p, v)
+
+#if LAYER_512   /* the same math on 16 lanes (AVX-512 F: the sign bit by integer ops) */
+#define v16_t __m512
+#define v16_i __m512i
+#define v16_c(k) _mm512_set1_ps(k)
+#define v16_ic(k) _mm512_set1_epi32(k)
+#define v16_add(a, b) _mm512_add_ps(a, b)
+#define v16_sub(a, b) _mm512_sub_ps(a, b)
+#define v16_mul(a, b) _mm512_mul_ps(a, b)
+#define v16_div(a, b) _mm512_div_ps(a, b)
+#define v16_min(a, b) _mm512_min_ps(a, b)
+#define v16_max(a, b) _mm512_max_ps(a, b)
+#define v16_ibits(a) _mm512_castps_si512(a)
+#define v16_fbits(i) _mm512_castsi512_ps(i)
+#define v16_iadd(a, b) _mm512_add_epi32(a, b)
+#define v16_isub(a, b) _mm512_sub_epi32(a, b)
+#define v16_sra1(a) _mm512_srai_epi32(a, 1)
+#define v16_shl23(a) _mm512_slli_epi32(a, 23)
+#define SIGN16 _mm512_set1_epi32((int)0x80000000u)
+#define v16_neg(a) v16_fbits(_mm512_xor_si512(v16_ibits(a), SIGN16))
+#define v16_abs(a) v16_fbits(_mm512_andnot_si512(SIGN16, v16_ibits(a)))
+#define v16_orsign(a, b) v16_fbits(_mm512_or_si512(v16_ibits(a), _mm512_and_si512(v16_ibits(b), SIGN16)))
+#define P v16
+#define LM INL
+#include "layer_math.h"
+#undef LM
+#undef P
+#define LD16(p) _mm512_loadu_ps(p)
+#define ST16(p, v) _mm512_storeu_ps(p, v)
+#endif
 INL __m256 ldh(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }   /* 8 f16 */
 
 /* ======================================================================================================
@@ -168,8 +198,6 @@ AVX2 static void rope_row(const rope_job *j, int64_t t) {
     a = _mm256_add_ps(a, _mm256_mul_ps(q2, k2));                                                              \
     a = _mm256_add_ps(a, _mm256_mul_ps(q3, k3));
 #if LAYER_512
-#define LD16(p) _mm512_loadu_ps(p)
-#define ST16(p, v) _mm512_storeu_ps(p, v)
 INL __m512 ldh16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }   /* 16 f16 */
 #define STEP16(a, q0, q1, q2, q3)                                                                             \
     a = _mm512_add_ps(a, _mm512_mul_ps(q0, k0));                                                              \
@@ -383,7 +411,11 @@ AVX2 static void lane_max(const float *s, int64_t n, lanes8 *r) {
 AVX2 static void exps(float *s, int64_t n, float m) {
     const int64_t nv = n / 8 * 8;
     const __m256 vm = _mm256_set1_ps(m);
-    for (int64_t i = 0; i < nv; i += 8) ST(s + i, v8_exp(_mm256_sub_ps(LD(s + i), vm)));
+    int64_t i = 0;
+#if LAYER_512
+    for (; i + 16 <= nv; i += 16) ST16(s + i, v16_exp(_mm512_sub_ps(LD16(s + i), _mm512_set1_ps(m))));
+#endif
+    for (; i < nv; i += 8) ST(s + i, v8_exp(_mm256_sub_ps(LD(s + i), vm)));
     for (int64_t i = nv; i < n; i++) s[i] = f1_exp(s[i] - m);
 }
 
@@ -717,7 +749,15 @@ AVX2 static void weighted(const attend_job *j, int64_t t, int64_t h0, int64_t nh
  * act(a) * b
  * ==================================================================================================== */
 
+#if LAYER_512
+#define MAP_LOOP16(ACT)                                                                                       \
+    for (; k + 16 <= n; k += 16)                                                                              \
+        ST16(out + k, b ? _mm512_mul_ps(v16_act(ACT, LD16(a + k)), LD16(b + k)) : v16_act(ACT, LD16(a + k)));
+#else
+#define MAP_LOOP16(ACT)
+#endif
 #define MAP_LOOP(ACT)                                                                                         \
+    MAP_LOOP16(ACT)                                                                                           \
     for (; k + 8 <= n; k += 8) ST(out + k, b ? _mm256_mul_ps(v8_act(ACT, LD(a + k)), LD(b + k)) : v8_act(ACT, LD(a + k)));
 
 AVX2 static void map_row(int act, const float *a, const float *b, int64_t n, float *out) {
@@ -731,6 +771,7 @@ AVX2 static void map_row(int act, const float *a, const float *b, int64_t n, flo
     for (; k < n; k++) out[k] = b ? f1_act(act, a[k]) * b[k] : f1_act(act, a[k]);
 }
 #undef MAP_LOOP
+#undef MAP_LOOP16
 
 /* ======================================================================================================
  * f32 -> f16: F16C's conversion rounds to nearest even, subnormals and overflow to inf included, as half_from_float
