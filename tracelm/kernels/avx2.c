@@ -123,6 +123,9 @@ INL __m256i rowsums8(__m256i p0, __m256i p1, __m256i p2, __m256i p3, __m256i p4,
     return hsum8(SUM32(p0), SUM32(p1), SUM32(p2), SUM32(p3), SUM32(p4), SUM32(p5), SUM32(p6), SUM32(p7));
 }
 
+/* off * sum q (off 8, 16 or 128) as a vector of W bits: the broadcast sum shifted, off the scalar unit */
+#define OFF_SUM(W, off, sum) _mm##W##_slli_epi32(_mm##W##_set1_epi32(sum), (off) == 8 ? 3 : (off) == 16 ? 4 : 7)
+
 INL int weight_bits(int t) { return t == T_Q4_0 || t == T_Q4_1 ? 4 : t == T_Q5_0 || t == T_Q5_1 ? 5 : 8; }
 
 /* ======================================================================================================
@@ -514,7 +517,7 @@ INL void dot32_chunk(int t, const ubuf32 *u0, const ubuf32 *u1, int nkb, int ng,
         {                                                                                                \
             const xblock32 *x_ = XK(k);                                                                  \
             const __m256 d = _mm256_loadu_ps(UK(k)->d[kb]), dx = _mm256_set1_ps(x_->d);                  \
-            if (off) i##k = _mm256_sub_epi32(i##k, _mm256_set1_epi32(off * x_->sum));                    \
+            if (off) i##k = _mm256_sub_epi32(i##k, OFF_SUM(256, off, x_->sum));                           \
             if (t == T_Q4_1 || t == T_Q5_1)                                                              \
                 COMBINE_DM(v8, f##k, d, _mm256_loadu_ps(UK(k)->m[kb]), dx, i##k, _mm256_set1_epi32(x_->sum)); \
             else COMBINE_D(v8, f##k, d, dx, i##k);                                                       \
@@ -554,7 +557,7 @@ typedef struct {
 INL void step16(int t, __m512 *f, __m512 d, __m512 m, const xblock32 *X, __m512i s) {
     const int off = t == T_Q4_0 ? 8 : t == T_Q5_0 ? 16 : t == T_Q8_0 ? 128 : 0;
     const __m512 dx = _mm512_set1_ps(X->d);
-    if (off) s = _mm512_sub_epi32(s, _mm512_set1_epi32(off * X->sum));
+    if (off) s = _mm512_sub_epi32(s, OFF_SUM(512, off, X->sum));
     if (t == T_Q4_1 || t == T_Q5_1) COMBINE_DM(v16, *f, d, m, dx, s, _mm512_set1_epi32(X->sum));
     else COMBINE_D(v16, *f, d, dx, s);
 }
@@ -729,7 +732,7 @@ INL __m256 dot32v_direct(int t, int two, int pk, const uint8_t *const *rows, con
         {                                                                                               \
             __m256i i = SUM32(HA);                                                                      \
             if (five) i = _mm256_add_epi32(i, SUM32(HB));                                               \
-            if (off) i = _mm256_sub_epi32(i, _mm256_set1_epi32(off * X->sum));                          \
+            if (off) i = _mm256_sub_epi32(i, OFF_SUM(256, off, X->sum));                                \
             const __m256 dx = _mm256_set1_ps(X->d);                                                     \
             if (t == T_Q4_1 || t == T_Q5_1) COMBINE_DM(v8, ACC, d, m, dx, i, _mm256_set1_epi32(X->sum)); \
             else COMBINE_D(v8, ACC, d, dx, i);                                                          \
@@ -1521,7 +1524,7 @@ INL __m512 dot32_packed16(int t, int two, const uint8_t *g, int64_t gb, const xb
 #define HALF(I, X, ACC)                                                                                 \
         {                                                                                               \
             __m512i i = I;                                                                              \
-            if (off) i = _mm512_sub_epi32(i, _mm512_set1_epi32(off * X->sum));                          \
+            if (off) i = _mm512_sub_epi32(i, OFF_SUM(512, off, X->sum));                                \
             const __m512 dx = _mm512_set1_ps(X->d);                                                     \
             if (dm) COMBINE_DM(v16, ACC, d, m, dx, i, _mm512_set1_epi32(X->sum));                       \
             else COMBINE_D(v16, ACC, d, dx, i);                                                         \
@@ -1567,7 +1570,7 @@ INL __m512 q8_packed16(int two, const uint8_t *g, int64_t gb, const xblock32 *xh
         {                                                                                                  \
             const __m512i xv = _mm512_broadcast_i64x4(ld256(X->q));                                        \
             _Pragma("GCC unroll 8") for (int r = 0; r < 8; r++) s[r] = _mm512_dpbusd_epi32(z, w[r], xv);  \
-            const __m512i i = _mm512_sub_epi32(rowsums16(s), _mm512_set1_epi32(128 * X->sum));             \
+            const __m512i i = _mm512_sub_epi32(rowsums16(s), OFF_SUM(512, 128, X->sum));                   \
             COMBINE_D(v16, ACC, d, _mm512_set1_ps(X->d), i);                                               \
         }
         HALF(xh, acc_hi)
