@@ -446,7 +446,7 @@ static void attend_store(const layer_ops *ops, const attend_job *j, const arr *k
         uint8_t *base = (uint8_t *)(which ? j->v : j->k);
         const int64_t sh = which ? j->v_sh : j->k_sh, sl = which ? j->v_sl : j->k_sl, sd = which ? 1 : j->k_sd;
         const float *x0 = (const float *)src->b.v.buf;
-        if (j->f16 && sd != 1) {   /* keys transposed ([Hkv, hd, n]): along each dim's row of positions */
+        if (j->f16 && sd != 1 && T >= 8) {   /* keys transposed ([Hkv, hd, n]): along each dim's row of positions */
             for (int64_t h = 0; h < j->Hkv; h++)
                 for (int64_t d = 0; d < hd; d++)
                     ops->f16_row(x0 + h * src->s[1] + d, src->s[0], T,
@@ -458,7 +458,7 @@ static void attend_store(const layer_ops *ops, const attend_job *j, const arr *k
                 const float *x = x0 + t * src->s[0] + h * src->s[1];
                 const int64_t at = h * sh + (j->L - T + t) * sl;
                 if (j->q8) q8_store(x, hd, base + at);
-                else if (j->f16) ops->f16_row(x, 1, hd, (uint16_t *)base + at, 1);
+                else if (j->f16) ops->f16_row(x, 1, hd, (uint16_t *)base + at, sd);   /* a few rows: along the key */
                 else
                     for (int64_t d = 0; d < hd; d++) ((float *)base)[at + d * sd] = x[d];
             }

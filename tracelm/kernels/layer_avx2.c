@@ -779,13 +779,20 @@ AVX2 static void map_row(int act, const float *a, const float *b, int64_t n, flo
  * ==================================================================================================== */
 AVX2 static void f16_row(const float *x, int64_t xs, int64_t n, uint16_t *out, int64_t os) {
     int64_t i = 0;
-    for (; os == 1 && i + 8 <= n; i += 8) {
+    for (; i + 8 <= n; i += 8) {
         const float *p = x + i * xs;
         const __m256 v = xs == 1 ? _mm256_loadu_ps(p)
                                  : _mm256_setr_ps(p[0], p[xs], p[2 * xs], p[3 * xs], p[4 * xs], p[5 * xs], p[6 * xs],
                                                   p[7 * xs]);
         if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) break;
-        _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        const __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        if (os == 1) {
+            _mm_storeu_si128((__m128i *)(out + i), h);
+        } else {   /* a key into the Cache's transposed rows: 8 values converted at once, stored one by one */
+            uint16_t t[8];
+            _mm_storeu_si128((__m128i *)t, h);
+            for (int e = 0; e < 8; e++) out[(i + e) * os] = t[e];
+        }
     }
     for (; i < n; i++) out[i * os] = half_from_float(x[i * xs]);
 }
