@@ -964,7 +964,8 @@ def _add_bench_command(sub: Any) -> None:
                         "`bench batch`: --items prompts as one `tracelm batch` vs separate runs, and on Ray; "
                         "`bench speculative`: prompt-lookup decoding "
                         "vs plain; `bench kernels`: dequantization and "
-                        "weight-product rates at the model's shapes (and the part that quantizes x); `bench paths`: the kernel paths this CPU runs, "
+                        "weight-product rates at the model's shapes (and the part that quantizes x); "
+                        "`bench paths`: the kernel paths this CPU runs, "
                         "alternated over --repeats rounds, their rates and ratios to avx2, and their bits compared)")
     sp.add_argument("what", nargs="?",
                     choices=("model", "tokenizer", "kernels", "paths", "profile", "speculative", "server", "batch"),
