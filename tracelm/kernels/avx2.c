@@ -262,11 +262,14 @@ INL void quantize_blocks32(const float *x, int nb, xblock32 *h, xblock32 *l, int
     if (halves == 2) quantize8(r, nb, max8(ar), l, 0, r, am);
 }
 
-/* one block of 256 values -> o (d, q, the sums per 16 and per 32, pad zeros); keep_r: r = x - d v at r. Returns
- * whether the block is non-finite (d = NaN, q = 0; its lo block is one too) */
-INL int quantize256(const float *x, xblock256 *o, int keep_r, float *r) {
-    __m256i am = _mm256_setzero_si256(), ar = am, s[16];
-    for (int k = 0; k < 32; k++) am = _mm256_max_epi32(am, abs_bits(_mm256_loadu_ps(x + 8 * k)));
+/* one block of 256 values -> o (d, q, the sums per 16 and per 32, pad zeros); amax: the max of the values' bits with
+ * the sign cleared in 8 lanes, or NULL (found here); keep_r: r = x - d v at r and its amax so at *ar (a non-finite
+ * block's: NaN, so that its lo block is one too) */
+INL void quantize256(const float *x, const __m256i *amax, xblock256 *o, int keep_r, float *r, __m256i *ar) {
+    __m256i am = _mm256_setzero_si256(), s[16];
+    if (amax) am = *amax;
+    else for (int k = 0; k < 32; k++) am = _mm256_max_epi32(am, abs_bits(_mm256_loadu_ps(x + 8 * k)));
+    if (keep_r) *ar = _mm256_setzero_si256();
     am = _mm256_max_epi32(am, _mm256_permute2x128_si256(am, am, 1));   /* the max in every lane */
     am = _mm256_max_epi32(am, _mm256_shuffle_epi32(am, 0x4e));
     am = _mm256_max_epi32(am, _mm256_shuffle_epi32(am, 0xb1));
@@ -278,7 +281,7 @@ INL int quantize256(const float *x, xblock256 *o, int keep_r, float *r) {
             memset(o->q + 32 * g, 0, 32);
             s[2 * g] = s[2 * g + 1] = _mm256_setzero_si256();
         } else {
-            quant32(x + 32 * g, id, d, keep_r, r + 32 * g, &ar, o->q + 32 * g, &s[2 * g], &s[2 * g + 1]);
+            quant32(x + 32 * g, id, d, keep_r, r + 32 * g, ar, o->q + 32 * g, &s[2 * g], &s[2 * g + 1]);
         }
     }
     const __m256i lo = hsum8(s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7]);          /* bsum[0..8) */
@@ -289,7 +292,7 @@ INL int quantize256(const float *x, xblock256 *o, int keep_r, float *r) {
     _mm_storeu_si128((__m128i *)o->bsum32, _mm256_castsi256_si128(p32));
     memset(o->pad, 0, sizeof o->pad);
     o->d = bad ? __builtin_nanf("") : _mm256_cvtss_f32(d);
-    return bad;
+    if (bad && keep_r) *ar = _mm256_set1_epi32(0x7fc00000);
 }
 
 AVX2 static void quantize_row(int qtype, const float *x, int64_t K, void *xq, int halves) {
@@ -302,12 +305,10 @@ AVX2 static void quantize_row(int qtype, const float *x, int64_t K, void *xq, in
         const int64_t nb = K / 256;
         xblock256 *h = (xblock256 *)xq, *l = h + nb;
         float r[256];
+        __m256i ar = _mm256_setzero_si256();
         for (int64_t i = 0; i < nb; i++) {
-            const int bad = quantize256(x + 256 * i, h + i, halves == 2, r);
-            if (halves == 2) {
-                if (bad) for (int k = 0; k < 256; k++) r[k] = __builtin_nanf("");
-                quantize256(r, l + i, 0, r);
-            }
+            quantize256(x + 256 * i, NULL, h + i, halves == 2, r, &ar);
+            if (halves == 2) quantize256(r, &ar, l + i, 0, r, NULL);   /* a non-finite hi: r is never read */
         }
     }
 }
