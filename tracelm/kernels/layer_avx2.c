@@ -192,37 +192,36 @@ AVX2 static void rope_row(const rope_job *j, int64_t t) {
  * (measured, `tracelm bench server --streams 1,8`, SmolLM2: 4-10 % more tok/s at 1 stream, 5 % at 8) */
 #define COLD_ROWS 8
 #define PF_DIMS 8   /* key rows prefetched ahead (measured at 2000 keys, with PV_AHEAD 16 -> 64: ~10 % less time) */
-#define STEP4(a, q0, q1, q2, q3)                                                                              \
-    a = _mm256_add_ps(a, _mm256_mul_ps(q0, k0));                                                              \
-    a = _mm256_add_ps(a, _mm256_mul_ps(q1, k1));                                                              \
-    a = _mm256_add_ps(a, _mm256_mul_ps(q2, k2));                                                              \
-    a = _mm256_add_ps(a, _mm256_mul_ps(q3, k3));
+/* keys i.. of the block, W a vector (P: the _mm256 or _mm512 ops, V their type), the 4 dims' rows at r: one chain
+ * per key, s = s + q[d] k[d] in order, head a's q values in registers A0..A3 and its scores at sa, head b's (sb NULL:
+ * none) likewise */
+#define CHAIN4(P, a, q0, q1, q2, q3)                                                                          \
+    a = P##_add_ps(a, P##_mul_ps(q0, k0));                                                                    \
+    a = P##_add_ps(a, P##_mul_ps(q1, k1));                                                                    \
+    a = P##_add_ps(a, P##_mul_ps(q2, k2));                                                                    \
+    a = P##_add_ps(a, P##_mul_ps(q3, k3));
+#define KEY_LOOP(W, V, P, LOADK, A, B)                                                                        \
+    for (; i + W <= nb; i += W) {                                                                             \
+        const V k0 = LOADK(r + i), k1 = LOADK(r + ld + i), k2 = LOADK(r + 2 * ld + i), k3 = LOADK(r + 3 * ld + i); \
+        V x = P##_loadu_ps(sa + i);                                                                           \
+        CHAIN4(P, x, A##0, A##1, A##2, A##3)                                                                  \
+        P##_storeu_ps(sa + i, x);                                                                             \
+        if (sb) {                                                                                             \
+            V y = P##_loadu_ps(sb + i);                                                                       \
+            CHAIN4(P, y, B##0, B##1, B##2, B##3)                                                              \
+            P##_storeu_ps(sb + i, y);                                                                         \
+        }                                                                                                     \
+    }
 #if LAYER_512
 INL __m512 ldh16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }   /* 16 f16 */
-#define STEP16(a, q0, q1, q2, q3)                                                                             \
-    a = _mm512_add_ps(a, _mm512_mul_ps(q0, k0));                                                              \
-    a = _mm512_add_ps(a, _mm512_mul_ps(q1, k1));                                                              \
-    a = _mm512_add_ps(a, _mm512_mul_ps(q2, k2));                                                              \
-    a = _mm512_add_ps(a, _mm512_mul_ps(q3, k3));
-/* STREAM_SCORES' keys i.. 16 at a time (one key a lane, as the 8-lane loop after it) */
+/* STREAM_SCORES' keys i.. 16 at a time (then 8) */
 #define KEYS16(LOAD16)                                                                                        \
     {                                                                                                         \
         const __m512 A0 = _mm512_set1_ps(qa[0]), A1 = _mm512_set1_ps(qa[1]), A2 = _mm512_set1_ps(qa[2]),     \
                      A3 = _mm512_set1_ps(qa[3]);                                                              \
         const __m512 B0 = _mm512_set1_ps(qb[0]), B1 = _mm512_set1_ps(qb[1]), B2 = _mm512_set1_ps(qb[2]),     \
                      B3 = _mm512_set1_ps(qb[3]);                                                              \
-        for (; i + 16 <= nb; i += 16) {                                                                       \
-            const __m512 k0 = LOAD16(r + i), k1 = LOAD16(r + ld + i), k2 = LOAD16(r + 2 * ld + i),            \
-                         k3 = LOAD16(r + 3 * ld + i);                                                         \
-            __m512 x = LD16(sa + i);                                                                          \
-            STEP16(x, A0, A1, A2, A3)                                                                         \
-            ST16(sa + i, x);                                                                                  \
-            if (sb) {                                                                                         \
-                __m512 y = LD16(sb + i);                                                                      \
-                STEP16(y, B0, B1, B2, B3)                                                                     \
-                ST16(sb + i, y);                                                                              \
-            }                                                                                                 \
-        }                                                                                                     \
+        KEY_LOOP(16, __m512, _mm512, LOAD16, A, B)                                                            \
     }
 #else
 #define KEYS16(LOAD16)
@@ -250,18 +249,7 @@ INL __m512 ldh16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256(
                     float *sa = s + h * s_s + b, *sb = h + 1 < nh ? sa + s_s : NULL;                          \
                     int64_t i = 0;                                                                            \
                     KEYS16(LOAD16)                                                                            \
-                    for (; i < nb; i += 8) {                                                                  \
-                        const __m256 k0 = LOAD(r + i), k1 = LOAD(r + ld + i), k2 = LOAD(r + 2 * ld + i),      \
-                                     k3 = LOAD(r + 3 * ld + i);                                               \
-                        __m256 x = LD(sa + i);                                                                \
-                        STEP4(x, a0, a1, a2, a3)                                                              \
-                        ST(sa + i, x);                                                                        \
-                        if (sb) {                                                                             \
-                            __m256 y = LD(sb + i);                                                            \
-                            STEP4(y, b0, b1, b2, b3)                                                          \
-                            ST(sb + i, y);                                                                    \
-                        }                                                                                     \
-                    }                                                                                         \
+                    KEY_LOOP(8, __m256, _mm256, LOAD, a, b)   /* nb: a multiple of 8 */                       \
                 }                                                                                             \
             }                                                                                                 \
             for (; d < hd; d++) {                                                                             \
@@ -279,7 +267,8 @@ STREAM_SCORES(float, LD, LD16)
 STREAM_SCORES(uint16_t, ldh, ldh16)
 #undef STREAM_SCORES
 #undef KEYS16
-#undef STEP4
+#undef KEY_LOOP
+#undef CHAIN4
 
 /* the last nt < 8 adjacent keys (base: their row at dim 0): each row's nt values read alone (masked), s at the
  * keys' place in each head's scores (which have room for 8) */

@@ -3,8 +3,9 @@
  * (the file's rows and, for the quantized types, packed; 1 to 17 x rows, so the direct and the tiled kernels, the
  * two-group tiles and AMX's tiles of 16 half-rows run; one and two activation halves; rows that end mid-group), the
  * activations' quantizer (its bytes), and the layer kernels' row functions (sum of squares, RMSNorm's row, the activations and
- * exp, the max's lanes) and attention's scores and weighted values on f32 and f16 keys. The data is made here by a fixed generator (the same on every machine): random blocks
- * with finite scales, x rows of several magnitudes, a row of tiny values (all-zero blocks) and a row with a large one.
+ * exp, the max's lanes, the f16 rows) and attention's scores and weighted values on f32 and f16 keys. The data is
+ * made here by a fixed generator (the same on every machine): random blocks with finite scales, x rows of several
+ * magnitudes, a row of tiny values (all-zero blocks) and a row with a large one.
  * Single-threaded, no pool; about 18 ms for a path (260 cases). */
 #include "kernels.h"
 
@@ -146,8 +147,10 @@ static int check_attend(const layer_ops *a, char *msg, size_t n, int *cases, rng
     int rc = 0;
     const int64_t spans[2] = {1, 1 + NK};
     for (int i = 0; i < NH * HD; i++) q[i] = unit(r);
-    for (int i = 0; i < HD * L; i++) { kf[i] = unit(r); vf[i] = unit(r); kh[i] = half_from_float(kf[i]);
-                                       vh[i] = half_from_float(vf[i]); }
+    for (int i = 0; i < HD * L; i++) {
+        kf[i] = unit(r); vf[i] = unit(r);
+        kh[i] = half_from_float(kf[i]); vh[i] = half_from_float(vf[i]);
+    }
     for (int i = 0; i < NH * 48; i++) p[i] = 0.5f + 0.5f * unit(r);
     for (int f16 = 0; f16 < 2; f16++) {
         attend_job j = {1, NH, 1, HD, L, {q, NH * HD, HD}, f16 ? (const void *)kh : (const void *)kf,
