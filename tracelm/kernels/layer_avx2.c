@@ -510,7 +510,8 @@ PVW(uint16_t, ldh16)
 #endif
 
 /* acc[h][d] = sum_i p[h][i] v_i[d] for dims d0..d1-1, keys in order: blocks of VB keys, in a block 32 dims of two
- * heads at a time (then 64, 32, 8 dims of one), each meeting every head while the block's values are in L1 */
+ * heads at a time (then 64, 32, 8 dims of one; the 512-bit twin first 64 dims of two heads, or of a last one), each
+ * meeting every head while the block's values are in L1 */
 #define VB 64
 #define PV_STEP(V)                                                                                            \
     for (; d + 8 * V <= d1; d += 8 * V)                                                                       \
