@@ -286,7 +286,11 @@ static void attend_heads(const layer_ops *ops, const attend_job *j, int64_t t, i
 typedef struct {
     const layer_ops *ops; attend_job j; int64_t group, subs, need; atomic_int no_memory;
     int phase; int64_t whole, ck, nch, db, ndb, s_s; float *s; lanes8 *lanes;
+    const arr *kn, *vn;   /* a decode step's new key and value, stored by its kv head's task (attend_many) */
 } attend_ctx;
+
+static void attend_store(const layer_ops *ops, const attend_job *j, const arr *kn, const arr *vn, int64_t h0,
+                         int64_t h1);
 
 static void attend_tasks(void *ctx, int64_t t0, int64_t t1) {
     attend_ctx *c = (attend_ctx *)ctx;
@@ -300,6 +304,7 @@ static void attend_tasks(void *ctx, int64_t t0, int64_t t1) {
     for (int64_t k = t0; k < t1 && (!c->phase || k < whole); k++) {
         const int64_t t = k / per_row, kvh = k % per_row / c->subs, sub = k % c->subs;
         const int64_t h0 = kvh * g + sub * c->group, nh = g - sub * c->group < c->group ? g - sub * c->group : c->group;
+        if (c->kn) attend_store(c->ops, j, c->kn, c->vn, kvh, kvh + 1);
         attend_heads(c->ops, j, t, h0, nh, scratch);
     }
     const int64_t per = c->phase == 3 ? c->ndb : c->nch;
@@ -437,9 +442,10 @@ static int attend_setup(const char *fn, PyObject *const o[A_N], double scale, co
     return 0;
 }
 
-/* the pass's own keys and values (k_new, v_new [T, Hkv, hd] f32) to positions L - T .. L - 1, as the Cache stores
- * them: f32 as they are, f16 rounded to nearest even (numpy's astype), q8_0 blocks by q8_block */
-static void attend_store(const layer_ops *ops, const attend_job *j, const arr *kn, const arr *vn) {
+/* the pass's own keys and values (k_new, v_new [T, Hkv, hd] f32) of kv heads h0..h1-1 to positions L - T .. L - 1,
+ * as the Cache stores them: f32 as they are, f16 rounded to nearest even (numpy's astype), q8_0 blocks by q8_block */
+static void attend_store(const layer_ops *ops, const attend_job *j, const arr *kn, const arr *vn, int64_t h0,
+                         int64_t h1) {
     const int64_t T = j->T, hd = j->hd;
     for (int which = 0; which < 2; which++) {
         const arr *src = which ? vn : kn;
@@ -447,14 +453,14 @@ static void attend_store(const layer_ops *ops, const attend_job *j, const arr *k
         const int64_t sh = which ? j->v_sh : j->k_sh, sl = which ? j->v_sl : j->k_sl, sd = which ? 1 : j->k_sd;
         const float *x0 = (const float *)src->b.v.buf;
         if (j->f16 && sd != 1 && T >= 8) {   /* keys transposed ([Hkv, hd, n]): along each dim's row of positions */
-            for (int64_t h = 0; h < j->Hkv; h++)
+            for (int64_t h = h0; h < h1; h++)
                 for (int64_t d = 0; d < hd; d++)
                     ops->f16_row(x0 + h * src->s[1] + d, src->s[0], T,
                                  (uint16_t *)base + h * sh + (j->L - T) * sl + d * sd, sl);
             continue;
         }
         for (int64_t t = 0; t < T; t++)
-            for (int64_t h = 0; h < j->Hkv; h++) {
+            for (int64_t h = h0; h < h1; h++) {
                 const float *x = x0 + t * src->s[0] + h * src->s[1];
                 const int64_t at = h * sh + (j->L - T + t) * sl;
                 if (j->q8) q8_store(x, hd, base + at);
@@ -573,8 +579,15 @@ static int attend_many(const char *fn, int named, PyObject *const (*o)[A_N], con
         c0->lanes = (lanes8 *)(buf + lanes_at);
     }
     Py_BEGIN_ALLOW_THREADS
+    /* a part's new keys and values go in first; a decode step's (one row, a task per kv head) by each kv head's
+     * task just before it reads them, on the pool and into the lines its scores read next */
     for (int64_t p = 0; p < n; p++)
-        if (o[p][A_KN]) attend_store(c[p].ops, &c[p].j, &x[p].a[A_KN], &x[p].a[A_VN]);
+        if (o[p][A_KN] && c[p].j.T == 1 && c[p].subs == 1 && !c0->s) {
+            c[p].kn = &x[p].a[A_KN];
+            c[p].vn = &x[p].a[A_VN];
+        } else if (o[p][A_KN]) {
+            attend_store(c[p].ops, &c[p].j, &x[p].a[A_KN], &x[p].a[A_VN], 0, c[p].j.Hkv);
+        }
     if (c0->s)
         for (c0->phase = 1; c0->phase <= 3; c0->phase++)
             pool_run(attend_tasks, c0, (c0->phase == 1 ? c0->whole : 0) + (units - c0->whole) *
