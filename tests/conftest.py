@@ -240,10 +240,11 @@ def qwen_coder_path() -> Path:
 
 @pytest.fixture
 def kernels_restored():
-    """The kernels' path and thread count, put back as they were after the test."""
+    """The kernels' path, thread count and prefetch hint, put back as they were after the test."""
     import tracelm.kernels as kernels
 
-    path, threads = kernels.path(), kernels.threads()
+    path, threads, hint = kernels.path(), kernels.threads(), kernels.prefetch_hint()
     yield
     kernels.use_path(path)
     kernels.set_threads(threads)
+    kernels.set_prefetch_hint(hint)

@@ -94,6 +94,7 @@ def test_prefetch_hints_and_distances_alternated_as_variants(tiny_q8, kernels_re
 
 
 def test_cli_prefetch_hints(tiny_q8, capsys, kernels_restored):
+    kernels.set_prefetch_hint("t0")
     assert cli.main(["bench", "paths", "--model", str(tiny_q8), "--prompt-tokens", "8", "--decode-tokens", "1",
                      "--repeats", "1", "--threads", "1", "--paths", "portable", "--prefetch-hints", "t0,nta",
                      "--json"]) == 0

@@ -13,8 +13,10 @@ Three kinds of check:
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -595,6 +597,25 @@ def test_an_unusable_prefetch_distance_in_the_environment_is_named(value):
                          env=dict(os.environ, TRACELM_K_AHEAD=value), capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and res.stdout.strip() == "4"
     assert f"TRACELM_K_AHEAD='{value}' is not a number of super-blocks 0..64" in res.stderr
+
+
+def test_the_prefetch_hint_from_the_environment_or_the_cpu():
+    """TRACELM_PREFETCH_HINT sets the weights' prefetch hint at import; unset, it is nta on AMD's CPUs and t0 on
+    others; another value leaves that default and says so, naming the value."""
+    def hint(value: str | None) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if k != "TRACELM_PREFETCH_HINT"}
+        return subprocess.run([sys.executable, "-c", "from tracelm import kernels; print(kernels.prefetch_hint())"],
+                              env=env if value is None else dict(env, TRACELM_PREFETCH_HINT=value),
+                              capture_output=True, text=True, timeout=60)
+
+    amd = platform.machine() in ("x86_64", "AMD64") and "AuthenticAMD" in Path("/proc/cpuinfo").read_text()
+    default = "nta" if amd else "t0"
+    assert hint(None).stdout.strip() == default
+    for value in kernels.PREFETCH_HINTS:
+        assert hint(value).stdout.strip() == value
+    res = hint("t1")
+    assert res.returncode == 0 and res.stdout.strip() == default
+    assert f"TRACELM_PREFETCH_HINT='t1' is not one of t0, nta; prefetching with {default}" in res.stderr
 
 
 def test_threads_and_paths_api():

@@ -64,7 +64,9 @@ k_ahead = _core.k_ahead
 MAX_K_AHEAD = _core.MAX_K_AHEAD  # 64: set_k_ahead's and TRACELM_K_AHEAD's most (0: no software prefetch)
 set_prefetch_hint = _core.set_prefetch_hint  # set_prefetch_hint(h): the weights' software prefetch, PREFETCH_HINTS
 prefetch_hint = _core.prefetch_hint
-PREFETCH_HINTS = _core.PREFETCH_HINTS  # ("t0", "nta"): into every cache level (the default); non-temporal (kernels.h)
+# ("t0", "nta"): into every cache level; non-temporal (kernels.h). The default: TRACELM_PREFETCH_HINT, else nta on
+# AMD's CPUs and t0 on others (core.c)
+PREFETCH_HINTS = _core.PREFETCH_HINTS
 pool_counting = _core.pool_counting  # pool_counting(on): count the pool's jobs from now (reset), or stop
 pool_counts = _core.pool_counts  # -> (jobs, offered s: each job's wall x the threads, busy s: inside its tasks)
 path = _core.path  # "amx" | "avx512vnni" | "avxvnni" | "avx2" | "portable"
@@ -128,6 +130,9 @@ def _check_k_ahead(value: str | None) -> None:
 
 
 _check_k_ahead(os.environ.get("TRACELM_K_AHEAD"))
+if os.environ.get("TRACELM_PREFETCH_HINT") and os.environ["TRACELM_PREFETCH_HINT"] not in PREFETCH_HINTS:
+    warnings.warn(f"tracelm kernels: TRACELM_PREFETCH_HINT={os.environ['TRACELM_PREFETCH_HINT']!r} is not one of "
+                  f"{', '.join(PREFETCH_HINTS)}; prefetching with {prefetch_hint()}", RuntimeWarning, stacklevel=2)
 
 
 def default_threads() -> int:

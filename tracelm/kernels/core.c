@@ -1037,6 +1037,17 @@ PyMODINIT_FUNC PyInit__core(void) {
     const char *spin = getenv("TRACELM_SPIN_US"), *per = getenv("TRACELM_TASKS_PER_THREAD");
     if (spin && *spin) spin_seconds = atof(spin) * 1e-6;
     if (per && atoi(per) >= 1) tasks_per_thread = atoi(per);
+    /* the weights' prefetch hint: TRACELM_PREFETCH_HINT (t0 or nta), else nta on AMD's CPUs -- measured on a Zen 5
+     * EPYC, 2 threads, `tracelm bench paths --prefetch-hints t0,nta`: decode 1.05-1.14x on the three registry
+     * models, prefill 1.01-1.03x, a 7B neither way -- and t0 on the others until measured there (docs/performance.md) */
+    const char *hint = getenv("TRACELM_PREFETCH_HINT");
+    if (hint && (!strcmp(hint, HINTS[0]) || !strcmp(hint, HINTS[1]))) prefetch_nta = !strcmp(hint, HINTS[1]);
+#if defined(__x86_64__) || defined(__i386__)
+    else {
+        __builtin_cpu_init();
+        prefetch_nta = __builtin_cpu_is("amd");
+    }
+#endif
     const char *ahead = getenv("TRACELM_K_AHEAD");
     if (ahead && *ahead >= '0' && *ahead <= '9') {   /* digits, 0..64, or left at 4 (the Python side warns) */
         char *end;

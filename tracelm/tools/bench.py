@@ -215,7 +215,8 @@ def _model_bench(session: Session, probe: dict[str, float], n_prompt: int, n_dec
     }
 
 
-KERNELS_ENV = ("TRACELM_KERNELS", "TRACELM_K_AHEAD", "TRACELM_TASKS_PER_THREAD", "TRACELM_SPIN_US")
+KERNELS_ENV = ("TRACELM_KERNELS", "TRACELM_K_AHEAD", "TRACELM_PREFETCH_HINT", "TRACELM_TASKS_PER_THREAD",
+               "TRACELM_SPIN_US")
 
 
 def huge_pages_mb(smaps: str = "/proc/self/smaps_rollup") -> float | None:
@@ -235,7 +236,7 @@ def kernels_in_use() -> dict[str, Any]:
     T ms", "refused: ...", "untested", "unsupported"): a report names the path it measured and why it was trusted;
     the decode pairs' prefetch distance and the weights' prefetch hint in use (`k_ahead`, `prefetch_hint`); and the
     kernels' tuning variables set in the environment (read at import: TRACELM_KERNELS, TRACELM_K_AHEAD,
-    TRACELM_TASKS_PER_THREAD, TRACELM_SPIN_US), so a sweep's reports say what each ran with."""
+    TRACELM_PREFETCH_HINT, TRACELM_TASKS_PER_THREAD, TRACELM_SPIN_US), so a sweep's reports say what each ran with."""
     import tracelm.kernels as kernels
 
     tuning = {k: os.environ[k] for k in KERNELS_ENV if os.environ.get(k)}
