@@ -11,7 +11,8 @@
  *     (below): the 8 rows' block transposed (packed: as it lies) so that lane r holds row r's quads, each x quad
  *     broadcast -- no sums across lanes; Q8_0 and the file's K-quant rows row by row (one maddubs per
  *     row-block), summed across rows by hadd trees. On 512-bit vectors (avx512vnni, amx), packed weights two
- *     groups at a time, 16 rows in 16 lanes (direct_pair), so each x quad's broadcast and vpdpbusd serve both;
+ *     groups at a time, 16 rows in 16 lanes (direct_pair), so each x quad's broadcast and vpdpbusd serve both,
+ *     and the 4/5-bit pairs met by up to 4 x rows a pass (up to 16 rows: a server's batch, a draft's check);
  *   - tiled (more x rows, prefill): a chunk of blocks of the 8 rows unpacked once into a vertical buffer, then
  *     met by every quantized row of the task's tile (2 per x row: hi, lo), 4 at a time.
  * F32/F16/BF16 weights: the 32 lanes as 4 vectors; one weight row against 1-2 x rows, or a 2 x 4 tile that
@@ -95,9 +96,13 @@ int avx2_compiled(void) { return 1; }
  * halves: the vertical 4/5-bit and the K-quant kernels win from 2 rows on; the row-by-row Q8_0 one holds out longer,
  * and so does the packed K-quants' direct one, which reads its blocks as they lie -- measured, 2 threads, ffn_down
  * shapes, ms direct against tiled: 2 rows Q4_K 0.15 / 0.21, Q5_K 0.25 / 0.27, Q6_K 0.26 / 0.35; 3 rows Q4_K
- * 0.21 / 0.24, Q5_K 0.36 / 0.32, Q6_K 0.35 / 0.38; 4 rows alike) */
+ * 0.21 / 0.24, Q5_K 0.36 / 0.32, Q6_K 0.35 / 0.38; 4 rows alike). On 512-bit vectors the packed 4/5-bit pairs meet
+ * 4 (or 2) x rows a pass, their blocks unpacked once for all (direct_pair): they win up to 16 rows -- measured, 1
+ * thread, SmolLM2's Q4_1 ffn_gate_up (3072 x 576), us direct against tiled: 2 rows 33 / 60, 4 rows 56 / 81, 8 rows
+ * 105 / 125, 12 rows 158 / 170, 16 rows 210 / 220 */
 INL int direct_rows(int t, int pk) {
     if (pk && type_block(t) == 256) return t == T_Q5_K ? 2 : 3;
+    if (VNNI == 2 && pk && t != T_Q8_0) return 16;
     return t == T_Q8_0 ? 3 : 1;
 }
 #define TILE_MIN 4      /* F32/F16/BF16: from this many x rows on, the 2 x 4 tile */
@@ -1490,13 +1495,18 @@ INL __m512i fifth_quad16(__m512i QH, int c) {   /* fifth_quad on 16 lanes */
     const __m512i s = c < 4 ? _mm512_slli_epi32(QH, 4 - c) : c > 4 ? _mm512_srli_epi32(QH, c - 4) : QH;
     return _mm512_and_si512(s, _mm512_set1_epi32(0x10101010));
 }
-INL __m512 dot32_packed16(int t, int two, const uint8_t *g, int64_t gb, const xblock32 *xh, const xblock32 *xl,
-                          int64_t nb) {
+/* nr (1, 2 or 4) x rows at once, x[2r] and x[2r + 1] the halves of row r (hi, lo): each block's weights loaded and
+ * unpacked once for all of them, each half-row's sums and float steps as it has them alone; out[r] = acc_hi + acc_lo
+ * of row r */
+INL void dot32_packed16(int t, int two, int nr, const uint8_t *g, int64_t gb, const xblock32 *const *x, int64_t nb,
+                        __m512 *out) {
     const int tb = type_bytes(t), off = t == T_Q4_0 ? 8 : t == T_Q5_0 ? 16 : 0, five = weight_bits(t) == 5;
-    const int pq = packed_quants(t), dm = t == T_Q4_1 || t == T_Q5_1;
+    const int pq = packed_quants(t), dm = t == T_Q4_1 || t == T_Q5_1, nh = 2 * nr;
     const __m512i f = _mm512_set1_epi8(15), z = _mm512_setzero_si512();
-    __m512 acc_hi = _mm512_setzero_ps(), acc_lo = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, xh++, xl++) {
+    __m512 acc[8];
+#pragma GCC unroll 8
+    for (int k = 0; k < nh; k++) acc[k] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = g + GROUP * b * tb;
         for (int64_t c = 0; c < GROUP * tb; c += 64) {
             PREFETCH_W((const char *)p + 2 * gb + c);
@@ -1505,10 +1515,12 @@ INL __m512 dot32_packed16(int t, int two, const uint8_t *g, int64_t gb, const xb
         const __m512i T0 = ld2g(p + pq, gb), T1 = ld2g(p + pq + 32, gb), T2 = ld2g(p + pq + 64, gb),
                       T3 = ld2g(p + pq + 96, gb), QH = five ? ld2g(p + (t == T_Q5_0 ? 16 : 32), gb) : z;
         const __m512 d = cvt2g(p, gb), m = dm ? cvt2g(p + 16, gb) : d;
-        __m512i ha = z, la = z;
+        __m512i s[8];
+#pragma GCC unroll 8
+        for (int k = 0; k < nh; k++) s[k] = z;
 #define QUAD(V, c)                                                                      \
-        ha = _mm512_dpbusd_epi32(ha, V, BQ16(xh->q, c)); REG(ha);                       \
-        if (two) { la = _mm512_dpbusd_epi32(la, V, BQ16(xl->q, c)); REG(la); }
+        _Pragma("GCC unroll 8") for (int k = 0; k < nh; k++)                            \
+            if (two || !(k & 1)) { s[k] = _mm512_dpbusd_epi32(s[k], V, BQ16(x[k][b].q, c)); REG(s[k]); }
 #define PAIR(Ta, Tb, c)   /* quads c, c + 1 (low nibbles) and c + 4, c + 5 (high) */     \
         {                                                                               \
             __m512i v0 = _mm512_and_si512(Ta, f), v1 = _mm512_and_si512(Tb, f);         \
@@ -1522,19 +1534,19 @@ INL __m512 dot32_packed16(int t, int two, const uint8_t *g, int64_t gb, const xb
         PAIR(T0, T1, 0) PAIR(T2, T3, 2)
 #undef PAIR
 #undef QUAD
-#define HALF(I, X, ACC)                                                                                 \
-        {                                                                                               \
-            __m512i i = I;                                                                              \
-            if (off) i = _mm512_sub_epi32(i, OFF_SUM(512, off, X->sum));                                \
-            const __m512 dx = _mm512_set1_ps(X->d);                                                     \
-            if (dm) COMBINE_DM(v16, ACC, d, m, dx, i, _mm512_set1_epi32(X->sum));                       \
-            else COMBINE_D(v16, ACC, d, dx, i);                                                         \
+#pragma GCC unroll 8
+        for (int k = 0; k < nh; k++) {
+            if (!two && (k & 1)) continue;
+            const xblock32 *X = &x[k][b];
+            __m512i i = s[k];
+            if (off) i = _mm512_sub_epi32(i, OFF_SUM(512, off, X->sum));
+            const __m512 dx = _mm512_set1_ps(X->d);
+            if (dm) COMBINE_DM(v16, acc[k], d, m, dx, i, _mm512_set1_epi32(X->sum));
+            else COMBINE_D(v16, acc[k], d, dx, i);
         }
-        HALF(ha, xh, acc_hi)
-        if (two) HALF(la, xl, acc_lo)
-#undef HALF
     }
-    return two ? _mm512_add_ps(acc_hi, acc_lo) : acc_hi;
+#pragma GCC unroll 4
+    for (int r = 0; r < nr; r++) out[r] = two ? _mm512_add_ps(acc[2 * r], acc[2 * r + 1]) : acc[2 * r];
 }
 
 /* 8 vectors of two halves of 8 int32 -> lane r (r < 8) = sum of half 0 of s[r], lane 8 + r = sum of its half 1 */
@@ -1856,16 +1868,22 @@ INL void direct_pair(const mm_job *j, int64_t group, int64_t m0, int64_t m1) {
     const char *xq = (const char *)j->xq + hv * m0 * xrb;
     const uint8_t *g = j->w + group * gb;
     __m512 out[MTILE];
-    for (int64_t i = 0; i < mt; i++) {
+    for (int64_t i = 0, nr; i < mt; i += nr) {
+        /* the 32-value types 4 or 2 x rows a pass (the weights unpacked once for all), the K-quants and Q8_0 one */
+        nr = type_block(t) != 32 || t == T_Q8_0 ? 1 : mt - i >= 4 ? 4 : mt - i >= 2 ? 2 : 1;
         const char *h = xq + hv * i * xrb, *l = hv == 2 ? h + xrb : h;
+        const xblock32 *xr[8];
+        for (int k = 0; k < 2 * nr; k++) xr[k] = (const xblock32 *)((k & 1 ? l : h) + hv * (k / 2) * xrb);
 #define K(T, TWO) dotk_packed16(T, TWO, g, gb, (const xblock256 *)h, (const xblock256 *)l, nb)
-#define B(T, TWO) dot32_packed16(T, TWO, g, gb, (const xblock32 *)h, (const xblock32 *)l, nb)
+#define B(T, TWO)                                                                                      \
+        (nr == 4 ? dot32_packed16(T, TWO, 4, g, gb, xr, nb, &out[i])                                   \
+         : nr == 2 ? dot32_packed16(T, TWO, 2, g, gb, xr, nb, &out[i]) : dot32_packed16(T, TWO, 1, g, gb, xr, nb, &out[i]))
 #define DIRECT(TWO)                                                                                    \
         switch (t) {                                                                                   \
-        case T_Q4_0: out[i] = B(T_Q4_0, TWO); break;                                                   \
-        case T_Q4_1: out[i] = B(T_Q4_1, TWO); break;                                                   \
-        case T_Q5_0: out[i] = B(T_Q5_0, TWO); break;                                                   \
-        case T_Q5_1: out[i] = B(T_Q5_1, TWO); break;                                                   \
+        case T_Q4_0: B(T_Q4_0, TWO); break;                                                            \
+        case T_Q4_1: B(T_Q4_1, TWO); break;                                                            \
+        case T_Q5_0: B(T_Q5_0, TWO); break;                                                            \
+        case T_Q5_1: B(T_Q5_1, TWO); break;                                                            \
         case T_Q8_0: out[i] = q8_packed16(TWO, g, gb, (const xblock32 *)h, (const xblock32 *)l, nb); break; \
         case T_Q4_K: out[i] = K(T_Q4_K, TWO); break;                                                   \
         case T_Q5_K: out[i] = K(T_Q5_K, TWO); break;                                                   \
