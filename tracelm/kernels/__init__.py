@@ -129,10 +129,16 @@ def _check_k_ahead(value: str | None) -> None:
                       f"prefetching {k_ahead()} ahead", RuntimeWarning, stacklevel=2)
 
 
+def _check_prefetch_hint(value: str | None) -> None:
+    """A RuntimeWarning when TRACELM_PREFETCH_HINT is set to what the extension did not take at import (one of
+    PREFETCH_HINTS; another value leaves the CPU's default)."""
+    if value and value not in PREFETCH_HINTS:
+        warnings.warn(f"tracelm kernels: TRACELM_PREFETCH_HINT={value!r} is not one of {', '.join(PREFETCH_HINTS)}; "
+                      f"prefetching with {prefetch_hint()}", RuntimeWarning, stacklevel=2)
+
+
 _check_k_ahead(os.environ.get("TRACELM_K_AHEAD"))
-if os.environ.get("TRACELM_PREFETCH_HINT") and os.environ["TRACELM_PREFETCH_HINT"] not in PREFETCH_HINTS:
-    warnings.warn(f"tracelm kernels: TRACELM_PREFETCH_HINT={os.environ['TRACELM_PREFETCH_HINT']!r} is not one of "
-                  f"{', '.join(PREFETCH_HINTS)}; prefetching with {prefetch_hint()}", RuntimeWarning, stacklevel=2)
+_check_prefetch_hint(os.environ.get("TRACELM_PREFETCH_HINT"))
 
 
 def default_threads() -> int:

@@ -864,15 +864,21 @@ static PyObject *py_k_ahead(PyObject *self, PyObject *noargs) {
 
 static const char *const HINTS[2] = {"t0", "nta"};
 
+static int hint_index(const char *hint) {   /* HINTS' index of hint (0 t0, 1 nta), -1 if neither */
+    for (int i = 0; i < 2; i++)
+        if (!strcmp(hint, HINTS[i])) return i;
+    return -1;
+}
+
 static PyObject *py_set_prefetch_hint(PyObject *self, PyObject *args) {
     (void)self;
     const char *hint;
     if (!PyArg_ParseTuple(args, "s:set_prefetch_hint", &hint)) return NULL;
-    for (int i = 0; i < 2; i++)
-        if (!strcmp(hint, HINTS[i])) {
-            prefetch_nta = i;   /* read by each prefetch: no product runs while the GIL is held here */
-            Py_RETURN_NONE;
-        }
+    const int i = hint_index(hint);
+    if (i >= 0) {
+        prefetch_nta = i;   /* read by each prefetch: no product runs while the GIL is held here */
+        Py_RETURN_NONE;
+    }
     PyErr_Format(PyExc_ValueError, "set_prefetch_hint: hint must be '%s' or '%s', got '%s'", HINTS[0], HINTS[1], hint);
     return NULL;
 }
@@ -1041,7 +1047,7 @@ PyMODINIT_FUNC PyInit__core(void) {
      * EPYC, 2 threads, `tracelm bench paths --prefetch-hints t0,nta`: decode 1.05-1.14x on the three registry
      * models, prefill 1.01-1.03x, a 7B neither way -- and t0 on the others until measured there (docs/performance.md) */
     const char *hint = getenv("TRACELM_PREFETCH_HINT");
-    if (hint && (!strcmp(hint, HINTS[0]) || !strcmp(hint, HINTS[1]))) prefetch_nta = !strcmp(hint, HINTS[1]);
+    if (hint && hint_index(hint) >= 0) prefetch_nta = hint_index(hint);
 #if defined(__x86_64__) || defined(__i386__)
     else {
         __builtin_cpu_init();
