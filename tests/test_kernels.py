@@ -443,8 +443,9 @@ def test_pack_moves_bytes_and_qh_bits_and_unpacks_back(qt):
 def test_two_group_tiles_packed_or_not(qt):
     """The many-row kernels of the quantized types take two groups of 8 weight rows at a time (on 512-bit vectors
     two such pairs at once, from 16 rows on for the K-quants): an odd number of groups (a last one alone), a last
-    group of fewer rows, packed weights (`kernels.pack`; 1-3 rows: the packed direct kernels, on 512-bit vectors the
-    4/5-bit ones up to 16 rows, 4, 2 and 1 a pass; more: the tiled ones), K-quant rows of more super-blocks than a
+    group of fewer rows, packed weights (`kernels.pack`; 1-3 rows: the packed direct kernels, the 4/5-bit ones up to
+    16 rows on 512-bit vectors, up to 8 (4-bit) or 4 (5-bit) on 256-bit ones, 4, 3, 2 or 1 a pass; more: the tiled
+    ones), K-quant rows of more super-blocks than a
     chunk -- the same bits as a row alone, on either path, on 1 or 2 threads."""
     K = 1280 if qt in KQUANT else 320
     x = np.random.default_rng(3).standard_normal((70, K)).astype(np.float32)
@@ -458,8 +459,8 @@ def test_two_group_tiles_packed_or_not(qt):
                 for threads in (1, 2):
                     kernels.set_threads(threads)
                     for wf, packed in forms:
-                        for lo, hi in ((0, 70), (4, 5), (3, 5), (3, 6), (3, 8), (3, 9), (3, 10), (0, 8), (1, 14),
-                                       (2, 18), (2, 19), (5, 38), (6, 70)):
+                        for lo, hi in ((0, 70), (4, 5), (3, 5), (3, 6), (3, 7), (3, 8), (3, 9), (3, 10), (0, 8),
+                                       (1, 14), (2, 18), (2, 19), (5, 38), (6, 70)):
                             got = kernels.matmul(x[lo:hi], wf, qt, halves=halves, packed=packed)
                             np.testing.assert_array_equal(bits(got), bits(ref[lo:hi]), err_msg=(
                                 f"N={N} halves={halves} {path} threads={threads} packed={packed} rows {lo}..{hi}"))

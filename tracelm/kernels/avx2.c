@@ -12,7 +12,8 @@
  *     broadcast -- no sums across lanes; Q8_0 and the file's K-quant rows row by row (one maddubs per
  *     row-block), summed across rows by hadd trees. On 512-bit vectors (avx512vnni, amx), packed weights two
  *     groups at a time, 16 rows in 16 lanes (direct_pair), so each x quad's broadcast and vpdpbusd serve both,
- *     and the 4/5-bit pairs met by up to 4 x rows a pass (up to 16 rows: a server's batch, a draft's check);
+ *     and the 4/5-bit pairs met by up to 4 x rows a pass (up to 16 rows: a server's batch, a draft's check); on
+ *     256-bit vectors the packed 4/5-bit groups up to 4 x rows a pass too (up to 8 or 4 rows: direct_rows_group);
  *   - tiled (more x rows, prefill): a chunk of blocks of the 8 rows unpacked once into a vertical buffer, then
  *     met by every quantized row of the task's tile (2 per x row: hi, lo), 4 at a time.
  * F32/F16/BF16 weights: the 32 lanes as 4 vectors; one weight row against 1-2 x rows, or a 2 x 4 tile that
@@ -99,10 +100,14 @@ int avx2_compiled(void) { return 1; }
  * 0.21 / 0.24, Q5_K 0.36 / 0.32, Q6_K 0.35 / 0.38; 4 rows alike). On 512-bit vectors the packed 4/5-bit pairs meet
  * 4 (or 2) x rows a pass, their blocks unpacked once for all (direct_pair): they win up to 16 rows -- measured, 1
  * thread, SmolLM2's Q4_1 ffn_gate_up (3072 x 576), us direct against tiled: 2 rows 33 / 60, 4 rows 56 / 81, 8 rows
- * 105 / 125, 12 rows 158 / 170, 16 rows 210 / 220 */
+ * 105 / 125, 12 rows 158 / 170, 16 rows 210 / 220. On 256-bit vectors the same for the packed 4/5-bit types, 4 x rows a
+ * pass (direct_rows_group): measured, 1 thread, 4864 x 896, us direct against tiled, AVX2: Q4_1 2 rows 150 / 201, 4
+ * rows 264 / 328, 8 rows 523 / 572, 12 rows 780 / 826; Q5_0 2 rows 173 / 192, 4 rows 301 / 312, 8 rows 589 / 545;
+ * avxvnni: Q4_1 8 rows 473 / 526, Q5_0 8 rows 495 / 477 */
 INL int direct_rows(int t, int pk) {
     if (pk && type_block(t) == 256) return t == T_Q5_K ? 2 : 3;
     if (VNNI == 2 && pk && t != T_Q8_0) return 16;
+    if (pk && t != T_Q8_0) return t == T_Q4_0 || t == T_Q4_1 ? 8 : 4;   /* 256-bit: direct_rows_group */
     return t == T_Q8_0 ? 3 : 1;
 }
 #define TILE_MIN 4      /* F32/F16/BF16: from this many x rows on, the 2 x 4 tile */
@@ -749,6 +754,63 @@ INL __m256 dot32v_direct(int t, int two, int pk, const uint8_t *const *rows, con
     }
     return two ? _mm256_add_ps(acc_hi, acc_lo) : acc_hi;
 }
+
+#if VNNI < 2
+/* few x rows on 256-bit vectors, packed 4/5-bit weights: nr (2 or 4) x rows at once, x[2r] and x[2r + 1] the halves
+ * of row r (hi, lo). Each block of the group's 8 rows is loaded and unpacked once for all of them; each half-row's
+ * integer sums (AVX2: the int16 runs of dot32v_direct) and float steps are as it has them alone; out[r] = acc_hi +
+ * acc_lo of row r. */
+INL void dot32v_rows(int t, int two, int nr, const uint8_t *g, const xblock32 *const *x, int64_t nb, int64_t pf,
+                     __m256 *out) {
+    const int tb = type_bytes(t), off = t == T_Q4_0 ? 8 : t == T_Q5_0 ? 16 : 0, five = weight_bits(t) == 5;
+    const int dm = t == T_Q4_1 || t == T_Q5_1, nh = 2 * nr, split = five && !VNNI;
+    const __m256i f = _mm256_set1_epi8(15), z = _mm256_setzero_si256();
+    __m256 acc[8];
+#pragma GCC unroll 8
+    for (int k = 0; k < nh; k++) acc[k] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t o = b * tb;
+        const uint8_t *p = g + GROUP * o;
+        for (int64_t c = 0; c < GROUP * tb; c += 64) PREFETCH_W((const char *)p + pf + c);
+        __m256i T0, T1, T2, T3, QH = z;
+        __m256 d, m;
+        block32(t, 1, NULL, p, o, &T0, &T1, &T2, &T3, &QH, &d, &m);
+        __m256i s[8], h[8];   /* h: AVX2's 5-bit int16 run of quads 2 3 6 7 */
+#pragma GCC unroll 8
+        for (int k = 0; k < nh; k++) s[k] = h[k] = z;
+#define QUAD(V, c, S)                                                                   \
+        _Pragma("GCC unroll 8") for (int k = 0; k < nh; k++)                            \
+            if (two || !(k & 1)) { S[k] = DOTACC(S[k], V, BQ(x[k][b].q, c)); REG(S[k]); }
+#define PAIR(Ta, Tb, c, S)   /* quads c, c + 1 (low nibbles) and c + 4, c + 5 (high) */  \
+        {                                                                               \
+            __m256i v0 = _mm256_and_si256(Ta, f), v1 = _mm256_and_si256(Tb, f);         \
+            __m256i v4 = _mm256_and_si256(_mm256_srli_epi16(Ta, 4), f), v5 = _mm256_and_si256(_mm256_srli_epi16(Tb, 4), f); \
+            if (five) {                                                                 \
+                v0 = _mm256_or_si256(v0, fifth_quad(QH, c)); v1 = _mm256_or_si256(v1, fifth_quad(QH, (c) + 1)); \
+                v4 = _mm256_or_si256(v4, fifth_quad(QH, (c) + 4)); v5 = _mm256_or_si256(v5, fifth_quad(QH, (c) + 5)); \
+            }                                                                           \
+            QUAD(v0, c, S) QUAD(v1, c + 1, S) QUAD(v4, c + 4, S) QUAD(v5, c + 5, S)     \
+        }
+        PAIR(T0, T1, 0, s)
+        if (split) { PAIR(T2, T3, 2, h) } else { PAIR(T2, T3, 2, s) }
+#undef PAIR
+#undef QUAD
+#pragma GCC unroll 8
+        for (int k = 0; k < nh; k++) {
+            if (!two && (k & 1)) continue;
+            const xblock32 *X = &x[k][b];
+            __m256i i = SUM32(s[k]);
+            if (split) i = _mm256_add_epi32(i, SUM32(h[k]));
+            if (off) i = _mm256_sub_epi32(i, OFF_SUM(256, off, X->sum));
+            const __m256 dx = _mm256_set1_ps(X->d);
+            if (dm) COMBINE_DM(v8, acc[k], d, m, dx, i, _mm256_set1_epi32(X->sum));
+            else COMBINE_D(v8, acc[k], d, dx, i);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < nr; r++) out[r] = two ? _mm256_add_ps(acc[2 * r], acc[2 * r + 1]) : acc[2 * r];
+}
+#endif
 
 /* ---- few x rows, Q8_0: row by row (the vertical layout would cost a full transpose and one madd per quad for
  * 2 x halves), one maddubs per row-block and x half, summed across rows by rowsums8 ---- */
@@ -1904,6 +1966,41 @@ INL void direct_pair(const mm_job *j, int64_t group, int64_t m0, int64_t m1) {
 }
 #endif
 
+#if VNNI < 2
+/* few x rows (2 to direct_rows), packed 4/5-bit types on 256-bit vectors: 4 or 2 x rows a pass (dot32v_rows), a last
+ * one alone. A function of its own, not inlined into mm_task, so that the one-row kernels' code stays as it is (a
+ * larger mm_task moved them by 1-5 %). */
+AVX2 __attribute__((noinline)) static void direct_rows_group(const mm_job *j, int64_t group, int64_t m0, int64_t m1) {
+    const int t = j->qtype;
+    const int64_t mt = m1 - m0, xrb = j->xq_row_bytes, hv = j->halves, pf = GROUP * j->row_bytes, nb = j->K / 32;
+    const char *xq = (const char *)j->xq + hv * m0 * xrb;
+    const uint8_t *g = j->w + group * GROUP * j->row_bytes;
+    __m256 out[MTILE];
+    for (int64_t i = 0, nr; i < mt; i += nr) {
+        nr = mt - i >= 4 ? 4 : mt - i;
+        const char *h = xq + hv * i * xrb, *l = hv == 2 ? h + xrb : h;
+        const xblock32 *xr[8];
+        for (int k = 0; k < 2 * nr; k++) xr[k] = (const xblock32 *)((k & 1 ? l : h) + hv * (k / 2) * xrb);
+#define B(T, TWO)                                                                                                 \
+        (nr == 4 ? dot32v_rows(T, TWO, 4, g, xr, nb, pf, &out[i])                                                 \
+         : nr == 3 ? dot32v_rows(T, TWO, 3, g, xr, nb, pf, &out[i])                                               \
+         : nr == 2 ? dot32v_rows(T, TWO, 2, g, xr, nb, pf, &out[i])                                               \
+         : (void)(out[i] = dot32v_direct(T, TWO, 1, &g, xr[0], xr[1], nb, pf)))
+#define DIRECT(TWO)                                                                                               \
+        switch (t) {                                                                                              \
+        case T_Q4_0: B(T_Q4_0, TWO); break;                                                                       \
+        case T_Q4_1: B(T_Q4_1, TWO); break;                                                                       \
+        case T_Q5_0: B(T_Q5_0, TWO); break;                                                                       \
+        default: B(T_Q5_1, TWO); break;                                                                           \
+        }
+        if (hv == 2) { DIRECT(1) } else { DIRECT(0) }
+#undef DIRECT
+#undef B
+    }
+    store_group(j, group, m0, mt, out);
+}
+#endif
+
 /* the x half-rows of a tile's pass: nx (2 or 4) from half-row i of mq, each at byte `at` of its row (a last odd
  * half-row twice) */
 INL void pass_rows(const char *xq, int64_t xrb, int64_t at, int64_t i, int64_t mq, int nx, const char *x[4]) {
@@ -2226,6 +2323,11 @@ AVX2 static void mm_task(const mm_job *j, int64_t g0, int64_t m0, int64_t m1) {
                 if (j->packed && g + 1 < g1 && (g + 2) * GROUP <= j->N) {
                     direct_pair(j, g, m0, m1);
                     g++;
+                    continue;
+                }
+#else
+                if (m1 - m0 > 1 && j->packed && type_block(t) == 32 && t != T_Q8_0) {
+                    direct_rows_group(j, g, m0, m1);
                     continue;
                 }
 #endif
