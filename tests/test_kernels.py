@@ -444,8 +444,8 @@ def test_two_group_tiles_packed_or_not(qt):
     """The many-row kernels of the quantized types take two groups of 8 weight rows at a time (on 512-bit vectors
     two such pairs at once, from 16 rows on for the K-quants): an odd number of groups (a last one alone), a last
     group of fewer rows, packed weights (`kernels.pack`; 1-3 rows: the packed direct kernels, the 4/5-bit ones up to
-    16 rows on 512-bit vectors, up to 8 (4-bit) or 4 (5-bit) on 256-bit ones, 4, 3, 2 or 1 a pass; more: the tiled
-    ones), K-quant rows of more super-blocks than a
+    16 rows on 512-bit vectors, up to 8 (4-bit) or 4 (5-bit) on 256-bit ones, 4, 3, 2 or 1 a pass; Q4_K on 512-bit
+    vectors up to 4 rows, 2 a pass; more: the tiled ones), K-quant rows of more super-blocks than a
     chunk -- the same bits as a row alone, on either path, on 1 or 2 threads."""
     K = 1280 if qt in KQUANT else 320
     x = np.random.default_rng(3).standard_normal((70, K)).astype(np.float32)

@@ -14,6 +14,7 @@
  *     groups at a time, 16 rows in 16 lanes (direct_pair), so each x quad's broadcast and vpdpbusd serve both,
  *     and the 4/5-bit pairs met by up to 4 x rows a pass (up to 16 rows: a server's batch, a draft's check); on
  *     256-bit vectors the packed 4/5-bit groups up to 4 x rows a pass too (up to 8 or 4 rows: direct_rows_group);
+ *     packed Q4_K on 512-bit vectors two x rows a pass (up to 4 rows), the other K-quants one;
  *   - tiled (more x rows, prefill): a chunk of blocks of the 8 rows unpacked once into a vertical buffer, then
  *     met by every quantized row of the task's tile (2 per x row: hi, lo), 4 at a time.
  * F32/F16/BF16 weights: the 32 lanes as 4 vectors; one weight row against 1-2 x rows, or a 2 x 4 tile that
@@ -103,9 +104,11 @@ int avx2_compiled(void) { return 1; }
  * 105 / 125, 12 rows 158 / 170, 16 rows 210 / 220. On 256-bit vectors the same for the packed 4/5-bit types, 4 x rows a
  * pass (direct_rows_group): measured, 1 thread, 4864 x 896, us direct against tiled, AVX2: Q4_1 2 rows 150 / 201, 4
  * rows 264 / 328, 8 rows 523 / 572, 12 rows 780 / 826; Q5_0 2 rows 173 / 192, 4 rows 301 / 312, 8 rows 589 / 545;
- * avxvnni: Q4_1 8 rows 473 / 526, Q5_0 8 rows 495 / 477 */
+ * avxvnni: Q4_1 8 rows 473 / 526, Q5_0 8 rows 495 / 477. Packed Q4_K on 512-bit vectors: two x rows a pass
+ * (dotk4_packed16x2), up to 4 -- measured, 1 thread, 2048 x 3584, us direct against tiled: 3 rows 206-218 / 230-238 (one
+ * row a pass), 4 rows 243-253 / 302-308 */
 INL int direct_rows(int t, int pk) {
-    if (pk && type_block(t) == 256) return t == T_Q5_K ? 2 : 3;
+    if (pk && type_block(t) == 256) return t == T_Q5_K ? 2 : VNNI == 2 && t == T_Q4_K ? 4 : 3;
     if (VNNI == 2 && pk && t != T_Q8_0) return 16;
     if (pk && t != T_Q8_0) return t == T_Q4_0 || t == T_Q4_1 ? 8 : 4;   /* 256-bit: direct_rows_group */
     return t == T_Q8_0 ? 3 : 1;
@@ -1739,6 +1742,61 @@ INL __m512 dotk_packed16(int t, int two, const uint8_t *g, int64_t gb, const xbl
     }
     return two ? _mm512_add_ps(acc_hi, acc_lo) : acc_hi;
 }
+
+/* Q4_K, two x rows at once (x[2r], x[2r + 1]: row r's hi and lo halves): each super-block's weights and scales loaded
+ * and unpacked once for both, each half-row's sums and float steps as dotk_packed16 has them alone; out[r] = acc_hi +
+ * acc_lo of row r. (Q5_K and Q6_K, whose unpacking keeps more vectors live, were slower so.) */
+INL void dotk4_packed16x2(int two, const uint8_t *g, int64_t gb, const xblock256 *const *x, int64_t nb, __m512 *out) {
+    const int tb = type_bytes(T_Q4_K), qs = 8 * 16;
+    const __m512i f = _mm512_set1_epi8(15), z = _mm512_setzero_si512();
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    const int64_t ahead = k_ahead;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = g + GROUP * b * tb;
+        const uint8_t *a = p + ahead * GROUP * tb + (b + ahead >= nb ? gb : 0);
+        for (int64_t c = 0; ahead && c < GROUP * tb; c += 64) {
+            PREFETCH_W((const char *)a + c);
+            PREFETCH_W((const char *)a + gb + c);
+        }
+        __m512i sc[16], corr[4], A[4] = {z, z, z, z};
+        kscale_vecs16(T_Q4_K, p, gb, sc, corr);
+        const __m512 d = cvt2g(p, gb), dmin = cvt2g(p + 16, gb);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            __m512i s0[4] = {z, z, z, z}, s1[4] = {z, z, z, z};
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; k++) {
+                const __m512i Q = ld2g(p + qs + 32 * (8 * c + k), gb);
+                const __m512i v0 = _mm512_and_si512(Q, f), v1 = _mm512_and_si512(_mm512_srli_epi16(Q, 4), f);
+#pragma GCC unroll 4
+                for (int h = 0; h < 4; h++) {
+                    if (!two && (h & 1)) continue;
+                    s0[h] = _mm512_dpbusd_epi32(s0[h], v0, BQ16(x[h][b].q + 64 * c, k)); REG(s0[h]);
+                    s1[h] = _mm512_dpbusd_epi32(s1[h], v1, BQ16(x[h][b].q + 64 * c + 32, k)); REG(s1[h]);
+                }
+            }
+#pragma GCC unroll 4
+            for (int h = 0; h < 4; h++)
+                if (two || !(h & 1))
+                    A[h] = _mm512_add_epi32(A[h], _mm512_add_epi32(_mm512_mullo_epi32(s0[h], sc[2 * c]),
+                                                                   _mm512_mullo_epi32(s1[h], sc[2 * c + 1])));
+        }
+#pragma GCC unroll 4
+        for (int h = 0; h < 4; h++)
+            if (two || !(h & 1))
+                COMBINE_K(v16, acc[h], d, dmin, _mm512_set1_ps(x[h][b].d), A[h], kmins_v16(corr, &x[h][b]));
+    }
+    out[0] = two ? _mm512_add_ps(acc[0], acc[1]) : acc[0];
+    out[1] = two ? _mm512_add_ps(acc[2], acc[3]) : acc[2];
+}
+
+/* a pair's two x rows of Q4_K, a function of its own (not inlined into the task: the one-row kernels' code stays as
+ * it is) */
+AVX2 __attribute__((noinline)) static void dotk4_pair_rows2(int two, const uint8_t *g, int64_t gb,
+                                                           const xblock256 *const *x, int64_t nb, __m512 *out) {
+    if (two) dotk4_packed16x2(1, g, gb, x, nb, out);
+    else dotk4_packed16x2(0, g, gb, x, nb, out);
+}
 #endif
 
 /* ======================================================================================================
@@ -1936,10 +1994,15 @@ INL void direct_pair(const mm_job *j, int64_t group, int64_t m0, int64_t m1) {
     for (int64_t i = 0, nr; i < mt; i += nr) {
         /* the 32-value types 4 (Q8_0: its 3 direct rows 2) or 2 x rows a pass, the weights loaded and unpacked once for
          * all; the K-quants one */
-        nr = type_block(t) != 32 ? 1 : mt - i >= 4 && t != T_Q8_0 ? 4 : mt - i >= 2 ? 2 : 1;
+        nr = type_block(t) != 32 ? (t == T_Q4_K && mt - i >= 2 ? 2 : 1)
+             : mt - i >= 4 && t != T_Q8_0 ? 4 : mt - i >= 2 ? 2 : 1;
         const char *h = xq + hv * i * xrb, *l = hv == 2 ? h + xrb : h;
         const xblock32 *xr[8];
-        for (int k = 0; k < 2 * nr; k++) xr[k] = (const xblock32 *)((k & 1 ? l : h) + hv * (k / 2) * xrb);
+        const xblock256 *xk[4];
+        for (int k = 0; k < 2 * nr; k++) {
+            xr[k] = (const xblock32 *)((k & 1 ? l : h) + hv * (k / 2) * xrb);
+            if (k < 4) xk[k] = (const xblock256 *)((k & 1 ? l : h) + hv * (k / 2) * xrb);
+        }
 #define K(T, TWO) dotk_packed16(T, TWO, g, gb, (const xblock256 *)h, (const xblock256 *)l, nb)
 #define B(T, TWO)                                                                                      \
         (nr == 4 ? dot32_packed16(T, TWO, 4, g, gb, xr, nb, &out[i])                                   \
@@ -1952,7 +2015,10 @@ INL void direct_pair(const mm_job *j, int64_t group, int64_t m0, int64_t m1) {
         case T_Q5_0: B(T_Q5_0, TWO); break;                                                            \
         case T_Q5_1: B(T_Q5_1, TWO); break;                                                            \
         case T_Q8_0: Q8(TWO); break;                                                                   \
-        case T_Q4_K: out[i] = K(T_Q4_K, TWO); break;                                                   \
+        case T_Q4_K:                                                                                   \
+            if (nr == 2) dotk4_pair_rows2(TWO, g, gb, xk, nb, &out[i]);                                \
+            else out[i] = K(T_Q4_K, TWO);                                                              \
+            break;                                                                                     \
         case T_Q5_K: out[i] = K(T_Q5_K, TWO); break;                                                   \
         default: out[i] = K(T_Q6_K, TWO); break;                                                       \
         }
