@@ -139,6 +139,17 @@ INL __m256i rowsums8(__m256i p0, __m256i p1, __m256i p2, __m256i p3, __m256i p4,
 /* off * sum q (off 8, 16 or 128) as a vector of W bits: the broadcast sum shifted, off the scalar unit */
 #define OFF_SUM(W, off, sum) _mm##W##_slli_epi32(_mm##W##_set1_epi32(sum), (off) == 8 ? 3 : (off) == 16 ? 4 : 7)
 
+/* a half-row's block of a 32-value type on W-bit vectors (P: v8 or v16): its integer sums isum less off * sum q, then
+ * kernels.h's float step into acc with the weights' d (and m: dm, Q4_1 and Q5_1) and the x block X's */
+#define HALF_STEP(W, P, acc, isum, X, off, dm, d, m)                                                                 \
+    {                                                                                                             \
+        __m##W##i i_ = (isum);                                                                                    \
+        if (off) i_ = _mm##W##_sub_epi32(i_, OFF_SUM(W, off, (X)->sum));                                          \
+        const __m##W dx_ = _mm##W##_set1_ps((X)->d);                                                              \
+        if (dm) COMBINE_DM(P, acc, d, m, dx_, i_, _mm##W##_set1_epi32((X)->sum));                                 \
+        else COMBINE_D(P, acc, d, dx_, i_);                                                                       \
+    }
+
 INL int weight_bits(int t) { return t == T_Q4_0 || t == T_Q4_1 ? 4 : t == T_Q5_0 || t == T_Q5_1 ? 5 : 8; }
 
 /* ======================================================================================================
@@ -746,10 +757,7 @@ INL __m256 dot32v_direct(int t, int two, int pk, const uint8_t *const *rows, con
         {                                                                                               \
             __m256i i = SUM32(HA);                                                                      \
             if (five) i = _mm256_add_epi32(i, SUM32(HB));                                               \
-            if (off) i = _mm256_sub_epi32(i, OFF_SUM(256, off, X->sum));                                \
-            const __m256 dx = _mm256_set1_ps(X->d);                                                     \
-            if (t == T_Q4_1 || t == T_Q5_1) COMBINE_DM(v8, ACC, d, m, dx, i, _mm256_set1_epi32(X->sum)); \
-            else COMBINE_D(v8, ACC, d, dx, i);                                                          \
+            HALF_STEP(256, v8, ACC, i, X, off, t == T_Q4_1 || t == T_Q5_1, d, m)                         \
         }
         HALF(ha, hb, xh, acc_hi)
         if (two) HALF(la, lb, xl, acc_lo)
@@ -801,13 +809,8 @@ INL void dot32v_rows(int t, int two, int nr, const uint8_t *g, const xblock32 *c
 #pragma GCC unroll 8
         for (int k = 0; k < nh; k++) {
             if (!two && (k & 1)) continue;
-            const xblock32 *X = &x[k][b];
-            __m256i i = SUM32(s[k]);
-            if (split) i = _mm256_add_epi32(i, SUM32(h[k]));
-            if (off) i = _mm256_sub_epi32(i, OFF_SUM(256, off, X->sum));
-            const __m256 dx = _mm256_set1_ps(X->d);
-            if (dm) COMBINE_DM(v8, acc[k], d, m, dx, i, _mm256_set1_epi32(X->sum));
-            else COMBINE_D(v8, acc[k], d, dx, i);
+            const __m256i i = split ? _mm256_add_epi32(SUM32(s[k]), SUM32(h[k])) : SUM32(s[k]);
+            HALF_STEP(256, v8, acc[k], i, &x[k][b], off, dm, d, m)
         }
     }
 #pragma GCC unroll 4
@@ -1603,11 +1606,7 @@ INL void dot32_packed16(int t, int two, int nr, const uint8_t *g, int64_t gb, co
         for (int k = 0; k < nh; k++) {
             if (!two && (k & 1)) continue;
             const xblock32 *X = &x[k][b];
-            __m512i i = s[k];
-            if (off) i = _mm512_sub_epi32(i, OFF_SUM(512, off, X->sum));
-            const __m512 dx = _mm512_set1_ps(X->d);
-            if (dm) COMBINE_DM(v16, acc[k], d, m, dx, i, _mm512_set1_epi32(X->sum));
-            else COMBINE_D(v16, acc[k], d, dx, i);
+            HALF_STEP(512, v16, acc[k], s[k], X, off, dm, d, m)
         }
     }
 #pragma GCC unroll 4
