@@ -767,7 +767,7 @@ INL __m256 dot32v_direct(int t, int two, int pk, const uint8_t *const *rows, con
 }
 
 #if VNNI < 2
-/* few x rows on 256-bit vectors, packed 4/5-bit weights: nr (2 or 4) x rows at once, x[2r] and x[2r + 1] the halves
+/* few x rows on 256-bit vectors, packed 4/5-bit weights: nr (2 to 4) x rows at once, x[2r] and x[2r + 1] the halves
  * of row r (hi, lo). Each block of the group's 8 rows is loaded and unpacked once for all of them; each half-row's
  * integer sums (AVX2: the int16 runs of dot32v_direct) and float steps are as it has them alone; out[r] = acc_hi +
  * acc_lo of row r. */
@@ -1998,9 +1998,10 @@ INL void direct_pair(const mm_job *j, int64_t group, int64_t m0, int64_t m1) {
         const char *h = xq + hv * i * xrb, *l = hv == 2 ? h + xrb : h;
         const xblock32 *xr[8];
         const xblock256 *xk[4];
-        for (int k = 0; k < 2 * nr; k++) {
-            xr[k] = (const xblock32 *)((k & 1 ? l : h) + hv * (k / 2) * xrb);
-            if (k < 4) xk[k] = (const xblock256 *)((k & 1 ? l : h) + hv * (k / 2) * xrb);
+        for (int k = 0; k < 2 * nr; k++) {   /* x half-row k: row k / 2's hi or lo */
+            const char *p = (k & 1 ? l : h) + hv * (k / 2) * xrb;
+            xr[k] = (const xblock32 *)p;
+            if (k < 4) xk[k] = (const xblock256 *)p;
         }
 #define K(T, TWO) dotk_packed16(T, TWO, g, gb, (const xblock256 *)h, (const xblock256 *)l, nb)
 #define B(T, TWO)                                                                                      \
@@ -2032,8 +2033,8 @@ INL void direct_pair(const mm_job *j, int64_t group, int64_t m0, int64_t m1) {
 #endif
 
 #if VNNI < 2
-/* few x rows (2 to direct_rows), packed 4/5-bit types on 256-bit vectors: 4 or 2 x rows a pass (dot32v_rows), a last
- * one alone. A function of its own, not inlined into mm_task, so that the one-row kernels' code stays as it is (a
+/* few x rows (2 to direct_rows), packed 4/5-bit types on 256-bit vectors: 4 x rows a pass, then the 3 or 2 left
+ * (dot32v_rows), or a last one alone. A function of its own, not inlined into mm_task, so that the one-row kernels' code stays as it is (a
  * larger mm_task moved them by 1-5 %). */
 AVX2 __attribute__((noinline)) static void direct_rows_group(const mm_job *j, int64_t group, int64_t m0, int64_t m1) {
     const int t = j->qtype;
