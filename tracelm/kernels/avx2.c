@@ -809,8 +809,10 @@ INL void dot32v_rows(int t, int two, int nr, const uint8_t *g, const xblock32 *c
 #pragma GCC unroll 8
         for (int k = 0; k < nh; k++) {
             if (!two && (k & 1)) continue;
-            const __m256i i = split ? _mm256_add_epi32(SUM32(s[k]), SUM32(h[k])) : SUM32(s[k]);
-            HALF_STEP(256, v8, acc[k], i, &x[k][b], off, dm, d, m)
+            const xblock32 *X = &x[k][b];
+            __m256i i = SUM32(s[k]);
+            if (split) i = _mm256_add_epi32(i, SUM32(h[k]));
+            HALF_STEP(256, v8, acc[k], i, X, off, dm, d, m)
         }
     }
 #pragma GCC unroll 4
