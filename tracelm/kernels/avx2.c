@@ -401,6 +401,18 @@ INL __m256i fifth_quad(__m256i QH, int c) {
     return _mm256_and_si256(s, _mm256_set1_epi32(0x10101010));
 }
 
+/* quads c, c + 1 (the low nibbles of Ta, Tb) and c + 4, c + 5 (their high nibbles) of a 4/5-bit block on W-bit vectors
+ * into new vectors v0, v1, v4, v5, the fifth bits of packed QH added where `five` (FQ: fifth_quad or fifth_quad16; f:
+ * 15 in every byte) */
+#define NIBBLE_QUADS(W, FQ, Ta, Tb, c, QH, f, five, v0, v1, v4, v5)                                              \
+    __m##W##i v0 = _mm##W##_and_si##W(Ta, f), v1 = _mm##W##_and_si##W(Tb, f);                                    \
+    __m##W##i v4 = _mm##W##_and_si##W(_mm##W##_srli_epi16(Ta, 4), f),                                            \
+              v5 = _mm##W##_and_si##W(_mm##W##_srli_epi16(Tb, 4), f);                                            \
+    if (five) {                                                                                                  \
+        v0 = _mm##W##_or_si##W(v0, FQ(QH, c)); v1 = _mm##W##_or_si##W(v1, FQ(QH, (c) + 1));                      \
+        v4 = _mm##W##_or_si##W(v4, FQ(QH, (c) + 4)); v5 = _mm##W##_or_si##W(v5, FQ(QH, (c) + 5));                \
+    }
+
 /* Block b (at o = b * tb in each row) of a group of 8 rows, in either layout: the file's rows (rows[r]), or packed
  * (kernels.h: the block at p = group + 8 o, a few plain loads). T0..T3: lane r of Tc = dword c of row r's 16
  * nibble bytes; QH (Q5_0, Q5_1): lane r = row r's qh; d, m: lane r = row r's f16 d, m as f32 (m: Q4_1, Q5_1). */
@@ -737,12 +749,8 @@ INL __m256 dot32v_direct(int t, int two, int pk, const uint8_t *const *rows, con
         if (two) { L = DOTACC(L, V, BQ(xl->q, c)); REG(L); }
 #define PAIR(Ta, Tb, c, H, L)   /* quads c, c + 1 (low nibbles) and c + 4, c + 5 (high) */    \
         {                                                                                    \
-            __m256i v0 = _mm256_and_si256(Ta, f), v1 = _mm256_and_si256(Tb, f);              \
-            __m256i v4 = _mm256_and_si256(_mm256_srli_epi16(Ta, 4), f), v5 = _mm256_and_si256(_mm256_srli_epi16(Tb, 4), f); \
-            if (five && pk) {                                                                \
-                v0 = _mm256_or_si256(v0, fifth_quad(QH, c)); v1 = _mm256_or_si256(v1, fifth_quad(QH, (c) + 1)); \
-                v4 = _mm256_or_si256(v4, fifth_quad(QH, (c) + 4)); v5 = _mm256_or_si256(v5, fifth_quad(QH, (c) + 5)); \
-            } else if (five) {                                                               \
+            NIBBLE_QUADS(256, fifth_quad, Ta, Tb, c, QH, f, five && pk, v0, v1, v4, v5)      \
+            if (five && !pk) {                                                               \
                 __m256i e, d;                                                                \
                 fifth_pair(QH, (c) / 2, &e, &d); v0 = _mm256_or_si256(v0, e); v1 = _mm256_or_si256(v1, d); \
                 fifth_pair(QH, (c) / 2 + 2, &e, &d); v4 = _mm256_or_si256(v4, e); v5 = _mm256_or_si256(v5, d); \
@@ -794,12 +802,7 @@ INL void dot32v_rows(int t, int two, int nr, const uint8_t *g, const xblock32 *c
             if (two || !(k & 1)) { S[k] = DOTACC(S[k], V, BQ(x[k][b].q, c)); REG(S[k]); }
 #define PAIR(Ta, Tb, c, S)   /* quads c, c + 1 (low nibbles) and c + 4, c + 5 (high) */  \
         {                                                                               \
-            __m256i v0 = _mm256_and_si256(Ta, f), v1 = _mm256_and_si256(Tb, f);         \
-            __m256i v4 = _mm256_and_si256(_mm256_srli_epi16(Ta, 4), f), v5 = _mm256_and_si256(_mm256_srli_epi16(Tb, 4), f); \
-            if (five) {                                                                 \
-                v0 = _mm256_or_si256(v0, fifth_quad(QH, c)); v1 = _mm256_or_si256(v1, fifth_quad(QH, (c) + 1)); \
-                v4 = _mm256_or_si256(v4, fifth_quad(QH, (c) + 4)); v5 = _mm256_or_si256(v5, fifth_quad(QH, (c) + 5)); \
-            }                                                                           \
+            NIBBLE_QUADS(256, fifth_quad, Ta, Tb, c, QH, f, five, v0, v1, v4, v5)       \
             QUAD(v0, c, S) QUAD(v1, c + 1, S) QUAD(v4, c + 4, S) QUAD(v5, c + 5, S)     \
         }
         PAIR(T0, T1, 0, s)
@@ -1593,12 +1596,7 @@ INL void dot32_packed16(int t, int two, int nr, const uint8_t *g, int64_t gb, co
             if (two || !(k & 1)) { s[k] = _mm512_dpbusd_epi32(s[k], V, BQ16(x[k][b].q, c)); REG(s[k]); }
 #define PAIR(Ta, Tb, c)   /* quads c, c + 1 (low nibbles) and c + 4, c + 5 (high) */     \
         {                                                                               \
-            __m512i v0 = _mm512_and_si512(Ta, f), v1 = _mm512_and_si512(Tb, f);         \
-            __m512i v4 = _mm512_and_si512(_mm512_srli_epi16(Ta, 4), f), v5 = _mm512_and_si512(_mm512_srli_epi16(Tb, 4), f); \
-            if (five) {                                                                 \
-                v0 = _mm512_or_si512(v0, fifth_quad16(QH, c)); v1 = _mm512_or_si512(v1, fifth_quad16(QH, (c) + 1)); \
-                v4 = _mm512_or_si512(v4, fifth_quad16(QH, (c) + 4)); v5 = _mm512_or_si512(v5, fifth_quad16(QH, (c) + 5)); \
-            }                                                                           \
+            NIBBLE_QUADS(512, fifth_quad16, Ta, Tb, c, QH, f, five, v0, v1, v4, v5)     \
             QUAD(v0, c) QUAD(v1, c + 1) QUAD(v4, c + 4) QUAD(v5, c + 5)                 \
         }
         PAIR(T0, T1, 0) PAIR(T2, T3, 2)
