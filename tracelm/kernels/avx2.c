@@ -1961,6 +1961,11 @@ INL void store_acc(const mm_job *j, int64_t group, int64_t m0, int64_t mt, const
     store_group(j, group, m0, mt, out);
 }
 
+/* x half-row k of a direct pass: row k / 2's hi (h) or lo (l) half (hv halves of xrb bytes a row) */
+INL const char *half_row(const char *h, const char *l, int64_t hv, int64_t xrb, int k) {
+    return (k & 1 ? l : h) + hv * (k / 2) * xrb;
+}
+
 #if VNNI == 2
 /* out[i] (x row m0 + i) -> the outputs of ng (1 or 2) groups from `group` on: group + h in the 8 lanes of half h */
 INL void store16(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t mt, const __m512 *out) {
@@ -1999,7 +2004,7 @@ INL void direct_pair(const mm_job *j, int64_t group, int64_t m0, int64_t m1) {
         const xblock32 *xr[8];
         const xblock256 *xk[4];
         for (int k = 0; k < 2 * nr; k++) {   /* x half-row k: row k / 2's hi or lo */
-            const char *p = (k & 1 ? l : h) + hv * (k / 2) * xrb;
+            const char *p = half_row(h, l, hv, xrb, k);
             xr[k] = (const xblock32 *)p;
             if (k < 4) xk[k] = (const xblock256 *)p;
         }
@@ -2034,8 +2039,8 @@ INL void direct_pair(const mm_job *j, int64_t group, int64_t m0, int64_t m1) {
 
 #if VNNI < 2
 /* few x rows (2 to direct_rows), packed 4/5-bit types on 256-bit vectors: 4 x rows a pass, then the 3 or 2 left
- * (dot32v_rows), or a last one alone. A function of its own, not inlined into mm_task, so that the one-row kernels' code stays as it is (a
- * larger mm_task moved them by 1-5 %). */
+ * (dot32v_rows), or a last one alone. A function of its own, not inlined into mm_task, so that the one-row kernels'
+ * code stays as it is (a larger mm_task moved them by 1-5 %). */
 AVX2 __attribute__((noinline)) static void direct_rows_group(const mm_job *j, int64_t group, int64_t m0, int64_t m1) {
     const int t = j->qtype;
     const int64_t mt = m1 - m0, xrb = j->xq_row_bytes, hv = j->halves, pf = GROUP * j->row_bytes, nb = j->K / 32;
@@ -2046,7 +2051,7 @@ AVX2 __attribute__((noinline)) static void direct_rows_group(const mm_job *j, in
         nr = mt - i >= 4 ? 4 : mt - i;
         const char *h = xq + hv * i * xrb, *l = hv == 2 ? h + xrb : h;
         const xblock32 *xr[8];
-        for (int k = 0; k < 2 * nr; k++) xr[k] = (const xblock32 *)((k & 1 ? l : h) + hv * (k / 2) * xrb);
+        for (int k = 0; k < 2 * nr; k++) xr[k] = (const xblock32 *)half_row(h, l, hv, xrb, k);
 #define B(T, TWO)                                                                                                 \
         (nr == 4 ? dot32v_rows(T, TWO, 4, g, xr, nb, pf, &out[i])                                                 \
          : nr == 3 ? dot32v_rows(T, TWO, 3, g, xr, nb, pf, &out[i])                                               \
