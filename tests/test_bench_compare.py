@@ -135,6 +135,10 @@ def test_failure_in_a_later_round_stops_that_variant_and_is_reported():
     assert r == {"engine": "tracelm", "status": "failed", "error": "child killed by SIGKILL", "rounds_ok": 1}
 
 
+def _one_engine(path, ids, n_decode, rounds=1, repeats=1, engine="tracelm", threads=1) -> list[dict]:
+    return bc.run_rounds(str(path), ids, n_decode, threads, repeats, rounds, (engine,), 600.0, {})[engine]["default"]
+
+
 def test_tracelm_child_on_tiny_gguf(tiny_gguf):
     from tracelm.io.loader import load_model
     from tracelm.tools.bench import bench_ids
@@ -142,14 +146,16 @@ def test_tracelm_child_on_tiny_gguf(tiny_gguf):
 
     model = load_model(str(tiny_gguf), progress=False)
     ids = bench_ids(model.tokenizer, 24)
-    r = bc.run_engine("tracelm", str(tiny_gguf), ids, n_decode=6, threads=1, repeats=2)
-    assert r["status"] == "ok", r
-    assert r["threads"] == 1
-    assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0
-    assert 10 < r["peak_rss_mb"] < 4096
-    assert 0 <= r["load_seconds"] < 60
-    assert r["tokens"] == greedy(model, ids, 7)  # the child decoded the same greedy tokens as in-process
-    assert "prefill_int8_bound_tok_s" not in r["details"]  # f32 weights: no integer work, no integer bound
+    results = _one_engine(tiny_gguf, ids, n_decode=6, rounds=2, repeats=2)
+    assert len(results) == 2
+    for r in results:
+        assert r["status"] == "ok", r
+        assert r["threads"] == 1
+        assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0
+        assert 10 < r["peak_rss_mb"] < 4096
+        assert 0 <= r["load_seconds"] < 60
+        assert r["tokens"] == greedy(model, ids, 7)  # the child decoded the same greedy tokens as in-process
+        assert "prefill_int8_bound_tok_s" not in r["details"]  # f32 weights: no integer work, no integer bound
 
 
 def test_tracelm_child_reports_its_prompts_integer_bound(tmp_path):
@@ -160,7 +166,7 @@ def test_tracelm_child_reports_its_prompts_integer_bound(tmp_path):
     from tests.conftest import write_tiny_gguf
 
     path = write_tiny_gguf(tmp_path / "tiny-q8.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
-    r = bc.run_engine("tracelm", str(path), list(range(1, 17)), n_decode=2, threads=1, repeats=1)
+    [r] = _one_engine(path, list(range(1, 17)), n_decode=2)
     assert r["status"] == "ok", r
     if r["details"]["kernels"] == "portable":
         assert "prefill_int8_bound_tok_s" not in r["details"]
@@ -187,7 +193,7 @@ def test_absent_engine_is_reported_not_a_crash(tiny_gguf, monkeypatch):
 
 
 def test_failing_child_reports_its_error_line(tmp_path):
-    r = bc.run_engine("tracelm", str(tmp_path / "missing.gguf"), [1, 2, 3], n_decode=2, threads=1, repeats=1)
+    [r] = _one_engine(tmp_path / "missing.gguf", [1, 2, 3], n_decode=2)
     assert r["status"] == "failed"
     assert "missing.gguf" in r["error"] and "Traceback" not in r["error"]
 
@@ -197,8 +203,10 @@ def test_compare_user_errors(tiny_gguf, capsys):
         bc.run_compare(str(tiny_gguf), engines=("vllm",))
     with pytest.raises(TracelmError, match="must be >= 1"):
         bc.run_compare(str(tiny_gguf), n_decode=0)
-    with pytest.raises(TracelmError, match=r"rounds \(0\) and repeats \(3\) must be >= 1"):
+    with pytest.raises(TracelmError, match=r"rounds \(0\), repeats \(3\) and turn steps \(8\) must be >= 1"):
         bc.run_compare(str(tiny_gguf), rounds=0)
+    with pytest.raises(TracelmError, match=r"turn steps \(0\) must be >= 1"):
+        bc.run_compare(str(tiny_gguf), turn_steps=0)
     assert main(["bench", "--compare", "--model", str(tiny_gguf), "--llama-bench", str(tiny_gguf)]) == 2
     assert f"--llama-bench {tiny_gguf}: not an executable file" in capsys.readouterr().err
     assert main(["bench", "--llama-bench", "x", "--model", str(tiny_gguf)]) == 2
@@ -229,34 +237,81 @@ def test_compare_cli_with_transformers(tiny_gguf, monkeypatch, capsys):
     assert rep["engines"]["llama.cpp"]["status"] == "not installed"
 
 
+class FakeChildren:
+    """Stands in for tools.child.Child: builds a FakeChild per engine variant, whose figures per round come from a
+    table (in turn, over again when it runs out); every start and every call recorded in order. `crash(engine,
+    options)` says whether the child dies (a signal) at its first prefill."""
+
+    def __init__(self, figures: dict[str, list[tuple[float, float, list[int]]]], crash=lambda engine, options: False):
+        self.figures, self.crash, self.starts, self.calls = figures, crash, [], []
+
+    def __call__(self, factory, engine, request, timeout=None):
+        assert factory is bc.EngineChild
+        return FakeChild(self, engine, request)
+
+
+class FakeChild:
+    def __init__(self, table: FakeChildren, engine: str, request: dict):
+        self.table, self.engine, self.options = table, engine, request["options"]
+        self.n_prompt, self.begun = len(request["ids"]), 0
+        base = bc._label(engine, {None: "default", False: "flash_attn off", True: "flash_attn on"}[
+            self.options.get("flash_attn")])
+        self.label = base[:-1] + ", no extra buffers)" if self.options.get("extra_buffers") is False else base
+        self.figures = table.figures.get(self.label) or table.figures.get(base) or table.figures[engine]
+        table.starts.append((self.label, dict(self.options)))
+
+    def call(self, method, timeout=None, **kwargs):
+        from tracelm.tools.child import ChildKilled
+
+        self.table.calls.append((self.label, method))
+        if method == "prefill" and self.table.crash(self.engine, self.options):
+            raise ChildKilled("SIGSEGV")
+        prefill, decode, tokens = self.figures[max(self.begun - (method != "prefill"), 0) % len(self.figures)]
+        if method == "prefill":
+            return self.n_prompt / prefill
+        if method == "begin_decode":
+            self.begun += 1
+            return None
+        if method == "decode":
+            return kwargs["n"] / decode
+        if method == "greedy_tokens":
+            return tokens
+        assert method == "finish", method
+        return {"version": "1.0", "threads": 2, "options": self.options, "load_seconds": 0.5, "import_seconds": 0.1,
+                "peak_rss_mb": 100.0, "details": {}}
+
+    def close(self):
+        pass
+
+
+def _fake_engines(monkeypatch, figures, crash=lambda engine, options: False) -> FakeChildren:
+    children = FakeChildren(figures, crash)
+    monkeypatch.setattr(bc, "missing_modules", lambda engine: [])
+    monkeypatch.setattr(bc, "Child", children)
+    monkeypatch.setattr(bc, "SETTLE_SECONDS", 0.0)
+    return children
+
+
 @pytest.mark.parametrize("crashes_without", ["amx_buffers", "extra_buffers"])
 def test_a_crash_fallback_carries_to_the_engines_other_variants(tiny_gguf, monkeypatch, crashes_without):
     """llama.cpp's AMX buffers crash whatever flash attention is: once the first variant needed a fallback (AMX
     off, repacking kept; failing that, every extra buffer type off), the second starts with it (no crash and
-    reload to pay), the later rounds too, and its figures say why."""
-    from tracelm.tools.child import ChildKilled
-
-    monkeypatch.setattr(bc, "missing_modules", lambda engine: [])
-    calls = []
-
-    def fake_run_child(fn, engine, request, timeout=None):
-        calls.append((engine, dict(request["options"])))
-        options = request["options"]
-        if engine == "llama.cpp" and False not in (options.get(crashes_without), options.get("extra_buffers")):
-            raise ChildKilled("SIGSEGV")
-        return _ok(engine, 500.0, 100.0, [1, 2, 3]) | {"options": options}
-
-    monkeypatch.setattr(bc, "run_child", fake_run_child)
+    reload to pay), and its figures say why; the generic variants keep their own setting."""
+    crash = lambda engine, options: (engine == "llama.cpp" and  # noqa: E731
+                                     False not in (options.get(crashes_without), options.get("extra_buffers")))
+    toks = [1, 2, 3]
+    children = _fake_engines(monkeypatch, {"tracelm": [(500, 100, toks)], "llama.cpp": [(500, 100, toks)]}, crash)
     rep = bc.run_compare(str(tiny_gguf), threads=2, n_prompt=8, n_decode=2, rounds=2, engines=("tracelm", "llama.cpp"))
-    llama = [o for e, o in calls if e == "llama.cpp"]
+    llama = [o for label, o in children.starts if label.startswith("llama.cpp")]
     fallback = {"amx_buffers": False} | ({"extra_buffers": False} if crashes_without == "extra_buffers" else {})
     tries = [{"flash_attn": False}, {"flash_attn": False, "amx_buffers": False}]
     if crashes_without == "extra_buffers":
         tries.append({"flash_attn": False} | fallback)
     generic = [{"flash_attn": False, "extra_buffers": False}, {"flash_attn": True, "extra_buffers": False}]
-    assert llama == tries + [{"flash_attn": True} | fallback] + generic + [
-        {"flash_attn": False} | fallback, {"flash_attn": True} | fallback] + generic
+    assert llama == tries + [{"flash_attn": True} | fallback] + generic  # each loaded once, for every round
     variants = rep["engines"]["llama.cpp"]["variants"]
+    assert all(v["status"] == "ok" and v["rounds"] == 2 for v in variants.values())
+    assert variants["flash_attn on"]["options"] == {"flash_attn": True} | fallback
     assert "note" not in variants["flash_attn on, no extra buffers"]  # its own setting, not a fallback
     assert "child killed by SIGSEGV" in variants["flash_attn off"]["note"]
     why = "extra weight buffer types" if crashes_without == "extra_buffers" else "AMX weight buffer type off"
@@ -265,48 +320,69 @@ def test_a_crash_fallback_carries_to_the_engines_other_variants(tiny_gguf, monke
 
 
 def test_crashed_child_is_retried_with_the_engines_fallback(monkeypatch):
-    """A child killed by a signal (llama.cpp's AMX buffers on some machines) is run again with the engine's
-    fallbacks in turn (AMX off with repacking kept, then every extra buffer type off), and the report says why;
-    a crash with the last is a plain failure naming the signal."""
-    from tracelm.tools.child import ChildKilled
-
-    monkeypatch.setattr(bc, "missing_modules", lambda engine: [])
-    requests = []
-
-    def fake_run_child(fn, engine, request, timeout=None):
-        requests.append(request)
-        if request["options"].get("amx_buffers") is False and len(requests) == 2:
-            return _ok("llama.cpp", 500.0, 100.0, [1]) | {"options": request["options"]}
-        raise ChildKilled("SIGSEGV")
-
-    monkeypatch.setattr(bc, "run_child", fake_run_child)
-    r = bc.run_engine("llama.cpp", "m.gguf", [1, 2], n_decode=2, threads=2)
-    assert [q["options"] for q in requests] == [{}, {"amx_buffers": False}]
-    assert r["status"] == "ok" and r["options"] == {"amx_buffers": False}
-    assert "SIGSEGV" in r["note"] and r["note"].startswith("AMX weight buffer type off (repacked layouts kept)")
+    """A child killed by a signal (llama.cpp's AMX buffers on some machines) is started again with the engine's
+    fallbacks in turn (AMX off with repacking kept, then every extra buffer type off), and the note says why; a
+    crash with the last is a plain failure naming the signal."""
+    request = {"path": "m.gguf", "ids": [1, 2], "n_decode": 2, "threads": 2, "options": {}}
+    children = _fake_engines(monkeypatch, {"llama.cpp": [(500, 100, [1])], "transformers": [(5, 1, [1])]},
+                             crash=lambda engine, options: options.get("amx_buffers") is not False)
+    child, info = bc.start_engine("llama.cpp", request)
+    assert [o for _, o in children.starts] == [{}, {"amx_buffers": False}]
+    assert child is not None and info["options"] == {"amx_buffers": False}
+    assert "SIGSEGV" in info["note"] and info["note"].startswith("AMX weight buffer type off (repacked layouts kept)")
+    r = {**_ok("llama.cpp", 500.0, 100.0, [1]), **info}
     table = bc.format_table(bc.build_report("m", 2, 2, 2, {"llama.cpp": {"flash_attn off": [r]}}))
     assert "note: AMX weight buffer type off" in table
 
-    requests.clear()
-    r = bc.run_engine("transformers", "m.gguf", [1, 2], n_decode=2, threads=2)  # no fallback: one try
-    assert len(requests) == 1
-    assert r == {"engine": "transformers", "status": "failed", "error": "child killed by SIGSEGV"}
-    requests.clear()
-    requests.append({})  # every fallback crashes too
-    r = bc.run_engine("llama.cpp", "m.gguf", [1, 2], n_decode=2, threads=2)
-    assert [q["options"] for q in requests[1:]] == [{}, {"amx_buffers": False}, {"amx_buffers": False,
-                                                                                "extra_buffers": False}]
-    assert r["status"] == "failed" and r["error"] == "child killed by SIGSEGV"
-    assert "AMX weight buffer type off" in r["note"] and "extra weight buffer types" in r["note"]
+    children.starts.clear()
+    child, info = bc.start_engine("transformers", request)  # no fallback: one try
+    assert len(children.starts) == 1 and child is None
+    assert info == {"engine": "transformers", "status": "failed", "error": "child killed by SIGSEGV"}
+    children.starts.clear()
+    children.crash = lambda engine, options: True  # every fallback crashes too
+    child, info = bc.start_engine("llama.cpp", request)
+    assert [o for _, o in children.starts] == [{}, {"amx_buffers": False}, {"amx_buffers": False,
+                                                                           "extra_buffers": False}]
+    assert child is None and info["status"] == "failed" and info["error"] == "child killed by SIGSEGV"
+    assert "AMX weight buffer type off" in info["note"] and "extra weight buffer types" in info["note"]
+
+
+class Tally:
+    """A small object for tools.child.Child to keep in its process."""
+
+    def __init__(self, start: int):
+        self.total = start
+
+    def add(self, n: int) -> int:
+        self.total += n
+        return self.total
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    def fail(self) -> None:
+        raise ValueError("no good")
+
+    def abort(self) -> None:
+        import os
+
+        os.abort()
+
+    def sleep(self, seconds: float) -> None:
+        import time
+
+        time.sleep(seconds)
 
 
 def test_children_are_started_by_function():
-    """tools.child runs a function in a fresh interpreter: its value back, its exception as one line, a
-    signal and a time limit as clear errors."""
+    """tools.child runs a function in a fresh interpreter (its value back, its exception as one line, a signal and
+    a time limit as clear errors), or keeps an object there and runs its methods on call, under the same rules."""
     import os
     import time
 
-    from tracelm.tools.child import ChildKilled, run_child
+    from tracelm.tools.child import Child, ChildKilled, run_child
 
     assert run_child(sum, [1, 2, 3]) == 6
     with pytest.raises(TracelmError, match="ValueError: invalid literal"):
@@ -316,36 +392,28 @@ def test_children_are_started_by_function():
     with pytest.raises(TracelmError, match="timed out after 1 s"):
         run_child(time.sleep, 30, timeout=1.0)
 
-
-class FakeChildren:
-    """Stands in for run_child: each engine's figures per call from a table (in turn, over again when it runs
-    out), every call recorded in order."""
-
-    def __init__(self, figures: dict[str, list[tuple[float, float, list[int]]]]):
-        self.figures, self.calls = figures, []
-
-    def __call__(self, fn, engine, request, timeout=None):
-        options = request["options"]
-        base = bc._label(engine, {None: "default", False: "flash_attn off", True: "flash_attn on"}[
-            options.get("flash_attn")])
-        label = base[:-1] + ", no extra buffers)" if options.get("extra_buffers") is False else base
-        n = sum(1 for c in self.calls if c[0] == label)
-        self.calls.append((label, options))
-        figures = self.figures.get(label) or self.figures[base]  # a generic variant not named: its base's figures
-        prefill, decode, tokens = figures[n % len(figures)]
-        return _ok(engine, prefill, decode, tokens, options=request["options"])
+    child = Child(Tally, 10)
+    assert child.call("add", n=5) == 15 and child.call("add", n=1) == 16  # one object, kept between calls
+    assert child.call("pid") != os.getpid()
+    with pytest.raises(TracelmError, match="ValueError: no good"):
+        child.call("fail")
+    with pytest.raises(TracelmError, match="child exited|child killed"):  # a failed call ends the child
+        child.call("add", n=1)
+    child.close()  # again: nothing to do
+    with pytest.raises(TracelmError, match="TypeError"):
+        Child(Tally)  # the build's own error
+    with pytest.raises(ChildKilled, match="SIGABRT"):
+        Child(Tally, 0).call("abort")
+    slow = Child(Tally, 0)
+    with pytest.raises(TracelmError, match="timed out after 1 s"):
+        slow.call("sleep", seconds=30, timeout=1.0)
 
 
-def _fake_engines(monkeypatch, figures) -> FakeChildren:
-    children = FakeChildren(figures)
-    monkeypatch.setattr(bc, "missing_modules", lambda engine: [])
-    monkeypatch.setattr(bc, "run_child", children)
-    return children
-
-
-def test_rounds_alternate_every_engine_and_variant(tiny_gguf, monkeypatch):
-    """Each round runs every engine (llama.cpp with flash attention off, then on, with its extra buffer types and
-    without) once, in turn; the report's spreads are over those rounds, llama.cpp's best per rate named."""
+def test_rounds_take_turns_and_each_variant_loads_once(tiny_gguf, monkeypatch):
+    """Every engine variant (llama.cpp with flash attention off, then on, with its extra buffer types and without)
+    is loaded once; in every round each prefill repeat goes round them all, then decode goes round in turns of
+    --turn-steps steps, the order rotated by one a turn. The report's spreads are over the rounds, llama.cpp's best
+    per rate named."""
     toks = [1, 2, 3]
     children = _fake_engines(monkeypatch, {
         "tracelm": [(600, 60, toks), (500, 50, toks), (700, 70, toks)],
@@ -354,25 +422,56 @@ def test_rounds_alternate_every_engine_and_variant(tiny_gguf, monkeypatch):
         "llama.cpp (flash_attn on, no extra buffers)": [(320, 20, toks)] * 3,
         "transformers": [(100, 10, toks)] * 3,
     })
-    rep = bc.run_compare(str(tiny_gguf), threads=2, n_prompt=8, n_decode=2, rounds=3)
+    rep = bc.run_compare(str(tiny_gguf), threads=2, n_prompt=8, n_decode=5, rounds=3, repeats=2, turn_steps=2)
     order = ["tracelm", "llama.cpp (flash_attn off)", "llama.cpp (flash_attn on)",
              "llama.cpp (flash_attn off, no extra buffers)", "llama.cpp (flash_attn on, no extra buffers)",
              "transformers"]
-    assert [c[0] for c in children.calls] == order * 3
-    assert children.calls[0][1] == {"activations": "int16"} and children.calls[2][1] == {"flash_attn": True}
-    assert children.calls[4][1] == {"flash_attn": True, "extra_buffers": False}
-    assert rep["rounds"] == 3
+    assert [s[0] for s in children.starts] == order
+    assert children.starts[0][1] == {"activations": "int16"} and children.starts[2][1] == {"flash_attn": True}
+    assert children.starts[4][1] == {"flash_attn": True, "extra_buffers": False}
+
+    def turned(i):
+        return order[i:] + order[:i]
+
+    probe = [(label, "prefill") for label in order]  # each child's first prefill, where a crash shows
+    one_round = ([(label, "prefill") for i in range(3) for label in turned(i)]  # 1 untimed + 2 repeats
+                 + [(label, "begin_decode") for label in order]
+                 + [(label, "decode") for i in range(3) for label in turned(i)]  # 5 steps: 2 + 2 + 1
+                 + [(label, "greedy_tokens") for label in order])
+    assert children.calls == probe + one_round * 3 + [(label, "finish") for label in order]
+    assert rep["rounds"] == 3 and rep["turn_steps"] == 2
     assert rep["engines"]["tracelm"]["decode_tok_s"] == {"median": 60, "min": 50, "max": 70, "rounds": [60, 50, 70]}
+    assert rep["engines"]["tracelm"]["prefill_tok_s"]["rounds"] == [600, 500, 700]
     assert rep["engines"]["llama.cpp"]["best"] == {"prefill_tok_s": "flash_attn on, no extra buffers",
                                                    "decode_tok_s": "flash_attn off"}
     assert rep["ratios"]["prefill_vs_llama_cpp"]["rounds"] == [1.875, 1.562, 2.188]
     assert rep["ratios"]["decode_vs_llama_cpp"]["rounds"] == [1.5, 1.25, 1.75]
     assert rep["agreement"]["ok"] is True
+    assert "engines taking turns, 2 decode steps a turn" in bc.format_table(rep)
+
+
+def test_a_child_failing_in_a_round_is_left_out_from_then_on(tiny_gguf, monkeypatch):
+    toks = [1, 2]
+    children = _fake_engines(monkeypatch, {"tracelm": [(600, 60, toks)], "llama.cpp": [(300, 30, toks)]})
+    real_call = FakeChild.call
+
+    def call(self, method, timeout=None, **kwargs):
+        if self.label == "llama.cpp (flash_attn on)" and method == "decode" and self.begun == 2:
+            raise TracelmError("child killed by SIGKILL")
+        return real_call(self, method, timeout, **kwargs)
+
+    monkeypatch.setattr(FakeChild, "call", call)
+    rep = bc.run_compare(str(tiny_gguf), threads=2, n_prompt=8, n_decode=4, rounds=3, engines=("tracelm", "llama.cpp"))
+    on = rep["engines"]["llama.cpp"]["variants"]["flash_attn on"]
+    assert on == {"engine": "llama.cpp", "status": "failed", "error": "child killed by SIGKILL", "rounds_ok": 1}
+    assert rep["engines"]["llama.cpp"]["variants"]["flash_attn off"]["rounds"] == 3
+    assert sum(1 for c in children.calls if c[0] == "llama.cpp (flash_attn on)" and c[1] == "begin_decode") == 2
+    assert rep["engines"]["tracelm"]["decode_tok_s"]["rounds"] == [60, 60, 60]
 
 
 def test_engines_picks_the_engines_run(tiny_gguf, monkeypatch, capsys):
     """--engines tracelm,llama.cpp: transformers is neither run nor reported (on a machine where it is installed it
-    would cost a load of the f32 weights every round)."""
+    would cost a load of the f32 weights and their memory)."""
     toks = [1, 2, 3]
     children = _fake_engines(monkeypatch, {"tracelm": [(600, 60, toks)] * 2,
                                            "llama.cpp (flash_attn off)": [(300, 40, toks)] * 2,
@@ -383,9 +482,9 @@ def test_engines_picks_the_engines_run(tiny_gguf, monkeypatch, capsys):
     assert main(argv) == 0
     captured = capsys.readouterr()
     rep = json.loads(captured.out)
-    assert [c[0] for c in children.calls] == ["tracelm", "llama.cpp (flash_attn off)", "llama.cpp (flash_attn on)",
-                                              "llama.cpp (flash_attn off, no extra buffers)",
-                                              "llama.cpp (flash_attn on, no extra buffers)"] * 2
+    assert [c[0] for c in children.starts] == ["tracelm", "llama.cpp (flash_attn off)", "llama.cpp (flash_attn on)",
+                                               "llama.cpp (flash_attn off, no extra buffers)",
+                                               "llama.cpp (flash_attn on, no extra buffers)"]
     assert set(rep["engines"]) == {"tracelm", "llama.cpp"}
     assert rep["ratios"]["decode_vs_llama_cpp"]["value"] == 1.5
     # each child's figures on stderr as it ends: a run cut short has still said what it measured

@@ -316,7 +316,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         engines = [e.strip() for e in args.engines.split(",") if e.strip()]
         report = run_compare(args.model, args.threads, args.prompt_tokens, args.decode_tokens, args.repeats or 3,
                              engines=engines, activations=args.activations, rounds=args.rounds,
-                             agree_tokens=args.agree_tokens, llama_bench=args.llama_bench, progress=True)
+                             agree_tokens=args.agree_tokens, llama_bench=args.llama_bench, progress=True,
+                             turn_steps=args.turn_steps)
         print(json.dumps(report, indent=2) if args.json else format_table(report))
         if not report["agreement"]["ok"] and not args.allow_disagreement:
             print(f"tracelm: {agreement_line(report['agreement'])} (--allow-disagreement to accept)", file=sys.stderr)
@@ -1030,11 +1031,15 @@ def _add_bench_command(sub: Any) -> None:
                     "per engine and round (the best counts); bench paths: rounds (default 5); default 3")
     sp.add_argument("--compare", action="store_true",
                     help="instead: tracelm, llama-cpp-python (flash attention off and on) and transformers (each "
-                    "when installed) on the same GGUF, prompt ids and threads, each in its own process, alternated "
-                    "over --rounds; prints their rates' medians (min-max), peak RSS, ratios and greedy agreement; "
-                    "exits 1 when the greedy tokens disagree")
+                    "when installed) on the same GGUF, prompt ids and threads, each loaded once in its own process, "
+                    "taking turns in every one of --rounds; prints their rates' medians (min-max), peak RSS, ratios "
+                    "and greedy agreement; exits 1 when the greedy tokens disagree")
     sp.add_argument("--rounds", type=int, default=5,
-                    help="--compare: rounds; each runs every engine once, in turn, prefill and decode (default 5)")
+                    help="--compare: rounds; in each every engine prefills in turn --repeats times (after one "
+                    "untimed), then decodes in turns of --turn-steps steps (default 5)")
+    sp.add_argument("--turn-steps", type=int, default=8, metavar="N",
+                    help="--compare: greedy decode steps an engine takes in a turn before the next engine's "
+                    "(default 8)")
     sp.add_argument("--engines", default="tracelm,llama.cpp,transformers", metavar="NAME,NAME,...",
                     help="--compare: the engines to run, tracelm first (default: %(default)s, each when installed)")
     sp.add_argument("--agree-tokens", type=int, default=32, metavar="K",

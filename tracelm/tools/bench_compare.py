@@ -1,6 +1,6 @@
 """`tracelm bench --compare`: tracelm, llama-cpp-python and Hugging Face transformers on the same GGUF file.
 
-Every engine runs in its own child process (`child_main`, started by `tools.child.run_child` in a fresh
+Every engine runs in its own child process (`EngineChild`, kept by `tools.child.Child` in a fresh
 interpreter), so its peak RSS (the child's own ru_maxrss) and its thread setting are its own. All get
 the same prompt ids (`bench_ids`, 256 tokens by default) and the same thread count:
 - tracelm: a Session with `threads: N` (the kernels' pool; OpenBLAS at one thread);
@@ -10,13 +10,16 @@ the same prompt ids (`bench_ids`, 256 tokens by default) and the same thread cou
 - transformers: `torch.set_num_threads(N)`, the GGUF loaded in f32 as `tracelm validate` does; the report names
   its attention implementation (`model.config._attn_implementation`).
 
-The engines are alternated over `rounds` rounds (`run_rounds`): each round starts one child per engine (and per
-variant) in turn, so load on the machine that comes and goes falls on all of them alike. Each child measures the
-same way (`measure`): load seconds (building the model from the file, after the library's import), prefill tok/s
-as the best of `repeats` prefills of the prompt into an empty cache (after one untimed), and decode tok/s over one
-timed run of `n_decode` greedy steps (argmax of the last logits) after a warm-up. The report gives each rate's
-median, min and max over the rounds, and for each ratio (tracelm / llama.cpp, tracelm / transformers) the median,
-min and max of the per-round ratios.
+Every engine variant is loaded once, in a child of its own, and all stay loaded for the run (memory for each
+at once). In each of `rounds` rounds (`run_rounds`, `measure_round`) the engines take turns,
+so that load on the machine that comes and goes falls on all of them alike, within seconds rather than
+between rounds: every engine prefills the prompt into an empty cache in turn, `repeats` times after one untimed
+(the best counts), then every engine warms up and decodes greedily (argmax of the last logits) in turns of
+`turn_steps` steps until each has taken `n_decode`, the order rotated each turn; decode tok/s is n_decode over
+the sum of its turns. The parent waits `SETTLE_SECONDS` between turns, untimed, for the last engine's idle
+threads to stop spinning. Load seconds (building the model from the file, after the library's import) and
+peak RSS are each child's own. The report gives each rate's median, min and max over the rounds, and for each
+ratio (tracelm / llama.cpp, tracelm / transformers) the median, min and max of the per-round ratios.
 
 The greedy tokens come back too, and agreement is asserted (`agreement`): in every round each engine's first
 `agree_tokens` greedy tokens must be tracelm's (llama.cpp and tracelm compute on the quantized blocks,
@@ -48,7 +51,7 @@ import numpy as np
 
 from tracelm.pipeline.runner import common_prefix
 from tracelm.state.errors import TracelmError
-from tracelm.tools.child import ChildKilled, run_child
+from tracelm.tools.child import Child, ChildKilled
 
 ENGINES = ("tracelm", "llama.cpp", "transformers")
 REQUIRES: dict[str, tuple[str, ...]] = {"tracelm": (), "llama.cpp": ("llama_cpp",),
@@ -81,6 +84,7 @@ RATIOS = (
 )
 OPTIONAL_OTHERS = (LLAMA_BENCH,)  # their ratios appear only when they were run
 WARMUP_STEPS = 8
+TURN_STEPS = 8  # decode steps an engine takes in a turn before the next engine's
 AGREE_TOKENS = 32
 
 
@@ -263,26 +267,60 @@ def build_flags(package: Path) -> dict[str, str] | None:
     return None
 
 
-def measure(engine: Any, ids: Sequence[int], n_decode: int, repeats: int) -> dict[str, Any]:
-    """Prefill tok/s (best of `repeats` into an empty cache, after one untimed) and decode tok/s (one timed
-    run of `n_decode` greedy steps after a warm-up), with the greedy tokens: the first from the prefill."""
-    from tracelm.tools.bench import _best_seconds
+class EngineChild:
+    """One engine variant in its own child process (`tools.child.Child`): loaded once, then measured a turn at a
+    time as the parent calls, so that every engine's turns fall in the same seconds of the machine."""
 
-    def prefill() -> int:
-        engine.reset()
-        return engine.prefill(ids)
+    def __init__(self, engine: str, request: dict[str, Any]):
+        from tracelm.session import ThreadLimits
 
-    prefill_s = _best_seconds(prefill, repeats)
-    token = prefill()
-    for _ in range(min(WARMUP_STEPS, n_decode)):
-        token = engine.step(token)
-    tokens = [prefill()]
-    t0 = time.perf_counter()
-    for _ in range(n_decode):
-        tokens.append(engine.step(tokens[-1]))
-    decode_s = time.perf_counter() - t0
-    return {"prefill_tok_s": round(len(ids) / prefill_s, 1), "decode_tok_s": round(n_decode / decode_s, 2),
-            "tokens": tokens}
+        self.engine, self.options = engine, dict(request.get("options", {}))
+        self.threads, self.ids = int(request["threads"]), [int(i) for i in request["ids"]]
+        self.n_decode = int(request["n_decode"])
+        ThreadLimits(self.threads)  # for the child's life
+        t0 = time.perf_counter()
+        for module in IMPORTS[engine]:
+            importlib.import_module(module)
+        t1 = time.perf_counter()
+        self.model = ENGINE_CLASSES[engine](request["path"], self.threads, len(self.ids) + self.n_decode + 16,
+                                            **self.options)
+        self.load_s, self.import_s = time.perf_counter() - t1, t1 - t0
+        self.tokens: list[int] = []
+
+    def _prefill(self) -> int:
+        self.model.reset()
+        return self.model.prefill(self.ids)
+
+    def prefill(self) -> float:
+        """Seconds of one prefill of the prompt into an empty cache."""
+        t0 = time.perf_counter()
+        self._prefill()
+        return time.perf_counter() - t0
+
+    def begin_decode(self) -> None:
+        """Warm-up steps, then the prompt again: its greedy token is the decode's first."""
+        token = self._prefill()
+        for _ in range(min(WARMUP_STEPS, self.n_decode)):
+            token = self.model.step(token)
+        self.tokens = [self._prefill()]
+
+    def decode(self, n: int) -> float:
+        """Seconds of the next n greedy steps (argmax of the last logits)."""
+        t0 = time.perf_counter()
+        for _ in range(n):
+            self.tokens.append(self.model.step(self.tokens[-1]))
+        return time.perf_counter() - t0
+
+    def greedy_tokens(self) -> list[int]:
+        return self.tokens
+
+    def finish(self) -> dict[str, Any]:
+        """What the engine is (version, threads, options, its own details) and what it cost: load seconds, peak RSS."""
+        details = self.model.describe()  # at the run's threads (tracelm's integer bound is timed on them)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+        return {"version": _version(self.engine), "threads": self.threads, "options": self.options,
+                "load_seconds": round(self.load_s, 3), "import_seconds": round(self.import_s, 3),
+                "peak_rss_mb": round(peak / 2**20, 1), "details": details}
 
 
 def _version(engine: str) -> str:
@@ -295,30 +333,7 @@ def _version(engine: str) -> str:
     return "+".join(out)
 
 
-def child_main(engine: str, request: dict[str, Any]) -> dict[str, Any]:
-    """Load `engine` on the request's GGUF and measure it; runs in the child process."""
-    from tracelm.session import ThreadLimits
-
-    threads, ids, n_decode = int(request["threads"]), [int(i) for i in request["ids"]], int(request["n_decode"])
-    with ThreadLimits(threads):
-        t0 = time.perf_counter()
-        for module in IMPORTS[engine]:
-            importlib.import_module(module)
-        t1 = time.perf_counter()
-        model = ENGINE_CLASSES[engine](request["path"], threads, len(ids) + n_decode + 16,
-                                       **request.get("options", {}))
-        load_s = time.perf_counter() - t1
-        result = measure(model, ids, n_decode, int(request["repeats"]))
-        details = model.describe()  # at the run's threads (tracelm's integer bound is timed on them)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-    return {"engine": engine, "status": "ok", "version": _version(engine), "threads": threads,
-            "options": request.get("options", {}),
-            "load_seconds": round(load_s, 3), "import_seconds": round(t1 - t0, 3),
-            **{k: result[k] for k in ("prefill_tok_s", "decode_tok_s")},
-            "peak_rss_mb": round(peak / 2**20, 1), "tokens": result["tokens"], "details": details}
-
-
-# --- the parent: the rounds, one child per engine and variant in turn, then the report ---------------------
+# --- the parent: every engine variant's child, the rounds in turns, then the report -------------------------
 
 
 def missing_modules(engine: str) -> list[str]:
@@ -358,32 +373,73 @@ def fallback_in_effect(engine: str, options: dict[str, Any]) -> tuple[dict[str, 
     return {k: v for k, v in options.items() if any(k in f for f, _ in chain)}, notes[-1] if notes else ""
 
 
-def run_engine(engine: str, path: str, ids: Sequence[int], n_decode: int, threads: int, repeats: int = 3,
-               timeout: float = 1800.0, options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One engine measured in a child process: its result, or {"status": "not installed" | "failed", ...}."""
-    missing = missing_modules(engine)
-    if missing:
-        return _not_installed(engine, missing)
-    options = dict(options or {})
-    request = {"path": str(path), "ids": [int(i) for i in ids], "n_decode": n_decode, "threads": threads,
-               "repeats": repeats, "options": options}
-    result, crashed = _run_child(engine, request, timeout)
-    fallback = next_fallback(engine, options) if crashed else None
-    if fallback:
-        retried = run_engine(engine, path, ids, n_decode, threads, repeats, timeout, {**options, **fallback[0]})
-        note = f"{fallback[1]} ({result['error']})"
-        return {**retried, "note": f"{note}; {retried['note']}" if retried.get("note") else note}
-    return result
+def _failed(engine: str, error: str) -> dict[str, Any]:
+    return {"engine": engine, "status": "failed", "error": error}
 
 
-def _run_child(engine: str, request: dict[str, Any], timeout: float) -> tuple[dict[str, Any], bool]:
-    """The child's result, or a failure with its one-line reason; True when a signal killed it."""
+def start_engine(engine: str, request: dict[str, Any], timeout: float = 1800.0) -> tuple[Child | None, dict[str, Any]]:
+    """The engine variant's child, loaded and through one prefill (where llama.cpp's AMX buffers crash): (child,
+    {"options", "note"?}), or (None, the failure). A child killed by a signal is started again with the engine's
+    crash fallbacks in turn, and the note says why."""
+    options = dict(request.get("options", {}))
+    child = None
     try:
-        return run_child(child_main, engine, request, timeout=timeout), False
+        child = Child(EngineChild, engine, {**request, "options": options}, timeout=timeout)
+        child.call("prefill", timeout=timeout)
+        return child, {"options": options}
     except ChildKilled as e:
-        return {"engine": engine, "status": "failed", "error": str(e)}, True
+        error, fallback = str(e), next_fallback(engine, options)
     except TracelmError as e:
-        return {"engine": engine, "status": "failed", "error": str(e)}, False
+        return None, _failed(engine, str(e))
+    if fallback is None:
+        return None, _failed(engine, error)
+    child, info = start_engine(engine, {**request, "options": {**options, **fallback[0]}}, timeout)
+    note = f"{fallback[1]} ({error})"
+    return child, {**info, "note": f"{note}; {info['note']}" if info.get("note") else note}
+
+
+# Between two turns the parent waits this long, untimed: the idle threads of the engine just measured (llama.cpp's
+# OpenMP workers spin for milliseconds after a graph, tracelm's pool for 200 us) give the cores back first.
+SETTLE_SECONDS = 0.02
+
+
+def measure_round(children: dict[tuple[str, str], Child], n_prompt: int, n_decode: int, repeats: int,
+                  turn_steps: int, timeout: float) -> dict[tuple[str, str], dict[str, Any]]:
+    """One round, the engines taking turns: each prefill repeat by every engine in turn (the first untimed; the
+    best counts), then decode in turns of `turn_steps` greedy steps, the order rotated by one each time. A child
+    that fails is left out from then on; its entry is the failure."""
+    keys, failed = list(children), {}
+
+    def turn(key: tuple[str, str], method: str, **kwargs: Any) -> Any:
+        if key in failed:
+            return None
+        time.sleep(SETTLE_SECONDS)
+        try:
+            return children[key].call(method, timeout=timeout, **kwargs)
+        except TracelmError as e:
+            failed[key] = _failed(key[0], str(e))
+            return None
+
+    def order(i: int) -> list[tuple[str, str]]:
+        i %= len(keys)
+        return keys[i:] + keys[:i]
+
+    best: dict[tuple[str, str], float] = {}
+    for rep in range(repeats + 1):
+        for key in order(rep):
+            seconds = turn(key, "prefill")
+            if seconds is not None and rep:
+                best[key] = min(best.get(key, seconds), seconds)
+    for key in keys:
+        turn(key, "begin_decode")
+    spent = dict.fromkeys(keys, 0.0)
+    for i, start in enumerate(range(0, n_decode, turn_steps)):
+        for key in order(i):
+            spent[key] += turn(key, "decode", n=min(turn_steps, n_decode - start)) or 0.0
+    tokens = {key: turn(key, "greedy_tokens") for key in keys}
+    return {key: failed.get(key) or {"engine": key[0], "status": "ok", "prefill_tok_s": round(n_prompt / best[key], 1),
+                                     "decode_tok_s": round(n_decode / spent[key], 2), "tokens": tokens[key]}
+            for key in keys}
 
 
 # --- llama.cpp's own llama-bench, run in every round beside the engines -------------------------------------
@@ -472,13 +528,14 @@ Runs = dict[str, dict[str, list[dict[str, Any]]]]  # engine -> variant -> one re
 
 def run_rounds(path: str, ids: Sequence[int], n_decode: int, threads: int, repeats: int, rounds: int,
                engines: Sequence[str], timeout: float, options: dict[str, dict[str, Any]],
-               llama_bench: str | None = None, log: Callable[[str], None] = lambda line: None) -> Runs:
-    """Every engine's variants (and llama-bench) measured once per round, in turn. An engine that is not installed
-    is reported once; a variant that failed is not run again; a crash's fallback options are kept for the rounds
-    after it, and for the engine's other variants (llama.cpp's AMX buffers crash with flash attention on or off)."""
+               llama_bench: str | None = None, log: Callable[[str], None] = lambda line: None,
+               turn_steps: int = TURN_STEPS) -> Runs:
+    """Every engine variant loaded once, each in a child of its own (all alive at once: memory for each), then
+    measured in every round with the engines taking turns (`measure_round`); llama-bench after them. An engine
+    that is not installed is reported once; a variant that failed is not run again; a crash's fallback options
+    carry to the engine's variants started after it (llama.cpp's AMX buffers crash with flash attention on or off)."""
     runs: Runs = {}
     settings: dict[tuple[str, str], dict[str, Any]] = {}
-    inherited: dict[tuple[str, str], str] = {}  # a variant run with the fallback another variant's crash called for
     for engine in engines:
         missing = missing_modules(engine)
         if missing:
@@ -488,28 +545,48 @@ def run_rounds(path: str, ids: Sequence[int], n_decode: int, threads: int, repea
         settings |= {(engine, name): {**options.get(engine, {}), **o} for name, o in VARIANTS[engine]}
     if llama_bench:
         runs[LLAMA_BENCH] = {name: [] for name in LLAMA_BENCH_VARIANTS}
-    for r in range(rounds):
-        for (engine, name), opts in settings.items():
-            done = runs[engine][name]
-            if done and done[-1]["status"] != "ok":
+    children: dict[tuple[str, str], Child] = {}
+    notes: dict[tuple[str, str], str] = {}
+    try:
+        for i, (engine, name) in enumerate(keys := list(settings)):
+            request = {"path": str(path), "ids": [int(t) for t in ids], "n_decode": n_decode, "threads": threads,
+                       "options": settings[(engine, name)]}
+            child, info = start_engine(engine, request, timeout)
+            if child is None:
+                runs[engine][name].append(info)
+                log(f"{_label(engine, name)}: {_result_line(info)}")
                 continue
-            result = run_engine(engine, path, ids, n_decode, threads, repeats, timeout, opts)
-            settings[(engine, name)] = result.get("options", opts)
-            if result.get("note") and engine in RETRY_AFTER_CRASH:  # the crash is the engine's, not the variant's:
-                fallback, why = fallback_in_effect(engine, settings[(engine, name)])  # its other variants start
-                for key in [k for k in settings if k[0] == engine and k[1] != name]:  # with it (no crash), but
-                    if fallback_in_effect(engine, settings[key])[0]:  # not those that set such options of their own
-                        continue
-                    settings[key] = {**settings[key], **fallback}
-                    inherited[key] = f"{why} (in {_label(engine, name)})"
-            elif (engine, name) in inherited and result["status"] == "ok":
-                result = {**result, "note": inherited[(engine, name)]}
-            done.append(result)
-            log(f"round {r + 1}/{rounds}: {_label(engine, name)}: {_result_line(result)}")
-        if llama_bench and all(not d or d[-1]["status"] == "ok" for d in runs[LLAMA_BENCH].values()):
-            for name, result in run_llama_bench(llama_bench, path, len(ids), n_decode, threads, timeout).items():
-                runs[LLAMA_BENCH].setdefault(name, []).append(result)
-                log(f"round {r + 1}/{rounds}: {_label(LLAMA_BENCH, name)}: {_result_line(result)}")
+            children[(engine, name)], settings[(engine, name)] = child, info["options"]
+            if info.get("note"):
+                notes[(engine, name)] = info["note"]
+            if info.get("note") and engine in RETRY_AFTER_CRASH:  # the crash is the engine's, not the variant's:
+                fallback, why = fallback_in_effect(engine, info["options"])  # its variants after this one start with
+                for key in [k for k in keys[i + 1:] if k[0] == engine]:  # it (no crash to pay), but not those that
+                    if not fallback_in_effect(engine, settings[key])[0]:  # set such options of their own
+                        settings[key] = {**settings[key], **fallback}
+                        notes[key] = f"{why} (in {_label(engine, name)})"
+            log(f"{_label(engine, name)}: loaded" + (f" ({notes[(engine, name)]})" if (engine, name) in notes else ""))
+        for r in range(rounds):
+            measured = measure_round(children, len(ids), n_decode, repeats, turn_steps, timeout) if children else {}
+            for key, result in measured.items():
+                if result["status"] != "ok":
+                    children.pop(key).close()
+                runs[key[0]][key[1]].append({**result, **({"note": notes[key]} if key in notes else {})})
+                log(f"round {r + 1}/{rounds}: {_label(*key)}: {_result_line(result)}")
+            if llama_bench and all(not d or d[-1]["status"] == "ok" for d in runs[LLAMA_BENCH].values()):
+                for name, result in run_llama_bench(llama_bench, path, len(ids), n_decode, threads, timeout).items():
+                    runs[LLAMA_BENCH].setdefault(name, []).append(result)
+                    log(f"round {r + 1}/{rounds}: {_label(LLAMA_BENCH, name)}: {_result_line(result)}")
+        for (engine, name), child in children.items():  # what each engine is, its load time and peak RSS
+            try:
+                info = child.call("finish", timeout=timeout)
+            except TracelmError as e:
+                runs[engine][name].append(_failed(engine, str(e)))
+                continue
+            runs[engine][name] = [{**r, **info} if r["status"] == "ok" else r for r in runs[engine][name]]
+    finally:
+        for child in children.values():
+            child.close()
     return runs
 
 
@@ -666,17 +743,18 @@ def build_report(model: str, threads: int, n_prompt: int, n_decode: int, runs: R
 def run_compare(model_name: str, threads: int = 0, n_prompt: int = 256, n_decode: int = 128, repeats: int = 3,
                 engines: Sequence[str] = ENGINES, timeout: float = 1800.0, activations: str = "int16",
                 rounds: int = 5, agree_tokens: int = AGREE_TOKENS, llama_bench: str | None = None,
-                progress: bool = False) -> dict[str, Any]:
+                progress: bool = False, turn_steps: int = TURN_STEPS) -> dict[str, Any]:
     """`tracelm bench --compare`: every engine (each when installed) on the same GGUF, ids and threads
-    (tracelm's activations as given), alternated over `rounds` rounds; llama-bench too when given its path."""
+    (tracelm's activations as given), taking turns over `rounds` rounds (decode in turns of `turn_steps` steps);
+    llama-bench too when given its path."""
     from tracelm.io.loader import ModelFile
     from tracelm.tools.bench import bench_ids
 
     if n_prompt < 1 or n_decode < 1:
         raise TracelmError(f"bench --compare: prompt tokens ({n_prompt}) and decode tokens ({n_decode}) must be >= 1")
-    if rounds < 1 or repeats < 1 or agree_tokens < 0:
-        raise TracelmError(f"bench --compare: rounds ({rounds}) and repeats ({repeats}) must be >= 1, agree tokens "
-                           f"({agree_tokens}) >= 0")
+    if rounds < 1 or repeats < 1 or turn_steps < 1 or agree_tokens < 0:
+        raise TracelmError(f"bench --compare: rounds ({rounds}), repeats ({repeats}) and turn steps ({turn_steps}) "
+                           f"must be >= 1, agree tokens ({agree_tokens}) >= 0")
     unknown = [e for e in engines if e not in ENGINE_CLASSES]
     if unknown:
         raise TracelmError(f"bench --compare: unknown engine {unknown[0]!r} (known: {', '.join(ENGINES)})")
@@ -692,8 +770,9 @@ def run_compare(model_name: str, threads: int = 0, n_prompt: int = 256, n_decode
     load_before = os.getloadavg()[0]
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if progress else (lambda line: None)
     runs = run_rounds(str(source.path), ids, n_decode, threads, repeats, rounds, engines, timeout,
-                      {"tracelm": {"activations": activations}}, llama_bench, log)
+                      {"tracelm": {"activations": activations}}, llama_bench, log, turn_steps)
     report = build_report(Path(source.path).name, threads, n_prompt, n_decode, runs, agree_tokens)
+    report["turn_steps"] = turn_steps
     if llama_bench:
         report["llama_bench_command"] = " ".join(llama_bench_command(llama_bench, str(source.path), n_prompt,
                                                                      n_decode, threads))
@@ -774,11 +853,15 @@ def _rounds_text(n: int) -> str:
     return f"{n} round{'s' if n != 1 else ''}"
 
 
+def _turns_text(steps: int | None) -> str:
+    return f", {steps} decode step{'s' if steps != 1 else ''} a turn" if steps else ""
+
+
 def format_table(report: dict[str, Any]) -> str:
     threads = f"{report['threads']} thread{'s' if report['threads'] != 1 else ''}"
     lines = [f"{report['model']}: {threads}, {report['prompt_tokens']}-token prompt, "
              f"{report['decode_tokens']} greedy decode tokens, {_rounds_text(report.get('rounds', 1))} (engines "
-             "alternated; median (min-max) over the rounds)"]
+             f"taking turns{_turns_text(report.get('turn_steps'))}; median (min-max) over the rounds)"]
     load = report.get("load_average_1m")
     if load:
         cpu = f" {report['cpu']}" if report.get("cpu") else ""
