@@ -382,7 +382,6 @@ def start_engine(engine: str, request: dict[str, Any], timeout: float = 1800.0) 
     {"options", "note"?}), or (None, the failure). A child killed by a signal is started again with the engine's
     crash fallbacks in turn, and the note says why."""
     options = dict(request.get("options", {}))
-    child = None
     try:
         child = Child(EngineChild, engine, {**request, "options": options}, timeout=timeout)
         child.call("prefill", timeout=timeout)
