@@ -1029,6 +1029,12 @@ def _add_bench_command(sub: Any) -> None:
     sp.add_argument("--repeats", type=int, help="--trace-overhead: runs of the lock-step decode (default 7; the "
                     "overheads are the runs' median); --grammar: plain and constrained runs; --compare: prefills timed "
                     "per engine and round (the best counts); bench paths: rounds (default 5); default 3")
+    _add_compare_options(sp)
+    sp.set_defaults(fn=cmd_bench)
+
+
+def _add_compare_options(sp: Any) -> None:
+    """`bench --compare`'s options: tracelm beside llama.cpp and transformers."""
     sp.add_argument("--compare", action="store_true",
                     help="instead: tracelm, llama-cpp-python (flash attention off and on) and transformers (each "
                     "when installed) on the same GGUF, prompt ids and threads, each loaded once in its own process, "
@@ -1050,7 +1056,6 @@ def _add_bench_command(sub: Any) -> None:
     sp.add_argument("--llama-bench", metavar="PATH",
                     help="--compare: also run llama.cpp's own llama-bench at PATH in every round (-p N -n N -t N "
                     "-fa 0,1 -r 1 -o json), its figures and ratios in the same report")
-    sp.set_defaults(fn=cmd_bench)
 
 
 def main(argv: list[str] | None = None) -> int:
