@@ -516,7 +516,7 @@ def run_llama_bench(exe: str, model: str, n_prompt: int, n_decode: int, threads:
 
 
 def _llama_bench_failed(error: str) -> dict[str, dict[str, Any]]:
-    return {label: {"engine": LLAMA_BENCH, "status": "failed", "error": error} for label in LLAMA_BENCH_VARIANTS}
+    return {label: _failed(LLAMA_BENCH, error) for label in LLAMA_BENCH_VARIANTS}
 
 
 # --- the rounds ---------------------------------------------------------------------------------------------

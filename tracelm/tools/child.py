@@ -102,7 +102,7 @@ class Child:
     def call(self, method: str, timeout: float | None = None, **kwargs: Any) -> Any:
         try:
             self._conn.send((method, kwargs))
-        except (BrokenPipeError, ConnectionResetError, OSError):
+        except OSError:  # BrokenPipeError, ConnectionResetError, a closed handle
             self._conn.close()
             raise _ended(self._proc) from None
         return self._answer(timeout)
@@ -119,7 +119,7 @@ class Child:
         if not self._conn.closed:
             try:
                 self._conn.send(None)
-            except (BrokenPipeError, ConnectionResetError, OSError):
+            except OSError:  # BrokenPipeError, ConnectionResetError, a closed handle
                 pass
             self._conn.close()
         self._proc.join(10)
