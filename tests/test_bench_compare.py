@@ -643,3 +643,58 @@ def test_the_amx_buffer_type_is_taken_out_and_nothing_else():
     kept = bc.drop_amx_buffer_type(llama_cpp)
     assert "AMX" not in kept and bc.drop_amx_buffer_type(llama_cpp) == kept
     assert "CPU_REPACK" in kept or "REPACK = 1" not in llama_cpp.llama_print_system_info().decode()
+
+
+def test_memory_estimates_of_the_variants_and_the_shortfall(tiny_gguf):
+    """llama.cpp adds its KV cache and buffers, and with its extra buffer types repacked copies of the weights (at
+    most the file); transformers the weights in f32 and torch; tracelm checks its own load. A variant is refused
+    when its estimate passes MemAvailable less the model file's pages (mapped by the engines), and the reason names
+    every figure; where the machine says nothing, nothing is refused."""
+    from tracelm.io.loader import ModelFile
+    from tracelm.pipeline.bounds import kv_cache_bytes
+
+    source = ModelFile(str(tiny_gguf))
+    fp = bc.footprint(source, 40)
+    assert fp.file == tiny_gguf.stat().st_size and fp.kv == kv_cache_bytes(source.cfg, 40) > 0
+    assert fp.f32 == source.weights_bytes(compute="reference") > 0
+
+    fp = bc.Footprint(file=4 << 30, kv=64 << 20, f32=30 << 30)
+    assert bc.variant_bytes(fp, "tracelm", {})[0] == 0
+    assert bc.variant_bytes(fp, "llama.cpp", {"flash_attn": True})[0] == (4 << 30) + (64 << 20) + bc.LLAMA_CPP_BYTES
+    assert bc.variant_bytes(fp, "llama.cpp", {"extra_buffers": False})[0] == (64 << 20) + bc.LLAMA_CPP_BYTES
+    assert bc.variant_bytes(fp, "transformers", {})[0] == (30 << 30) + bc.TORCH_BYTES
+    need = (4 << 30) + (64 << 20) + bc.LLAMA_CPP_BYTES
+    assert bc.memory_shortfall(fp, "llama.cpp", {}, None) is None
+    assert bc.memory_shortfall(fp, "llama.cpp", {}, fp.file + need) is None
+    assert bc.memory_shortfall(fp, "tracelm", {}, 0) is None
+    why = bc.memory_shortfall(fp, "llama.cpp", {}, fp.file + need - 1)
+    assert why == ("not loaded: needs about 4.3 GiB (KV 64 MiB + buffers 256 MiB + repacked weights 4.0 GiB) beside "
+                   "the variants loaded before it; 4.3 GiB available (MemAvailable 8.3 GiB less the model file's "
+                   "4.0 GiB, which the engines map)")
+    assert "f32 weights 30.0 GiB + torch 512 MiB" in bc.memory_shortfall(fp, "transformers", {}, 8 << 30)
+
+
+def test_a_variant_that_does_not_fit_is_not_loaded_and_the_others_run(tiny_gguf, monkeypatch):
+    """Every variant stays loaded for the run, so each is checked against what is left when its turn to load
+    comes: here llama.cpp's repacked variants (a private copy of the weights each) and transformers do not fit,
+    llama.cpp's generic ones do; those run, the others are reported not loaded, llama.cpp's best among what ran."""
+    toks = [1, 2, 3]
+    children = _fake_engines(monkeypatch, {"tracelm": [(600, 60, toks)], "llama.cpp": [(300, 30, toks)],
+                                           "transformers": [(100, 10, toks)]})
+    fp = bc.Footprint(file=2 << 30, kv=16 << 20, f32=8 << 30)
+    monkeypatch.setattr(bc, "footprint", lambda source, n_ctx: fp)
+    monkeypatch.setattr(bc, "available_memory", lambda: (3 << 30))  # 1 GiB beside the file
+    rep = bc.run_compare(str(tiny_gguf), threads=2, n_prompt=8, n_decode=2, rounds=2)
+    assert [label for label, _ in children.starts] == ["tracelm", "llama.cpp (flash_attn off, no extra buffers)",
+                                                       "llama.cpp (flash_attn on, no extra buffers)"]
+    variants = rep["engines"]["llama.cpp"]["variants"]
+    for name in ("flash_attn off", "flash_attn on"):
+        assert variants[name]["status"] == "failed"
+        assert variants[name]["error"].startswith("not loaded: needs about 2.3 GiB (KV 16 MiB + buffers 256 MiB + "
+                                                  "repacked weights 2.0 GiB)")
+    assert variants["flash_attn on, no extra buffers"]["rounds"] == 2
+    assert rep["engines"]["llama.cpp"]["best"]["decode_tok_s"].endswith("no extra buffers")
+    assert rep["ratios"]["decode_vs_llama_cpp"]["value"] == 2.0
+    assert rep["engines"]["transformers"]["status"] == "failed"
+    assert "f32 weights 8.0 GiB" in rep["engines"]["transformers"]["error"]
+    assert "not loaded: needs about" in bc.format_table(rep)

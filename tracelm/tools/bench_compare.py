@@ -10,16 +10,17 @@ the same prompt ids (`bench_ids`, 256 tokens by default) and the same thread cou
 - transformers: `torch.set_num_threads(N)`, the GGUF loaded in f32 as `tracelm validate` does; the report names
   its attention implementation (`model.config._attn_implementation`).
 
-Every engine variant is loaded once, in a child of its own, and all stay loaded for the run (memory for each
-at once). In each of `rounds` rounds (`run_rounds`, `measure_round`) the engines take turns,
-so that load on the machine that comes and goes falls on all of them alike, within seconds rather than
-between rounds: every engine prefills the prompt into an empty cache in turn, `repeats` times after one untimed
-(the best counts), then every engine warms up and decodes greedily (argmax of the last logits) in turns of
-`turn_steps` steps until each has taken `n_decode`, the order rotated each turn; decode tok/s is n_decode over
-the sum of its turns. The parent waits `SETTLE_SECONDS` between turns, untimed, for the last engine's idle
-threads to stop spinning. Load seconds (building the model from the file, after the library's import) and
-peak RSS are each child's own. The report gives each rate's median, min and max over the rounds, and for each
-ratio (tracelm / llama.cpp, tracelm / transformers) the median, min and max of the per-round ratios.
+Every engine variant is loaded once, in a child of its own, and all stay loaded for the run (memory for each at
+once: a variant whose estimate (`variant_bytes`) does not fit in what the machine has left when its turn to load
+comes is reported not loaded, the others run). In each of `rounds` rounds (`run_rounds`, `measure_round`) the
+engines take turns, so that load on the machine that comes and goes falls on all of them alike, within seconds
+rather than between rounds: every engine prefills the prompt into an empty cache in turn, `repeats` times after
+one untimed (the best counts), then every engine warms up and decodes greedily (argmax of the last logits) in
+turns of `turn_steps` steps until each has taken `n_decode`, the order rotated each turn; decode tok/s is
+n_decode over the sum of its turns. The parent waits `SETTLE_SECONDS` between turns, untimed, for the last
+engine's idle threads to stop spinning. Load seconds (building the model from the file, after the library's
+import) and peak RSS are each child's own. The report gives each rate's median, min and max over the rounds, and
+for each ratio (tracelm / llama.cpp, tracelm / transformers) the median, min and max of the per-round ratios.
 
 The greedy tokens come back too, and agreement is asserted (`agreement`): in every round each engine's first
 `agree_tokens` greedy tokens must be tracelm's (llama.cpp and tracelm compute on the quantized blocks,
@@ -47,8 +48,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 
+from tracelm.pipeline.bounds import available_memory, kv_cache_bytes, mib
 from tracelm.pipeline.runner import common_prefix
 from tracelm.state.errors import TracelmError
 from tracelm.tools.child import Child, ChildKilled
@@ -86,6 +89,7 @@ OPTIONAL_OTHERS = (LLAMA_BENCH,)  # their ratios appear only when they were run
 WARMUP_STEPS = 8
 TURN_STEPS = 8  # decode steps an engine takes in a turn before the next engine's
 AGREE_TOKENS = 32
+CTX_SLACK = 16  # positions each engine's context holds past the prompt and the decoded tokens
 
 
 # --- engines (each runs inside its own child process) ---------------------------------------------------
@@ -282,7 +286,7 @@ class EngineChild:
         for module in IMPORTS[engine]:
             importlib.import_module(module)
         t1 = time.perf_counter()
-        self.model = ENGINE_CLASSES[engine](request["path"], self.threads, len(self.ids) + self.n_decode + 16,
+        self.model = ENGINE_CLASSES[engine](request["path"], self.threads, len(self.ids) + self.n_decode + CTX_SLACK,
                                             **self.options)
         self.load_s, self.import_s = time.perf_counter() - t1, t1 - t0
         self.tokens: list[int] = []
@@ -375,6 +379,55 @@ def fallback_in_effect(engine: str, options: dict[str, Any]) -> tuple[dict[str, 
 
 def _failed(engine: str, error: str) -> dict[str, Any]:
     return {"engine": engine, "status": "failed", "error": error}
+
+
+# --- memory: every variant stays loaded for the whole run ----------------------------------------------------
+
+TORCH_BYTES = 512 << 20  # torch's and transformers' own, beside the weights
+LLAMA_CPP_BYTES = 256 << 20  # llama.cpp's compute buffers and logits, beside its KV cache
+
+
+@attrs.frozen
+class Footprint:
+    """What the model costs the engines, from its file: the file's bytes (its pages, read or mapped by every
+    engine, shared through the page cache), an f16 KV cache of the run's positions, the weights in f32."""
+
+    file: int
+    kv: int
+    f32: int
+
+
+def footprint(source: Any, n_ctx: int) -> Footprint:
+    """The Footprint of an opened ModelFile at n_ctx positions."""
+    return Footprint(file=source.path.stat().st_size, kv=kv_cache_bytes(source.cfg, n_ctx),
+                     f32=source.weights_bytes(compute="reference"))
+
+
+def variant_bytes(fp: Footprint, engine: str, options: dict[str, Any]) -> tuple[int, str]:
+    """About the memory an engine variant adds beside those loaded, and of what: llama.cpp its KV cache, its
+    buffers and, with its extra buffer types, repacked copies of the weights (at most the file); transformers the
+    weights in f32 and torch. tracelm: none here (its load checks weights and KV against MemAvailable itself)."""
+    if engine == "llama.cpp":
+        repacked = fp.file if options.get("extra_buffers", True) else 0
+        return (fp.kv + LLAMA_CPP_BYTES + repacked,
+                f"KV {mib(fp.kv)} + buffers {mib(LLAMA_CPP_BYTES)}" + (f" + repacked weights {mib(repacked)}"
+                                                                      if repacked else ""))
+    if engine == "transformers":
+        return fp.f32 + TORCH_BYTES, f"f32 weights {mib(fp.f32)} + torch {mib(TORCH_BYTES)}"
+    return 0, ""
+
+
+def memory_shortfall(fp: Footprint, engine: str, options: dict[str, Any], free: int | None) -> str | None:
+    """Why the variant is not loaded (its estimate past `free`, MemAvailable now, less the model file's pages, which
+    MemAvailable counts as reclaimable but the loaded engines keep using), or None: it fits, or nothing is known."""
+    need, what = variant_bytes(fp, engine, options)
+    if free is None or need == 0:
+        return None
+    room = max(free - fp.file, 0)
+    if need <= room:
+        return None
+    return (f"not loaded: needs about {mib(need)} ({what}) beside the variants loaded before it; {mib(room)} "
+            f"available (MemAvailable {mib(free)} less the model file's {mib(fp.file)}, which the engines map)")
 
 
 def start_engine(engine: str, request: dict[str, Any], timeout: float = 1800.0) -> tuple[Child | None, dict[str, Any]]:
@@ -528,11 +581,13 @@ Runs = dict[str, dict[str, list[dict[str, Any]]]]  # engine -> variant -> one re
 def run_rounds(path: str, ids: Sequence[int], n_decode: int, threads: int, repeats: int, rounds: int,
                engines: Sequence[str], timeout: float, options: dict[str, dict[str, Any]],
                llama_bench: str | None = None, log: Callable[[str], None] = lambda line: None,
-               turn_steps: int = TURN_STEPS) -> Runs:
+               turn_steps: int = TURN_STEPS, fp: Footprint | None = None) -> Runs:
     """Every engine variant loaded once, each in a child of its own (all alive at once: memory for each), then
     measured in every round with the engines taking turns (`measure_round`); llama-bench after them. An engine
-    that is not installed is reported once; a variant that failed is not run again; a crash's fallback options
-    carry to the engine's variants started after it (llama.cpp's AMX buffers crash with flash attention on or off)."""
+    that is not installed is reported once; a variant that failed, or whose estimate does not fit in the memory
+    left when it is its turn to load (`memory_shortfall`, given the model's Footprint), is not run; a crash's
+    fallback options carry to the engine's variants started after it (llama.cpp's AMX buffers crash with flash
+    attention on or off)."""
     runs: Runs = {}
     settings: dict[tuple[str, str], dict[str, Any]] = {}
     for engine in engines:
@@ -550,7 +605,8 @@ def run_rounds(path: str, ids: Sequence[int], n_decode: int, threads: int, repea
         for i, (engine, name) in enumerate(keys := list(settings)):
             request = {"path": str(path), "ids": [int(t) for t in ids], "n_decode": n_decode, "threads": threads,
                        "options": settings[(engine, name)]}
-            child, info = start_engine(engine, request, timeout)
+            short = fp and memory_shortfall(fp, engine, settings[(engine, name)], available_memory())
+            child, info = (None, _failed(engine, short)) if short else start_engine(engine, request, timeout)
             if child is None:
                 runs[engine][name].append(info)
                 log(f"{_label(engine, name)}: {_result_line(info)}")
@@ -769,7 +825,8 @@ def run_compare(model_name: str, threads: int = 0, n_prompt: int = 256, n_decode
     load_before = os.getloadavg()[0]
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if progress else (lambda line: None)
     runs = run_rounds(str(source.path), ids, n_decode, threads, repeats, rounds, engines, timeout,
-                      {"tracelm": {"activations": activations}}, llama_bench, log, turn_steps)
+                      {"tracelm": {"activations": activations}}, llama_bench, log, turn_steps,
+                      footprint(source, n_prompt + n_decode + CTX_SLACK))
     report = build_report(Path(source.path).name, threads, n_prompt, n_decode, runs, agree_tokens)
     report["turn_steps"] = turn_steps
     if llama_bench:
