@@ -674,17 +674,22 @@ def test_memory_estimates_of_the_variants_and_the_shortfall(tiny_gguf):
     assert "f32 weights 30.0 GiB + torch 512 MiB" in bc.memory_shortfall(fp, "transformers", {}, 8 << 30)
 
 
-def test_a_variant_that_does_not_fit_is_not_loaded_and_the_others_run(tiny_gguf, monkeypatch):
+def test_a_variant_that_does_not_fit_is_not_loaded_and_the_others_run(tiny_gguf, tmp_path, monkeypatch):
     """Every variant stays loaded for the run, so each is checked against what is left when its turn to load
     comes: here llama.cpp's repacked variants (a private copy of the weights each) and transformers do not fit,
-    llama.cpp's generic ones do; those run, the others are reported not loaded, llama.cpp's best among what ran."""
+    llama.cpp's generic ones do; those run, the others are reported not loaded, llama.cpp's best among what ran.
+    llama-bench, which loads the model again with its extra buffers, is not run either."""
     toks = [1, 2, 3]
+    log = tmp_path / "calls.txt"
+    exe = _script(tmp_path, f"#!/bin/sh\necho run >> {log}\nexit 1\n")
     children = _fake_engines(monkeypatch, {"tracelm": [(600, 60, toks)], "llama.cpp": [(300, 30, toks)],
                                            "transformers": [(100, 10, toks)]})
     fp = bc.Footprint(file=2 << 30, kv=16 << 20, f32=8 << 30)
     monkeypatch.setattr(bc, "footprint", lambda source, n_ctx: fp)
     monkeypatch.setattr(bc, "available_memory", lambda: (3 << 30))  # 1 GiB beside the file
-    rep = bc.run_compare(str(tiny_gguf), threads=2, n_prompt=8, n_decode=2, rounds=2)
+    rep = bc.run_compare(str(tiny_gguf), threads=2, n_prompt=8, n_decode=2, rounds=2, llama_bench=exe)
+    assert not log.exists()
+    assert rep["engines"]["llama-bench"]["error"].startswith("not loaded: needs about 2.3 GiB")
     assert [label for label, _ in children.starts] == ["tracelm", "llama.cpp (flash_attn off, no extra buffers)",
                                                        "llama.cpp (flash_attn on, no extra buffers)"]
     variants = rep["engines"]["llama.cpp"]["variants"]

@@ -585,7 +585,8 @@ def run_rounds(path: str, ids: Sequence[int], n_decode: int, threads: int, repea
     """Every engine variant loaded once, each in a child of its own (all alive at once: memory for each), then
     measured in every round with the engines taking turns (`measure_round`); llama-bench after them. An engine
     that is not installed is reported once; a variant that failed, or whose estimate does not fit in the memory
-    left when it is its turn to load (`memory_shortfall`, given the model's Footprint), is not run; a crash's
+    left when it is its turn to load (`memory_shortfall`, given the model's Footprint; llama-bench's too, before
+    each run: it loads the model again beside them), is not run; a crash's
     fallback options carry to the engine's variants started after it (llama.cpp's AMX buffers crash with flash
     attention on or off)."""
     runs: Runs = {}
@@ -629,7 +630,10 @@ def run_rounds(path: str, ids: Sequence[int], n_decode: int, threads: int, repea
                 runs[key[0]][key[1]].append({**result, **({"note": notes[key]} if key in notes else {})})
                 log(f"round {r + 1}/{rounds}: {_label(*key)}: {_result_line(result)}")
             if llama_bench and all(not d or d[-1]["status"] == "ok" for d in runs[LLAMA_BENCH].values()):
-                for name, result in run_llama_bench(llama_bench, path, len(ids), n_decode, threads, timeout).items():
+                short = fp and memory_shortfall(fp, "llama.cpp", {}, available_memory())  # its default buffers
+                results = (_llama_bench_failed(short) if short else
+                           run_llama_bench(llama_bench, path, len(ids), n_decode, threads, timeout))
+                for name, result in results.items():
                     runs[LLAMA_BENCH].setdefault(name, []).append(result)
                     log(f"round {r + 1}/{rounds}: {_label(LLAMA_BENCH, name)}: {_result_line(result)}")
         for (engine, name), child in children.items():  # what each engine is, its load time and peak RSS
