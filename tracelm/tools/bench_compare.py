@@ -586,9 +586,8 @@ def run_rounds(path: str, ids: Sequence[int], n_decode: int, threads: int, repea
     measured in every round with the engines taking turns (`measure_round`); llama-bench after them. An engine
     that is not installed is reported once; a variant that failed, or whose estimate does not fit in the memory
     left when it is its turn to load (`memory_shortfall`, given the model's Footprint; llama-bench's too, before
-    each run: it loads the model again beside them), is not run; a crash's
-    fallback options carry to the engine's variants started after it (llama.cpp's AMX buffers crash with flash
-    attention on or off)."""
+    each run: it loads the model again beside them), is not run; a crash's fallback options carry to the engine's
+    variants started after it (llama.cpp's AMX buffers crash with flash attention on or off)."""
     runs: Runs = {}
     settings: dict[tuple[str, str], dict[str, Any]] = {}
     for engine in engines:
