@@ -987,7 +987,7 @@ def _add_bench_command(sub: Any) -> None:
     sp.add_argument("--paths", default=None, metavar="NAME,NAME,...",
                     help="bench paths: the kernel paths to alternate (default: every self-tested one but portable)")
     sp.add_argument("--k-ahead", default=None, metavar="N1,N2,...",
-                    help="bench paths: each path at each of these prefetch distances of the K-quants' decode pairs "
+                    help="bench paths: each path at each of these prefetch distances of the K-quants' decode kernels "
                     "(super-blocks, 0..64; 0: none), alternated")
     sp.add_argument("--prefetch-hints", default=None, metavar="t0,nta",
                     help="bench paths: each path at each of these hints of the weights' software prefetch (t0: into "

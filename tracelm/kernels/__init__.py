@@ -31,7 +31,7 @@ Threads: at import, all CPUs this process may run on (os.sched_getaffinity); set
 
 Environment: TRACELM_KERNELS=NAME (portable, avx2, avxvnni, avx512vnni, amx) picks that path at import where it may run;
 TRACELM_SPIN_US (default 200) is how long idle workers spin before they sleep; TRACELM_K_AHEAD=0..64 (default 4) is
-how many super-blocks ahead the K-quants' 512-bit decode pairs prefetch each stream (0: none; set_k_ahead(n) from
+how many super-blocks ahead the K-quants' packed decode kernels prefetch each stream (0: none; set_k_ahead(n) from
 code; the same bits at every value); TRACELM_SELFTEST_FAULT=NAME makes that path's self-test fail (for tests of the
 refusal).
 """
@@ -59,7 +59,7 @@ PACKABLE = frozenset((Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K))  # types 
 
 set_threads = _core.set_threads  # set_threads(n): n threads in all, the calling thread included
 threads = _core.threads
-set_k_ahead = _core.set_k_ahead  # set_k_ahead(n): the K-quants' decode pairs prefetch n super-blocks ahead
+set_k_ahead = _core.set_k_ahead  # set_k_ahead(n): the K-quants' decode kernels prefetch n super-blocks ahead
 k_ahead = _core.k_ahead
 MAX_K_AHEAD = _core.MAX_K_AHEAD  # 64: set_k_ahead's and TRACELM_K_AHEAD's most (0: no software prefetch)
 set_prefetch_hint = _core.set_prefetch_hint  # set_prefetch_hint(h): the weights' software prefetch, PREFETCH_HINTS

@@ -1450,7 +1450,8 @@ INL __m256 dotk_direct(int t, int two, const uint8_t *const *rows, const xblock2
 /* few x rows, packed K-quants (kernels.h): each super-block of the 8 rows read with plain loads, vertically as in
  * dot32v_direct -- lane r = row r, each x quad broadcast -- and met by the x row's hi (and, if two, lo) half quad
  * by quad as it is made; the integer sums as dotk_chunk's (int16 runs of 8 quads, Q5_K 4; Q6_K's sub-block of 4
- * less its offsets, then one madd with the scales). Returns acc_hi (+ acc_lo). */
+ * less its offsets, then one madd with the scales). Returns acc_hi (+ acc_lo). The group's stream is prefetched
+ * k_ahead super-blocks ahead, its last ones' into the next group's, which follows it (pf: those bytes; 0, none). */
 INL __m256 dotk_packed(int t, int two, const uint8_t *g, const xblock256 *xh, const xblock256 *xl, int64_t nb,
                        int64_t pf) {
     const int tb = type_bytes(t);
@@ -1458,7 +1459,7 @@ INL __m256 dotk_packed(int t, int two, const uint8_t *g, const xblock256 *xh, co
     __m256 acc_hi = _mm256_setzero_ps(), acc_lo = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, xh++, xl++) {
         const uint8_t *p = g + GROUP * b * tb;   /* the super-block of the 8 rows; byte f of the file's at 8 f */
-        for (int64_t c = 0; c < GROUP * tb; c += 64) PREFETCH_W((const char *)p + pf + c);
+        for (int64_t c = 0; pf && c < GROUP * tb; c += 64) PREFETCH_W((const char *)p + pf + c);
         __m256i sc[16], corr[4], Ah = z, Al = z;
         __m256 d, dmin;
         kscale_vecs(t, 1, NULL, p, 0, sc, corr);
@@ -2112,14 +2113,19 @@ INL void direct_group(const mm_job *j, int64_t group, int64_t m0, int64_t m1) {
         } else {
             const int64_t nb = j->K / 256;
             const xblock256 *xh = (const xblock256 *)h, *xl = (const xblock256 *)l;
-#define DIRECT(F, TWO, W)                                                               \
+            /* packed: k_ahead super-blocks ahead in the group's stream (a whole group ahead, the file rows' distance,
+             * is past L1 for a long row: ffn_down's 18944 values of Q6_K, 124 KB a group) */
+            const int64_t pk_pf = k_ahead * GROUP * type_bytes(t);
+#define DIRECT(F, TWO, W, PF)                                                           \
             switch (t) {                                                                \
-            case T_Q4_K: out[i] = F(T_Q4_K, TWO, W, xh, xl, nb, pf); break;            \
-            case T_Q5_K: out[i] = F(T_Q5_K, TWO, W, xh, xl, nb, pf); break;            \
-            default: out[i] = F(T_Q6_K, TWO, W, xh, xl, nb, pf); break;                \
+            case T_Q4_K: out[i] = F(T_Q4_K, TWO, W, xh, xl, nb, PF); break;            \
+            case T_Q5_K: out[i] = F(T_Q5_K, TWO, W, xh, xl, nb, PF); break;            \
+            default: out[i] = F(T_Q6_K, TWO, W, xh, xl, nb, PF); break;                \
             }
-            if (j->packed) { if (hv == 2) { DIRECT(dotk_packed, 1, rows[0]) } else { DIRECT(dotk_packed, 0, rows[0]) } }
-            else if (hv == 2) { DIRECT(dotk_direct, 1, rows) } else { DIRECT(dotk_direct, 0, rows) }
+            if (j->packed) {
+                if (hv == 2) { DIRECT(dotk_packed, 1, rows[0], pk_pf) } else { DIRECT(dotk_packed, 0, rows[0], pk_pf) }
+            }
+            else if (hv == 2) { DIRECT(dotk_direct, 1, rows, pf) } else { DIRECT(dotk_direct, 0, rows, pf) }
 #undef DIRECT
         }
     }

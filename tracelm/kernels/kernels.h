@@ -430,9 +430,9 @@ extern const kernel_path portable_path;
 /* only if compiled for x86-64 (else mm_task is NULL): avx2.c, and avx2.c again with VNNI (avxvnni.c, avx512vnni.c)
  * and with VNNI and AMX tiles (amx.c) */
 extern const kernel_path avx2_path, avxvnni_path, avx512vnni_path, amx_path;
-/* the K-quants' 512-bit decode pairs' prefetch distance, in super-blocks ahead in each stream (core.c: 4, or
- * TRACELM_K_AHEAD / set_k_ahead 0..64 for a sweep, 0 leaving the streams to the hardware's prefetchers; a prefetch
- * computes nothing, so every value gives the same bits) */
+/* the K-quants' packed decode prefetch distance (the 512-bit pairs' two streams of 8 rows, the 256-bit kernels' one),
+ * in super-blocks ahead in each stream (core.c: 4, or TRACELM_K_AHEAD / set_k_ahead 0..64 for a sweep, 0 leaving the
+ * streams to the hardware's prefetchers; a prefetch computes nothing, so every value gives the same bits) */
 #define MAX_K_AHEAD 64
 extern __attribute__((visibility("hidden"))) int k_ahead;
 /* the weights' software prefetch hint (avx2.c's streams, every path on x86-64; core.c: set_prefetch_hint): 0, t0 (into
