@@ -90,6 +90,14 @@ def test_bench_reports_rates_and_ratios(smollm2_path) -> None:
     for key in ("load_seconds", "prefill_tok_s", "decode_tok_s", "peak_rss_mb", "bandwidth_gb_s", "sgemm_gflop_s",
                 "decode_vs_roofline", "prefill_vs_sgemm_bound"):
         assert report[key] > 0, key
+    # each decode step and each products-alone pass timed: the mean rate within the steps' spread, the best pass
+    # the passes' min
+    step = report["decode_step_ms"]
+    assert 0 < step["min"] <= step["median"] <= step["max"]
+    assert step["min"] * 0.99 <= 1e3 / report["decode_tok_s"] <= step["max"] * 1.01
+    passes = report["decode_products_ms"]
+    assert 0 < passes["min"] <= passes["median"] <= passes["max"]
+    assert 1e3 / report["decode_products_tok_s"] == pytest.approx(passes["min"], rel=0.02)
     # the roofline's bandwidth: the better of the two reads, the pool's at the bench's own thread count
     reads = report["bandwidth_reads"]
     assert reads["threads"] == 1 and min(reads["sgemv_gb_s"], reads["kernels_read_gb_s"]) > 0

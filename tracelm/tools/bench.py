@@ -9,13 +9,15 @@ large square product. From them:
 - on the kernels, the prompt's integer bound: the path's integer dot at its peak on the bench's threads
   (`kernels.dot_peak`) / the quantized weights' int8 products per prompt token (times the activations' halves).
 It also times one pass's weight products alone (`product_pass_seconds`), to show how much of each limit the
-numpy/OpenBLAS products themselves leave for the rest of the graph.
+numpy/OpenBLAS products themselves leave for the rest of the graph. Each decode step and each such pass is timed: the
+report gives their median, min and max beside the mean rate and the best pass (a shared machine's slow moments).
 """
 
 from __future__ import annotations
 
 import os
 import resource
+import statistics
 import time
 import types
 from pathlib import Path
@@ -36,14 +38,25 @@ BENCH_TEXT = (
 )
 
 
-def _best_seconds(fn: Any, repeat: int) -> float:
+def _seconds(fn: Any, repeat: int) -> list[float]:
+    """The time of each of `repeat` calls of fn, after one call untimed (a warm-up)."""
     fn()
-    best = float("inf")
+    times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _best_seconds(fn: Any, repeat: int) -> float:
+    return min(_seconds(fn, repeat))
+
+
+def spread(values: list[float], digits: int = 2) -> dict[str, float]:
+    """Median, min and max of some measurements."""
+    return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
+            "max": round(max(values), digits)}
 
 
 def _read_bandwidth(nbytes: int, threads: int) -> dict[str, float]:
@@ -160,10 +173,13 @@ def _model_bench(session: Session, probe: dict[str, float], n_prompt: int, n_dec
     dequantizing = weights == "streamed" and compute == "reference"
     prefill_s = _best_seconds(prefill, 1 if dequantizing else 3)
     token = int(np.argmax(runner.prefill(ids).values[-1]))
-    c0, t0 = time.process_time(), time.perf_counter()
+    steps = []  # each step's seconds: a shared machine's slow moments show as a spread, not as a lower mean alone
+    c0 = time.process_time()
     for _ in range(n_decode):
+        t0 = time.perf_counter()
         token = int(np.argmax(runner.step(token).values[-1]))
-    decode_s, decode_cpu_s = time.perf_counter() - t0, time.process_time() - c0
+        steps.append(time.perf_counter() - t0)
+    decode_s, decode_cpu_s = sum(steps), time.process_time() - c0
 
     # the run's high-water mark, taken before the products-alone ceilings below, whose own inputs and outputs (a
     # 7B's 256 rows: ~100 MB of f32) are the bench's harness, not the model's run
@@ -174,11 +190,13 @@ def _model_bench(session: Session, probe: dict[str, float], n_prompt: int, n_dec
     ceilings = {}
     prefill_products_tok_s = None
     if not dequantizing:  # the same limits for the weight products alone, every other stage free
-        decode_products_tok_s = 1 / product_pass_seconds(model.weights, cfg, 1, 10)
+        passes = product_pass_times(model.weights, cfg, 1, 10)
+        decode_products_tok_s = 1 / min(passes)
         prefill_products_tok_s = n_prompt / product_pass_seconds(model.weights, cfg, n_prompt, 3)
         ceilings = {
             "decode_products_tok_s": round(decode_products_tok_s, 2),
             "decode_products_vs_roofline": round(decode_products_tok_s / roofline_tok_s, 3),
+            "decode_products_ms": spread([1e3 * s for s in passes], 3),  # the best pass and the passes' median
             "prefill_products_tok_s": round(prefill_products_tok_s, 1),
             "prefill_products_vs_sgemm_bound": round(prefill_products_tok_s / sgemm_bound_tok_s, 3),
         }
@@ -196,6 +214,7 @@ def _model_bench(session: Session, probe: dict[str, float], n_prompt: int, n_dec
         "prefill_tok_s": round(n_prompt / prefill_s, 1),
         "decode_tokens": n_decode,
         "decode_tok_s": round(n_decode / decode_s, 2),
+        "decode_step_ms": spread([1e3 * s for s in steps], 3),
         "decode_cpu_ms_per_token": round(1e3 * decode_cpu_s / n_decode, 1),  # all threads; steadier under load
         "peak_rss_mb": round(peak_rss / 2**20, 1),
         **({"rss_budget_mb": round(rss_budget / 2**20, 1)} if not streamed else streamed),
@@ -246,10 +265,15 @@ def kernels_in_use() -> dict[str, Any]:
 
 
 def product_pass_seconds(w: Any, cfg: Any, rows: int, repeat: int, head_rows: int = 1) -> float:
-    """Best time of the weight products of one forward pass over `rows` positions, alone: every block's
-    four products through the stages' `linear`, in graph order, and the head for the last `head_rows` rows (a
-    prompt's last; every sequence's in a server pass). A pass cannot beat it however cheap the norms, RoPE,
-    attention and the Python between them become."""
+    """Best time of the weight products of one forward pass over `rows` positions, alone: a pass cannot beat it
+    however cheap the norms, RoPE, attention and the Python between them become."""
+    return min(product_pass_times(w, cfg, rows, repeat, head_rows))
+
+
+def product_pass_times(w: Any, cfg: Any, rows: int, repeat: int, head_rows: int = 1) -> list[float]:
+    """The time of each of `repeat` passes of the weight products of one forward pass over `rows` positions, alone
+    (after one untimed): every block's four products through the stages' `linear`, in graph order, and the head for
+    the last `head_rows` rows (a prompt's last; every sequence's in a server pass)."""
     from tracelm.stages.linear import linear
 
     rng = np.random.default_rng(0)
@@ -260,7 +284,7 @@ def product_pass_seconds(w: Any, cfg: Any, rows: int, repeat: int, head_rows: in
             linear(x, lw.wqkv), linear(attn, lw.wo), linear(x, lw.w_gate_up), linear(act, lw.w_down)
         linear(x[-head_rows:], w.output)
 
-    return _best_seconds(one_pass, repeat)
+    return _seconds(one_pass, repeat)
 
 
 STREAMED_SLACK = 150 * 2**20  # the issue's allowance over file + one block in f32 + KV cache

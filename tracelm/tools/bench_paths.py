@@ -14,17 +14,13 @@ into every cache level, or non-temporal), "avx512vnni hint=nta"; with both, ever
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any
 
 import numpy as np
 
 from tracelm.state.errors import TracelmError
-
-
-def _spread(values: list[float]) -> dict[str, float]:
-    return {"median": round(statistics.median(values), 2), "min": round(min(values), 2), "max": round(max(values), 2)}
+from tracelm.tools.bench import spread
 
 
 def variant_name(path: str, ahead: int | None, hint: str | None = None) -> str:
@@ -96,9 +92,9 @@ def bench_paths(model_name: str, n_prompt: int = 128, n_decode: int = 32, rounds
     for v in labels:
         entry: dict[str, Any] = {}
         for what, values in rates[v].items():
-            entry[f"{what}_tok_s"] = _spread(values)
+            entry[f"{what}_tok_s"] = spread(values)
             if v != base:
                 ratios = [a / b for a, b in zip(values, rates[base][what], strict=True)]
-                entry[f"{what}_vs_{base}"] = _spread(ratios)
+                entry[f"{what}_vs_{base}"] = spread(ratios)
         report[v] = entry
     return report
