@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from tracelm.state.errors import TracelmError
-from tracelm.tools.bench import spread
+from tracelm.tools.bench import bench_ids, kernels_in_use, open_session, product_pass_seconds, spread
 
 
 def variant_name(path: str, ahead: int | None, hint: str | None = None) -> str:
@@ -33,7 +33,6 @@ def bench_paths(model_name: str, n_prompt: int = 128, n_decode: int = 32, rounds
                 paths: tuple[str, ...] | None = None, k_ahead: tuple[int, ...] = (), hints: tuple[str, ...] = (),
                 **engine: Any) -> dict[str, Any]:
     import tracelm.kernels as kernels
-    from tracelm.tools.bench import bench_ids, kernels_in_use, open_session, product_pass_seconds
 
     names = tuple(paths) if paths else tuple(p for p in kernels.paths() if p != "portable") or ("portable",)
     unknown = [p for p in names if p not in kernels.paths()]
