@@ -39,6 +39,17 @@ def test_every_kind_timed_and_the_shares_add_up(tiny_q8):
         assert sum(k["ms_per_step"] for k in kinds.values()) == pytest.approx(
             entry["ms_per_step"], rel=0.01, abs=0.0005 * (len(kinds) + 1))
         assert entry["ms_per_step_untimed"] > 0
+    prefill = report["prefill"]  # the prompt's prefill, by the same kinds: nothing sampled
+    assert prefill["tokens"] == 8 and prefill["tok_s_untimed"] == pytest.approx(8e3 / prefill["ms_untimed"], rel=0.01)
+    assert set(prefill["kinds"]) == {*KINDS, "rest"} - {"sampling"}
+    for kind in ("products", "head", "attention", "norms", "rope", "activation"):
+        assert prefill["kinds"][kind]["ms_per_prefill"] > 0, kind
+    assert sum(k["share"] for k in prefill["kinds"].values()) == pytest.approx(1.0, abs=0.01)
+    assert sum(k["ms_per_prefill"] for k in prefill["kinds"].values()) == pytest.approx(prefill["ms"], rel=0.01,
+                                                                                        abs=0.004)
+    assert prefill["pool"] == {"jobs_per_prefill": 0.0}  # one thread: no pool
+    # the path's integer peak on this thread (none on the portable path)
+    assert prefill["int8_dot_peak_g_s"] > 0 if kernels.path() != "portable" else prefill["int8_dot_peak_g_s"] is None
 
 
 def test_cli(tiny_q8, capsys):
@@ -63,6 +74,15 @@ def test_thread_counts_profile_each_and_say_what_scales(tiny_q8):
         assert two["products"] == round(base["kinds"]["products"]["ms_per_step"] /
                                         here["kinds"]["products"]["ms_per_step"], 2)
         assert set(two) == {"step", *KINDS, "rest"}
+    two = report["scaling"]["prefill"]["threads_2"]
+    base, here = report["threads_1"]["prefill"], report["threads_2"]["prefill"]
+    assert two["prefill"] == round(base["ms_untimed"] / here["ms_untimed"], 2)
+    assert two["products"] == round(base["kinds"]["products"]["ms_per_prefill"] /
+                                    here["kinds"]["products"]["ms_per_prefill"], 2)
+    if kernels.path() != "portable":
+        assert two["int8_dot_peak"] == round(here["int8_dot_peak_g_s"] / base["int8_dot_peak_g_s"], 2)
+    assert set(two) == {"prefill", *KINDS, "rest", "int8_dot_peak"} - {"sampling"}
+    assert here["pool"]["jobs_per_prefill"] >= 1  # two threads: the products ran on the pool
 
 
 def test_the_pools_time_in_its_jobs(tiny_q8, kernels_restored):

@@ -1,4 +1,4 @@
-"""`tracelm bench profile`: where a decode step's time goes, kind of work by kind of work.
+"""`tracelm bench profile`: where a decode step's time goes, kind of work by kind of work, and a prompt's prefill.
 
 For each stream count N, N prompts are prefilled, then decoded together as the server decodes them (each stream
 samples its token, then one shared pass computes all of them: `feed_together`). The kernel calls of the pass are
@@ -13,6 +13,11 @@ threads' time in them spent inside tasks (`busy_share`), and the rest as ms a st
 workers, taking tasks, waiting for the slowest) -- what a finer or coarser split, or fewer jobs, could win back;
 each kind whose calls ran jobs on the pool has its own `pool` too (where the waiting is: the products' tails, or
 the wake-ups of many small jobs).
+
+`prefill` is one stream's prompt of the same length prefilled from an empty Cache, timed by the same kinds (a
+prefill samples nothing), its pool per prefill, and the path's integer dot at its peak on those threads
+(`int8_dot_peak_g_s`); `scaling` has each thread count's prefill speed-up, each kind's, and the peak's own, which
+grows with the threads only as far as they have cores of their own (a prefill's products are bound by it).
 
 The timers wrap the module functions the pass calls, for the timed steps only, and are removed after; each call
 then costs about a microsecond more, so `ms_per_step` is given beside `ms_per_step_untimed`, the same steps without
@@ -98,15 +103,26 @@ def pool_counted(counts: list[Any]) -> Iterator[None]:
         counts[:] = kernels.pool_counts()
 
 
-def pool_report(counts: Sequence[float], steps: int, threads: int) -> dict[str, float]:
-    """Per step: the pool's jobs and their wall ms; the share of the threads' time in them spent inside tasks; and
-    that wall less the tasks' time spread evenly over the threads (waking, taking tasks, the slowest one's tail)."""
+def pool_report(counts: Sequence[float], steps: int, threads: int, per: str = "step") -> dict[str, float]:
+    """Per step (or per `per`): the pool's jobs and their wall ms; the share of the threads' time in them spent
+    inside tasks; and that wall less the tasks' time spread evenly over the threads (waking, taking tasks, the
+    slowest one's tail)."""
     jobs, offered, busy = counts
     if not jobs or offered <= 0:
-        return {"jobs_per_step": 0.0}
-    return {"jobs_per_step": round(jobs / steps, 1), "ms_per_step": round(1e3 * offered / threads / steps, 3),
+        return {f"jobs_per_{per}": 0.0}
+    return {f"jobs_per_{per}": round(jobs / steps, 1), f"ms_per_{per}": round(1e3 * offered / threads / steps, 3),
             "busy_share": round(busy / offered, 3),
-            "waiting_ms_per_step": round(1e3 * (offered - busy) / threads / steps, 3)}
+            f"waiting_ms_per_{per}": round(1e3 * (offered - busy) / threads / steps, 3)}
+
+
+def kinds_report(spent: Mapping[str, float], pooled: Mapping[str, list[float]], wall: float, steps: int,
+                 per: str = "step") -> dict[str, Any]:
+    """Each kind's ms per step (or per `per`) and share of the wall time, `rest` the wall outside them all; with
+    its own `pool` where its calls ran jobs on the pool."""
+    threads = kernels.threads()
+    return {k: {f"ms_per_{per}": round(1e3 * s / steps, 3), "share": round(s / wall, 3),
+                **({"pool": pool_report(pooled[k], steps, threads, per)} if pooled.get(k, [0])[0] else {})}
+            for k, s in (*spent.items(), ("rest", wall - sum(spent.values())))}
 
 
 def _decode(gens: list[Generation], n: int) -> float:
@@ -170,15 +186,41 @@ def _profile(session: Session, streams: tuple[int, ...], n_prompt: int, n_decode
         pooled: dict[str, list[float]] = {}
         with timers(spent, pooled), pool_counted(counts):
             wall = _decode(gens, n_decode)
-        rest = wall - sum(spent.values())
-        threads = kernels.threads()
-        kinds = {k: {"ms_per_step": round(1e3 * s / n_decode, 3), "share": round(s / wall, 3),
-                     **({"pool": pool_report(pooled[k], n_decode, threads)} if pooled.get(k, [0])[0] else {})}
-                 for k, s in (*spent.items(), ("rest", rest))}
         report[f"streams_{n}"] = {"ms_per_step_untimed": round(1e3 * untimed / (n_decode + 1), 3),
-                                  "ms_per_step": round(1e3 * wall / n_decode, 3), "kinds": kinds,
-                                  "pool": pool_report(counts, n_decode, threads)}
+                                  "ms_per_step": round(1e3 * wall / n_decode, 3),
+                                  "kinds": kinds_report(spent, pooled, wall, n_decode),
+                                  "pool": pool_report(counts, n_decode, kernels.threads())}
+    report["prefill"] = _prefill(session, n_prompt)
     return report
+
+
+def _prefill(session: Session, n_prompt: int) -> dict[str, Any]:
+    """The prompt's prefill by kind (one stream, `runner.prefill` into an empty Cache): the untimed ms (the better
+    of two after a warm one), one timed prefill's kinds and pool, and the path's integer dot at its peak on these
+    threads (`kernels.dot_peak`, G int8 products/s): as threads are added, a peak that grows less than they do says
+    they share cores."""
+    runner = session.new_runner(n_prompt + 1)
+    ids = bench_ids(session.model.tokenizer, n_prompt)
+
+    def once() -> float:
+        runner.cache.reset()
+        t0 = time.perf_counter()
+        runner.prefill(ids)
+        return time.perf_counter() - t0
+
+    once()
+    untimed = min(once(), once())
+    spent: dict[str, float] = {}
+    counts: list[Any] = []
+    pooled: dict[str, list[float]] = {}
+    with timers(spent, pooled), pool_counted(counts):
+        wall = once()
+    spent.pop("sampling")  # a prefill samples nothing
+    peak = kernels.dot_peak()
+    return {"tokens": n_prompt, "ms_untimed": round(1e3 * untimed, 3), "tok_s_untimed": round(n_prompt / untimed, 1),
+            "ms": round(1e3 * wall, 3), "kinds": kinds_report(spent, pooled, wall, 1, "prefill"),
+            "pool": pool_report(counts, 1, kernels.threads(), "prefill"),
+            "int8_dot_peak_g_s": peak["int8_products_g_s"] if peak else None}
 
 
 def scaling(report: dict[str, Any], thread_counts: tuple[int, ...], streams: tuple[int, ...]) -> dict[str, Any]:
@@ -195,6 +237,15 @@ def scaling(report: dict[str, Any], thread_counts: tuple[int, ...], streams: tup
                                    **{k: _ratio(base["kinds"][k]["ms_per_step"], v["ms_per_step"])
                                       for k, v in here["kinds"].items()}}
         out[f"streams_{n}"] = per
+    base = first["prefill"]
+    out["prefill"] = {}
+    for t in thread_counts[1:]:
+        here = report[f"threads_{t}"]["prefill"]
+        peaks = (here["int8_dot_peak_g_s"], base["int8_dot_peak_g_s"])
+        out["prefill"][f"threads_{t}"] = {
+            "prefill": _ratio(base["ms_untimed"], here["ms_untimed"]),
+            **{k: _ratio(base["kinds"][k]["ms_per_prefill"], v["ms_per_prefill"]) for k, v in here["kinds"].items()},
+            "int8_dot_peak": _ratio(*peaks) if None not in peaks else None}
     return out
 
 
