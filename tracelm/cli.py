@@ -961,7 +961,7 @@ def _add_bench_command(sub: Any) -> None:
     sp = sub.add_parser("bench", help="load time, prefill and decode rates, peak RSS, against the machine's limits "
                         "(`bench tokenizer`: encode/decode throughput; `bench server`: N streams decoded together; "
                         "`bench profile`: a decode step's time by kind of work (products, attention, norms, sampling, "
-                        "the rest) for each --streams count; "
+                        "the rest) for each --streams count, and a --prompt-tokens prefill's; "
                         "`bench batch`: --items prompts as one `tracelm batch` vs separate runs, and on Ray; "
                         "`bench speculative`: prompt-lookup decoding "
                         "vs plain; `bench kernels`: dequantization and "
@@ -976,7 +976,8 @@ def _add_bench_command(sub: Any) -> None:
                     "aggregate decode tok/s and the ratio to the first; bench profile: the stream counts profiled")
     sp.add_argument("--thread-counts", default=None, metavar="T1,T2,...",
                     help="bench profile: profile at each thread count in turn (one process), with each kind's "
-                    "speed-up over the first count: what does not shrink with threads")
+                    "speed-up over the first count: what does not shrink with threads (and the integer dot's peak "
+                    "at each: whether the threads have cores of their own)")
     sp.add_argument("--temperature", type=float, default=0.0, metavar="T",
                     help="bench profile, bench server: the streams sample at T with the sampler's defaults (top-k 40, "
                     "top-p 0.95, min-p 0.05); 0 (default): greedy")
