@@ -149,8 +149,9 @@ def _streams(session: Session, n: int, n_prompt: int, n_decode: int, temperature
 def bench_profile(model_name: str, streams: tuple[int, ...] = (1,), n_prompt: int = 64, n_decode: int = 32,
                   thread_counts: tuple[int, ...] = (), temperature: float = 0.0,
                   filters: Mapping[str, float] | None = None, **engine: Any) -> dict[str, Any]:
-    """The profile of each stream count; with `thread_counts`, the profile at each thread count in turn
-    (`threads_T`) and `scaling`: per stream count, each kind's ms at the first count over its ms at each. The
+    """The profile of each stream count and of the prompt's prefill; with `thread_counts`, the profile at each thread
+    count in turn (`threads_T`) and `scaling`: per stream count and for the prefill, each kind's ms at the first count
+    over its ms at each. The
     streams decode greedily, or sample at `temperature` with the sampler's defaults, `filters` ({"top_k": 0, ...})
     in their place."""
     with open_session(model_name, **engine) as session:
@@ -175,7 +176,8 @@ def bench_profile(model_name: str, streams: tuple[int, ...] = (1,), n_prompt: in
 
 def _profile(session: Session, streams: tuple[int, ...], n_prompt: int, n_decode: int, temperature: float,
              filters: Mapping[str, float] | None) -> dict[str, Any]:
-    """`streams_N` for each stream count N: the untimed and timed ms per step, and each kind's ms and share."""
+    """`streams_N` for each stream count N: the untimed and timed ms per step, and each kind's ms and share; then
+    `prefill`, the prompt's."""
     report: dict[str, Any] = {}
     for n in streams:
         untimed = _decode(_streams(session, n, n_prompt, n_decode + 1, temperature, filters), n_decode + 1)
@@ -225,7 +227,8 @@ def _prefill(session: Session, n_prompt: int) -> dict[str, Any]:
 
 def scaling(report: dict[str, Any], thread_counts: tuple[int, ...], streams: tuple[int, ...]) -> dict[str, Any]:
     """Per stream count and thread count: the untimed step's speed-up over the first thread count, and each kind's
-    (its ms there over its ms here): a kind near 1.0 is one that does not shrink as threads are added."""
+    (its ms there over its ms here): a kind near 1.0 is one that does not shrink as threads are added. `prefill`:
+    the untimed prefill's speed-up, each kind's, and the integer peak's (its rate here over its rate there)."""
     first = report[f"threads_{thread_counts[0]}"]
     out: dict[str, Any] = {}
     for n in streams:
