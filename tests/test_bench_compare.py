@@ -185,6 +185,9 @@ def test_absent_engine_is_reported_not_a_crash(tiny_gguf, monkeypatch):
     assert rep["engines"]["tracelm"]["status"] == "ok"
     assert rep["ratios"]["prefill_vs_llama_cpp"]["value"] is None
     assert rep["load_average_1m"]["cores"] >= 1 and rep["load_average_1m"]["before"] >= 0
+    assert rep["cpu_steal_share"] is None or 0 <= rep["cpu_steal_share"] <= 1
+    stolen = bc.format_table({**rep, "cpu_steal_share": 0.25})
+    assert "the host took 25.0 % of the machine's CPU time (steal)" in stolen
     assert rep["cpu"] == bc.cpu_name() and (rep["cpu"] is None or rep["cpu"] in bc.format_table(rep))
     assert rep["engines"]["tracelm"]["kernels"]  # the kernels' path in use, named, with its self-test's result
     assert rep["engines"]["tracelm"]["selftest"].startswith("passed")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import gguf
 import pytest
@@ -116,6 +117,25 @@ def test_huge_pages_read_from_the_kernels_account(tmp_path):
     smaps.write_text("Rss:  10 kB\n")
     assert huge_pages_mb(str(smaps)) is None
     assert huge_pages_mb(str(tmp_path / "absent")) is None
+
+
+def test_steal_read_from_the_kernels_account(tmp_path):
+    """/proc/stat's first line: every CPU's ticks and the stolen ones; the stolen share between two reads; None
+    where the file, the line or its steal column is missing, or no time passed."""
+    from tracelm.tools.bench import cpu_times, steal_share
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  600 0 100 200 50 0 15 35 7 0\ncpu0 300 0 50 100 25 0 8 17 3 0\nintr 5\n")
+    assert cpu_times(str(stat)) == (1000, 35)  # user .. steal; guest time is already in user
+    assert steal_share((1000, 35), (3000, 1035)) == 0.5  # half the CPU time: one core of two
+    assert steal_share((1000, 35), (1800, 35)) == 0.0
+    assert steal_share((1000, 35), (1000, 35)) is None and steal_share(None, (3000, 1035)) is None
+    stat.write_text("cpu  600 0 100 200\n")  # a kernel that does not count steal
+    assert cpu_times(str(stat)) is None
+    assert cpu_times(str(tmp_path / "absent")) is None
+    if Path("/proc/stat").exists():  # this machine's own account
+        total, stolen = cpu_times()
+        assert 0 <= stolen <= total
 
 
 def test_a_bench_report_names_the_kernels_tuning_variables_set(monkeypatch):

@@ -114,6 +114,8 @@ def test_bench_reports_rates_and_ratios(smollm2_path) -> None:
             assert 0 < report["prefill_products_vs_int8_bound"] < 1 and 0 < report["prefill_vs_int8_bound"] < 1
     # how much of the process sits on huge pages (Linux says; the weights' arena is advised for them)
     assert report["huge_pages_mb"] is None or 0 <= report["huge_pages_mb"] <= report["peak_rss_mb"]
+    # the share of the run's CPU time the host kept (Linux says)
+    assert report["cpu_steal_share"] is None or 0 <= report["cpu_steal_share"] <= 1
     # the path measured, and why it was trusted: its self-test against the portable path passed
     assert report["kernels_path"] in report["selftest"]
     assert report["selftest"][report["kernels_path"]].startswith("passed")

@@ -163,6 +163,7 @@ def _model_bench(session: Session, probe: dict[str, float], n_prompt: int, n_dec
                  ) -> dict[str, Any]:
     model, weights, compute = session.model, session.cfg.weights, session.cfg.compute
     cfg = model.cfg
+    cpu_before = cpu_times()
     runner = session.new_runner(max(n_ctx, n_prompt + n_decode))
     ids = bench_ids(model.tokenizer, n_prompt)
 
@@ -220,6 +221,7 @@ def _model_bench(session: Session, probe: dict[str, float], n_prompt: int, n_dec
         **({"rss_budget_mb": round(rss_budget / 2**20, 1)} if not streamed else streamed),
         "weight_mb": round(weight_bytes / 2**20, 1),  # as held: f32 (reference) or the file's blocks (kernels)
         "huge_pages_mb": huge_pages_mb(),
+        "cpu_steal_share": steal_share(cpu_before, cpu_times()),  # the host's share of this run's CPU time
         "weights_gb_s": round(weight_bytes * n_decode / decode_s / 1e9, 2),  # read by decode, per second
         "kv_cache": session.cfg.kv_cache,
         "kv_cache_mb": round(runner.cache.nbytes / 2**20, 1),
@@ -236,6 +238,29 @@ def _model_bench(session: Session, probe: dict[str, float], n_prompt: int, n_dec
 
 KERNELS_ENV = ("TRACELM_KERNELS", "TRACELM_K_AHEAD", "TRACELM_PREFETCH_HINT", "TRACELM_TASKS_PER_THREAD",
                "TRACELM_SPIN_US")
+
+
+def cpu_times(stat: str = "/proc/stat") -> tuple[int, int] | None:
+    """The machine's CPU time so far, every CPU, in clock ticks: (all of it, the part stolen -- time a virtual CPU
+    was ready to run while its host ran something else). None where /proc/stat does not say (not Linux, or no steal
+    column)."""
+    try:
+        fields = Path(stat).read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    ticks = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal (guest time is in user)
+    return sum(ticks), ticks[7]
+
+
+def steal_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of the machine's CPU time between two `cpu_times` that its host stole. On a shared virtual machine
+    a run with a share well above 0 was given less CPU than its threads asked for (with 2 virtual CPUs, 0.5: one
+    core's worth), so its rates are low by about that much and say nothing of the engine."""
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    return round((after[1] - before[1]) / (after[0] - before[0]), 3)
 
 
 def huge_pages_mb(smaps: str = "/proc/self/smaps_rollup") -> float | None:

@@ -806,7 +806,7 @@ def run_compare(model_name: str, threads: int = 0, n_prompt: int = 256, n_decode
     (tracelm's activations as given), taking turns over `rounds` rounds (decode in turns of `turn_steps` steps);
     llama-bench too when given its path."""
     from tracelm.io.loader import ModelFile
-    from tracelm.tools.bench import bench_ids
+    from tracelm.tools.bench import bench_ids, cpu_times, steal_share
 
     if n_prompt < 1 or n_decode < 1:
         raise TracelmError(f"bench --compare: prompt tokens ({n_prompt}) and decode tokens ({n_decode}) must be >= 1")
@@ -825,7 +825,7 @@ def run_compare(model_name: str, threads: int = 0, n_prompt: int = 256, n_decode
         raise TracelmError(f"{source.path}: bench --compare needs a GGUF file (the one file all engines read)")
     threads = threads if threads > 0 else (os.cpu_count() or 1)
     ids = bench_ids(source.tokenizer, n_prompt)
-    load_before = os.getloadavg()[0]
+    load_before, cpu_before = os.getloadavg()[0], cpu_times()
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if progress else (lambda line: None)
     runs = run_rounds(str(source.path), ids, n_decode, threads, repeats, rounds, engines, timeout,
                       {"tracelm": {"activations": activations}}, llama_bench, log, turn_steps,
@@ -838,6 +838,7 @@ def run_compare(model_name: str, threads: int = 0, n_prompt: int = 256, n_decode
     # other work on the machine slows the engines unequally: say how busy it was
     report["load_average_1m"] = {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2),
                                  "cores": os.cpu_count()}
+    report["cpu_steal_share"] = steal_share(cpu_before, cpu_times())  # and how much of it its host kept
     report["cpu"] = cpu_name()
     return report
 
@@ -926,6 +927,9 @@ def format_table(report: dict[str, Any]) -> str:
         cpu = f" {report['cpu']}" if report.get("cpu") else ""
         lines.append(f"load average (1 min) {load['before']:.2f} before, {load['after']:.2f} after, on {load['cores']} "
                      f"cores{cpu} (other work slows the engines unequally)")
+    if report.get("cpu_steal_share"):
+        lines.append(f"the host took {100 * report['cpu_steal_share']:.1f} % of the machine's CPU time (steal): the "
+                     "rates are low by about that much, in the rounds it fell in")
     if report.get("llama_bench_command"):
         lines.append(f"llama-bench, each round: {report['llama_bench_command']}")
     lines.append(f"{'engine':{LABEL}s} {'version':16s} {'load s':>8s} {'prefill tok/s':>26s} {'decode tok/s':>26s} "

@@ -18,6 +18,8 @@ the wake-ups of many small jobs).
 prefill samples nothing), its pool per prefill, and the path's integer dot at its peak on those threads
 (`int8_dot_peak_g_s`); `scaling` has each thread count's prefill speed-up, each kind's, and the peak's own, which
 grows with the threads only as far as they have cores of their own (a prefill's products are bound by it).
+`cpu_steal_share`: the share of the machine's CPU time its host stole while a thread count was profiled (a virtual
+machine's; well above 0, that count's figures are the host's).
 
 The timers wrap the module functions the pass calls, for the timed steps only, and are removed after; each call
 then costs about a microsecond more, so `ms_per_step` is given beside `ms_per_step_untimed`, the same steps without
@@ -35,7 +37,7 @@ import tracelm.kernels as kernels
 import tracelm.pipeline.graph as graph
 from tracelm.pipeline.runner import Generation, feed_together
 from tracelm.session import Session
-from tracelm.tools.bench import bench_ids, kernels_in_use, open_session
+from tracelm.tools.bench import bench_ids, cpu_times, kernels_in_use, open_session, steal_share
 from tracelm.tools.bench_server import to_the_end
 
 # kind -> the (module-like object, attribute) pairs the fused pass calls for it
@@ -177,8 +179,9 @@ def bench_profile(model_name: str, streams: tuple[int, ...] = (1,), n_prompt: in
 def _profile(session: Session, streams: tuple[int, ...], n_prompt: int, n_decode: int, temperature: float,
              filters: Mapping[str, float] | None) -> dict[str, Any]:
     """`streams_N` for each stream count N: the untimed and timed ms per step, and each kind's ms and share; then
-    `prefill`, the prompt's."""
+    `prefill`, the prompt's; and the share of the machine's CPU time its host stole meanwhile (`cpu_steal_share`)."""
     report: dict[str, Any] = {}
+    cpu_before = cpu_times()
     for n in streams:
         untimed = _decode(_streams(session, n, n_prompt, n_decode + 1, temperature, filters), n_decode + 1)
         gens = _streams(session, n, n_prompt, n_decode + 1, temperature, filters)
@@ -193,6 +196,7 @@ def _profile(session: Session, streams: tuple[int, ...], n_prompt: int, n_decode
                                   "kinds": kinds_report(spent, pooled, wall, n_decode),
                                   "pool": pool_report(counts, n_decode, kernels.threads())}
     report["prefill"] = _prefill(session, n_prompt)
+    report["cpu_steal_share"] = steal_share(cpu_before, cpu_times())
     return report
 
 
