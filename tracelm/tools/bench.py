@@ -49,7 +49,8 @@ def _seconds(fn: Any, repeat: int) -> list[float]:
     return times
 
 
-def _best_seconds(fn: Any, repeat: int) -> float:
+def best_seconds(fn: Any, repeat: int) -> float:
+    """The best of `repeat` timed calls of fn, after one untimed."""
     return min(_seconds(fn, repeat))
 
 
@@ -67,11 +68,11 @@ def _read_bandwidth(nbytes: int, threads: int) -> dict[str, float]:
 
     w = np.ones((nbytes // 4096, 1024), np.float32)
     x = np.ones(1024, np.float32)
-    sgemv = w.nbytes / _best_seconds(lambda: w @ x, 5) / 1e9
+    sgemv = w.nbytes / best_seconds(lambda: w @ x, 5) / 1e9
     if threads > 0:
         kernels.set_threads(threads)
     flat = w.reshape(-1)
-    pool = w.nbytes / _best_seconds(lambda: kernels.all_finite(flat), 5) / 1e9
+    pool = w.nbytes / best_seconds(lambda: kernels.all_finite(flat), 5) / 1e9
     return {"sgemv_gb_s": round(sgemv, 2), "kernels_read_gb_s": round(pool, 2), "threads": kernels.threads()}
 
 
@@ -81,7 +82,7 @@ def machine_probe(threads: int = 0) -> dict[str, Any]:
     reads = _read_bandwidth(1 << 30, threads)
     n = 2048
     a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
-    sgemm = 2 * n**3 / _best_seconds(lambda: a @ a, 5) / 1e9
+    sgemm = 2 * n**3 / best_seconds(lambda: a @ a, 5) / 1e9
     return {"bandwidth_gb_s": max(reads["sgemv_gb_s"], reads["kernels_read_gb_s"]), "bandwidth_reads": reads,
             "sgemm_gflop_s": round(sgemm, 1)}
 
@@ -172,7 +173,7 @@ def _model_bench(session: Session, probe: dict[str, float], n_prompt: int, n_dec
         runner.prefill(ids)
 
     dequantizing = weights == "streamed" and compute == "reference"
-    prefill_s = _best_seconds(prefill, 1 if dequantizing else 3)
+    prefill_s = best_seconds(prefill, 1 if dequantizing else 3)
     token = int(np.argmax(runner.prefill(ids).values[-1]))
     steps = []  # each step's seconds: a shared machine's slow moments show as a spread, not as a lower mean alone
     c0 = time.process_time()
@@ -476,8 +477,8 @@ def bench_kernel_types(shape: tuple[int, int] = (8192, 4096), rows: tuple[int, .
             x = np.random.default_rng(1).standard_normal((m, shape[1]), dtype=np.float32)
             out = np.empty((m, shape[0]), np.float32)
             scratch = np.empty(kernels.scratch_bytes(m, shape[1], qtype), np.uint8)
-            ours = _best_seconds(lambda: kernels.matmul(x, blocks, qtype, out, scratch), 3)  # noqa: B023
-            theirs = _best_seconds(lambda: x @ w32.T, 3)  # noqa: B023
+            ours = best_seconds(lambda: kernels.matmul(x, blocks, qtype, out, scratch), 3)  # noqa: B023
+            theirs = best_seconds(lambda: x @ w32.T, 3)  # noqa: B023
             flops = 2 * m * shape[0] * shape[1]
             report[f"{gguf.GGMLQuantizationType(qtype).name}_M{m}"] = {
                 "ms": round(ours * 1e3, 3), "gb_s": round(blocks.nbytes / ours / 1e9, 1),
@@ -485,7 +486,7 @@ def bench_kernel_types(shape: tuple[int, int] = (8192, 4096), rows: tuple[int, .
                 "numpy_f32_gb_s": round(w32.nbytes / theirs / 1e9, 1),
                 "numpy_f32_gflop_s": round(flops / theirs / 1e9, 1), "numpy_over_kernels": round(theirs / ours, 2)}
             if packed is not None:
-                p = _best_seconds(lambda: kernels.matmul(x, packed, qtype, out, scratch, packed=True), 3)  # noqa: B023
+                p = best_seconds(lambda: kernels.matmul(x, packed, qtype, out, scratch, packed=True), 3)  # noqa: B023
                 report[f"{gguf.GGMLQuantizationType(qtype).name}_M{m}"].update(
                     packed_ms=round(p * 1e3, 3), rows_over_packed=round(ours / p, 2))
     return report
@@ -510,7 +511,7 @@ def bench_kernels(model_name: str, rows: tuple[int, ...] = (1, 2, 4, 8, 256), co
             by_type.setdefault(t.qtype.name, []).append(t)
         for name, tensors in sorted(by_type.items()):
             raw = [(source.gguf.raw(t.name), t.qtype, t.shape) for t in tensors]
-            seconds = _best_seconds(lambda raw=raw: [dequantize(*r) for r in raw], 2)
+            seconds = best_seconds(lambda raw=raw: [dequantize(*r) for r in raw], 2)
             out_bytes = sum(4 * int(np.prod(r[2])) for r in raw)
             report[f"dequant_{name}_gb_s"] = round(out_bytes / seconds / 1e9, 2)
     weights = source.load(progress=False, compute=compute).weights
@@ -535,7 +536,7 @@ def _product_rates(x: np.ndarray, mats: list[Any]) -> dict[str, float]:
     from tracelm.stages.linear import GEMV_ROWS, linear
     from tracelm.state.records import QMatrix
 
-    seconds = _best_seconds(lambda: [linear(x, w) for w in mats], 3)
+    seconds = best_seconds(lambda: [linear(x, w) for w in mats], 3)
     flops = sum(2 * x.shape[0] * w.shape[0] * w.shape[1] for w in mats)
     rates = {"ms": round(seconds * 1e3, 4), "gb_s": round(sum(w.nbytes for w in mats) / seconds / 1e9, 1),
              "gflop_s": round(flops / seconds / 1e9, 1)}
@@ -543,10 +544,10 @@ def _product_rates(x: np.ndarray, mats: list[Any]) -> dict[str, float]:
                  if qtype not in kernels.FLOATS]
     if quantized:  # the part of `ms` that quantizes x: each kernel call on a quantized part begins with it
         scratch = np.empty(max(kernels.scratch_bytes(*x.shape, q, h) for q, h in quantized), np.uint8)
-        quantize = _best_seconds(lambda: [kernels.quantize_rows(x, q, scratch, h) for q, h in quantized], 3)
+        quantize = best_seconds(lambda: [kernels.quantize_rows(x, q, scratch, h) for q, h in quantized], 3)
         rates["quantize_ms"] = round(quantize * 1e3, 4)
     if 1 < x.shape[0] <= GEMV_ROWS and isinstance(mats[0], np.ndarray):
-        rates["sgemm_ms"] = round(_best_seconds(lambda: [x @ w.T for w in mats], 3) * 1e3, 4)
+        rates["sgemm_ms"] = round(best_seconds(lambda: [x @ w.T for w in mats], 3) * 1e3, 4)
     return rates
 
 

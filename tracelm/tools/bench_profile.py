@@ -37,7 +37,7 @@ import tracelm.kernels as kernels
 import tracelm.pipeline.graph as graph
 from tracelm.pipeline.runner import Generation, feed_together
 from tracelm.session import Session
-from tracelm.tools.bench import bench_ids, cpu_times, kernels_in_use, open_session, steal_share
+from tracelm.tools.bench import bench_ids, best_seconds, cpu_times, kernels_in_use, open_session, steal_share
 from tracelm.tools.bench_server import to_the_end
 
 # kind -> the (module-like object, attribute) pairs the fused pass calls for it
@@ -208,19 +208,18 @@ def _prefill(session: Session, n_prompt: int) -> dict[str, Any]:
     runner = session.new_runner(n_prompt + 1)
     ids = bench_ids(session.model.tokenizer, n_prompt)
 
-    def once() -> float:
+    def prefill() -> None:
         runner.cache.reset()
-        t0 = time.perf_counter()
         runner.prefill(ids)
-        return time.perf_counter() - t0
 
-    once()
-    untimed = min(once(), once())
+    untimed = best_seconds(prefill, 2)
     spent: dict[str, float] = {}
     counts: list[Any] = []
     pooled: dict[str, list[float]] = {}
     with timers(spent, pooled), pool_counted(counts):
-        wall = once()
+        t0 = time.perf_counter()
+        prefill()
+        wall = time.perf_counter() - t0
     spent.pop("sampling")  # a prefill samples nothing
     peak = kernels.dot_peak()
     return {"tokens": n_prompt, "ms_untimed": round(1e3 * untimed, 3), "tok_s_untimed": round(n_prompt / untimed, 1),
