@@ -355,13 +355,14 @@ def test_same_bits_for_any_batch_thread_count_and_path(qt, halves):
                                               err_msg=f"{path} threads={threads} pass of {b}")
 
 
-@pytest.mark.parametrize("qt", KQUANT, ids=lambda q: q.name)
-def test_kquant_extreme_values(qt):
+@pytest.mark.parametrize("qt", QUANT32 + KQUANT, ids=lambda q: q.name)
+def test_extreme_values(qt):
     """Weights at their ends (every quant 0 or its maximum, scales of either sign at their ends) against activations
-    whose every int8 is +-127: the integer sums at the edge of what the many-row kernels keep in int16 (Q6_K: a
-    sub-block's sum of (u - 32) q, up to 8*32*127 = 32512 per int16; AMX's byte planes of the scaled weights, up to
-    32*128 = 4096 and 15*63 = 945) -- the same bits as a row alone, on every path, and within f32 rounding of the
-    product of the quantized halves in float64."""
+    whose every int8 is +-127: the integer sums at the edge of what the many-row kernels keep in int16 (AVX2's
+    maddubs lanes: Q4_0, Q4_1 over 8 quads up to 8*2*15*127 = 30480, Q5_0, Q5_1 over 4 quads up to 4*2*31*127 =
+    31496, Q8_0 one pair up to 2*128*127 = 32512; Q6_K: a sub-block's sum of (u - 32) q, up to 8*32*127 = 32512 per
+    int16; AMX's byte planes of the scaled weights, up to 32*128 = 4096 and 15*63 = 945) -- the same bits as a row
+    alone, on every path, and within f32 rounding of the product of the quantized halves in float64."""
     K, rng = 1024, np.random.default_rng(5)
     bs, tb = gguf.GGML_QUANT_SIZES[qt]
     w = np.concatenate([np.full((8, K // bs * tb), fill, np.uint8) for fill in (0x00, 0xFF, 0x55, 0xAA, 0x0F)])
@@ -391,7 +392,7 @@ def test_kquant_extreme_values(qt):
     xh, xl, _, _ = quantized_x(x, qt)
     wd = dequant(w, qt).astype(np.float64)
     S = (np.abs(xh) + np.abs(xl)) @ (np.abs(wd) + np.abs(offset_part(w, qt)).astype(np.float64)).T
-    np.testing.assert_array_less(np.abs(ref - (xh + xl) @ wd.T), (K // 256 + 7) * EPS * S + 1e-30)
+    np.testing.assert_array_less(np.abs(ref - (xh + xl) @ wd.T), (K // bs + 7) * EPS * S + 1e-30)
 
 
 def q6_regrouped(w: np.ndarray) -> np.ndarray:

@@ -1,12 +1,13 @@
 /* A path is trusted only where it was checked. Before a path other than the portable one is used (core.c: at
  * import, and at use_path), it meets the portable path on a fixed battery, bit for bit: every type's product
- * (the file's rows and, for the quantized types, packed; 1 to 17 x rows, so the direct and the tiled kernels, the
+ * (the file's rows and, for the quantized types, packed; 1 to 25 x rows, so the direct and the tiled kernels, the
  * two-group tiles and AMX's tiles of 16 half-rows run; one and two activation halves; rows that end mid-group), the
  * activations' quantizer (its bytes), and the layer kernels' row functions (sum of squares, RMSNorm's row, the activations and
  * exp, the max's lanes, the f16 rows) and attention's scores and weighted values on f32 and f16 keys. The data is
  * made here by a fixed generator (the same on every machine): random blocks with finite scales, x rows of several
- * magnitudes, a row of tiny values (all-zero blocks) and a row with a large one.
- * Single-threaded, no pool; about 18 ms for a path (260 cases). */
+ * magnitudes, a row of tiny values (all-zero blocks) and a row with a large one; and for each quantized type its
+ * ends (every quant at 0 or its maximum against activations all +-127), where the int16 sums run closest to overflow.
+ * Single-threaded, no pool; 292 cases, some 30-60 ms a path (AVX2 and Zen 3, November 30). */
 #include "kernels.h"
 
 #include <stdio.h>
@@ -41,6 +42,34 @@ static void make_rows(int t, int64_t N, int64_t K, uint8_t *w, rng *r) {
         else put16(blk, f16_scale(r));
         if (t == T_Q4_1 || t == T_Q5_1 || t == T_Q4_K || t == T_Q5_K) put16(blk + 2, f16_scale(r));
     }
+}
+
+/* N rows of K values of quantized type t at their ends: row i's quant bytes all edge[i % 4] (every 4/5-bit quant 0 or
+ * its maximum, Q8_0's -1, -128 or 127), finite scales of either sign (the K-quants' sub-block scales and mins at 63,
+ * Q6_K's at -128 or 127): with make_edge_x, the integer sums at the edge of what the kernels keep in int16 */
+static void make_edge_rows(int t, int64_t N, int64_t K, uint8_t *w, rng *r) {
+    static const uint8_t edge[4] = {0x00, 0xFF, 0x80, 0x7F};
+    const int64_t nb = K / type_block(t), tb = type_bytes(t);
+    for (int64_t i = 0; i < N; i++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *blk = w + (i * nb + b) * tb;
+            memset(blk, edge[i % 4], (size_t)tb);
+            if (t == T_Q6_K) {
+                for (int k = 0; k < 16; k++) blk[192 + k] = next32(r) & 1 ? 0x80 : 0x7F;
+                put16(blk + 208, f16_scale(r));
+                continue;
+            }
+            put16(blk, f16_scale(r));
+            if (t == T_Q4_1 || t == T_Q5_1 || t == T_Q4_K || t == T_Q5_K) put16(blk + 2, f16_scale(r));
+            if (t == T_Q4_K || t == T_Q5_K) memset(blk + 4, 0xFF, 12);
+        }
+}
+
+/* M rows of K values +-1: every quantized activation +-127 in both halves (row m % 3: all +1, all -1, random signs) */
+static void make_edge_x(int64_t M, int64_t K, float *x, rng *r) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k = 0; k < K; k++)
+            x[m * K + k] = m % 3 == 0 ? 1.0f : m % 3 == 1 ? -1.0f : next32(r) & 1 ? 1.0f : -1.0f;
 }
 
 /* M rows of K: magnitudes 1e-3..1e2 by row; row 3 tiny (below the quantizer's floor), row 4 one large value */
@@ -82,11 +111,40 @@ static int fail(char *msg, size_t n, const char *what, int t, int pk, int halves
     return -1;
 }
 
+/* the portable path's product of one job against p's, bit for bit (and the activations' quantized blocks) */
+static int compare_mm(const kernel_path *p, mm_job j, float *o0, float *o1, char *q0, char *q1, int flip, int edge,
+                      char *msg, size_t n, int *cases) {
+    j.out = o0; j.xq = j.xq_row_bytes ? q0 : NULL;
+    run_mm(&portable_path, &j);
+    j.out = o1; j.xq = j.xq_row_bytes ? q1 : NULL;
+    run_mm(p, &j);
+    if (flip && *cases == 0) o1[0] = f32_from_bits(bits_from_f32(o1[0]) ^ 1u);   /* a fault, for tests */
+    (*cases)++;
+    const char *what = NULL;
+    if (j.xq_row_bytes && memcmp(q0, q1, (size_t)(j.halves * j.M * j.xq_row_bytes)))
+        what = edge ? "the activations' quantized blocks (values at their ends)" : "the activations' quantized blocks";
+    else if (memcmp(o0, o1, sizeof(float) * (size_t)(j.M * j.N)))
+        what = edge ? "the product (values at their ends)" : "the product";
+    if (what) return fail(msg, n, what, j.qtype, j.packed, j.halves, j.M);
+    return 0;
+}
+
+/* rows of w (N x K of type t) packed by groups into wp */
+static void pack_rows(int t, int64_t N, int64_t K, const uint8_t *w, uint8_t *wp) {
+    const int64_t rb = K / type_block(t) * type_bytes(t);
+    for (int64_t g = 0; g < N / GROUP; g++) {
+        const uint8_t *gr[GROUP];
+        for (int i = 0; i < GROUP; i++) gr[i] = w + (g * GROUP + i) * rb;
+        pack_group(t, gr, K / type_block(t), wp + g * GROUP * rb);
+    }
+}
+
 static int check_products(const kernel_path *p, int flip, char *msg, size_t n, int *cases) {
     static const int types[] = {T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1, T_Q8_0, T_Q4_K, T_Q5_K, T_Q6_K, T_F32, T_F16, T_BF16};
     static const int64_t rows[] = {1, 2, 3, 4, 5, 9, 25};   /* 25: the amx path's tiles of 16 half-rows (one half
                                                                  * too), and with two halves the K-quants' passes of
                                                                  * 32 and 16 half-rows, 2 left over */
+    static const int64_t edge_rows[] = {2, 17};   /* a direct kernel, and past every path's direct ones: the tiles */
     const size_t wbytes = (size_t)SN * SK * 4;   /* enough for any type */
     uint8_t *w = malloc(wbytes), *wp = malloc(wbytes);
     float *x = malloc(sizeof(float) * MAX_M * SK), *o0 = malloc(sizeof(float) * MAX_M * SN),
@@ -99,32 +157,25 @@ static int check_products(const kernel_path *p, int flip, char *msg, size_t n, i
     for (size_t ti = 0; ti < sizeof types / sizeof *types && !rc; ti++) {
         const int t = types[ti], fl = is_float_type(t);
         const int64_t K = fl ? FK : SK, rb = K / type_block(t) * type_bytes(t);
-        make_x(MAX_M, K, x, &r);
-        for (int pk = 0; pk <= !fl && !rc; pk++) {
-            const int64_t N = pk ? SN : SN - 3;
-            make_rows(t, N, K, w, &r);
-            if (pk)
-                for (int64_t g = 0; g < N / GROUP; g++) {
-                    const uint8_t *gr[GROUP];
-                    for (int i = 0; i < GROUP; i++) gr[i] = w + (g * GROUP + i) * rb;
-                    pack_group(t, gr, K / type_block(t), wp + g * GROUP * rb);
-                }
-            for (int halves = 1; halves <= 2 && !rc; halves++) {
-                if (fl && halves == 1) continue;
-                for (size_t mi = 0; mi < sizeof rows / sizeof *rows && !rc; mi++) {
-                    const int64_t M = rows[mi], xrb = xq_row_bytes(t, K);
-                    mm_job j = {.qtype = t, .M = M, .N = N, .K = K, .x = x, .w = pk ? wp : w, .row_bytes = rb,
-                                .ldo = N, .xq_row_bytes = xrb, .halves = halves, .packed = pk};
-                    j.out = o0; j.xq = xrb ? q0 : NULL;
-                    run_mm(&portable_path, &j);
-                    j.out = o1; j.xq = xrb ? q1 : NULL;
-                    run_mm(p, &j);
-                    if (flip && *cases == 0) o1[0] = f32_from_bits(bits_from_f32(o1[0]) ^ 1u);   /* a fault, for tests */
-                    (*cases)++;
-                    if (xrb && memcmp(q0, q1, (size_t)(halves * M * xrb)))
-                        rc = fail(msg, n, "the activations' quantized blocks", t, pk, halves, M);
-                    else if (memcmp(o0, o1, sizeof(float) * (size_t)(M * N)))
-                        rc = fail(msg, n, "the product", t, pk, halves, M);
+        /* random values, then (quantized types) their ends */
+        for (int edge = 0; edge <= !fl && !rc; edge++) {
+            if (edge) make_edge_x(MAX_M, K, x, &r);
+            else make_x(MAX_M, K, x, &r);
+            for (int pk = 0; pk <= !fl && !rc; pk++) {
+                const int64_t N = pk ? SN : SN - 3;
+                if (edge) make_edge_rows(t, N, K, w, &r);
+                else make_rows(t, N, K, w, &r);
+                if (pk) pack_rows(t, N, K, w, wp);
+                for (int halves = 1; halves <= 2 && !rc; halves++) {
+                    if ((fl || edge) && halves == 1) continue;   /* the ends: both halves +-127 */
+                    const int64_t *ms = edge ? edge_rows : rows;
+                    const size_t nm = edge ? sizeof edge_rows / sizeof *edge_rows : sizeof rows / sizeof *rows;
+                    for (size_t mi = 0; mi < nm && !rc; mi++) {
+                        const mm_job j = {.qtype = t, .M = ms[mi], .N = N, .K = K, .x = x, .w = pk ? wp : w,
+                                          .row_bytes = rb, .ldo = N, .xq_row_bytes = xq_row_bytes(t, K),
+                                          .halves = halves, .packed = pk};
+                        rc = compare_mm(p, j, o0, o1, q0, q1, flip, edge, msg, n, cases);
+                    }
                 }
             }
         }
