@@ -360,7 +360,8 @@ def test_extreme_values(qt):
     """Weights at their ends (every quant 0 or its maximum, scales of either sign at their ends) against activations
     whose every int8 is +-127: the integer sums at the edge of what the many-row kernels keep in int16 (AVX2's
     maddubs lanes: Q4_0, Q4_1 over 8 quads up to 8*2*15*127 = 30480, Q5_0, Q5_1 over 4 quads up to 4*2*31*127 =
-    31496, Q8_0 one pair up to 2*128*127 = 32512; Q6_K: a sub-block's sum of (u - 32) q, up to 8*32*127 = 32512 per
+    31496, Q8_0 one pair up to 2*128*127 = 32512; Q4_0's and Q5_0's signed tile, sum (u - off) q over 8 quads up to
+    16*16*127 = 32512; Q6_K: a sub-block's sum of (u - 32) q, up to 8*32*127 = 32512 per
     int16; AMX's byte planes of the scaled weights, up to 32*128 = 4096 and 15*63 = 945) -- the same bits as a row
     alone, on every path, and within f32 rounding of the product of the quantized halves in float64."""
     K, rng = 1024, np.random.default_rng(5)
