@@ -76,11 +76,14 @@ def offset_part(w: np.ndarray, qt: Q) -> np.ndarray:
 
 
 def xblocks(scratch: np.ndarray, qt: Q, M: int, halves: int = 2) -> np.ndarray:
-    """The scratch of quantize_rows/matmul as blocks [M, halves, blocks per row]: [:, 0] the hi half, [:, 1] the lo
-    (from the scratch's first 64-byte boundary on)."""
+    """The scratch of quantize_rows/matmul (as scratch_bytes sizes it) as blocks [M, halves, blocks per row]: [:, 0]
+    the hi half, [:, 1] the lo (from the scratch's first 64-byte boundary on; Q4_0's and Q5_0's unsigned copy after
+    them all)."""
+    dtype = XBLOCK256 if qt in KQUANT else XBLOCK32
+    per_block = dtype.itemsize * (2 if qt in (Q.Q4_0, Q.Q5_0) else 1)
+    n = (scratch.nbytes - XQ_ALIGN) // (M * halves * per_block) * M * halves
     start = -scratch.ctypes.data % XQ_ALIGN
-    rows = scratch[start:start + scratch.nbytes - XQ_ALIGN]
-    return rows.view(XBLOCK256 if qt in KQUANT else XBLOCK32).reshape(M, halves, -1)
+    return scratch[start:start + n * dtype.itemsize].view(dtype).reshape(M, halves, -1)
 
 
 def quantized_x(x: np.ndarray, qt: Q) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -175,7 +178,7 @@ def test_quantize_rows_is_the_stated_split(qt):
     for path in PATHS:  # one half (activations: int8): the hi blocks alone, the same bytes
         kernels.use_path(path)
         one = np.empty(kernels.scratch_bytes(M, 2 * bs, qt, 1), np.uint8)
-        assert (one.nbytes - XQ_ALIGN) * 2 == seen[0].nbytes
+        assert xblocks(one, qt, M, 1).size * 2 == seen[0].size   # one half: half the blocks
         kernels.quantize_rows(x, qt, one, 1)
         for f in fields:
             np.testing.assert_array_equal(xblocks(one, qt, M, 1)[f][:, 0], seen[0][f][:, 0], err_msg=path)
@@ -635,7 +638,9 @@ def test_threads_and_paths_api():
         kernels.set_threads(0)
     with pytest.raises(ValueError, match="not available"):
         kernels.use_path("neon")
-    assert kernels.scratch_bytes(3, 64, Q.Q4_0) == 3 * 2 * 2 * 40 + XQ_ALIGN  # rows x halves x blocks x bytes
+    # rows x halves x blocks x bytes (Q4_0, Q5_0: twice, the second time unsigned)
+    assert kernels.scratch_bytes(3, 64, Q.Q4_0) == 3 * 2 * 2 * 40 * 2 + XQ_ALIGN
+    assert kernels.scratch_bytes(3, 64, Q.Q8_0) == 3 * 2 * 2 * 40 + XQ_ALIGN
     assert kernels.scratch_bytes(2, 512, Q.Q6_K) == 2 * 2 * 2 * 320 + XQ_ALIGN
     assert kernels.scratch_bytes(5, 100, Q.F16) == 0
     assert kernels.row_bytes(512, Q.Q4_K) == 288

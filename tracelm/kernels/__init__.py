@@ -78,8 +78,8 @@ trace_stats = _core.trace_stats  # trace_stats(arena, offsets, stats, digests)
 trace_lines = _core.trace_lines  # trace_lines(template, seq, tok, meta, stats, digests, prev, key[, tail])
 trace_lines_post = _core.trace_lines_post  # the same arguments -> PendingLines, rendered on the pool's idle worker
 quantize_rows = _core.quantize_rows  # quantize_rows(x, qtype, scratch, halves=2): x's int8 blocks as matmul
-# makes them (x row m -> block rows 2m = hi, 2m + 1 = lo; with halves=1, row m = hi), each
-# scratch_bytes(M, K, qtype, halves) // (halves M) bytes
+# makes them (x row m -> block rows 2m = hi, 2m + 1 = lo; with halves=1, row m = hi) from the scratch's first 64-byte
+# boundary, K / 32 blocks of 40 bytes or K / 256 of 320 a block row (matmul's Q4_0/Q5_0 scratch holds them twice)
 
 
 def selftest() -> dict[str, tuple[str, str]]:
@@ -160,7 +160,8 @@ def row_bytes(K: int, qtype: int) -> int:
 
 def scratch_bytes(M: int, K: int, qtype: int, halves: int = 2) -> int:
     """Bytes of the scratch buffer matmul needs for M rows of K values in `halves` int8 blocks each (0 for
-    F32/F16/BF16)."""
+    F32/F16/BF16; Q4_0, Q5_0: the blocks twice, the second time with every q made unsigned, which the avx2 path's
+    tiles read)."""
     return _core.scratch_bytes(M, K, int(qtype), int(halves))
 
 

@@ -2177,10 +2177,11 @@ INL void tile32(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1) 
 
 #if !VNNI
 /* AVX2, Q4_0 and Q5_0, many x rows: the weights signed (w = u - off), so that vpmaddubsw reads them from memory (its
- * signed operand; the unsigned one must be a register), and each x quad unsigned (q + 128: an xor after its
- * broadcast). An int16 lane's sum of (q + 128) w is sum q w + 128 sum w, the second (c, per block: sum over the
- * quads of maddubs(128, w)) taken off before the widening; both wrap in int16, and sum q w over a lane's 16 products
- * is at most 16 * 16 * 127 = 32512, so the difference is exact: the integer of dot32_chunk, less its offset. */
+ * signed operand; the unsigned one must be a register), and each x quad unsigned (q + 128: matmul's copy of the
+ * quantized rows, every q xored with 0x80 once a call, mm_job's xu). An int16 lane's sum of (q + 128) w is
+ * sum q w + 128 sum w, the second (c, per block: sum over the quads of maddubs(128, w)) taken off before the widening;
+ * both wrap in int16, and sum q w over a lane's 16 products is at most 16 * 16 * 127 = 32512, so the difference is
+ * exact: the integer of dot32_chunk, less its offset. */
 typedef struct { ubuf32 u; __m256i c[KC]; } ubuf32s;
 #define KCS (KC / 2)   /* blocks a chunk: 4 groups' weights, 16 KB, stay in L1 */
 INL void unpack32s(int t, int pk, const uint8_t *const *rows, const uint8_t *g, int64_t b0, int nkb, ubuf32s *s) {
@@ -2197,15 +2198,15 @@ INL void unpack32s(int t, int pk, const uint8_t *const *rows, const uint8_t *g, 
     }
 }
 
-/* one x half-row x against NG (1..4) groups' signed chunks, accumulator a[g] = group g's */
+/* one x half-row x (made unsigned: mm_job's xu) against NG (1..4) groups' signed chunks, accumulator a[g] = group g's */
 INL void dot32s_chunk(int NG, const ubuf32s *const *u, int nkb, const xblock32 *x, __m256 *const *a) {
-    const __m256i z = _mm256_setzero_si256(), k128 = _mm256_set1_epi8((char)0x80);
+    const __m256i z = _mm256_setzero_si256();
     __m256 f0 = *a[0], f1 = NG > 1 ? *a[1] : f0, f2 = NG > 2 ? *a[2] : f0, f3 = NG > 3 ? *a[3] : f0;
     for (int kb = 0; kb < nkb; kb++, x++) {
         __m256i i0 = z, i1 = z, i2 = z, i3 = z;
 #pragma GCC unroll 8
         for (int c = 0; c < 8; c++) {
-            const __m256i b = _mm256_xor_si256(BQ(x->q, c), k128);
+            const __m256i b = BQ(x->q, c);
 #define P(k) if (NG > k) { i##k = _mm256_add_epi16(i##k, _mm256_maddubs_epi16(b, u[k]->u.v[kb][c])); REG(i##k); }
             P(0) P(1) P(2) P(3)
 #undef P
@@ -2229,7 +2230,7 @@ INL void tile32s(const mm_job *j, int64_t group, int ng, int64_t m0, int64_t m1)
     const uint8_t *rows[4][GROUP];
     for (int g = 0; g < ng; g++) group_rows(j, group + g, rows[g]);
     const int64_t mt = m1 - m0, xrb = j->xq_row_bytes, hv = j->halves, mq = hv * mt, nb = j->K / 32;
-    const char *xq = (const char *)j->xq + hv * m0 * xrb;
+    const char *xq = (const char *)j->xu + hv * m0 * xrb;   /* made by matmul from 2 x rows on: a tile has 2 or more */
     __m256 acc[4][2 * MTILE];
     for (int g = 0; g < ng; g++)
         for (int64_t i = 0; i < mq; i++) acc[g][i] = _mm256_setzero_ps();
@@ -2554,7 +2555,8 @@ AVX2 static int64_t dot_peak(int64_t rounds) {
 #else
 #define LAYER_OPS avx2_layer
 #endif
-const kernel_path PATH_SYM = {PATH_NAME, quantize_row, mm_task, task_groups, &LAYER_OPS, MTILE_K, dot_peak, DOT_INSN};
+const kernel_path PATH_SYM = {PATH_NAME, quantize_row, mm_task, task_groups, &LAYER_OPS, MTILE_K, dot_peak, DOT_INSN,
+                               !VNNI};   /* avx2: tile32s reads the unsigned quads */
 
 #else
 #if !VNNI

@@ -330,12 +330,19 @@ static int path_index(const char *name) {
 /* ======================================================================================================
  * jobs
  * ==================================================================================================== */
-typedef struct { const kernel_path *p; int qtype; const float *x; int64_t K; char *xq; int64_t xrb; int halves; } quant_job;
+typedef struct {
+    const kernel_path *p; int qtype; const float *x; int64_t K; char *xq; int64_t xrb; int halves;
+    char *xu;   /* the half-rows again, unsigned (mm_job's xu), or NULL */
+} quant_job;
 
 static void quant_tasks(void *ctx, int64_t t0, int64_t t1) {   /* x row m -> quantized rows hv m (hi) (, 2m + 1: lo) */
     quant_job *q = (quant_job *)ctx;
-    for (int64_t m = t0; m < t1; m++)
+    for (int64_t m = t0; m < t1; m++) {
         q->p->quantize_row(q->qtype, q->x + m * q->K, q->K, q->xq + q->halves * m * q->xrb, q->halves);
+        if (q->xu)
+            for (int64_t r = q->halves * m; r < q->halves * (m + 1); r++)
+                unsigned_blocks(q->xq + r * q->xrb, q->K / 32, q->xu + r * q->xrb);
+    }
 }
 
 static int check_halves(const char *fn, int halves) {
@@ -600,8 +607,8 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
                      (long long)M, (long long)N, out.v.shape[0], out.v.shape[1]);
         goto done;
     }
-    int64_t xrb = xq_row_bytes(qtype, K);
-    if (xrb && (get_scratch(so, "matmul", halves * M * xrb + XQ_ALIGN, &sc) ||
+    int64_t xrb = xq_row_bytes(qtype, K), xub = xu_row_bytes(qtype, K);
+    if (xrb && (get_scratch(so, "matmul", halves * M * (xrb + xub) + XQ_ALIGN, &sc) ||
                 check_apart("matmul", "scratch", &sc.v, "x", &x.v, 0)
                 || check_apart("matmul", "scratch", &sc.v, "w", &w.v, 0) ||
                 check_apart("matmul", "scratch", &sc.v, "out", &out.v, 0)))
@@ -612,6 +619,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
         c.j.qtype = qtype; c.j.M = M; c.j.N = N; c.j.K = K;
         c.j.x = (const float *)x.v.buf; c.j.w = (const uint8_t *)w.v.buf; c.j.row_bytes = w.v.shape[1];
         c.j.out = (float *)out.v.buf; c.j.ldo = ldo; c.j.xq = xrb ? xq_start(sc.v.buf) : NULL; c.j.xq_row_bytes = xrb;
+        c.j.xu = path->unsigned_x && xub && M > 1 ? (const char *)c.j.xq + halves * M * xrb : NULL;
         c.j.halves = halves;
         c.j.packed = packed;
         mm_job_plan(path, &c.j);
@@ -619,7 +627,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
         c.n_gtasks = (c.j.n_groups + c.j.gstep - 1) / c.j.gstep;
         Py_BEGIN_ALLOW_THREADS
         if (xrb) {
-            quant_job q = {path, qtype, c.j.x, K, (char *)c.j.xq, xrb, halves};
+            quant_job q = {path, qtype, c.j.x, K, (char *)c.j.xq, xrb, halves, (char *)c.j.xu};
             if (M * K < (1 << 15)) quant_tasks(&q, 0, M);
             else pool_run(quant_tasks, &q, M, chunk_for(M));
         }
@@ -658,7 +666,7 @@ static PyObject *py_quantize_rows(PyObject *self, PyObject *args) {
         check_apart("quantize_rows", "scratch", &sc.v, "x", &x.v, 0))
         goto done;
     Py_BEGIN_ALLOW_THREADS
-    quant_job q = {path, qtype, (const float *)x.v.buf, K, xq_start(sc.v.buf), xrb, halves};
+    quant_job q = {path, qtype, (const float *)x.v.buf, K, xq_start(sc.v.buf), xrb, halves, NULL};
     pool_run(quant_tasks, &q, M, chunk_for(M));
     Py_END_ALLOW_THREADS
     ret = Py_None;
@@ -811,13 +819,14 @@ static PyObject *py_scratch_bytes(PyObject *self, PyObject *args) {
                      "K=%lld", type_block(qtype), M, K);
         return NULL;
     }
-    const long long xrb = (long long)xq_row_bytes(qtype, K);
+    const long long xrb = (long long)xq_row_bytes(qtype, K) + (long long)xu_row_bytes(qtype, K);
     if (xrb && M > (LLONG_MAX - XQ_ALIGN) / halves / xrb) {
         PyErr_Format(PyExc_ValueError, "scratch_bytes: M=%lld rows of K=%lld values need more bytes than fit in 64 "
                      "bits", M, K);
         return NULL;
     }
-    return PyLong_FromLongLong(xrb ? halves * M * xrb + XQ_ALIGN : 0);   /* hi (and lo) of each row, aligned */
+    return PyLong_FromLongLong(xrb ? halves * M * xrb + XQ_ALIGN : 0);   /* hi (and lo) of each row (Q4_0/Q5_0: twice),
+                                                                          * aligned */
 }
 
 static PyObject *py_set_threads(PyObject *self, PyObject *args) {

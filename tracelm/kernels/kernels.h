@@ -131,6 +131,8 @@ typedef struct {
     int64_t ldo;            /* out's row stride in floats (>= N) */
     const void *xq;         /* quantized x rows (quantized types): halves * M rows, hi (and lo) of each x row */
     int64_t xq_row_bytes;   /* bytes of one half-row */
+    const void *xu;         /* Q4_0/Q5_0 on a path with unsigned_x: xq again, each q made unsigned (q ^ 0x80), made
+                             * once a call (xu_row_bytes); NULL: not made */
     int halves;             /* 1: hi only; 2: hi and lo */
     int packed;             /* w is packed (x8, above): group g at w + 8 g row_bytes */
     int64_t n_groups;       /* ceil(N / GROUP) */
@@ -266,6 +268,19 @@ static inline int is_float_type(int t) { return t == T_F32 || t == T_F16 || t ==
 static inline int64_t xq_row_bytes(int t, int64_t K) {
     if (is_float_type(t)) return 0;
     return type_block(t) == 32 ? (K / 32) * (int64_t)sizeof(xblock32) : (K / 256) * (int64_t)sizeof(xblock256);
+}
+/* Q4_0 and Q5_0: the scratch holds the quantized rows twice, the second time (after all of xq, the same layout) with
+ * each q made unsigned (q ^ 0x80, stored in its int8): a path's swapped tiles broadcast those quads as they are, one
+ * xor a value a call instead of one a quad a task */
+static inline int64_t xu_row_bytes(int t, int64_t K) { return t == T_Q4_0 || t == T_Q5_0 ? xq_row_bytes(t, K) : 0; }
+static inline void unsigned_blocks(const void *xq_half_row, int64_t nb, void *xu_half_row) {
+    const xblock32 *b = (const xblock32 *)xq_half_row;
+    xblock32 *u = (xblock32 *)xu_half_row;
+    for (int64_t i = 0; i < nb; i++) {
+        u[i].d = b[i].d;
+        u[i].sum = b[i].sum;
+        for (int k = 0; k < 32; k++) u[i].q[k] = (int8_t)((uint8_t)b[i].q[k] ^ 0x80u);
+    }
 }
 /* The quantized rows start at the scratch's first 64-byte boundary: scratch_bytes holds XQ_ALIGN bytes more. */
 #define XQ_ALIGN 64
@@ -424,6 +439,7 @@ typedef struct {
     int mtile_k;   /* x rows of a tile for the 256-value types (0: MTILE) */
     int64_t (*dot_peak)(int64_t rounds);   /* the path's integer dot at its peak: int8 products done (dot_insn) */
     const char *dot_insn;
+    int unsigned_x;   /* its Q4_0/Q5_0 tiles read mm_job's xu where made (matmul: from 2 x rows on) */
 } kernel_path;
 
 extern const kernel_path portable_path;

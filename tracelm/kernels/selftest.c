@@ -80,22 +80,32 @@ static void make_x(int64_t M, int64_t K, float *x, rng *r) {
     if (M > 4) x[4 * K + K / 3] = 3e4f;
 }
 
+#define MAX_M 25
+#define SK 512              /* values per row: 16 blocks of 32, 2 super-blocks */
+#define FK 100              /* float weights: a row that ends mid-lane-block */
+#define SN 24               /* weight rows: 3 groups (packed), or 21 (the file's rows: a last group of 5) */
+
+/* a job's quantized rows made unsigned, where its path reads them (as matmul makes them); one check at a time */
+static xblock32 xu_buf[2 * MAX_M * SK / 32];
+
 static void run_mm(const kernel_path *p, mm_job *j) {
     mm_job_plan(p, j);
     if (j->xq)
         for (int64_t m = 0; m < j->M; m++)
             p->quantize_row(j->qtype, j->x + m * j->K, j->K, (char *)j->xq + j->halves * m * j->xq_row_bytes,
                             j->halves);
+    j->xu = NULL;
+    if (j->xq && p->unsigned_x && xu_row_bytes(j->qtype, j->K) && j->M > 1) {   /* K = SK, M <= MAX_M */
+        for (int64_t r = 0; r < j->halves * j->M; r++)
+            unsigned_blocks((const char *)j->xq + r * j->xq_row_bytes, j->K / 32, (char *)xu_buf + r * j->xq_row_bytes);
+        j->xu = xu_buf;
+    }
     const int64_t n_gt = (j->n_groups + j->gstep - 1) / j->gstep;
     for (int64_t m0 = 0; m0 < j->M; m0 += j->mtile)
         for (int64_t g = 0; g < n_gt; g++)
             p->mm_task(j, g * j->gstep, m0, m0 + j->mtile < j->M ? m0 + j->mtile : j->M);
 }
 
-#define MAX_M 25
-#define SK 512              /* values per row: 16 blocks of 32, 2 super-blocks */
-#define FK 100              /* float weights: a row that ends mid-lane-block */
-#define SN 24               /* weight rows: 3 groups (packed), or 21 (the file's rows: a last group of 5) */
 
 static const char *type_name(int t) {
     switch (t) {
