@@ -339,9 +339,7 @@ static void quant_tasks(void *ctx, int64_t t0, int64_t t1) {   /* x row m -> qua
     quant_job *q = (quant_job *)ctx;
     for (int64_t m = t0; m < t1; m++) {
         q->p->quantize_row(q->qtype, q->x + m * q->K, q->K, q->xq + q->halves * m * q->xrb, q->halves);
-        if (q->xu)
-            for (int64_t r = q->halves * m; r < q->halves * (m + 1); r++)
-                unsigned_blocks(q->xq + r * q->xrb, q->K / 32, q->xu + r * q->xrb);
+        if (q->xu) made_unsigned(q->xq, q->xrb, q->K, q->halves, q->xu, m, m + 1);
     }
 }
 
@@ -619,7 +617,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
         c.j.qtype = qtype; c.j.M = M; c.j.N = N; c.j.K = K;
         c.j.x = (const float *)x.v.buf; c.j.w = (const uint8_t *)w.v.buf; c.j.row_bytes = w.v.shape[1];
         c.j.out = (float *)out.v.buf; c.j.ldo = ldo; c.j.xq = xrb ? xq_start(sc.v.buf) : NULL; c.j.xq_row_bytes = xrb;
-        c.j.xu = path->unsigned_x && xub && M > 1 ? (const char *)c.j.xq + halves * M * xrb : NULL;
+        c.j.xu = wants_unsigned(path, qtype, M) ? (const char *)c.j.xq + halves * M * xrb : NULL;
         c.j.halves = halves;
         c.j.packed = packed;
         mm_job_plan(path, &c.j);

@@ -272,7 +272,8 @@ static inline int64_t xq_row_bytes(int t, int64_t K) {
 /* Q4_0 and Q5_0: the scratch holds the quantized rows twice, the second time (after all of xq, the same layout) with
  * each q made unsigned (q ^ 0x80, stored in its int8): a path's swapped tiles broadcast those quads as they are, one
  * xor a value a call instead of one a quad a task */
-static inline int64_t xu_row_bytes(int t, int64_t K) { return t == T_Q4_0 || t == T_Q5_0 ? xq_row_bytes(t, K) : 0; }
+static inline int unsigned_copy(int t) { return t == T_Q4_0 || t == T_Q5_0; }
+static inline int64_t xu_row_bytes(int t, int64_t K) { return unsigned_copy(t) ? xq_row_bytes(t, K) : 0; }
 static inline void unsigned_blocks(const void *xq_half_row, int64_t nb, void *xu_half_row) {
     const xblock32 *b = (const xblock32 *)xq_half_row;
     xblock32 *u = (xblock32 *)xu_half_row;
@@ -439,8 +440,17 @@ typedef struct {
     int mtile_k;   /* x rows of a tile for the 256-value types (0: MTILE) */
     int64_t (*dot_peak)(int64_t rounds);   /* the path's integer dot at its peak: int8 products done (dot_insn) */
     const char *dot_insn;
-    int unsigned_x;   /* its Q4_0/Q5_0 tiles read mm_job's xu where made (matmul: from 2 x rows on) */
+    int unsigned_x;   /* its Q4_0/Q5_0 tiles read mm_job's xu (made_unsigned) */
 } kernel_path;
+
+/* Whether a job of M x rows of type t on path p needs xu: from 2 rows on (a tile has 2 or more, direct_rows >= 1) */
+static inline int wants_unsigned(const kernel_path *p, int t, int64_t M) {
+    return p->unsigned_x && unsigned_copy(t) && M > 1;
+}
+/* x rows m0..m1-1 of xq (halves half-rows each, xrb bytes apiece) made unsigned into xu, the same layout */
+static inline void made_unsigned(const char *xq, int64_t xrb, int64_t K, int halves, char *xu, int64_t m0, int64_t m1) {
+    for (int64_t r = halves * m0; r < halves * m1; r++) unsigned_blocks(xq + r * xrb, K / 32, xu + r * xrb);
+}
 
 extern const kernel_path portable_path;
 /* only if compiled for x86-64 (else mm_task is NULL): avx2.c, and avx2.c again with VNNI (avxvnni.c, avx512vnni.c)

@@ -94,12 +94,8 @@ static void run_mm(const kernel_path *p, mm_job *j) {
         for (int64_t m = 0; m < j->M; m++)
             p->quantize_row(j->qtype, j->x + m * j->K, j->K, (char *)j->xq + j->halves * m * j->xq_row_bytes,
                             j->halves);
-    j->xu = NULL;
-    if (j->xq && p->unsigned_x && xu_row_bytes(j->qtype, j->K) && j->M > 1) {   /* K = SK, M <= MAX_M */
-        for (int64_t r = 0; r < j->halves * j->M; r++)
-            unsigned_blocks((const char *)j->xq + r * j->xq_row_bytes, j->K / 32, (char *)xu_buf + r * j->xq_row_bytes);
-        j->xu = xu_buf;
-    }
+    j->xu = j->xq && wants_unsigned(p, j->qtype, j->M) ? xu_buf : NULL;   /* K = SK, M <= MAX_M: it fits */
+    if (j->xu) made_unsigned(j->xq, j->xq_row_bytes, j->K, j->halves, (char *)xu_buf, 0, j->M);
     const int64_t n_gt = (j->n_groups + j->gstep - 1) / j->gstep;
     for (int64_t m0 = 0; m0 < j->M; m0 += j->mtile)
         for (int64_t g = 0; g < n_gt; g++)
