@@ -736,7 +736,7 @@ def test_bad_input_names_the_argument():
     scratch = np.empty(kernels.scratch_bytes(2, 64, Q.Q4_0), np.uint8)
     mm = kernels._core.matmul
     cases = [
-        (lambda: mm(x.astype(np.float64), w, 2, out, scratch), "x must be float32"),
+        (lambda: mm(x.astype(np.float64), w, 2, out, scratch), r"x must be float32, .* shape \[2, 64\]"),
         (lambda: mm(x, w.view(np.int8), 2, out, scratch), "w must be uint8"),
         (lambda: mm(x, w[:, :30], 2, out, scratch), "C-contiguous"),
         (lambda: mm(x, np.ascontiguousarray(w[:, :30]), 2, out, scratch), "not a whole number of qtype 2 blocks"),
@@ -745,11 +745,12 @@ def test_bad_input_names_the_argument():
         (lambda: mm(x, w, 2, out.astype(np.float64), scratch), "out must be float32"),
         (lambda: mm(x, w, 2, out, scratch[:10]), "scratch must be"),
         (lambda: mm(x, w, 2, out, None), "scratch must be"),
-        (lambda: mm(x[:, ::2], w, 2, out, scratch), "x .* must be C-contiguous"),
-        (lambda: mm(x[0], w, 2, out, scratch), "x must be 2-D"),
+        (lambda: mm(x[:, ::2], w, 2, out, scratch), r"x \(shape \[2, 32\]\) must be C-contiguous"),
+        (lambda: mm(x[0], w, 2, out, scratch), r"x must be 2-D, got shape \[64\]"),
         (lambda: mm(x, w, 4, out, scratch), "qtype 4 is not supported"),
         (lambda: mm(x, w, 2, out.copy().view(np.uint32).view(np.float32)[:, :8].T, scratch), "out"),
-        (lambda: mm(x, w, 2, np.empty((2, 16), np.float32)[:, ::2], scratch), "out .* unit column stride"),
+        (lambda: mm(x, w, 2, np.empty((2, 16), np.float32)[:, ::2], scratch),
+         r"out \(shape \[2, 8\], .* unit column stride"),
         (lambda: mm(x, w, 2, np.empty((2, 8), np.float32)[::-1], scratch), "out .* rows at least a row apart"),
         (lambda: mm(x, w, 2, np.lib.stride_tricks.as_strided(np.empty(12, np.float32), (2, 8), (16, 4)), scratch),
          "out .* rows at least a row apart"),

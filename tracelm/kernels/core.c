@@ -490,15 +490,16 @@ static int get2d_ld(PyObject *o, const char *fn, const char *name, char fmt, int
         return -1;
     }
     b->held = 1;
-    char shp[96];
-    shape_str(&b->v, shp, sizeof shp);
+    char shp[96];   /* the shape as text, made only for an error (every array of every call passes here) */
     const char *dt = fmt == 'f' ? "float32" : "uint8";
     if (!fmt_is(&b->v, fmt) || b->v.itemsize != (fmt == 'f' ? 4 : 1)) {
+        shape_str(&b->v, shp, sizeof shp);
         PyErr_Format(PyExc_ValueError, "%s: %s must be %s, got format '%s' (itemsize %zd), shape %s", fn, name, dt,
                      fmt_name(&b->v), b->v.itemsize, shp);
         return -1;
     }
     if (b->v.ndim != 2) {
+        shape_str(&b->v, shp, sizeof shp);
         PyErr_Format(PyExc_ValueError, "%s: %s must be 2-D, got shape %s", fn, name, shp);
         return -1;
     }
@@ -511,11 +512,13 @@ static int get2d_ld(PyObject *o, const char *fn, const char *name, char fmt, int
             if (ld) *ld = R <= 1 ? C : s0 / is;
             return 0;
         }
+        shape_str(&b->v, shp, sizeof shp);
         PyErr_Format(PyExc_ValueError, "%s: %s (shape %s, strides [%zd, %zd] bytes) must have unit column stride and "
                      "rows at least a row apart (e.g. a column slice of a wider C-contiguous array)", fn, name, shp,
                      s0, s1);
         return -1;
     }
+    shape_str(&b->v, shp, sizeof shp);
     PyErr_Format(PyExc_ValueError, "%s: %s (shape %s) must be C-contiguous", fn, name, shp);
     return -1;
 }
